@@ -1,0 +1,33 @@
+# Two entry points: `make run` (the main job on the embedded default) and `make test` (the whole suite).
+# Both create .venv and install what is missing, so they work on a fresh Debian/Ubuntu machine.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+export JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION := 1
+
+.PHONY: run test system-deps clean
+
+system-deps:
+	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server; }
+	@$(PY) -c 'import venv, ensurepip' 2>/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq python3-venv; }
+
+$(STAMP): pyproject.toml
+	$(MAKE) system-deps
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch first, so nothing later pulls a CUDA build.
+	$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test,infra,bench]'
+	touch $@
+
+run: $(STAMP)
+	$(BIN)/moerl run
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs dist cdk.out

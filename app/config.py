@@ -1,0 +1,145 @@
+"""The run configuration: one typed document that every role reads.
+
+The embedded default builds it in code (`RunConfig()`); in the cluster the same document is
+mounted from a ConfigMap as YAML and read with `RunConfig.load(path)`. Unknown keys are errors,
+so a typo in a field name fails at start with the field's path instead of being ignored.
+
+Each section belongs to the package that uses it; add a field to your own section only.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class EPConfig(Section):
+    """Expert parallelism of the trainer's MoE layers."""
+
+    backend: Literal["auto", "local", "alltoall", "deepep"] = "auto"
+    size: int = Field(1, ge=1, description="EP ranks; experts are split evenly over them.")
+
+
+class RouterConfig(Section):
+    """Router settings used in MoE RL (see app/model/router.py)."""
+
+    aux_loss_coef: float = Field(0.0, ge=0.0, description="Load-balancing loss weight; 0 for RL.")
+    bias_update_rate: float = Field(0.0, ge=0.0, description="Aux-loss-free bias update; off.")
+    routing_replay: bool = False
+
+
+class ModelConfig(Section):
+    """The policy: a preset built in code or a Hugging Face checkpoint directory."""
+
+    preset: Literal["tiny-qwen3-moe", "tiny-deepseek-v3"] = "tiny-qwen3-moe"
+    path: str | None = Field(None, description="HF checkpoint dir; overrides preset.")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class BufferConfig(Section):
+    """Experience buffer and task queue (Redis Streams)."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    run_prefix: str = "moerl"
+    max_staleness: int = Field(1, ge=0, description="Policy versions a sample may lag.")
+    stale_policy: Literal["drop", "requeue"] = "drop"
+    capacity_groups: int = Field(64, ge=1, description="Finished groups held before back-pressure.")
+    lease_ms: int = Field(60_000, ge=100, description="A task lease expires after this idle time.")
+
+
+class RolloutConfig(Section):
+    """Rollout workers and their engine."""
+
+    engine_url: str = "http://127.0.0.1:30000"
+    group_size: int = Field(8, ge=1, description="G completions per prompt (GRPO group).")
+    max_new_tokens: int = Field(32, ge=1)
+    temperature: float = Field(1.0, gt=0.0)
+    publish_every_groups: int = Field(1, ge=1, description="Groups per published portion.")
+    drain_grace_s: float = Field(30.0, gt=0.0, description="SIGTERM drain budget, seconds.")
+    request_timeout_s: float = Field(60.0, gt=0.0)
+    reward_timeout_s: float = Field(5.0, gt=0.0)
+
+
+class TrainerConfig(Section):
+    """GRPO trainer."""
+
+    algorithm: Literal["grpo", "ppo"] = "grpo"
+    steps: int = Field(60, ge=1)
+    groups_per_step: int = Field(8, ge=1)
+    lr: float = Field(1e-5, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    grad_clip: float = Field(1.0, gt=0.0)
+    clip_eps_low: float = Field(0.2, ge=0.0)
+    clip_eps_high: float = Field(0.28, ge=0.0)
+    kl_coef: float = Field(0.0, ge=0.0)
+    scale_by_std: bool = True
+    loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
+    tis_cap: float | None = Field(2.0, gt=0.0, description="Truncated IS cap; None disables.")
+    publish_every: int = Field(1, ge=1, description="Steps between policy versions.")
+    keep_versions: int = Field(3, ge=1)
+
+
+class TaskConfig(Section):
+    """Where prompts and rewards come from."""
+
+    source: Literal["reasoning-gym", "jsonl"] = "reasoning-gym"
+    name: str = "chain_sum"
+    jsonl_path: str | None = None
+    seed: int = 0
+    train_size: int = Field(2000, ge=1)
+    eval_size: int = Field(200, ge=1)
+
+
+class RunConfig(Section):
+    """Everything one run needs, shared by the trainer, rollout workers and the buffer."""
+
+    run_id: str = Field("dev", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    store_url: str = Field("file://runs/store", description="file:// or s3:// root of artifacts.")
+    ep: EPConfig = EPConfig()
+    router: RouterConfig = RouterConfig()
+    model: ModelConfig = ModelConfig()
+    buffer: BufferConfig = BufferConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    task: TaskConfig = TaskConfig()
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "RunConfig":
+        """Read a YAML run configuration.
+
+        Raises:
+            FileNotFoundError: the file does not exist.
+            ValueError: the YAML does not parse or a field is invalid; the message names the
+                file and the field path (e.g. ``trainer.lr``).
+        """
+        path = Path(path)
+        text = path.read_text()
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML: {e}") from None
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            lines = [f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]
+            raise ValueError(f"{path}: invalid run config:\n  " + "\n  ".join(lines)) from None
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write this configuration as YAML atomically (temporary name, then rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(self.model_dump(mode="json"), f, sort_keys=False)
+        os.replace(tmp, path)
