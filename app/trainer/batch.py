@@ -1,0 +1,155 @@
+"""Collate whole GRPO groups into padded training tensors, and split them over trainer ranks.
+
+Each row is one sample: ``prompt_ids + completion_ids``, right-padded to the longest row (right
+padding keeps position ids ``0..n-1`` for every row, as the engine saw them). Token tensors are
+aligned with ``input_ids`` (see app/trainer/grpo.py): the rollout logprob of completion token
+``completion_ids[j]`` sits at position ``len(prompt_ids) + j``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from app.trainer.grpo import group_advantages
+
+
+@dataclass
+class TrainBatch:
+    """One rank's share of a training step.
+
+    Attributes:
+        input_ids: ``[B, L]`` int64, prompt + completion, right-padded with ``pad_id``.
+        attention_mask: ``[B, L]`` int64, 1 on real tokens.
+        completion_mask: ``[B, L]`` float32, 1.0 on completion tokens.
+        rollout_logprobs: ``[B, L]`` float32, the engine's logprobs at completion tokens, 0 elsewhere.
+        advantages: ``[B]`` float32, group-normalized (computed over the whole group).
+        rewards: ``[B]`` float32.
+        group_ids: ``[B]`` int64, index of the row's group within this batch.
+        policy_versions: ``[B]`` int64, the weight version that generated each sample.
+        sample_ids: the samples' deterministic ids, in row order.
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    completion_mask: Tensor
+    rollout_logprobs: Tensor
+    advantages: Tensor
+    rewards: Tensor
+    group_ids: Tensor
+    policy_versions: Tensor
+    sample_ids: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        """Completion tokens in this batch (the token-mean denominator before all-reduce)."""
+        return int(self.completion_mask.sum())
+
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        """A copy with every tensor on ``device``."""
+        fields = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in vars(self).items()}
+        return TrainBatch(**fields)
+
+
+def collate_groups(
+    groups: list, pad_id: int = 0, scale_by_std: bool = True, max_len: int | None = None
+) -> TrainBatch:
+    """Collate whole groups (``app.buffer.records.Group``) into one padded `TrainBatch`.
+
+    Advantages are computed per group here, over all of the group's samples
+    (`app.trainer.grpo.group_advantages`), so a group must never be split across calls.
+
+    Args:
+        groups: groups with ``.samples``; each sample has ``sample_id``, ``prompt_ids``,
+            ``completion_ids``, ``logprobs`` (one per completion token), ``reward`` and
+            ``policy_version``. May be empty (a rank with no groups this step).
+        pad_id: token id used for padding (masked out everywhere).
+        scale_by_std: divide advantages by the group's reward std (see `group_advantages`).
+        max_len: if set, a row longer than this is an error (protects memory).
+
+    Returns:
+        A `TrainBatch` with ``B = total samples``; with no groups, ``B = 0`` and ``L = 1``.
+
+    Raises:
+        ValueError: a group has no samples; a sample has no prompt tokens, a logprob count that
+            differs from its completion length, a non-finite reward or logprob; or a row is longer
+            than ``max_len``. The message names the sample id.
+    """
+    rows: list[tuple] = []
+    for g_index, group in enumerate(groups):
+        if not group.samples:
+            raise ValueError(f"group {group.task_id!r} has no samples")
+        for s in group.samples:
+            if not s.prompt_ids:
+                raise ValueError(f"sample {s.sample_id!r}: empty prompt_ids")
+            if len(s.logprobs) != len(s.completion_ids):
+                raise ValueError(
+                    f"sample {s.sample_id!r}: {len(s.logprobs)} logprobs for "
+                    f"{len(s.completion_ids)} completion tokens"
+                )
+            if not math.isfinite(s.reward):
+                raise ValueError(f"sample {s.sample_id!r}: reward {s.reward} is not finite")
+            if not all(math.isfinite(x) for x in s.logprobs):
+                raise ValueError(f"sample {s.sample_id!r}: non-finite rollout logprob")
+            n = len(s.prompt_ids) + len(s.completion_ids)
+            if max_len is not None and n > max_len:
+                raise ValueError(f"sample {s.sample_id!r}: {n} tokens > max_len {max_len}")
+            rows.append((g_index, s))
+
+    B = len(rows)
+    L = max([len(s.prompt_ids) + len(s.completion_ids) for _, s in rows], default=1)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.int64)
+    attention_mask = torch.zeros((B, L), dtype=torch.int64)
+    completion_mask = torch.zeros((B, L), dtype=torch.float32)
+    rollout_logprobs = torch.zeros((B, L), dtype=torch.float32)
+    for i, (_, s) in enumerate(rows):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        input_ids[i, : p + c] = torch.tensor(list(s.prompt_ids) + list(s.completion_ids))
+        attention_mask[i, : p + c] = 1
+        completion_mask[i, p : p + c] = 1.0
+        if c:
+            rollout_logprobs[i, p : p + c] = torch.tensor(s.logprobs, dtype=torch.float32)
+    rewards = torch.tensor([float(s.reward) for _, s in rows], dtype=torch.float32)
+    group_ids = torch.tensor([g for g, _ in rows], dtype=torch.int64)
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        completion_mask=completion_mask,
+        rollout_logprobs=rollout_logprobs,
+        advantages=group_advantages(rewards, group_ids, scale_by_std),
+        rewards=rewards,
+        group_ids=group_ids,
+        policy_versions=torch.tensor([int(s.policy_version) for _, s in rows], dtype=torch.int64),
+        sample_ids=[s.sample_id for _, s in rows],
+    )
+
+
+def split_groups(groups: list, n_ranks: int) -> list[list]:
+    """Assign whole groups to ``n_ranks`` ranks, balancing tokens (greedy, largest first).
+
+    Groups are never split. A rank may get no group when there are fewer groups than ranks;
+    the trainer still runs its forward then (EP collectives need every rank).
+
+    Returns:
+        ``n_ranks`` lists of groups; within a rank, groups keep their input order.
+
+    Raises:
+        ValueError: ``n_ranks < 1``.
+    """
+    if n_ranks < 1:
+        raise ValueError(f"n_ranks must be >= 1, got {n_ranks}")
+
+    def tokens(g) -> int:
+        return sum(len(s.prompt_ids) + len(s.completion_ids) for s in g.samples)
+
+    order = sorted(range(len(groups)), key=lambda i: -tokens(groups[i]))
+    load = [0] * n_ranks
+    assigned: list[list[int]] = [[] for _ in range(n_ranks)]
+    for i in order:
+        r = min(range(n_ranks), key=lambda k: (load[k], len(assigned[k])))
+        assigned[r].append(i)
+        load[r] += tokens(groups[i])
+    return [[groups[i] for i in sorted(idx)] for idx in assigned]

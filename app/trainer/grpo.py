@@ -1,0 +1,342 @@
+"""GRPO losses and statistics: pure functions on padded token tensors.
+
+Conventions shared by every function here (and by app/trainer/batch.py):
+  * token tensors are ``[B, L]``, aligned with ``input_ids``: position ``t`` holds the value for
+    token ``input_ids[:, t]`` (its log-probability is predicted by the logits at ``t - 1``);
+  * ``mask`` is the completion mask ``[B, L]`` (1.0 on completion tokens, 0.0 on prompt and
+    padding), float32;
+  * log-probabilities are float32 natural logs.
+
+Sources:
+  * group-relative advantages: Shao et al. 2024, "DeepSeekMath" (arXiv:2402.03300), §4.1.2;
+    dropping the std division: Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical
+    Perspective" (Dr. GRPO, arXiv:2503.20783);
+  * clipped surrogate: Schulman et al. 2017, "Proximal Policy Optimization" (arXiv:1707.06347),
+    with separate low/high clip ranges from Yu et al. 2025, "DAPO" (arXiv:2503.14476), §3.1;
+  * k3 KL estimator: J. Schulman 2020, "Approximating KL divergence"
+    (http://joschu.net/blog/kl-approx.html);
+  * truncated importance sampling against the engine's logprobs: Yao et al. 2025, "Your efficient
+    RL framework secretly brings you off-policy RL training" (fengyao.notion.site/off-policy-rl).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# exp() of a log-ratio beyond this overflows float32 long before it means anything; clamp it.
+_MAX_LOG_RATIO = 20.0
+
+
+def group_advantages(
+    rewards: Tensor, group_ids: Tensor, scale_by_std: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """Group-normalized advantages, one per completion (GRPO outcome supervision).
+
+    ``A_i = (r_i - mean(r_group)) / (std(r_group) + eps)`` (DeepSeekMath §4.1.2), or
+    ``A_i = r_i - mean(r_group)`` when ``scale_by_std`` is False (Dr. GRPO, which removes the
+    std division because it up-weights groups whose rewards barely differ). The std is the
+    unbiased (N-1) sample std, as in TRL and verl; a group of one sample gets advantage 0.
+
+    Args:
+        rewards: ``[B]`` float32, one scalar reward per completion.
+        group_ids: ``[B]`` int64 in ``[0, n_groups)``; completions of one prompt share an id.
+        scale_by_std: divide by the group's reward std.
+        eps: added to the std so that a group with equal rewards gets advantage 0, not NaN.
+
+    Returns:
+        ``[B]`` float32 advantages.
+
+    Raises:
+        ValueError: ``rewards`` and ``group_ids`` are not 1-D of the same length, ``group_ids``
+            is not an integer tensor or has negative ids, or a reward is not finite.
+    """
+    if rewards.dim() != 1 or group_ids.shape != rewards.shape:
+        raise ValueError(
+            f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must be 1-D "
+            "tensors of the same length"
+        )
+    if group_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
+    if rewards.numel() == 0:
+        return rewards.float().clone()
+    if int(group_ids.min()) < 0:
+        raise ValueError("group_ids must be >= 0")
+    if not torch.isfinite(rewards).all():
+        raise ValueError("rewards contain NaN or inf")
+    rewards = rewards.float()
+    group_ids = group_ids.long()
+    n_groups = int(group_ids.max()) + 1
+    count = torch.zeros(n_groups).index_add_(0, group_ids, torch.ones_like(rewards))
+    mean = torch.zeros(n_groups).index_add_(0, group_ids, rewards) / count.clamp(min=1)
+    centered = rewards - mean[group_ids]
+    if not scale_by_std:
+        return centered
+    sq = torch.zeros(n_groups).index_add_(0, group_ids, centered.square())
+    std = (sq / (count - 1).clamp(min=1)).sqrt()
+    return centered / (std[group_ids] + eps)
+
+
+def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+    """Log-probabilities of the given tokens: ``log_softmax(logits / temperature)`` at each token.
+
+    The engine samples from ``softmax(logits / temperature)`` and reports the logprob of the
+    sampled token the same way, so trainer and rollout logprobs are comparable.
+
+    Args:
+        logits: ``[B, L, V]`` (any float dtype; computed in float32).
+        input_ids: ``[B, L]`` int64.
+        temperature: sampling temperature, > 0.
+
+    Returns:
+        ``[B, L]`` float32; position 0 is 0.0 (no prediction for the first token), position
+        ``t >= 1`` is ``log p(input_ids[:, t] | input_ids[:, :t])``.
+
+    Raises:
+        ValueError: shapes disagree or temperature <= 0.
+    """
+    if logits.dim() != 3 or logits.shape[:2] != input_ids.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} must be [B, L, V] with [B, L] = input_ids "
+            f"{tuple(input_ids.shape)}"
+        )
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    scaled = logits[:, :-1].float() / temperature
+    # gather - logsumexp avoids materializing a second [B, L, V] log_softmax tensor.
+    picked = scaled.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    out = picked - torch.logsumexp(scaled, dim=-1)
+    return torch.nn.functional.pad(out, (1, 0), value=0.0)
+
+
+@torch.no_grad()
+def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy of the sampling distribution at each position, aligned like `token_logprobs`.
+
+    ``H_t = -sum_v p_v log p_v`` with ``p = softmax(logits[:, t-1] / temperature)``. No gradient;
+    for monitoring only (it costs one extra pass over ``[B, L, V]``).
+
+    Returns:
+        ``[B, L]`` float32; position 0 is 0.0.
+    """
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return torch.nn.functional.pad(ent, (1, 0), value=0.0)
+
+
+def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, cap: float | None) -> Tensor | None:
+    """Truncated importance-sampling weights ``min(exp(old - rollout), cap)``, detached.
+
+    The engine (sampler) and the trainer compute slightly different probabilities for the same
+    weights (kernels, precision) and, in asynchronous RL, for different weights; weighting each
+    token's loss by the truncated ratio corrects the gradient towards the trainer's policy
+    (Yao et al. 2025).
+
+    Args:
+        old_logprobs: ``[B, L]`` float32, the trainer's logprobs under the weights that the
+            loss treats as "old" (here: the current weights, detached).
+        rollout_logprobs: ``[B, L]`` float32, the engine's logprobs of the same tokens.
+        cap: the truncation C; None disables the correction (returns None).
+
+    Returns:
+        ``[B, L]`` float32 or None.
+    """
+    if cap is None:
+        return None
+    log_ratio = (old_logprobs.detach() - rollout_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return log_ratio.exp().clamp(max=cap)
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(pi_theta || pi_ref) for tokens sampled from pi_theta.
+
+    ``k3 = exp(ref - logp) - (ref - logp) - 1`` (Schulman 2020): unbiased, always >= 0, low
+    variance. The log-ratio is clamped to +-20 so exp() cannot overflow.
+
+    Args:
+        logprobs: ``[B, L]`` float32 under the policy being trained (with gradient).
+        ref_logprobs: ``[B, L]`` float32 under the reference policy.
+
+    Returns:
+        ``[B, L]`` float32.
+    """
+    log_ratio = (ref_logprobs - logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return log_ratio.exp() - log_ratio - 1.0
+
+
+def aggregate(
+    per_token: Tensor, mask: Tensor, loss_agg: str, denominator: float | Tensor | None = None
+) -> Tensor:
+    """Reduce a per-token loss ``[B, L]`` to a scalar.
+
+    * ``token-mean`` (default; DAPO §3.3): ``sum(loss * mask) / n_tokens`` — every token
+      weighs the same, so long completions are not down-weighted.
+    * ``seq-mean`` (the original GRPO objective, DeepSeekMath eq. 3): the mean over sequences
+      of each sequence's token mean.
+
+    ``denominator`` replaces the local count (tokens for token-mean, sequences for seq-mean)
+    by a global one: with data split over ranks, each rank divides by the global count so that
+    summing the ranks' gradients gives the full-batch gradient.
+
+    Raises:
+        ValueError: unknown ``loss_agg`` or shapes differ.
+    """
+    if per_token.shape != mask.shape:
+        raise ValueError(f"loss {tuple(per_token.shape)} and mask {tuple(mask.shape)} differ")
+    if loss_agg == "token-mean":
+        total = (per_token * mask).sum()
+        n = mask.sum() if denominator is None else denominator
+    elif loss_agg == "seq-mean":
+        seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        total = seq.sum()
+        n = mask.shape[0] if denominator is None else denominator
+    else:
+        raise ValueError(f"loss_agg must be 'token-mean' or 'seq-mean', got {loss_agg!r}")
+    if isinstance(n, Tensor):
+        return total / n.clamp(min=1)
+    return total / max(float(n), 1.0)
+
+
+@dataclass
+class LossOutput:
+    """What `grpo_loss` returns.
+
+    ``loss`` is the scalar to back-propagate. ``sums`` holds masked per-token sums (``"tokens"``
+    is the token count) that can be all-reduced over ranks and then divided by the global
+    token count (`finish_stats`); ``maxima`` holds per-token maxima (all-reduce with MAX).
+    """
+
+    loss: Tensor
+    sums: dict[str, Tensor]
+    maxima: dict[str, Tensor]
+
+
+def grpo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.28,
+    loss_agg: str = "token-mean",
+    denominator: float | Tensor | None = None,
+    rollout_logprobs: Tensor | None = None,
+    tis_cap: float | None = None,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> LossOutput:
+    """The GRPO policy loss with asymmetric clipping, optional TIS and optional k3 KL penalty.
+
+    Per token (ratio ``rho = exp(logp - old)``, advantage ``A`` of the token's sequence):
+    ``l = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A) * w + kl_coef * k3``,
+    where ``w = min(exp(old - rollout), tis_cap)`` (or 1) — PPO clipping (Schulman et al. 2017)
+    with DAPO's clip-higher (Yu et al. 2025), TIS (Yao et al. 2025), k3 KL (Schulman 2020) —
+    then reduced by `aggregate`.
+
+    Args:
+        logprobs: ``[B, L]`` float32, current policy, with gradient.
+        old_logprobs: ``[B, L]`` float32, behaviour policy of the update (detached here).
+        advantages: ``[B]`` float32, one per sequence.
+        mask: ``[B, L]`` float32 completion mask.
+        clip_eps_low, clip_eps_high: clip range ``[1 - low, 1 + high]`` of the ratio.
+        loss_agg: ``"token-mean"`` or ``"seq-mean"``.
+        denominator: global token (token-mean) or sequence (seq-mean) count; see `aggregate`.
+        rollout_logprobs: ``[B, L]`` float32 engine logprobs; needed when ``tis_cap`` is set.
+        tis_cap: truncation of the importance weight; None disables TIS.
+        ref_logprobs: ``[B, L]`` float32 reference-policy logprobs; needed when ``kl_coef > 0``.
+        kl_coef: weight of the k3 KL penalty.
+
+    Returns:
+        `LossOutput` with sums of: ``tokens``, ``pg_loss`` (unweighted by TIS), ``clipped``
+        (tokens where the clipped branch is taken), ``ratio``, ``approx_kl`` (k3 of
+        KL(old || current)), ``mismatch_kl`` (k3 of KL(engine || old), when rollout logprobs are
+        given), ``tis`` and ``tis_truncated`` (tokens at the cap), ``kl_ref``; and maxima of
+        ``ratio`` and ``tis``.
+
+    Raises:
+        ValueError: shapes disagree, ``clip_eps_*`` negative, or TIS / KL requested without
+            the logprobs they need.
+    """
+    if not (logprobs.shape == old_logprobs.shape == mask.shape) or logprobs.dim() != 2:
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
+            f"mask {tuple(mask.shape)} must all be the same [B, L]"
+        )
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(f"advantages {tuple(advantages.shape)} must be [B={logprobs.shape[0]}]")
+    if clip_eps_low < 0 or clip_eps_high < 0:
+        raise ValueError(f"clip_eps_low/high must be >= 0, got {clip_eps_low}, {clip_eps_high}")
+    if tis_cap is not None and rollout_logprobs is None:
+        raise ValueError("tis_cap is set but rollout_logprobs is None")
+    if kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 but ref_logprobs is None")
+
+    mask = mask.float()
+    old = old_logprobs.detach()
+    log_ratio = (logprobs - old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = log_ratio.exp()
+    adv = advantages.float()[:, None]
+    unclipped = -ratio * adv
+    clipped = -ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv
+    pg = torch.maximum(unclipped, clipped)
+
+    per_token = pg
+    w = tis_weights(old, rollout_logprobs, tis_cap) if rollout_logprobs is not None else None
+    if tis_cap is not None:
+        per_token = per_token * w
+    kl_ref = None
+    if kl_coef > 0:
+        kl_ref = kl_k3(logprobs, ref_logprobs.detach())
+        per_token = per_token + kl_coef * kl_ref
+    loss = aggregate(per_token, mask, loss_agg, denominator)
+
+    with torch.no_grad():
+        d = log_ratio.detach()
+
+        def msum(x: Tensor) -> Tensor:
+            return (x * mask).sum()
+
+        def mmax(x: Tensor) -> Tensor:
+            return torch.where(mask > 0, x, torch.full_like(x, float("-inf"))).max()
+
+        sums = {
+            "tokens": mask.sum(),
+            "pg_loss": msum(pg.detach()),
+            "clipped": msum((clipped > unclipped).float()),
+            "ratio": msum(ratio.detach()),
+            # k3 of KL(old || current): tokens were sampled from old, r = current / old.
+            "approx_kl": msum(d.exp() - d - 1.0),
+        }
+        maxima = {"ratio": mmax(ratio.detach())}
+        if rollout_logprobs is not None:
+            # k3 of KL(engine || trainer) on the engine's samples: the train/inference mismatch.
+            m = (old - rollout_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+            sums["mismatch_kl"] = msum(m.exp() - m - 1.0)
+        if w is not None:
+            sums["tis"] = msum(w)
+            sums["tis_truncated"] = msum((w >= tis_cap).float())
+            maxima["tis"] = mmax(w)
+        if kl_ref is not None:
+            sums["kl_ref"] = msum(kl_ref.detach())
+    return LossOutput(loss=loss, sums=sums, maxima=maxima)
+
+
+def finish_stats(sums: dict[str, Tensor], maxima: dict[str, Tensor]) -> dict[str, float]:
+    """Turn (already all-reduced) token sums into per-token means and plain floats.
+
+    Every key of ``sums`` except ``tokens`` is divided by ``sums["tokens"]``; ``clipped``
+    becomes ``clip_frac`` and ``tis_truncated`` becomes ``tis_trunc_frac``; maxima get a
+    ``_max`` suffix. ``tokens`` is kept as a count.
+    """
+    n = max(float(sums["tokens"]), 1.0)
+    rename = {"clipped": "clip_frac", "tis_truncated": "tis_trunc_frac"}
+    out = {"tokens": float(sums["tokens"])}
+    for k, v in sums.items():
+        if k != "tokens":
+            out[rename.get(k, k)] = float(v) / n
+    for k, v in maxima.items():
+        out[f"{k}_max"] = float(v)
+    return out
