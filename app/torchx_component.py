@@ -1,0 +1,222 @@
+"""TorchX components of a moerl job: the trainer gang and the rollout workers.
+
+    torchx run -s local_cwd app/torchx_component.py:trainer --nnodes 1 --nproc_per_node 2 --config run.yaml
+    torchx run -s local_cwd app/torchx_component.py:rollout --config run.yaml --engine builtin
+    torchx run -s kubernetes -cfg queue=default,namespace=moerl app/torchx_component.py:job --image ...
+
+The commands below are the single source of the containers' command lines: charts8s/ builds
+its rollout Deployment from `engine_command` / `worker_command` and its trainer Volcano Job from
+`trainer()` (through TorchX's own Kubernetes renderer), so `kubectl apply -f dist/` and
+`torchx run -s kubernetes` start the same images with the same arguments and resources.
+API: torchx.specs (AppDef, Role, Resource, macros), https://pytorch.org/torchx/latest/specs.html
+"""
+
+# No `from __future__ import annotations`: TorchX reads the component's parameter types at run time.
+import shlex
+
+import torchx.specs as specs
+
+TRAINER_ROLE = "trainer"
+ROLLOUT_ROLE = "rollout"
+# Where every cluster pod finds the run config (the ConfigMap is mounted here).
+CLUSTER_CONFIG = "/etc/moerl/run.yaml"
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+HUGEPAGES_RESOURCE = "hugepages-2Mi"
+MIB = 1024 * 1024
+
+
+def trainer_command(config: str, nnodes: int, nproc_per_node: int, rdzv_port: int, resume: bool) -> str:
+    """The trainer's shell command: torchrun starting `moerl train` on every GPU of the node.
+
+    Rendezvous is c10d on rank 0's host; `${rank0_env}` is a TorchX macro that becomes
+    TORCHX_RANK0_HOST (set to localhost) on replica 0 and VC_TRAINER_0_HOSTS (the headless-Service
+    name of replica 0) elsewhere (torchx.specs.macros, torchx.components.dist.ddp).
+    torchrun's own restarts are off: a failed rank restarts the whole gang, which resumes.
+    """
+    endpoint = f"${{{specs.macros.rank0_env}:=localhost}}:{rdzv_port}"
+    cmd = [
+        "torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={specs.macros.app_id}",
+        "--max-restarts=0", "--no-python", "moerl", "train", "--config", config,
+    ]
+    if resume:
+        cmd.append("--resume")
+    # Quote everything except the endpoint, whose ${...} bash must expand.
+    return " ".join(a if a.startswith("--rdzv-endpoint") else shlex.quote(a) for a in cmd)
+
+
+def engine_command(engine: str, config: str, model_path: str | None, port: int, tp_size: int) -> list[str]:
+    """The rollout engine: SGLang's server in the cluster, `moerl engine` (built-in) locally.
+
+    SGLang flags: python -m sglang.launch_server --model-path --host --port --tp-size
+    (SGLang server arguments doc). The server listens on loopback: only the worker in the same
+    pod talks to it.
+    """
+    if engine == "builtin":
+        return ["moerl", "engine", "--config", config]
+    if engine != "sglang":
+        raise ValueError(f"engine must be 'sglang' or 'builtin', got {engine!r}")
+    if not model_path:
+        raise ValueError("engine 'sglang' needs model_path (an HF id or a local checkpoint directory)")
+    return [
+        "python3", "-m", "sglang.launch_server", "--model-path", model_path,
+        "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp_size),
+    ]
+
+
+def worker_command(config: str) -> list[str]:
+    """The moerl rollout worker (leases prompt groups, calls the engine on loopback, publishes)."""
+    return ["moerl", "rollout", "--config", config]
+
+
+def trainer_resource(gpus: int, efa: int, hugepages_mib: int, cpu: int, mem_mb: int) -> specs.Resource:
+    """One trainer pod: `gpus` GPUs, `efa` EFA devices, hugepages (MiB), `cpu` vCPU, `mem_mb` MB.
+
+    TorchX writes `devices` into the container's limits verbatim, so hugepages go in bytes.
+    """
+    devices = {}
+    if efa:
+        devices[EFA_RESOURCE] = efa
+    if hugepages_mib:
+        devices[HUGEPAGES_RESOURCE] = hugepages_mib * MIB
+    return specs.Resource(cpu=cpu, gpu=gpus, memMB=mem_mb, devices=devices)
+
+
+# PyTorch NCCL watchdog: tear the process down on a collective error, and dump the flight
+# recorder on a timeout (torch.distributed docs, "TORCH_NCCL_*" environment variables).
+NCCL_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "20000",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/tmp/nccl_trace_rank_",
+}
+# EFA through libfabric and the aws-ofi-nccl plugin (EC2 user guide, "Get started with EFA and
+# NCCL"); NCCL_NET makes NCCL fail instead of silently falling back to TCP sockets.
+EFA_ENV = {
+    "FI_PROVIDER": "efa",
+    "FI_EFA_USE_DEVICE_RDMA": "1",
+    "FI_EFA_FORK_SAFE": "1",
+    "NCCL_NET": "AWS Libfabric",
+    "NCCL_SOCKET_IFNAME": "^lo,docker",
+}
+
+
+def trainer(
+    image: str = "moerl-trainer:local",
+    nnodes: int = 1,
+    nproc_per_node: int = 1,
+    gpus: int = 0,
+    config: str = CLUSTER_CONFIG,
+    resume: bool = True,
+    efa: int = 0,
+    hugepages_mib: int = 0,
+    cpu: int = 2,
+    mem_mb: int = 4096,
+    rdzv_port: int = 29500,
+    max_retries: int = 10,
+    name: str = "moerl-trainer",
+) -> specs.AppDef:
+    """The trainer gang: `nnodes` replicas x `nproc_per_node` ranks of `moerl train --config`.
+
+    Any replica's failure restarts every replica (RetryPolicy.APPLICATION; Volcano RestartJob),
+    up to `max_retries` times; `--resume` makes each restart continue from the last checkpoint.
+
+    Args:
+        image: container image (local_cwd ignores it and runs in the current directory).
+        gpus: GPUs per replica (0 on CPU: the ranks use gloo).
+        efa, hugepages_mib: EFA devices and 2 MiB hugepages (MiB) per replica; 0 locally.
+        cpu, mem_mb: vCPU and memory (MB) per replica.
+
+    Raises:
+        ValueError: a count below 1, or gpus neither 0 nor nproc_per_node.
+    """
+    if nnodes < 1 or nproc_per_node < 1:
+        raise ValueError(f"nnodes and nproc_per_node must be >= 1, got {nnodes}, {nproc_per_node}")
+    if gpus not in (0, nproc_per_node):
+        raise ValueError(f"gpus={gpus}: one rank per GPU, so gpus must be 0 or nproc_per_node={nproc_per_node}")
+    env = dict(NCCL_ENV)
+    if efa:
+        env.update(EFA_ENV)
+    role = specs.Role(
+        name=TRAINER_ROLE,
+        image=image,
+        entrypoint="bash",
+        args=["-c", trainer_command(config, nnodes, nproc_per_node, rdzv_port, resume)],
+        num_replicas=nnodes,
+        resource=trainer_resource(gpus, efa, hugepages_mib, cpu, mem_mb),
+        port_map={"c10d": rdzv_port},
+        max_retries=max_retries,
+        retry_policy=specs.RetryPolicy.APPLICATION,
+        env=env,
+    )
+    return specs.AppDef(name=name, roles=[role])
+
+
+def _pair(engine: list[str], worker: list[str]) -> str:
+    # One container runs both (the chart runs them as two containers of one pod): the engine in
+    # the background, the worker in front; SIGTERM reaches the worker, which drains, then the
+    # engine is stopped and the worker's exit status is the role's.
+    return (
+        f"{shlex.join(engine)} & engine=$!; "
+        f"{shlex.join(worker)} & worker=$!; "
+        "trap 'kill -TERM $worker' TERM INT; wait $worker; rc=$?; "
+        "kill $engine 2>/dev/null; wait $engine 2>/dev/null; exit $rc"
+    )
+
+
+def rollout(
+    image: str = "moerl-rollout:local",
+    replicas: int = 1,
+    config: str = CLUSTER_CONFIG,
+    engine: str = "builtin",
+    model_path: str = "",
+    port: int = 30000,
+    tp_size: int = 1,
+    gpus: int = 0,
+    efa: int = 0,
+    cpu: int = 2,
+    mem_mb: int = 4096,
+    max_retries: int = 1000,
+    name: str = "moerl-rollout",
+) -> specs.AppDef:
+    """Rollout workers: `replicas` x (engine on loopback + `moerl rollout --config`).
+
+    A replica restarts alone (RetryPolicy.REPLICA): its leased tasks return to the queue when
+    their leases expire, so other replicas go on (DESIGN.md §3, task lease).
+
+    Args:
+        engine: "builtin" (`moerl engine`, CPU, local) or "sglang" (the cluster's engine).
+        model_path: what SGLang loads (HF id or directory); unused by the built-in engine.
+        gpus, efa, cpu, mem_mb: per replica.
+    """
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    role = specs.Role(
+        name=ROLLOUT_ROLE,
+        image=image,
+        entrypoint="bash",
+        args=["-c", _pair(engine_command(engine, config, model_path, port, tp_size), worker_command(config))],
+        num_replicas=replicas,
+        resource=trainer_resource(gpus, efa, 0, cpu, mem_mb),
+        max_retries=max_retries,
+        retry_policy=specs.RetryPolicy.REPLICA,
+        env=dict(EFA_ENV) if efa else {},
+    )
+    return specs.AppDef(name=name, roles=[role])
+
+
+def job(
+    trainer_image: str = "moerl-trainer:local",
+    rollout_image: str = "moerl-rollout:local",
+    config: str = CLUSTER_CONFIG,
+    nproc_per_node: int = 2,
+    rollout_replicas: int = 1,
+) -> specs.AppDef:
+    """Both roles in one AppDef, for `torchx run -s local_cwd` on one machine (CPU, built-in engine).
+
+    In the cluster submit `trainer` and `rollout` separately: one AppDef becomes one Volcano gang,
+    and rollout pods on Spot must not be tied to the trainer's gang.
+    """
+    t = trainer(image=trainer_image, nproc_per_node=nproc_per_node, config=config).roles[0]
+    r = rollout(image=rollout_image, replicas=rollout_replicas, config=config).roles[0]
+    return specs.AppDef(name="moerl", roles=[t, r])
