@@ -1,0 +1,162 @@
+"""What travels through the experience buffer: tasks (prompt groups to generate), samples and groups.
+
+Plain dataclasses with `to_dict` / `from_dict` so they cross Redis as JSON. The ids follow the
+task-lease contract of DESIGN.md §3: a sample id is a pure function of (run, prompt id, sample
+index, attempt), so a replayed task produces the same ids and cannot enter training twice.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any
+
+FINISH_REASONS = ("stop", "length", "error")
+
+
+def sample_id(run_id: str, task_id: str, index: int, attempt: int) -> str:
+    """The deterministic id of completion `index` of attempt `attempt` of a prompt group."""
+    return f"{run_id}/{task_id}/{index}/{attempt}"
+
+
+def _from_dict(cls, data: dict[str, Any]):
+    """Build dataclass `cls` from `data`; a missing or unknown field raises one ValueError naming it."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{cls.__name__}: expected a dict, got {type(data).__name__}")
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}")
+    required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+    missing = [n for n in required if n not in data]
+    if missing:
+        raise ValueError(f"{cls.__name__}: missing field(s) {missing}")
+    return cls(**data)
+
+
+@dataclass
+class Task:
+    """One prompt = one GRPO group to generate.
+
+    Attributes:
+        task_id: stable prompt id, e.g. "train-000123".
+        prompt_ids: prompt token ids.
+        prompt: prompt text (for logs and the reward function).
+        answer: JSON string with what the reward function needs.
+        group_size: G, completions to generate for this prompt.
+        attempt: incremented when the task is re-issued after a stale group was requeued.
+        entry_id: Redis stream entry id of the current lease; set by `ExperienceBuffer.lease`.
+        consumer: the rollout worker holding the lease; set by `ExperienceBuffer.lease`.
+    """
+
+    task_id: str
+    prompt_ids: list[int]
+    prompt: str
+    answer: str
+    group_size: int
+    attempt: int = 0
+    entry_id: str = ""
+    consumer: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Task":
+        """Raises ValueError naming a missing or unknown field."""
+        return _from_dict(cls, data)
+
+    def to_json(self) -> str:
+        """The queued form: lease bookkeeping (entry_id, consumer) is not part of it."""
+        d = self.to_dict()
+        d["entry_id"] = ""
+        d["consumer"] = ""
+        return json.dumps(d, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Task":
+        return cls.from_dict(json.loads(text))
+
+    def sample_id(self, run_id: str, index: int) -> str:
+        """Id of completion `index` of this task's current attempt."""
+        return sample_id(run_id, self.task_id, index, self.attempt)
+
+
+@dataclass
+class Sample:
+    """One completion of a prompt, as the rollout worker produced it.
+
+    Attributes:
+        sample_id: deterministic, `sample_id(run, task_id, index, attempt)`.
+        task_id, index, attempt: which prompt, which of its G completions, which attempt.
+        prompt_ids: prompt token ids.
+        completion_ids: generated token ids (length C).
+        logprobs: C floats, the engine's log-probability of each completion token (rollout logprobs).
+        reward: scalar reward from the task's reward function.
+        policy_version: the engine's weight_version that generated this completion.
+        finish_reason: "stop" | "length" | "error".
+    """
+
+    sample_id: str
+    task_id: str
+    index: int
+    attempt: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    reward: float
+    policy_version: int
+    finish_reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Sample":
+        """Raises ValueError naming a missing or unknown field."""
+        return _from_dict(cls, data)
+
+
+@dataclass
+class Group:
+    """The G samples of one prompt attempt: trained on whole or not at all (DESIGN.md §3).
+
+    Attributes:
+        task_id, attempt: the prompt attempt these samples answer.
+        samples: the G samples, ordered by index.
+        entry_id: Redis stream entry id in the samples stream; set by `ExperienceBuffer.take_batch`.
+    """
+
+    task_id: str
+    attempt: int
+    samples: list[Sample]
+    entry_id: str = ""
+
+    @property
+    def policy_version(self) -> int:
+        """The oldest policy version among the samples (staleness is measured from it)."""
+        return min(s.policy_version for s in self.samples)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "task_id": self.task_id,
+            "attempt": self.attempt,
+            "samples": [s.to_dict() for s in self.samples],
+            "entry_id": self.entry_id,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Group":
+        """Raises ValueError naming a missing or unknown field."""
+        data = dict(data)
+        data["samples"] = [Sample.from_dict(s) for s in data.get("samples", [])]
+        return _from_dict(cls, data)
+
+    def to_json(self) -> str:
+        d = self.to_dict()
+        d["entry_id"] = ""
+        return json.dumps(d, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Group":
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,62 @@
+"""Shared fixtures: a real redis-server and a moto S3 server over real HTTP.
+
+- `redis_server`: URL (redis://127.0.0.1:<port>/0) of a fresh redis-server per test, append-only
+  persistence on, temp data dir; stopped and removed after the test.
+- `local_redis`: the same, but yields the `LocalRedis` object (for `restart()`, `kill()`, `client()`).
+- `moto_s3`: endpoint URL (http://127.0.0.1:<port>) of moto's server mode, one per test session,
+  with fake credentials in the environment. Create a uniquely named bucket per test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from app.buffer.redis_server import LocalRedis
+
+
+@pytest.fixture
+def local_redis(tmp_path):
+    """A started LocalRedis (no password) with its data under the test's tmp_path."""
+    server = LocalRedis(tmp_path / "redis")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_server(local_redis) -> str:
+    """URL of a fresh redis-server on a free loopback port."""
+    return local_redis.url
+
+
+_FAKE_AWS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+@pytest.fixture(scope="session")
+def moto_s3():
+    """Endpoint URL of moto's S3 server (ThreadedMotoServer) on a free loopback port."""
+    from moto.server import ThreadedMotoServer
+
+    saved = {k: os.environ.get(k) for k in _FAKE_AWS}
+    os.environ.update(_FAKE_AWS)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
