@@ -1,0 +1,88 @@
+"""The routed experts of one EP rank, run as a grouped GEMM over the tokens each expert received.
+
+Weights use transformers 5's fused layout (`Qwen3MoeExperts`, `DeepseekV3Experts`):
+`gate_up_proj` [E_local, 2*I, H] (gate rows first, then up rows) and `down_proj` [E_local, H, I];
+expert e computes ``down_e(act(gate_e x) * up_e x)`` (SwiGLU for `hidden_act="silu"`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.activations import ACT2FN
+
+IMPLEMENTATIONS = ("auto", "grouped_mm", "loop")
+
+
+def grouped_mm_supported(weight: Tensor) -> bool:
+    """True where `torch._grouped_mm` is the right kernel: CUDA sm90+ with bf16 weights.
+
+    (PyTorch ships the kernel for Hopper bf16 first; elsewhere we use the per-expert loop.)
+    """
+    return (
+        hasattr(torch, "_grouped_mm")
+        and weight.is_cuda
+        and weight.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(weight.device)[0] >= 9
+    )
+
+
+class GroupedExperts(nn.Module):
+    """E_local SwiGLU experts.
+
+    Parameters:
+        gate_up_proj: [E_local, 2*I, H]
+        down_proj: [E_local, H, I]
+    """
+
+    def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int,
+                 hidden_act: str = "silu", implementation: str = "auto"):
+        super().__init__()
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"experts implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        self.num_local_experts = num_local_experts
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_local_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_local_experts, hidden_size, intermediate_size))
+        self.act_fn = ACT2FN[hidden_act]
+        self.implementation = implementation
+
+    def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        """Run every local expert on its rows.
+
+        Args:
+            x: [N, H] rows grouped contiguously by local expert (expert 0's rows first).
+            tokens_per_expert: [E_local] int64 row counts, summing to N; stays on x's device.
+
+        Returns:
+            [N, H] expert outputs in x's dtype, same row order.
+        """
+        impl = self.implementation
+        if impl == "auto":
+            impl = "grouped_mm" if grouped_mm_supported(self.gate_up_proj) else "loop"
+        if impl == "grouped_mm":
+            return self._grouped_mm(x, tokens_per_expert)
+        return self._loop(x, tokens_per_expert)
+
+    def _grouped_mm(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        # Offsets stay on the device: no host sync (torch._grouped_mm takes cumulative int32 ends).
+        offs = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+        x = x.to(self.gate_up_proj.dtype)
+        gate_up = torch._grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offs)
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = self.act_fn(gate) * up
+        return torch._grouped_mm(h, self.down_proj.transpose(-2, -1), offs=offs)
+
+    def _loop(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        # One host sync for the counts; every expert runs (an empty slice costs nothing) so that
+        # each local expert's weights take part in the graph and get a zero, not a missing, grad.
+        counts = tokens_per_expert.tolist()
+        x = x.to(self.gate_up_proj.dtype)
+        outs = []
+        for e, rows in enumerate(torch.split(x, counts, dim=0)):
+            gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
+            outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
+        if not outs:
+            return x.new_zeros(0, self.down_proj.shape[1])
+        return torch.cat(outs, dim=0)
