@@ -1,0 +1,250 @@
+"""Cluster stack: EKS (aws_eks_v2), one managed node group per pool, add-ons, device plugins,
+and the Pod Identity roles of the trainer and the rollout workers.
+
+Node groups are built from `cfg.pools` only (no Auto Mode, no default capacity). Every group
+runs in the private subnet of `cfg.az`. GPU groups use the AL2023 NVIDIA AMI; EFA groups get an
+L1 launch template with one EFA interface per network card (infra/instances.py), card 0 /
+device 0 an EFA-with-ENA interface (the node's IP interface; EFA-only is not allowed as primary)
+and the other cards device 1, EFA-only, following "Maximize network bandwidth on Amazon EC2
+instances with multiple network cards" (EC2 user guide).
+"""
+
+from __future__ import annotations
+
+from aws_cdk import Stack
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_eks_v2 as eks
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
+from aws_cdk.lambda_layer_kubectl_v33 import KubectlV33Layer
+from constructs import Construct
+
+from infra.config import (ACCELERATOR_LABEL, EFA_LABEL, GPU_TAINT_KEY, POOL_TAINT_KEY,
+                          DeploymentConfig, NodePool)
+from infra.network import NetworkStack
+from infra.storage import StorageStack
+
+# Pinned chart versions (upgrades are a reviewed change, not a side effect of a deploy).
+NVIDIA_DEVICE_PLUGIN = ("https://nvidia.github.io/k8s-device-plugin", "nvidia-device-plugin", "0.17.1")
+EFA_DEVICE_PLUGIN = ("https://aws.github.io/eks-charts", "aws-efa-k8s-device-plugin", "v0.5.7")
+EKS_ADDONS = ("vpc-cni", "coredns", "kube-proxy", "eks-pod-identity-agent")
+ROOT_DEVICE = "/dev/xvda"  # root volume of the AL2023 EKS AMIs
+
+_EFFECTS = {
+    "NoSchedule": eks.TaintEffect.NO_SCHEDULE,
+    "PreferNoSchedule": eks.TaintEffect.PREFER_NO_SCHEDULE,
+    "NoExecute": eks.TaintEffect.NO_EXECUTE,
+}
+_CAPACITY = {
+    "ON_DEMAND": eks.CapacityType.ON_DEMAND,
+    "SPOT": eks.CapacityType.SPOT,
+    "CAPACITY_BLOCK": eks.CapacityType.CAPACITY_BLOCK,
+}
+
+
+def ami_type(pool: NodePool) -> str:
+    """EKS AMI type for the pool (CloudFormation spelling): AL2023 NVIDIA on GPU pools, standard otherwise."""
+    arch = "ARM_64" if pool.specs[0].arch == "arm64" else "x86_64"
+    return f"AL2023_{arch}_{'NVIDIA' if pool.gpu else 'STANDARD'}"
+
+
+def efa_interfaces(count: int, security_groups: list[str]) -> list[ec2.CfnLaunchTemplate.NetworkInterfaceProperty]:
+    """Launch-template interfaces for `count` EFA network cards.
+
+    Card 0 device 0: EFA with ENA (InterfaceType "efa"), the primary interface with the node IP.
+    Cards 1..count-1, device 1: "efa-only". No subnet: EKS places the node in the group's
+    subnets. Every interface carries `security_groups` (cluster SG and EFA SG).
+    """
+    return [
+        ec2.CfnLaunchTemplate.NetworkInterfaceProperty(
+            network_card_index=i,
+            device_index=0 if i == 0 else 1,
+            interface_type="efa" if i == 0 else "efa-only",
+            groups=security_groups,
+            delete_on_termination=True,
+        )
+        for i in range(count)
+    ]
+
+
+class ClusterStack(Stack):
+    """EKS cluster of one environment. Attributes: cluster, nodegroups (dict pool -> Nodegroup),
+    launch_templates (dict pool -> CfnLaunchTemplate), trainer_role, rollout_role."""
+
+    def __init__(self, scope: Construct, id: str, *, cfg: DeploymentConfig, network: NetworkStack,
+                 storage: StorageStack, **kw) -> None:
+        super().__init__(scope, id, **kw)
+        self.cfg = cfg
+        self.cluster = eks.Cluster(
+            self, "Cluster",
+            cluster_name=cfg.name_prefix,
+            version=eks.KubernetesVersion.of(cfg.k8s_version),
+            vpc=network.vpc,
+            vpc_subnets=[network.control_plane_subnets],
+            # Node groups come only from the config below.
+            default_capacity_type=eks.DefaultCapacityType.NODEGROUP,
+            default_capacity=0,
+            # vpc-cni, coredns and kube-proxy are installed as EKS add-ons instead.
+            bootstrap_self_managed_addons=False,
+            endpoint_access=eks.EndpointAccess.PRIVATE,
+            cluster_logging=[
+                eks.ClusterLoggingTypes.API, eks.ClusterLoggingTypes.AUDIT,
+                eks.ClusterLoggingTypes.AUTHENTICATOR, eks.ClusterLoggingTypes.CONTROLLER_MANAGER,
+                eks.ClusterLoggingTypes.SCHEDULER,
+            ],
+            secrets_encryption_key=kms.Key(self, "SecretsKey", enable_key_rotation=True),
+            # The kubectl handler runs in the VPC (private endpoint) and installs the Helm charts.
+            kubectl_provider_options=eks.KubectlProviderOptions(kubectl_layer=KubectlV33Layer(self, "Kubectl")),
+        )
+        for i, arn in enumerate(cfg.admin_role_arns):
+            self.cluster.grant_cluster_admin(f"Admin{i}", arn)
+
+        self.addons = {
+            name: eks.Addon(self, f"Addon-{name}", cluster=self.cluster, addon_name=name, preserve_on_delete=False)
+            for name in EKS_ADDONS
+        }
+
+        self.node_role = iam.Role(
+            self, "NodeRole",
+            assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
+            managed_policies=[
+                iam.ManagedPolicy.from_aws_managed_policy_name(n)
+                for n in ("AmazonEKSWorkerNodePolicy", "AmazonEKS_CNI_Policy",
+                          "AmazonEC2ContainerRegistryPullOnly", "AmazonSSMManagedInstanceCore")
+            ],
+        )
+        self.nodegroups: dict[str, eks.Nodegroup] = {}
+        self.launch_templates: dict[str, ec2.CfnLaunchTemplate] = {}
+        for pool in cfg.pools.values():
+            self._nodegroup(pool, network)
+        # CoreDNS needs somewhere to run before its add-on reports healthy.
+        self.addons["coredns"].node.add_dependency(self.nodegroups["system"])
+
+        self._device_plugins()
+        self._pod_identity(storage)
+
+    def _nodegroup(self, pool: NodePool, network: NetworkStack) -> None:
+        cfg = self.cfg
+        data: dict = dict(
+            block_device_mappings=[
+                ec2.CfnLaunchTemplate.BlockDeviceMappingProperty(
+                    device_name=ROOT_DEVICE,
+                    ebs=ec2.CfnLaunchTemplate.EbsProperty(
+                        volume_type="gp3", volume_size=pool.disk_size_gib, encrypted=True,
+                        delete_on_termination=True, iops=3000, throughput=250,
+                    ),
+                )
+            ],
+            # IMDSv2 only; hop limit 1 keeps pods (not on the host network) off the node role.
+            metadata_options=ec2.CfnLaunchTemplate.MetadataOptionsProperty(
+                http_endpoint="enabled", http_tokens="required", http_put_response_hop_limit=1,
+            ),
+        )
+        if pool.efa:
+            # With interfaces in the template EKS adds no security group itself: name both.
+            groups = [self.cluster.cluster_security_group_id, network.efa_sg.security_group_id]
+            data["network_interfaces"] = efa_interfaces(pool.efa_interfaces, groups)
+        if pool.placement_group:
+            pg = ec2.CfnPlacementGroup(self, f"{pool.name}-placement", strategy="cluster")
+            data["placement"] = ec2.CfnLaunchTemplate.PlacementProperty(group_name=pg.ref)
+        if pool.capacity_reservation_id:
+            data["capacity_reservation_specification"] = ec2.CfnLaunchTemplate.CapacityReservationSpecificationProperty(
+                capacity_reservation_target=ec2.CfnLaunchTemplate.CapacityReservationTargetProperty(
+                    capacity_reservation_id=pool.capacity_reservation_id
+                )
+            )
+        if pool.capacity_type == "CAPACITY_BLOCK":
+            data["instance_market_options"] = ec2.CfnLaunchTemplate.InstanceMarketOptionsProperty(
+                market_type="capacity-block"
+            )
+        lt = ec2.CfnLaunchTemplate(
+            self, f"{pool.name}-template",
+            launch_template_name=f"{cfg.name_prefix}-{pool.name}",
+            launch_template_data=ec2.CfnLaunchTemplate.LaunchTemplateDataProperty(**data),
+        )
+        ng = eks.Nodegroup(
+            self, f"{pool.name}-nodes",
+            cluster=self.cluster,
+            nodegroup_name=f"{cfg.name_prefix}-{pool.name}",
+            node_role=self.node_role,
+            instance_types=[ec2.InstanceType(t) for t in pool.instance_types],
+            # Spot groups use the price-capacity-optimized allocation strategy and EKS handles
+            # rebalance recommendations by draining the node (managed node group behaviour).
+            capacity_type=_CAPACITY[pool.capacity_type],
+            min_size=pool.min_size,
+            max_size=pool.max_size,
+            desired_size=pool.desired_size,
+            labels=dict(pool.labels),
+            taints=[eks.TaintSpec(key=t.key, value=t.value, effect=_EFFECTS[t.effect]) for t in pool.taints],
+            subnets=network.node_subnets,
+            launch_template_spec=eks.LaunchTemplateSpec(id=lt.ref, version=lt.attr_latest_version_number),
+            enable_node_auto_repair=True,
+        )
+        # The L2 guesses the architecture from a GPU-family list that lacks p5en/p6, so set the
+        # AMI type on the L1 resource directly.
+        cfn_ng: eks.CfnNodegroup = ng.node.default_child  # type: ignore[assignment]
+        cfn_ng.ami_type = ami_type(pool)
+        ng.node.add_dependency(self.addons["vpc-cni"])
+        self.nodegroups[pool.name] = ng
+        self.launch_templates[pool.name] = lt
+
+    def _device_plugins(self) -> None:
+        """NVIDIA and EFA device plugins, only on nodes that have the devices."""
+        tolerations = [
+            {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"},
+            {"key": POOL_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"},
+        ]
+        repo, chart, version = NVIDIA_DEVICE_PLUGIN
+        # The chart's default affinity looks for Node Feature Discovery labels we do not run;
+        # replace it with our accelerator label.
+        affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": ACCELERATOR_LABEL, "operator": "In", "values": ["nvidia"]}]}
+        ]}}}
+        self.nvidia_plugin = eks.HelmChart(
+            self, "NvidiaDevicePlugin", cluster=self.cluster, repository=repo, chart=chart, version=version,
+            release="nvidia-device-plugin", namespace="kube-system",
+            values={"affinity": affinity, "tolerations": tolerations}, wait=False,
+        )
+        repo, chart, version = EFA_DEVICE_PLUGIN
+        self.efa_plugin = eks.HelmChart(
+            self, "EfaDevicePlugin", cluster=self.cluster, repository=repo, chart=chart, version=version,
+            release="aws-efa-k8s-device-plugin", namespace="kube-system",
+            values={"nodeSelector": {EFA_LABEL: "true"}, "tolerations": tolerations}, wait=False,
+        )
+
+    def _pod_identity(self, storage: StorageStack) -> None:
+        """Pod Identity: trainer read/write, rollout workers read-only, both under run_prefix/."""
+        cfg = self.cfg
+        # ARNs from the configured bucket name (known at synth): no cross-stack export to pin.
+        bucket_arn = f"arn:{self.partition}:s3:::{cfg.checkpoint_bucket}"
+        objects = f"{bucket_arn}/{cfg.run_prefix}/*"
+        list_under_prefix = iam.PolicyStatement(
+            actions=["s3:ListBucket"], resources=[bucket_arn],
+            conditions={"StringLike": {"s3:prefix": [f"{cfg.run_prefix}/*"]}},
+        )
+        principal = iam.SessionTagsPrincipal(iam.ServicePrincipal("pods.eks.amazonaws.com"))
+
+        self.trainer_role = iam.Role(self, "TrainerRole", assumed_by=principal,
+                                     description="moerl trainer: read/write the run prefix")
+        self.trainer_role.add_to_policy(list_under_prefix)
+        self.trainer_role.add_to_policy(iam.PolicyStatement(
+            actions=["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload",
+                     "s3:ListMultipartUploadParts"],
+            resources=[objects],
+        ))
+        self.trainer_role.add_to_policy(iam.PolicyStatement(
+            actions=["kms:Decrypt", "kms:GenerateDataKey"], resources=[storage.key.key_arn]))
+
+        self.rollout_role = iam.Role(self, "RolloutRole", assumed_by=principal,
+                                     description="moerl rollout workers: read the run prefix")
+        self.rollout_role.add_to_policy(list_under_prefix)
+        self.rollout_role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[objects]))
+        self.rollout_role.add_to_policy(iam.PolicyStatement(actions=["kms:Decrypt"], resources=[storage.key.key_arn]))
+
+        for id, sa, role in (("TrainerIdentity", cfg.trainer_service_account, self.trainer_role),
+                             ("RolloutIdentity", cfg.rollout_service_account, self.rollout_role)):
+            assoc = eks.CfnPodIdentityAssociation(
+                self, id, cluster_name=self.cluster.cluster_name, namespace=cfg.namespace,
+                service_account=sa, role_arn=role.role_arn,
+            )
+            assoc.node.add_dependency(self.addons["eks-pod-identity-agent"])

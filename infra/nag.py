@@ -1,0 +1,69 @@
+"""cdk-nag (AwsSolutions pack) registration and the acknowledgements, each with its reason.
+
+cdk-nag 3 runs as a CDK policy-validation plugin: synth stops on any finding that is not
+acknowledged, so a successful synth means zero unacknowledged errors (the report is written to
+<outdir>/validation-report.json).
+"""
+
+from __future__ import annotations
+
+from aws_cdk import Acknowledgment, Stack, Validations
+from cdk_nag import AwsSolutionsChecks
+from constructs import Construct
+
+from infra.config import DeploymentConfig
+
+_AWS_POLICY = "AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{}]"
+_KUBECTL = ("made by aws_eks_v2's kubectl provider (aws-cdk-lib), which installs the device-plugin "
+            "Helm charts; its IAM and runtime are maintained by the CDK team")
+
+# Findings acknowledged in every cluster stack, with the reason.
+CLUSTER_ACKNOWLEDGEMENTS: dict[str, str] = {
+    _AWS_POLICY.format("AmazonEKSClusterPolicy"):
+        "The EKS cluster service role needs AmazonEKSClusterPolicy (EKS user guide, cluster IAM role); "
+        "AWS keeps it in step with the EKS control plane.",
+    _AWS_POLICY.format("AmazonEKSWorkerNodePolicy"):
+        "Node IAM role: required for kubelet registration and Pod Identity (EKS user guide, node IAM role).",
+    _AWS_POLICY.format("AmazonEKS_CNI_Policy"):
+        "Node IAM role: the VPC CNI assigns pod IPs and EFA/ENA interfaces with it (EKS user guide).",
+    _AWS_POLICY.format("AmazonEC2ContainerRegistryPullOnly"):
+        "Node IAM role: pull-only ECR access for images, the narrowest AWS policy for it.",
+    _AWS_POLICY.format("AmazonSSMManagedInstanceCore"):
+        "Node IAM role: SSM Session Manager replaces SSH for node debugging (no key pairs, no port 22).",
+    _AWS_POLICY.format("service-role/AWSLambdaBasicExecutionRole"): f"Lambda logging for functions {_KUBECTL}.",
+    _AWS_POLICY.format("service-role/AWSLambdaVPCAccessExecutionRole"):
+        f"The kubectl handler runs in the VPC to reach the private cluster endpoint; {_KUBECTL}.",
+    _AWS_POLICY.format("AmazonEC2ContainerRegistryReadOnly"): f"Pulls Helm charts from OCI registries; {_KUBECTL}.",
+    'AwsSolutions::AwsSolutions-IAM4[Policy::{"Fn::If":["ClusterKubectlProviderHandlerHasEcrPublic69E09706",'
+    '{"Fn::Join":["",["arn:",{"Ref":"AWS::Partition"},":iam::aws:policy/AmazonElasticContainerRegistryPublicReadOnly"]]},'
+    '{"Ref":"AWS::NoValue"}]}]': f"Conditional ECR Public read for chart pulls; {_KUBECTL}.",
+    "AwsSolutions::AwsSolutions-L1": f"Lambda runtime of the kubectl handler is pinned by aws-cdk-lib; {_KUBECTL}.",
+    "AwsSolutions::AwsSolutions-IAM5[Resource::<ClusterKubectlProviderHandler2E05C68A.Arn>:*]":
+        f"The provider framework invokes any version of its own handler function; {_KUBECTL}.",
+}
+
+
+def acknowledgements(kind: str, cfg: DeploymentConfig) -> dict[str, str]:
+    """Acknowledged finding id -> reason for one stack kind ("network" | "storage" | "cluster" | "pipeline")."""
+    if kind != "cluster":
+        return {}
+    objects = f"arn:<AWS::Partition>:s3:::{cfg.checkpoint_bucket}/{cfg.run_prefix}/*"
+    return {
+        **CLUSTER_ACKNOWLEDGEMENTS,
+        f"AwsSolutions::AwsSolutions-IAM5[Resource::{objects}]":
+            f"Pod Identity roles reach only objects under the run prefix '{cfg.run_prefix}/' of the "
+            "checkpoint bucket; run directories are created at run time, so the key ends in a wildcard.",
+    }
+
+
+def add_nag(scope: Construct) -> None:
+    """Register the AwsSolutions pack on an App or Stage (plugins do not cross Stage boundaries)."""
+    Validations.of(scope).add_plugins(
+        AwsSolutionsChecks(scope, verbose=True, write_suppressions_to_cloud_formation=True)
+    )
+
+
+def acknowledge(stack: Stack, kind: str, cfg: DeploymentConfig | None = None) -> None:
+    """Acknowledge the findings listed for `kind` on `stack`; each reason goes into the template."""
+    for rule, reason in (acknowledgements(kind, cfg) if cfg else {}).items():
+        Validations.of(stack).acknowledge(Acknowledgment(id=rule, reason=reason))

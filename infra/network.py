@@ -1,0 +1,79 @@
+"""Network stack: VPC, S3 gateway endpoint, load-balancer subnet tags, EFA security group.
+
+The control plane needs subnets in two or more AZs (an EKS requirement); every node group uses
+the private subnet of one AZ (`cfg.az`), so EFA/NCCL traffic never crosses an AZ boundary.
+"""
+
+from __future__ import annotations
+
+from aws_cdk import Stack, Tags
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_logs as logs
+from constructs import Construct
+
+from infra.config import DeploymentConfig
+
+
+class NetworkStack(Stack):
+    """VPC with public and private subnets in `cfg.control_plane_azs`, plus the EFA security group.
+
+    Attributes other stacks use: vpc, node_subnets (the private subnet of `cfg.az`, a
+    SubnetSelection), control_plane_subnets (private subnets of every AZ), efa_sg.
+    """
+
+    def __init__(self, scope: Construct, id: str, *, cfg: DeploymentConfig, **kw) -> None:
+        super().__init__(scope, id, **kw)
+        self.vpc = ec2.Vpc(
+            self,
+            "Vpc",
+            ip_addresses=ec2.IpAddresses.cidr(cfg.vpc_cidr),
+            # Explicit AZs: no context lookup, so synth works offline.
+            availability_zones=cfg.control_plane_azs,
+            # One NAT gateway, in the node AZ: nodes are all there.
+            nat_gateways=1,
+            nat_gateway_subnets=ec2.SubnetSelection(
+                subnet_type=ec2.SubnetType.PUBLIC, availability_zones=[cfg.az]
+            ),
+            subnet_configuration=[
+                ec2.SubnetConfiguration(name="public", subnet_type=ec2.SubnetType.PUBLIC, cidr_mask=22),
+                # Large private subnets: the VPC CNI gives every pod an address, and each EFA
+                # interface of a p5 node takes one.
+                ec2.SubnetConfiguration(
+                    name="private", subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS, cidr_mask=18
+                ),
+            ],
+            restrict_default_security_group=True,
+        )
+        flow_log_group = logs.LogGroup(self, "FlowLogs", retention=logs.RetentionDays.ONE_MONTH)
+        self.vpc.add_flow_log(
+            "FlowLog",
+            destination=ec2.FlowLogDestination.to_cloud_watch_logs(flow_log_group),
+            traffic_type=ec2.FlowLogTrafficType.REJECT,
+        )
+        # Checkpoint traffic to S3 stays on the AWS network and skips the NAT gateway.
+        self.vpc.add_gateway_endpoint("S3", service=ec2.GatewayVpcEndpointAwsService.S3)
+
+        # Subnet tags the AWS Load Balancer Controller uses to place load balancers.
+        for subnet in self.vpc.public_subnets:
+            Tags.of(subnet).add("kubernetes.io/role/elb", "1")
+        for subnet in self.vpc.private_subnets:
+            Tags.of(subnet).add("kubernetes.io/role/internal-elb", "1")
+
+        self.control_plane_subnets = ec2.SubnetSelection(subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS)
+        self.node_subnets = ec2.SubnetSelection(
+            subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS, availability_zones=[cfg.az]
+        )
+
+        # EFA needs all traffic allowed to and from the same security group. Egress rules are
+        # only rendered when allow_all_outbound is off, so turn it off and add the rules.
+        self.efa_sg = ec2.SecurityGroup(
+            self,
+            "EfaSecurityGroup",
+            vpc=self.vpc,
+            description="EFA: all traffic between members of this group",
+            allow_all_outbound=False,
+        )
+        self.efa_sg.add_ingress_rule(self.efa_sg, ec2.Port.all_traffic(), "EFA from members")
+        self.efa_sg.add_egress_rule(self.efa_sg, ec2.Port.all_traffic(), "EFA to members")
+        # Nodes also need to reach the cluster, ECR, S3 and the internet: the cluster security
+        # group (attached next to this one on every interface) allows that outbound traffic.
