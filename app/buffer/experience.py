@@ -1,0 +1,555 @@
+"""The experience buffer and task queue of one run, on Redis Streams with a consumer group.
+
+Layout (every key under ``{prefix}:{run_id}:``):
+
+    tasks     stream: one entry per prompt attempt to generate; consumer group "rollout".
+              An entry is leased by XREADGROUP, stays in the group's pending list (PEL) while a
+              worker holds it, and is XACK'ed and XDEL'ed when its group is published. A lease
+              idle for more than `lease_ms` is taken over by the next `lease()` (XAUTOCLAIM).
+    samples   stream: one entry per finished GRPO group (the group and its task, as JSON).
+              The trainer reads it in order with a client-side cursor; taken entries are
+              deleted when committed (by default when the next batch is taken), so a trainer
+              that dies mid-step reads its last batch again after a restart.
+    issued    set of "task_id/attempt" already queued (put_tasks and requeue are idempotent).
+    seen      set of published sample ids: a replayed task's group is not added twice.
+    stats     hash of counters.
+    policy    hash {version, uri} of the newest announced policy.
+
+The PEL, the streams and the sets are plain Redis data, so with append-only persistence a
+restarted redis-server still holds the leases (reclaimed after `lease_ms` as usual) and every
+published group.
+
+Redis commands: https://redis.io/docs/latest/develop/data-types/streams/ (XREADGROUP, XACK,
+XAUTOCLAIM, XPENDING). Needs Redis 6.2+ (XAUTOCLAIM).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from app.buffer.records import FINISH_REASONS, Group, Sample, Task, sample_id
+
+if TYPE_CHECKING:
+    from app.config import RunConfig
+
+ROLLOUT_GROUP = "rollout"
+PASSWORD_ENV = "MOERL_REDIS_PASSWORD"
+STAT_NAMES = ("issued", "finished", "taken", "consumed", "dropped_stale", "requeued",
+              "duplicates", "released")
+
+# put_tasks / requeue: queue a task attempt only if it was never queued before.
+# KEYS: tasks, issued, stats, samples; ARGV: samples entry to delete ('' for none), then
+# (issue key, task json) pairs. Returns how many were queued.
+_PUT_TASKS = """
+if ARGV[1] ~= '' then redis.call('XDEL', KEYS[4], ARGV[1]) end
+local added = 0
+for i = 2, #ARGV, 2 do
+  if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then
+    redis.call('XADD', KEYS[1], '*', 'task', ARGV[i + 1])
+    added = added + 1
+  end
+end
+redis.call('HINCRBY', KEYS[3], 'issued', added)
+return added
+"""
+
+# publish: add a finished group unless one of its sample ids was published before; in both
+# cases the task's lease is acked and its entry deleted (the task is done).
+# KEYS: tasks, samples, seen, stats; ARGV: group name, task entry id, group json, task json, ids...
+_PUBLISH = """
+local dup = false
+for i = 5, #ARGV do
+  if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 1 then dup = true; break end
+end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+if dup then
+  redis.call('HINCRBY', KEYS[4], 'duplicates', 1)
+  return 0
+end
+redis.call('XADD', KEYS[2], '*', 'group', ARGV[3], 'task', ARGV[4])
+for i = 5, #ARGV do redis.call('SADD', KEYS[3], ARGV[i]) end
+redis.call('HINCRBY', KEYS[4], 'finished', 1)
+return 1
+"""
+
+# release / extend: act only on leases this consumer still holds (another worker may have
+# reclaimed an expired one). KEYS: tasks, stats; ARGV: group, consumer, mode, then
+# (entry id, task json) pairs. mode "release": ack + delete + queue again at the tail;
+# mode "extend": reset the idle time. Returns the entry ids acted on.
+_OWNED = """
+local done = {}
+for i = 4, #ARGV, 2 do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if #p == 1 then
+    if ARGV[3] == 'release' then
+      redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+      redis.call('XDEL', KEYS[1], ARGV[i])
+      redis.call('XADD', KEYS[1], '*', 'task', ARGV[i + 1])
+      redis.call('HINCRBY', KEYS[2], 'released', 1)
+    else
+      redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    end
+    table.insert(done, ARGV[i])
+  end
+end
+return done
+"""
+
+# announce_policy: versions only move forward unless forced. KEYS: policy; ARGV: version, uri, force.
+_ANNOUNCE = """
+local cur = redis.call('HGET', KEYS[1], 'version')
+if ARGV[3] == '1' or not cur or tonumber(cur) < tonumber(ARGV[1]) then
+  redis.call('HSET', KEYS[1], 'version', ARGV[1], 'uri', ARGV[2])
+  return 1
+end
+return 0
+"""
+
+_ID_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class BufferConnectionError(ConnectionError):
+    """Redis cannot be reached or refuses the credentials; the message names the URL."""
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password replaced by ***, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+class ExperienceBuffer:
+    """Task queue (prompt groups) and experience buffer (finished groups) of one run.
+
+    Args:
+        url: redis://[user:password@]host:port/db (rediss:// for TLS).
+        run_id: the run; every key lives under f"{prefix}:{run_id}:".
+        prefix: key prefix shared by all runs of this deployment.
+        capacity_groups: back-pressure bound on finished-but-untrained plus leased groups.
+        lease_ms: a lease idle for longer than this is taken over by the next lease() call.
+        max_staleness: the trainer takes a group only if trainer_version - group version <= this.
+        stale_policy: "drop" (count and discard stale groups) or "requeue" (discard and queue the
+            task again with attempt + 1).
+        password: AUTH password; overrides the one in the URL.
+        autocommit: take_batch() first commits the previous batch (deletes its entries).
+            Set False when the trainer commits itself after saving its state.
+
+    Raises:
+        ValueError: a bad argument (named).
+        BufferConnectionError: Redis is unreachable, refuses AUTH or is older than 6.2; the
+            message names the URL (password redacted).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        run_id: str,
+        *,
+        prefix: str = "moerl",
+        capacity_groups: int = 64,
+        lease_ms: int = 60_000,
+        max_staleness: int = 1,
+        stale_policy: str = "drop",
+        password: str | None = None,
+        autocommit: bool = True,
+    ):
+        if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"url must be redis://, rediss:// or unix://, got {redact_url(url)!r}")
+        for name, value in (("run_id", run_id), ("prefix", prefix)):
+            if not isinstance(value, str) or not _ID_PART.match(value):
+                raise ValueError(f"{name} must match {_ID_PART.pattern}, got {value!r}")
+        if capacity_groups < 1:
+            raise ValueError(f"capacity_groups must be >= 1, got {capacity_groups}")
+        if lease_ms < 1:
+            raise ValueError(f"lease_ms must be >= 1, got {lease_ms}")
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if stale_policy not in ("drop", "requeue"):
+            raise ValueError(f"stale_policy must be 'drop' or 'requeue', got {stale_policy!r}")
+        self.url = url
+        self.run_id = run_id
+        self.prefix = prefix
+        self.capacity_groups = capacity_groups
+        self.lease_ms = lease_ms
+        self.max_staleness = max_staleness
+        self.stale_policy = stale_policy
+        self.autocommit = autocommit
+        k = f"{prefix}:{run_id}:"
+        self.keys = {n: k + n for n in ("tasks", "samples", "issued", "seen", "stats", "policy")}
+        self._cursor = "0-0"  # last samples entry read by take_batch (this process only)
+        self._taken: list[str] = []  # samples entries taken but not yet committed
+
+        kwargs = dict(decode_responses=True, socket_connect_timeout=2.0, socket_timeout=30.0)
+        if password is not None:
+            kwargs["password"] = password
+        self._check_reachable(url, kwargs)
+        # Reconnect through short outages (a redis-server restart) instead of failing the role.
+        self.r = redis.Redis.from_url(
+            url, retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), 8),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError], **kwargs,
+        )
+        self._put_tasks = self.r.register_script(_PUT_TASKS)
+        self._publish = self.r.register_script(_PUBLISH)
+        self._owned = self.r.register_script(_OWNED)
+        self._announce = self.r.register_script(_ANNOUNCE)
+        self._ensure_group()
+
+    @staticmethod
+    def _check_reachable(url: str, kwargs: dict) -> None:
+        """One PING without retries, so a wrong URL fails at once with a clear message."""
+        try:
+            probe = redis.Redis.from_url(url, retry=Retry(ExponentialBackoff(), 0), **kwargs)
+        except ValueError as e:
+            raise ValueError(f"bad Redis URL {redact_url(url)!r}: {e}") from None
+        try:
+            probe.ping()
+            version = probe.info("server")["redis_version"]
+        except redis.AuthenticationError as e:
+            raise BufferConnectionError(f"Redis at {redact_url(url)} refused AUTH: {e}") from None
+        except redis.ResponseError as e:
+            if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
+                raise BufferConnectionError(
+                    f"Redis at {redact_url(url)} needs a password (set it in the URL or "
+                    f"${PASSWORD_ENV}): {e}") from None
+            raise
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            raise BufferConnectionError(f"cannot reach Redis at {redact_url(url)}: {e}") from None
+        finally:
+            probe.close()
+        if tuple(int(x) for x in version.split(".")[:2]) < (6, 2):
+            raise BufferConnectionError(
+                f"Redis at {redact_url(url)} is {version}; the buffer needs 6.2+ (XAUTOCLAIM)")
+
+    @classmethod
+    def from_config(cls, cfg: "RunConfig", **overrides) -> "ExperienceBuffer":
+        """The buffer of run `cfg.run_id` with the settings of `cfg.buffer`.
+
+        The password comes from the URL or from the environment variable MOERL_REDIS_PASSWORD
+        (a Kubernetes Secret in the cluster), never from the config document.
+        """
+        b = cfg.buffer
+        kwargs = dict(
+            prefix=b.run_prefix, capacity_groups=b.capacity_groups, lease_ms=b.lease_ms,
+            max_staleness=b.max_staleness, stale_policy=b.stale_policy,
+            password=os.environ.get(PASSWORD_ENV) or None,
+        )
+        kwargs.update(overrides)
+        return cls(b.redis_url, cfg.run_id, **kwargs)
+
+    def _ensure_group(self) -> None:
+        try:
+            # Id 0: tasks queued before the group existed are delivered too.
+            self.r.xgroup_create(self.keys["tasks"], ROLLOUT_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    def close(self) -> None:
+        self.r.close()
+
+    def __enter__(self) -> "ExperienceBuffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- task queue -------------------------------------------------------------------------
+
+    def put_tasks(self, tasks: list[Task]) -> int:
+        """Queue prompt groups; a (task_id, attempt) queued before is skipped.
+
+        Returns:
+            how many tasks were queued.
+        Raises:
+            ValueError: a task has an empty or '/'-containing task_id or group_size < 1 (nothing
+                is queued then).
+        """
+        for i, t in enumerate(tasks):
+            if not isinstance(t, Task):
+                raise ValueError(f"tasks[{i}] is a {type(t).__name__}, not a Task")
+            if not t.task_id or "/" in t.task_id:
+                raise ValueError(f"tasks[{i}].task_id must be non-empty without '/', got {t.task_id!r}")
+            if t.group_size < 1:
+                raise ValueError(f"tasks[{i}].group_size must be >= 1, got {t.group_size}")
+            if t.attempt < 0:
+                raise ValueError(f"tasks[{i}].attempt must be >= 0, got {t.attempt}")
+        added = 0
+        for start in range(0, len(tasks), 500):  # bounded script calls
+            args: list[str] = [""]
+            for t in tasks[start:start + 500]:
+                args += [f"{t.task_id}/{t.attempt}", t.to_json()]
+            added += int(self._put_tasks(keys=self._k("tasks", "issued", "stats", "samples"), args=args))
+        return added
+
+    def _k(self, *names: str) -> list[str]:
+        return [self.keys[n] for n in names]
+
+    def lease(self, consumer: str, count: int = 1, block_ms: int = 1000) -> list[Task]:
+        """Lease up to `count` tasks for rollout worker `consumer`.
+
+        Leases idle for more than `lease_ms` (their worker died or hung) are taken over first
+        (XAUTOCLAIM); then new tasks are read (XREADGROUP), waiting up to `block_ms` if none.
+
+        Returns:
+            the leased tasks, with `entry_id` and `consumer` set; empty if none came in time.
+        Raises:
+            ValueError: empty consumer, count < 1, or block_ms outside 0..20000.
+        """
+        if not consumer:
+            raise ValueError("consumer must be a non-empty worker name")
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        if not 0 <= block_ms <= 20_000:
+            raise ValueError(f"block_ms must be in 0..20000, got {block_ms}")
+        try:
+            return self._lease(consumer, count, block_ms)
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            self._ensure_group()  # Redis lost its data (no persistence): start the group again
+            return self._lease(consumer, count, block_ms)
+
+    def _lease(self, consumer: str, count: int, block_ms: int) -> list[Task]:
+        out: list[Task] = []
+        start = "0-0"
+        for _ in range(8):  # XAUTOCLAIM scans a bounded slice of the PEL per call
+            start, entries, *_ = self.r.xautoclaim(
+                self.keys["tasks"], ROLLOUT_GROUP, consumer, self.lease_ms,
+                start_id=start, count=count - len(out))
+            out += self._tasks(entries, consumer)
+            if len(out) >= count or start == "0-0":
+                break
+        if len(out) < count:
+            block = block_ms if (not out and block_ms > 0) else None
+            resp = self.r.xreadgroup(ROLLOUT_GROUP, consumer, {self.keys["tasks"]: ">"},
+                                     count=count - len(out), block=block)
+            for _, entries in resp or []:
+                out += self._tasks(entries, consumer)
+        return out
+
+    def _tasks(self, entries, consumer: str) -> list[Task]:
+        tasks = []
+        for entry_id, fields in entries:
+            if not fields:  # deleted while pending (Redis 6.2 returns it with no fields)
+                self.r.xack(self.keys["tasks"], ROLLOUT_GROUP, entry_id)
+                continue
+            t = Task.from_json(fields["task"])
+            t.entry_id, t.consumer = entry_id, consumer
+            tasks.append(t)
+        return tasks
+
+    def extend(self, tasks: list[Task]) -> list[Task]:
+        """Reset the lease clock of tasks their worker still holds (a long generation).
+
+        Returns:
+            the tasks still held by their consumer; the others were taken over by another worker.
+        """
+        done = set(self._owned_call(tasks, "extend"))
+        return [t for t in tasks if t.entry_id in done]
+
+    def release(self, tasks: list[Task]) -> None:
+        """Give leased tasks back to the queue now (worker drain), same attempt.
+
+        A task whose lease was already taken over by another worker is left alone.
+        """
+        self._owned_call(tasks, "release")
+
+    def _owned_call(self, tasks: list[Task], mode: str) -> list[str]:
+        done: list[str] = []
+        by_consumer: dict[str, list[Task]] = {}
+        for t in tasks:
+            if not t.entry_id or not t.consumer:
+                raise ValueError(f"task {t.task_id!r} has no lease (entry_id/consumer empty)")
+            by_consumer.setdefault(t.consumer, []).append(t)
+        for consumer, ts in by_consumer.items():
+            args = [ROLLOUT_GROUP, consumer, mode]
+            for t in ts:
+                args += [t.entry_id, t.to_json()]
+            done += self._owned(keys=self._k("tasks", "stats"), args=args)
+        return done
+
+    def publish(self, task: Task, samples: list[Sample]) -> bool:
+        """Add the finished group of a leased task and ack the task, atomically (one Lua script).
+
+        Args:
+            task: the task as returned by lease().
+            samples: its group_size samples, indices 0..G-1, ids from `sample_id(run, ...)`.
+        Returns:
+            True if added; False if a sample id was published before (a replayed task): the
+            group is ignored and counted as a duplicate, the task is acked all the same.
+        Raises:
+            ValueError: the task has no lease, or a sample does not belong to it (wrong count,
+                index, task_id, attempt, sample_id, finish_reason, logprobs length, non-finite
+                reward); nothing is written then.
+        """
+        if not task.entry_id:
+            raise ValueError(f"task {task.task_id!r} has no entry_id: publish tasks from lease()")
+        if len(samples) != task.group_size:
+            raise ValueError(f"task {task.task_id!r}: {len(samples)} samples, group_size is {task.group_size}")
+        samples = sorted(samples, key=lambda s: s.index)
+        for i, s in enumerate(samples):
+            where = f"task {task.task_id!r} sample {i}"
+            if s.index != i:
+                raise ValueError(f"{where}: indices must be 0..{task.group_size - 1}, got {s.index}")
+            if s.task_id != task.task_id or s.attempt != task.attempt:
+                raise ValueError(f"{where}: task_id/attempt {s.task_id!r}/{s.attempt} != "
+                                 f"{task.task_id!r}/{task.attempt}")
+            expect = sample_id(self.run_id, task.task_id, i, task.attempt)
+            if s.sample_id != expect:
+                raise ValueError(f"{where}: sample_id {s.sample_id!r}, expected {expect!r}")
+            if s.finish_reason not in FINISH_REASONS:
+                raise ValueError(f"{where}: finish_reason {s.finish_reason!r} not in {FINISH_REASONS}")
+            if len(s.logprobs) != len(s.completion_ids):
+                raise ValueError(f"{where}: {len(s.logprobs)} logprobs for "
+                                 f"{len(s.completion_ids)} completion tokens")
+            if not math.isfinite(s.reward):
+                raise ValueError(f"{where}: reward is {s.reward}")
+            if s.policy_version < 0:
+                raise ValueError(f"{where}: policy_version {s.policy_version} < 0")
+        group = Group(task.task_id, task.attempt, samples)
+        args = [ROLLOUT_GROUP, task.entry_id, group.to_json(), task.to_json()]
+        args += [s.sample_id for s in samples]
+        return bool(self._publish(keys=self._k("tasks", "samples", "seen", "stats"), args=args))
+
+    # ---- back-pressure ----------------------------------------------------------------------
+
+    def _backlog(self) -> int:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xlen(self.keys["samples"])
+        pipe.xpending(self.keys["tasks"], ROLLOUT_GROUP)
+        ready, pending = pipe.execute()
+        return ready + pending["pending"]
+
+    def has_capacity(self) -> bool:
+        """True while finished-but-uncommitted groups plus leased tasks < capacity_groups."""
+        return self._backlog() < self.capacity_groups
+
+    def wait_for_capacity(self, timeout_s: float) -> bool:
+        """Wait (polling, 20 ms growing to 0.5 s) until has_capacity(); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        pause = 0.02
+        while True:
+            if self.has_capacity():
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.5)
+
+    # ---- trainer side -----------------------------------------------------------------------
+
+    def take_batch(self, n_groups: int, trainer_version: int, timeout_s: float) -> list[Group]:
+        """Take up to `n_groups` whole groups, oldest first, for a trainer at `trainer_version`.
+
+        A group with staleness = trainer_version - group.policy_version > max_staleness is not
+        returned: it is dropped (counted in dropped_stale) or, with stale_policy "requeue", its
+        task is queued again with attempt + 1 (counted in requeued).
+
+        Returns:
+            between 0 and n_groups groups (fewer only when `timeout_s` ran out), each with
+            `entry_id` set. The groups stay in Redis until commit() (autocommit: the next call).
+        Raises:
+            ValueError: n_groups < 1 or timeout_s < 0.
+        """
+        if n_groups < 1:
+            raise ValueError(f"n_groups must be >= 1, got {n_groups}")
+        if timeout_s < 0:
+            raise ValueError(f"timeout_s must be >= 0, got {timeout_s}")
+        if self.autocommit:
+            self.commit()
+        deadline = time.monotonic() + timeout_s
+        groups: list[Group] = []
+        while len(groups) < n_groups:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            block = min(left_ms, 1000) if left_ms >= 1 else None  # BLOCK 0 would wait forever
+            resp = self.r.xread({self.keys["samples"]: self._cursor},
+                                count=n_groups - len(groups), block=block)
+            for _, entries in resp or []:
+                for entry_id, fields in entries:
+                    self._cursor = entry_id
+                    g = Group.from_json(fields["group"])
+                    g.entry_id = entry_id
+                    if trainer_version - g.policy_version > self.max_staleness:
+                        self._stale(g, fields["task"])
+                    else:
+                        groups.append(g)
+                        self._taken.append(entry_id)
+            if block is None:
+                break
+        if groups:
+            self.r.hincrby(self.keys["stats"], "taken", len(groups))
+        return groups
+
+    def _stale(self, g: Group, task_json: str) -> None:
+        if self.stale_policy == "drop":
+            pipe = self.r.pipeline(transaction=True)
+            pipe.xdel(self.keys["samples"], g.entry_id)
+            pipe.hincrby(self.keys["stats"], "dropped_stale", 1)
+            pipe.execute()
+            return
+        task = Task.from_json(task_json)
+        task.attempt = g.attempt + 1
+        args = [g.entry_id, f"{task.task_id}/{task.attempt}", task.to_json()]
+        added = int(self._put_tasks(keys=self._k("tasks", "issued", "stats", "samples"), args=args))
+        self.r.hincrby(self.keys["stats"], "requeued", added)
+
+    def commit(self) -> int:
+        """Delete the groups taken so far (the trainer has trained on them); returns how many."""
+        if not self._taken:
+            return 0
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xdel(self.keys["samples"], *self._taken)
+        pipe.hincrby(self.keys["stats"], "consumed", len(self._taken))
+        pipe.execute()
+        n, self._taken = len(self._taken), []
+        return n
+
+    # ---- policy versions --------------------------------------------------------------------
+
+    def announce_policy(self, version: int, uri: str, *, force: bool = False) -> bool:
+        """Make policy `version` at `uri` the current one; an older version is ignored unless
+        `force` (a trainer resumed from an earlier state). Returns True if it became current."""
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        return bool(self._announce(keys=[self.keys["policy"]], args=[version, uri, int(force)]))
+
+    def current_policy(self) -> tuple[int, str] | None:
+        """(version, uri) of the newest announced policy, or None before the first announce."""
+        d = self.r.hgetall(self.keys["policy"])
+        return (int(d["version"]), d["uri"]) if d else None
+
+    # ---- figures ----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """Counters of this run.
+
+        queued: tasks waiting to be leased; leased: tasks held by workers; ready: finished groups
+        not yet committed by the trainer; issued, finished, taken, consumed, dropped_stale,
+        requeued, duplicates, released: totals since the run started.
+        """
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xlen(self.keys["tasks"])
+        pipe.xpending(self.keys["tasks"], ROLLOUT_GROUP)
+        pipe.xlen(self.keys["samples"])
+        pipe.hgetall(self.keys["stats"])
+        n_tasks, pending, ready, counters = pipe.execute()
+        out = {"queued": n_tasks - pending["pending"], "leased": pending["pending"], "ready": ready}
+        out.update({n: int(counters.get(n, 0)) for n in STAT_NAMES})
+        return out
