@@ -88,6 +88,9 @@ class TrainerConfig(Section):
     tis_cap: float | None = Field(2.0, gt=0.0, description="Truncated IS cap; None disables.")
     publish_every: int = Field(1, ge=1, description="Steps between policy versions.")
     keep_versions: int = Field(3, ge=1)
+    batch_timeout_s: float = Field(600.0, gt=0.0, description="Max wait for one step's groups.")
+    max_bad_steps: int = Field(3, ge=1, description="Non-finite steps in a row before stopping.")
+    log_entropy: bool = Field(True, description="Token entropy metric; one extra [B,L,V] pass.")
 
 
 class TaskConfig(Section):

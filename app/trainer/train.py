@@ -1,0 +1,511 @@
+"""The GRPO training loop: `moerl train --config run.yaml`, one process per rank under torchrun.
+
+Parallelism (embedded default: ``torchrun --nproc-per-node 2``, ``ep.size = 2``, gloo): the EP
+ranks are also the data-parallel ranks. Each step, rank 0 takes ``groups_per_step`` whole GRPO
+groups from the experience buffer and scatters them, whole, over the ranks. Every rank divides
+its loss by the GLOBAL completion-token count (token-mean; the global sequence count for
+seq-mean), so the sum over ranks of their losses is the full-batch loss. Hence:
+  * replicated (non-expert) parameters: each rank's gradient is its share of the full-batch
+    gradient, and an all-reduce with SUM gives the full-batch gradient;
+  * expert parameters: each lives on one EP rank and already receives the gradient of every
+    rank's tokens through dispatch/combine autograd, so they are NOT all-reduced.
+Every rank runs exactly one forward and one backward per step (an empty rank runs a dummy
+row), because the EP all-to-alls are collectives.
+
+Old-policy logprobs: one optimizer step per batch, so "old" is the current policy detached
+(ratio 1 at the step); truncated importance sampling weighs each token by
+``min(exp(old - rollout), tis_cap)`` against the engine's logprobs (app/trainer/grpo.py).
+
+Policy versions (DESIGN.md §3): version 0 is the initial policy, published before the first
+step if the store has none; every ``trainer.publish_every`` steps the next version is
+published and announced. Metrics: one JSON line per step in ``<run_dir>/metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import typer
+from torch import nn
+
+from app.config import RunConfig
+from app.trainer.batch import TrainBatch, collate_groups, split_groups
+from app.trainer.grpo import finish_stats, grpo_loss, token_entropy, token_logprobs
+
+log = logging.getLogger("moerl.train")
+
+cli = typer.Typer(add_completion=False, help="Run a GRPO trainer rank (start with torchrun).")
+
+
+@dataclass
+class TrainState:
+    """What the loop carries from step to step (issue 4 will save and restore it)."""
+
+    step: int = 0  # optimizer steps attempted (skipped ones included)
+    version: int = 0  # last published policy version
+    bad_steps: int = 0  # skipped (non-finite) steps in total
+    bad_in_row: int = 0
+    samples: int = 0  # samples trained on
+    overstale: int = 0  # groups dropped here for exceeding max_staleness (the buffer should)
+    started: float = field(default_factory=time.time)
+
+
+# --------------------------------------------------------------------------------------------
+# Process group and model
+
+
+def init_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
+    """Join (or, outside torchrun, create a one-rank) process group: nccl on GPU, gloo on CPU.
+
+    Returns:
+        ``(rank, world_size, device)``.
+    """
+    if "RANK" not in os.environ:  # plain `python -m app.cli train`: a group of one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s)
+        )
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def build_model(cfg: RunConfig, ep, device: torch.device) -> nn.Module:
+    """The policy from ``model.path`` (an HF checkpoint) or, without one, the preset's random init.
+
+    Replicated parameters are then broadcast from rank 0 so that every rank starts identical.
+    """
+    from app.model.checkpoint import load_policy
+    from app.model.config import tiny_config, validate_config
+    from app.model.policy import build_policy
+
+    dtype = getattr(torch, cfg.model.dtype)
+    if cfg.model.path:
+        model = load_policy(cfg.model.path, cfg.router, ep, device=device, dtype=dtype)
+    else:
+        config = tiny_config(cfg.model.preset)
+        validate_config(config, ep.size)
+        # build_policy's init is EP-invariant: the same seed gives the same global model.
+        model = build_policy(config, cfg.router, ep, device=device, dtype=dtype, seed=cfg.task.seed)
+    if dist.get_world_size() > 1:
+        expert = expert_param_ids(model) if ep.size > 1 else set()
+        for p in model.parameters():
+            if id(p) not in expert:
+                dist.broadcast(p.data, src=0)
+    return model
+
+
+def expert_param_ids(model: nn.Module) -> set[int]:
+    """ids of the routed-expert parameters (sharded over EP ranks; never all-reduced)."""
+    from app.model.moe import MoEBlock
+
+    ids: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, MoEBlock):
+            ids.update(id(p) for p in m.experts.parameters())
+    return ids
+
+
+# --------------------------------------------------------------------------------------------
+# One step
+
+
+def reduce_replicated_grads(params: list[nn.Parameter]) -> None:
+    """All-reduce (SUM) the gradients of replicated parameters in one flat buffer.
+
+    A parameter that got no gradient on this rank contributes zeros, so every rank sends the
+    same layout.
+    """
+    if dist.get_world_size() == 1 or not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n
+
+
+def clip_grad_norm(replicated: list[nn.Parameter], sharded: list[nn.Parameter], max_norm: float) -> float:
+    """Clip by the global gradient norm of the whole (EP-sharded) model; returns the norm.
+
+    ``norm^2 = sum(replicated grads^2)`` (identical on every rank after the all-reduce)
+    ``+ all_reduce_SUM(sum(local expert grads^2))``. The result equals
+    ``torch.nn.utils.clip_grad_norm_`` on the unsharded model.
+    """
+    def sq(params):
+        gs = [p.grad.float().square().sum() for p in params if p.grad is not None]
+        return torch.stack(gs).sum() if gs else torch.zeros(())
+
+    rep = sq(replicated)
+    shard = sq(sharded).to(rep.device)
+    if sharded and dist.get_world_size() > 1:  # same on every rank: EP shards all ranks
+        dist.all_reduce(shard, op=dist.ReduceOp.SUM)
+    norm = float((rep + shard).sqrt())
+    if math.isfinite(norm) and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in replicated + sharded:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm
+
+
+def dummy_batch(pad_id: int) -> TrainBatch:
+    """A one-row batch with an empty completion mask: lets a rank with no groups join the
+    step's collectives while adding nothing to the loss."""
+    z = torch.zeros((1, 2))
+    return TrainBatch(
+        input_ids=torch.full((1, 2), pad_id, dtype=torch.int64),
+        attention_mask=torch.ones((1, 2), dtype=torch.int64),
+        completion_mask=z.clone(), rollout_logprobs=z.clone(), advantages=torch.zeros(1),
+        rewards=torch.zeros(1), group_ids=torch.zeros(1, dtype=torch.int64),
+        policy_versions=torch.zeros(1, dtype=torch.int64), sample_ids=[],
+    )
+
+
+def train_step(
+    cfg: RunConfig,
+    model: nn.Module,
+    ref_model: nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    batch: TrainBatch,
+    replicated: list[nn.Parameter],
+    sharded: list[nn.Parameter],
+) -> tuple[bool, dict[str, float]]:
+    """Forward, loss, backward, gradient all-reduce and clipping, optimizer step. Collective.
+
+    Returns:
+        ``(applied, stats)``: ``applied`` is False (on every rank) when the loss or the gradient
+        norm was not finite; the optimizer step is then skipped and the gradients dropped.
+    """
+    t = cfg.trainer
+    temp = cfg.rollout.temperature
+    mask = batch.completion_mask
+    counts = torch.stack([mask.sum(), (mask.sum(-1) > 0).float().sum()])
+    if dist.get_world_size() > 1:
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    denominator = counts[0] if t.loss_agg == "token-mean" else counts[1]
+
+    model.train()
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logp = token_logprobs(logits, batch.input_ids, temp)
+    ref_logp = None
+    if ref_model is not None:
+        with torch.no_grad():
+            ref_logits = ref_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            ref_logp = token_logprobs(ref_logits, batch.input_ids, temp)
+    out = grpo_loss(
+        logp, logp.detach(), batch.advantages, batch.completion_mask,
+        clip_eps_low=t.clip_eps_low, clip_eps_high=t.clip_eps_high, loss_agg=t.loss_agg,
+        denominator=denominator, rollout_logprobs=batch.rollout_logprobs, tis_cap=t.tis_cap,
+        ref_logprobs=ref_logp, kl_coef=t.kl_coef,
+    )
+    loss = out.loss
+    aux = [m.last_aux_loss for m in model.modules() if getattr(m, "last_aux_loss", None) is not None]
+    if aux and cfg.router.aux_loss_coef > 0:
+        # Each rank's aux loss covers its own tokens; /world makes the rank sum their average.
+        loss = loss + cfg.router.aux_loss_coef * torch.stack(aux).sum() / dist.get_world_size()
+    sums = dict(out.sums)
+    if t.log_entropy:
+        sums["entropy"] = (token_entropy(logits.detach(), temp) * batch.completion_mask).sum()
+    # Each rank's loss is its share of the full-batch loss (global denominator): SUM them.
+    sums["loss"] = loss.detach()
+
+    # Every rank must agree before backward: a rank skipping it would strand the others in
+    # the combine/dispatch all-to-alls of the backward pass.
+    bad = torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=loss.device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    grad_norm = float("nan")
+    applied = False
+    if bad.item() == 0:
+        loss.backward()
+        reduce_replicated_grads(replicated)
+        grad_norm = clip_grad_norm(replicated, sharded, t.grad_clip)
+        if math.isfinite(grad_norm):
+            optimizer.step()
+            applied = True
+    optimizer.zero_grad(set_to_none=True)
+
+    keys = sorted(sums)
+    vec = torch.stack([sums[k].float().reshape(()) for k in keys]).to(counts.device)
+    mkeys = sorted(out.maxima)
+    mvec = torch.stack([out.maxima[k].float().reshape(()) for k in mkeys]).to(counts.device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(vec, op=dist.ReduceOp.SUM)
+        dist.all_reduce(mvec, op=dist.ReduceOp.MAX)
+    reduced = dict(zip(keys, vec.cpu()))
+    full_loss = float(reduced.pop("loss"))
+    stats = finish_stats(reduced, dict(zip(mkeys, mvec.cpu())))
+    stats["loss"] = full_loss
+    stats["grad_norm"] = grad_norm
+    return applied, stats
+
+
+# --------------------------------------------------------------------------------------------
+# Batches from the buffer (rank 0) and their scatter
+
+
+class Stop(Exception):
+    """Raised on every rank when rank 0 says the run must end (signal or error)."""
+
+
+def take_groups(buffer, cfg: RunConfig, version: int, should_stop) -> tuple[list, float]:
+    """Rank 0: block until ``groups_per_step`` whole groups are taken (or time out).
+
+    Returns:
+        ``(groups, seconds waited)``.
+
+    Raises:
+        TimeoutError: fewer groups than needed arrived within ``trainer.batch_timeout_s``.
+        Stop: ``should_stop()`` became true while waiting.
+    """
+    n = cfg.trainer.groups_per_step
+    t0 = time.monotonic()
+    groups: list = []
+    while len(groups) < n:
+        if should_stop():
+            raise Stop("stop requested while waiting for a batch")
+        waited = time.monotonic() - t0
+        if waited > cfg.trainer.batch_timeout_s:
+            raise TimeoutError(
+                f"only {len(groups)}/{n} GRPO groups arrived within trainer.batch_timeout_s="
+                f"{cfg.trainer.batch_timeout_s:g}s from {cfg.buffer.redis_url} "
+                f"(run {cfg.run_id!r}): are rollout workers running?"
+            )
+        got = buffer.take_batch(n - len(groups), trainer_version=version, timeout_s=1.0)
+        groups.extend(got)
+    return groups, time.monotonic() - t0
+
+
+def scatter_groups(payload: dict | None, rank: int) -> dict:
+    """Broadcast rank 0's step payload ``{"parts": [groups per rank], "error": str|None,
+    "stop": bool}`` and return it on every rank. Raises `Stop` / RuntimeError everywhere if
+    rank 0 reported one."""
+    box = [payload if rank == 0 else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    msg = box[0]
+    if msg["error"]:
+        raise RuntimeError(msg["error"])
+    if msg["stop"]:
+        raise Stop("stop requested")
+    return msg
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+
+
+def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainState:
+    """Train for ``trainer.steps`` steps (this rank's part). Returns the final state.
+
+    Raises:
+        NotImplementedError: ``resume`` (training state arrives with issue 4).
+        ValueError: ``ep.size`` is neither 1 nor the world size; the store already holds
+            policy versions of this run (start a new ``run_id`` or resume).
+        TimeoutError / RuntimeError: no batch in time, too many non-finite steps in a row,
+            a failed publish — raised on every rank with the same message.
+    """
+    from app.buffer import ExperienceBuffer
+    from app.model.parallel import init_ep
+    from app.storage import open_store
+    from app.storage.policy import latest_policy_version
+    from app.trainer.publish import publish_version
+
+    if resume:
+        raise NotImplementedError(
+            "--resume needs saved training state (optimizer, step, RNG, buffer cursor), which "
+            "arrives with issue 4; start a new run_id instead"
+        )
+    t = cfg.trainer
+    if t.algorithm != "grpo":
+        raise ValueError(f"trainer.algorithm={t.algorithm!r}: only 'grpo' is implemented (PPO: issue 9)")
+    rank, world, device = init_distributed(timeout_s=t.batch_timeout_s + 600)
+    if cfg.ep.size not in (1, world):
+        raise ValueError(
+            f"ep.size={cfg.ep.size} must be 1 or the number of trainer ranks ({world}): EP ranks "
+            "are the data-parallel ranks"
+        )
+    torch.manual_seed(cfg.task.seed)
+    ep = init_ep(cfg.ep)
+    store = open_store(cfg.store_url)
+    buffer = ExperienceBuffer.from_config(cfg) if rank == 0 else None
+
+    model = build_model(cfg, ep, device)
+    ref_model = None
+    if t.kl_coef > 0:
+        ref_model = build_model(cfg, ep, device).eval().requires_grad_(False)
+    sharded_ids = expert_param_ids(model) if ep.size > 1 else set()
+    params = [p for p in model.parameters() if p.requires_grad]
+    replicated = [p for p in params if id(p) not in sharded_ids]
+    sharded = [p for p in params if id(p) in sharded_ids]
+    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+    pad_id = getattr(model.config, "pad_token_id", None) or 0
+
+    stop_requested = False
+
+    def on_signal(signum, frame):
+        nonlocal stop_requested
+        stop_requested = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    work_dir = run_dir / "trainer-publish"
+    metrics_path = run_dir / "metrics.jsonl"
+    state = TrainState()
+
+    def publish(version: int) -> tuple[str, float]:
+        return publish_version(
+            model, ep, version, store=store, run_id=cfg.run_id, work_dir=work_dir,
+            keep=t.keep_versions, buffer=buffer, tokenizer_source=cfg.model.path,
+        )
+
+    # Version 0 is the starting policy; a store that already has versions belongs to another
+    # (or a crashed) run of this run_id, and mixing them would break the version contract.
+    existing = [latest_policy_version(store, cfg.run_id) if rank == 0 else None]
+    dist.broadcast_object_list(existing, src=0)
+    if existing[0] is not None:
+        raise ValueError(
+            f"{cfg.store_url}: run {cfg.run_id!r} already has policy v{existing[0]}; use a new "
+            "run_id (resume arrives with issue 4)"
+        )
+    uri, secs = publish(0)
+    if rank == 0:
+        log.info("published initial policy v0 -> %s (%.1fs)", uri, secs)
+
+    metrics_file = open(metrics_path, "a") if rank == 0 else None
+    try:
+        while state.step < t.steps:
+            payload = None
+            wait_s = 0.0
+            if rank == 0:
+                payload = {"parts": None, "error": None, "stop": False, "meta": {}}
+                try:
+                    groups, wait_s = take_groups(buffer, cfg, state.version, lambda: stop_requested)
+                    fresh = [g for g in groups
+                             if state.version - g.policy_version <= cfg.buffer.max_staleness]
+                    state.overstale += len(groups) - len(fresh)
+                    payload["parts"] = split_groups(fresh, world)
+                    payload["meta"] = batch_meta(fresh, state.version)
+                except Stop:
+                    payload["stop"] = True
+                except Exception as e:
+                    payload["error"] = f"rank 0 could not take a batch: {e}"
+            if stop_requested and rank == 0:
+                payload["stop"] = True
+            msg = scatter_groups(payload, rank)
+            t0 = time.perf_counter()
+            my_groups = msg["parts"][rank]
+            batch = collate_groups(my_groups, pad_id=pad_id, scale_by_std=t.scale_by_std)
+            if batch.input_ids.shape[0] == 0:
+                batch = dummy_batch(pad_id)
+            batch = batch.to(device)
+            applied, stats = train_step(cfg, model, ref_model, optimizer, batch, replicated, sharded)
+            state.step += 1
+            step_s = time.perf_counter() - t0
+            if applied:
+                state.bad_in_row = 0
+                state.samples += int(msg["meta"].get("samples", 0))
+            else:
+                state.bad_steps += 1
+                state.bad_in_row += 1
+                log.warning("step %d: non-finite loss or gradient; step skipped (%d in a row)",
+                            state.step, state.bad_in_row)
+            give_up = state.bad_in_row >= t.max_bad_steps
+            publish_s = 0.0
+            if not give_up and (state.step % t.publish_every == 0 or state.step == t.steps):
+                uri, publish_s = publish(state.version + 1)
+                state.version += 1
+            if rank == 0:
+                record = {
+                    "time": time.time(), "step": state.step, "policy_version": state.version,
+                    "applied": applied, "bad_steps": state.bad_steps, **msg["meta"],
+                    **{k: v for k, v in stats.items()}, "lr": t.lr,
+                    "wait_s": wait_s, "step_s": step_s, "publish_s": publish_s,
+                    "samples_total": state.samples, "overstale_dropped": state.overstale,
+                    "buffer": buffer.stats(),
+                }
+                metrics_file.write(json.dumps(record, allow_nan=True) + "\n")
+                metrics_file.flush()
+                log.info(
+                    "step %d v%d loss %.4f reward %.3f grad_norm %.3f clip %.3f tis %.3f "
+                    "wait %.1fs step %.2fs",
+                    state.step, state.version, stats["loss"], msg["meta"].get("reward_mean", float("nan")),
+                    stats["grad_norm"], stats["clip_frac"], stats.get("tis", 1.0), wait_s, step_s,
+                )
+            if give_up:
+                raise RuntimeError(
+                    f"{state.bad_in_row} steps in a row had a non-finite loss or gradient "
+                    f"(trainer.max_bad_steps={t.max_bad_steps}); stopping at step {state.step}, "
+                    f"policy v{state.version}. Lower trainer.lr or check the rollout logprobs."
+                )
+    except Stop:
+        log.info("stop requested: ending at step %d, policy v%d", state.step, state.version)
+    finally:
+        if metrics_file is not None:
+            metrics_file.close()
+    return state
+
+
+def batch_meta(groups: list, version: int) -> dict:
+    """Rank 0's summary of a step's groups: rewards and staleness (whole batch)."""
+    samples = [s for g in groups for s in g.samples]
+    rewards = [float(s.reward) for s in samples]
+    stale = [version - int(s.policy_version) for s in samples]
+    lengths = [len(s.completion_ids) for s in samples]
+    n = max(len(samples), 1)
+    return {
+        "groups": len(groups),
+        "samples": len(samples),
+        "reward_mean": sum(rewards) / n if samples else float("nan"),
+        "reward_max": max(rewards, default=float("nan")),
+        "completion_len_mean": sum(lengths) / n,
+        "staleness_mean": sum(stale) / n,
+        "staleness_max": max(stale, default=0),
+    }
+
+
+@cli.command()
+def train(
+    config: Path = typer.Option(..., "--config", exists=True, dir_okay=False, help="Run config YAML."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the newest training state."),
+    run_dir: Path = typer.Option(None, "--run-dir", help="Where metrics.jsonl goes; default runs/<run_id>."),
+) -> None:
+    """Run one trainer rank. Start every rank with torchrun (``--nproc-per-node = ep.size``)."""
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(message)s"
+    )
+    cfg = RunConfig.load(config)
+    state = None
+    try:
+        state = run_training(cfg, run_dir or Path("runs") / cfg.run_id, resume=resume)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if state is not None and int(os.environ.get("RANK", "0")) == 0:
+        typer.echo(json.dumps({"done": True, **asdict(state)}))
