@@ -1,0 +1,445 @@
+"""Hugging Face safetensors checkpoints of the policy, written and read shard-wise under EP.
+
+A checkpoint directory holds ``config.json``, ``generation_config.json``,
+``model-0000X-of-0000N.safetensors`` and ``model.safetensors.index.json`` (``weight_map``: tensor
+name -> shard file; ``metadata.total_size``: bytes), the layout of transformers'
+``save_pretrained`` (docs: "Sharded checkpoints"). Expert weights are stored per expert under the
+Hub names, ``model.layers.L.mlp.experts.E.{gate_proj,up_proj,down_proj}.weight``, which stock
+transformers (it fuses them on load with its ``qwen2_moe`` weight-conversion rules) and SGLang
+both read.
+
+Saving under EP: every rank derives the same shard plan from the config alone (no
+communication), then writes only the shards holding its own experts; rank 0 also writes the
+non-expert shards, the index and the configs. We chose this over gathering to rank 0 because no
+rank ever holds more than its own experts (the whole point of EP: DeepSeek-V3's experts do not
+fit one host) and the ranks write in parallel. The directory must be visible to every EP rank
+(one host, or a shared filesystem); the trainer uploads the finished directory to the store.
+
+Loading: all shard headers are read and checked against the config first (names, shapes, missing
+shards), then each rank reads only the non-expert tensors and its local experts' tensors. The
+fused layout that transformers 5 writes with ``save_pretrained(save_original_format=False)``
+(``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``) is accepted too;
+a rank then reads only its rows of those tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+
+from app.config import RouterConfig
+from app.model.config import validate_config
+from app.model.parallel import EPContext
+from app.model.policy import build_policy, moe_blocks
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+_PER_EXPERT = ("gate_proj", "up_proj", "down_proj")
+
+
+# ---------------------------------------------------------------- the HF view of our tensors
+
+
+@dataclass
+class _HFTensor:
+    """One checkpoint tensor: its Hub name, shape, dtype, which EP rank writes it, and (on that
+    rank) a function returning its value."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    owner: int
+    get: Callable[[], torch.Tensor] | None
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class _ExpertParam:
+    """A fused expert parameter of one MoE layer: ``gate_up`` [E_local, 2I, H] or ``down``
+    [E_local, H, I]; ``prefix`` is ``model.layers.L.mlp.experts``."""
+
+    prefix: str
+    kind: str
+    param: torch.Tensor
+    offset: int
+    n_local: int
+    n_total: int
+
+
+def _split_state(model: PreTrainedModel, ep: EPContext) -> tuple[dict[str, torch.Tensor], list[_ExpertParam]]:
+    """The model's state as (non-expert tensors by name, fused expert parameters)."""
+    experts: list[_ExpertParam] = []
+    expert_names: set[str] = set()
+    for layer, block in moe_blocks(model):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        n_local = block.num_local_experts
+        if block.local_expert_offset != ep.rank * n_local:
+            raise ValueError(
+                f"{prefix}: local_expert_offset {block.local_expert_offset} does not match EP rank "
+                f"{ep.rank} x {n_local} local experts; was the model built with this EPContext?"
+            )
+        for kind, param in (("gate_up", block.experts.gate_up_proj), ("down", block.experts.down_proj)):
+            experts.append(_ExpertParam(prefix, kind, param, block.local_expert_offset, n_local, n_local * ep.size))
+        expert_names |= {f"{prefix}.gate_up_proj", f"{prefix}.down_proj"}
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # tied to the embedding; the Hub omits it
+    others = {k: v for k, v in state.items() if k not in expert_names}
+    return others, experts
+
+
+def _per_expert_tensors(ep_param: _ExpertParam, rank: int) -> list[_HFTensor]:
+    """Hub per-expert tensors of one fused parameter for the experts EP rank ``rank`` owns.
+
+    Values are available (``get``) only for this process's own experts.
+    """
+    p = ep_param.param
+    mine = rank == ep_param.offset // ep_param.n_local
+    out = []
+    for i in range(ep_param.n_local):
+        e = rank * ep_param.n_local + i
+        if ep_param.kind == "gate_up":
+            inter = p.shape[1] // 2
+            for j, proj in enumerate(("gate_proj", "up_proj")):
+                get = (lambda i=i, j=j: p[i, j * inter : (j + 1) * inter]) if mine else None
+                out.append(_HFTensor(f"{ep_param.prefix}.{e}.{proj}.weight", (inter, p.shape[2]), p.dtype, rank, get))
+        else:
+            get = (lambda i=i: p[i]) if mine else None
+            out.append(_HFTensor(f"{ep_param.prefix}.{e}.down_proj.weight", tuple(p.shape[1:]), p.dtype, rank, get))
+    return out
+
+
+def _hf_tensors(model: PreTrainedModel, ep: EPContext) -> list[_HFTensor]:
+    """Every tensor of the full checkpoint in write order: rank 0's non-expert tensors, then
+    each rank's experts (layer, expert, gate/up/down). Identical on every rank except ``get``."""
+    others, experts = _split_state(model, ep)
+    out = [_HFTensor(k, tuple(v.shape), v.dtype, 0, lambda v=v: v) for k, v in others.items()]
+    for rank in range(ep.size):
+        by_layer: dict[str, list[_HFTensor]] = defaultdict(list)
+        for ep_param in experts:
+            by_layer[ep_param.prefix] += _per_expert_tensors(ep_param, rank)
+        for tensors in by_layer.values():
+            tensors.sort(key=lambda t: (int(t.name.split(".")[-3]), _PER_EXPERT.index(t.name.split(".")[-2])))
+            out += tensors
+    return out
+
+
+def _plan_shards(tensors: list[_HFTensor], max_shard_bytes: int) -> list[list[_HFTensor]]:
+    """Pack tensors greedily, in order, into shards of at most ``max_shard_bytes`` (a bigger
+    tensor gets a shard of its own); a shard never mixes owners, so one rank writes it whole."""
+    shards: list[list[_HFTensor]] = []
+    size = 0
+    for t in tensors:
+        if not shards or shards[-1][0].owner != t.owner or size + t.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+# ---------------------------------------------------------------- save
+
+
+def _all_ok(ok: bool, ep: EPContext) -> bool:
+    """True on every rank iff ``ok`` is True on every EP rank (an all-reduce MIN, which also acts
+    as a barrier). Unlike a bare barrier it cannot hang when one rank failed: every rank learns."""
+    if ep.size == 1 or ep.group is None:
+        return ok
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(ep.group) == "nccl" else "cpu"
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ep.group)
+    return bool(flag.item())
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def save_policy(
+    model: PreTrainedModel,
+    out_dir: str | os.PathLike,
+    ep: EPContext,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> Path:
+    """Write the policy as a Hugging Face checkpoint directory; call on every EP rank.
+
+    Files go into ``.<name>.partial`` beside ``out_dir`` and the directory is renamed to
+    ``out_dir`` once every rank has written its shards, so ``out_dir`` never holds a partial
+    checkpoint. Tensors are written in their own dtype (router weights stay float32).
+
+    Args:
+        model: a policy from `build_policy` / `load_policy` with this ``ep``.
+        out_dir: the checkpoint directory to create (visible to all EP ranks).
+        ep: this process's EP place.
+        max_shard_bytes: upper bound of one shard file's tensor bytes (a larger tensor gets its
+            own shard).
+        overwrite: replace an existing ``out_dir`` (old directory moved aside, then deleted).
+
+    Returns:
+        ``Path(out_dir)``, complete on every rank when this returns.
+
+    Raises:
+        FileExistsError: ``out_dir`` exists and not ``overwrite`` (raised on every rank, nothing
+            written).
+        ValueError: ``max_shard_bytes`` < 1, or the model's experts do not match ``ep``.
+        RuntimeError: another EP rank failed while writing (the partial directory is removed).
+    """
+    out_dir = Path(out_dir)
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes: must be >= 1, got {max_shard_bytes}")
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir}: already exists (pass overwrite=True to replace it)")
+    shards = _plan_shards(_hf_tensors(model, ep), max_shard_bytes)
+    n = len(shards)
+    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    tmp = out_dir.parent / f".{out_dir.name}.partial"
+
+    error: BaseException | None = None
+    if ep.rank == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)  # left over from a crashed save
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            error = e
+    if not _all_ok(error is None, ep):
+        raise error or RuntimeError(f"{tmp}: EP rank 0 could not create the directory")
+
+    try:
+        for name, shard in zip(names, shards):
+            if shard[0].owner == ep.rank:
+                tensors = {t.name: t.get().detach().to("cpu", copy=True).contiguous() for t in shard}
+                save_file(tensors, tmp / name, metadata={"format": "pt"})
+                _fsync(tmp / name)
+    except Exception as e:  # noqa: BLE001 - reported to every rank below
+        error = e
+    if _all_ok(error is None, ep) and ep.rank == 0:
+        try:
+            _write_metadata(model, tmp, shards, names)
+            if out_dir.exists():
+                old = out_dir.parent / f".{out_dir.name}.old"
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(out_dir, old)
+                os.replace(tmp, out_dir)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, out_dir)
+        except Exception as e:  # noqa: BLE001
+            error = e
+    if not _all_ok(error is None, ep):
+        if ep.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise error or RuntimeError(f"{out_dir}: another EP rank failed to write its shards")
+    return out_dir
+
+
+def _write_metadata(model: PreTrainedModel, tmp: Path, shards: list[list[_HFTensor]], names: list[str]) -> None:
+    """Index, config.json and generation_config.json into ``tmp`` (rank 0)."""
+    weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
+    total = sum(t.nbytes for shard in shards for t in shard)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    config.dtype = model.get_input_embeddings().weight.dtype
+    config.to_json_file(tmp / CONFIG_NAME)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(tmp)
+    for f in tmp.iterdir():
+        _fsync(f)
+
+
+# ---------------------------------------------------------------- load
+
+
+def read_config(path: str | os.PathLike) -> PretrainedConfig:
+    """Read ``<path>/config.json`` with ``AutoConfig`` (local files only).
+
+    Raises:
+        FileNotFoundError: no config.json.
+        ValueError: it does not parse or names an unknown model type (message names the file).
+    """
+    file = Path(path) / CONFIG_NAME
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: missing; a policy checkpoint directory needs config.json")
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - AutoConfig raises several types
+        raise ValueError(f"{file}: cannot read config: {e}") from None
+
+
+def _read_headers(path: Path) -> dict[str, tuple[tuple[int, ...], Path]]:
+    """Tensor name -> (shape, shard file) from the index (or the single file) and shard headers.
+
+    Raises:
+        FileNotFoundError: no weights file, or a shard named in the index is missing.
+        ValueError: the index does not parse, or names a tensor its shard does not hold.
+    """
+    index_file, single = path / INDEX_NAME, path / SINGLE_NAME
+    if index_file.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index_file}: not a valid safetensors index ({e})") from None
+        files = sorted(set(weight_map.values()))
+    elif single.is_file():
+        weight_map, files = {}, [SINGLE_NAME]
+    else:
+        raise FileNotFoundError(f"{path}: no {INDEX_NAME} and no {SINGLE_NAME}")
+    for name in files:
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"{path / name}: shard listed in {INDEX_NAME} is missing")
+    headers: dict[str, tuple[tuple[int, ...], Path]] = {}
+    for name in files:
+        try:
+            with safe_open(path / name, framework="pt") as f:
+                for key in f.keys():
+                    headers[key] = (tuple(f.get_slice(key).get_shape()), path / name)
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
+            raise ValueError(f"{path / name}: not a readable safetensors file ({e})") from None
+    for key, name in weight_map.items():
+        if key not in headers or headers[key][1].name != name:
+            raise ValueError(f"{path / name}: tensor {key} is listed in {INDEX_NAME} but not in this shard")
+    return headers
+
+
+@dataclass
+class _Copy:
+    """Read ``rows`` (None: all) of checkpoint tensor ``key`` into ``dst``."""
+
+    key: str
+    dst: torch.Tensor
+    rows: tuple[int, int] | None = None
+
+
+def _plan_load(
+    model: PreTrainedModel, ep: EPContext, headers: dict[str, tuple[tuple[int, ...], Path]], path: Path
+) -> list[_Copy]:
+    """Match checkpoint tensors to the model's parameters, checking names and shapes of the full
+    checkpoint (all experts). Returns the copies this rank needs (works on a meta model too).
+
+    Raises:
+        ValueError: a tensor is missing, unexpected, or has the wrong shape (named, with file).
+    """
+    config = model.config
+    others, experts = _split_state(model, ep)
+    copies: list[_Copy] = []
+    used: set[str] = set()
+
+    def expect(key: str, shape: tuple[int, ...]) -> None:
+        if key not in headers:
+            raise ValueError(f"{path}: tensor {key} is missing from the checkpoint (config expects shape {list(shape)})")
+        got, file = headers[key]
+        if got != shape:
+            raise ValueError(f"{file}: tensor {key} has shape {list(got)}, config expects {list(shape)}")
+        used.add(key)
+
+    for key, dst in others.items():
+        expect(key, tuple(dst.shape))
+        copies.append(_Copy(key, dst))
+    for ep_param in experts:
+        p, lo, hi = ep_param.param, ep_param.offset, ep_param.offset + ep_param.n_local
+        fused_key = f"{ep_param.prefix}.{'gate_up_proj' if ep_param.kind == 'gate_up' else 'down_proj'}"
+        if fused_key in headers:  # transformers 5 fused layout
+            expect(fused_key, (ep_param.n_total, *p.shape[1:]))
+            copies.append(_Copy(fused_key, p, (lo, hi)))
+            continue
+        for rank in range(ep.size):
+            for t in _per_expert_tensors(ep_param, rank):
+                expect(t.name, t.shape)
+        for i in range(ep_param.n_local):
+            e = lo + i
+            if ep_param.kind == "gate_up":
+                inter = p.shape[1] // 2
+                copies.append(_Copy(f"{ep_param.prefix}.{e}.gate_proj.weight", p[i, :inter]))
+                copies.append(_Copy(f"{ep_param.prefix}.{e}.up_proj.weight", p[i, inter:]))
+            else:
+                copies.append(_Copy(f"{ep_param.prefix}.{e}.down_proj.weight", p[i]))
+
+    # Tolerated extras: tied lm_head, rotary caches of old exports, DeepSeek MTP layers
+    # (transformers ignores these too: DeepseekV3PreTrainedModel._keys_to_ignore_on_load_unexpected).
+    n_layers = config.num_hidden_layers
+    n_mtp = getattr(config, "num_nextn_predict_layers", 0) or 0
+    mtp = re.compile(rf"^model\.layers\.({'|'.join(str(n_layers + i) for i in range(n_mtp)) or '-'})\.")
+    for key in sorted(set(headers) - used):
+        if key.endswith("rotary_emb.inv_freq") or mtp.match(key):
+            continue
+        if key == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        raise ValueError(f"{headers[key][1]}: tensor {key} does not belong to a {config.model_type} model with this config")
+    return copies
+
+
+def load_policy(
+    path: str | os.PathLike,
+    router: RouterConfig,
+    ep: EPContext,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> PreTrainedModel:
+    """Load a Hugging Face checkpoint directory as the policy, with this rank's experts only.
+
+    Every check (config, EP divisibility, shards present, every tensor's name and shape) runs
+    on headers and a shape-only (meta) model before any memory is allocated or tensor read.
+
+    Args:
+        path: directory with config.json and ``model.safetensors`` or an index plus shards;
+            per-expert (Hub) or fused (transformers 5) expert layout.
+        router, ep, device, dtype: as for `build_policy`.
+
+    Returns:
+        The policy (see `build_policy`), in eval mode like ``from_pretrained``.
+
+    Raises:
+        FileNotFoundError: missing config.json, weights or a shard (named).
+        ValueError: bad config for ``ep.size`` (field named) or a tensor missing, unexpected or
+            of the wrong shape (tensor and file named).
+    """
+    path = Path(path)
+    config = read_config(path)
+    try:
+        validate_config(config, ep.size)
+    except ValueError as e:
+        raise ValueError(f"{path / CONFIG_NAME}: {e}") from None
+    headers = _read_headers(path)
+    _plan_load(build_policy(config, router, ep, device="meta", init=False), ep, headers, path)
+
+    model = build_policy(config, router, ep, device=device, dtype=dtype, init=False)
+    copies = _plan_load(model, ep, headers, path)
+    by_file: dict[Path, list[_Copy]] = defaultdict(list)
+    for c in copies:
+        by_file[headers[c.key][1]].append(c)
+    with torch.no_grad():
+        for file, file_copies in by_file.items():
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for c in file_copies:
+                    if c.rows is None:
+                        c.dst.copy_(f.get_tensor(c.key))
+                    else:
+                        c.dst.copy_(f.get_slice(c.key)[c.rows[0] : c.rows[1]])
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
