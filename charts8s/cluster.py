@@ -1,0 +1,74 @@
+"""Cluster objects every workload relies on: namespace, service accounts, priority classes,
+quotas, and the ONE ConfigMap holding the run configuration all pods read."""
+
+from __future__ import annotations
+
+import yaml
+from constructs import Construct
+import cdk8s
+
+from app.config import RunConfig
+from charts8s.kube import api_object, k8s_module
+from charts8s.placement import labels
+from charts8s.workloads import Plan
+
+RUN_CONFIG_MAP = "moerl-run-config"
+RUN_CONFIG_KEY = "run.yaml"
+# Trainer above rollout: when GPUs are short the gang is placed first and rollout pods wait
+# (rollout only refills the buffer; a stalled trainer stalls the run).
+PRIORITY = {"moerl-trainer": 100000, "moerl-buffer": 90000, "moerl-rollout": 50000, "moerl-env": 40000}
+BUFFER_SERVICE = "moerl-buffer"
+REDIS_PORT = 6379
+
+
+def cluster_run_config(plan: Plan) -> RunConfig:
+    """The run config as mounted in the cluster: the user's, with the cluster's addresses.
+
+    buffer.redis_url -> the buffer Service; rollout.engine_url -> SGLang on loopback;
+    store_url -> the checkpoint bucket under run_prefix; model.path -> rollout.model_path if set.
+    """
+    run = plan.run.model_copy(deep=True)
+    run.buffer.redis_url = f"redis://{BUFFER_SERVICE}.{plan.namespace}.svc.cluster.local:{REDIS_PORT}/0"
+    run.rollout.engine_url = f"http://127.0.0.1:{plan.wl.rollout.engine_port}"
+    run.store_url = f"s3://{plan.cfg.checkpoint_bucket}/{plan.cfg.run_prefix}"
+    if plan.wl.rollout.model_path:
+        run.model.path = plan.wl.rollout.model_path
+    return run
+
+
+class ClusterChart(cdk8s.Chart):
+    """Namespace, service accounts (names match infra's Pod Identity associations), priority
+    classes, a ResourceQuota per GPU resource, and the run-config ConfigMap."""
+
+    def __init__(self, scope: Construct, plan: Plan):
+        super().__init__(scope, "cluster")
+        k8s, ns, cfg = k8s_module(plan.cfg.k8s_version), plan.namespace, plan.cfg
+        api_object(self, k8s.KubeNamespace, ns, labels={
+            **labels("moerl"),
+            # Pod Security Admission: reject anything beyond the "restricted" profile.
+            "pod-security.kubernetes.io/enforce": "restricted",
+        })
+        for sa in sorted({cfg.trainer_service_account, cfg.rollout_service_account, "moerl-buffer", "moerl-env"}):
+            # Only pods that call AWS (trainer, rollout: S3 via Pod Identity) get a token mounted.
+            aws = sa in (cfg.trainer_service_account, cfg.rollout_service_account)
+            api_object(self, k8s.KubeServiceAccount, sa, ns, labels=labels(sa),
+                       automountServiceAccountToken=aws)
+        for name, value in PRIORITY.items():
+            api_object(self, k8s.KubePriorityClass, name, labels=labels(name), value=value,
+                       globalDefault=False, preemptionPolicy="PreemptLowerPriority" if name == "moerl-trainer" else "Never",
+                       description=f"moerl {name.removeprefix('moerl-')} pods")
+        gpus = plan.trainer_world_size + plan.rollout_replicas * plan.gpus_per_rollout
+        efa = plan.trainer_nodes * plan.efa_per_trainer + plan.rollout_replicas * plan.efa_per_rollout
+        api_object(self, k8s.KubeResourceQuota, "moerl-accelerators", ns, labels=labels("moerl"), spec={
+            "hard": {"requests.nvidia.com/gpu": str(gpus), "requests.vpc.amazonaws.com/efa": str(efa)}})
+        api_object(self, k8s.KubeLimitRange, "moerl-defaults", ns, labels=labels("moerl"), spec={
+            "limits": [{"type": "Container", "defaultRequest": {"cpu": "100m", "memory": "128Mi"},
+                        "default": {"cpu": "1", "memory": "1Gi"}}]})
+        text = yaml.safe_dump(cluster_run_config(plan).model_dump(mode="json"), sort_keys=False)
+        api_object(self, k8s.KubeConfigMap, RUN_CONFIG_MAP, ns, labels=labels("moerl"), data={RUN_CONFIG_KEY: text})
+
+
+def run_config_volume() -> tuple[dict, dict]:
+    """(volume, volumeMount) mounting the run config at /etc/moerl/run.yaml, read-only."""
+    return ({"name": "run-config", "configMap": {"name": RUN_CONFIG_MAP}},
+            {"name": "run-config", "mountPath": "/etc/moerl", "readOnly": True})

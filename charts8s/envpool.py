@@ -1,0 +1,57 @@
+"""The env pool: CPU pods on env-cpu (Spot) serving reward/verifier calls to rollout workers."""
+
+from __future__ import annotations
+
+import cdk8s
+from constructs import Construct
+
+from app.torchx_component import CLUSTER_CONFIG
+from charts8s.cluster import run_config_volume
+from charts8s.kube import api_object, k8s_module
+from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
+
+NAME = "moerl-env"
+UID = 1000
+
+
+class EnvPoolChart(cdk8s.Chart):
+    """Deployment, Service, PodDisruptionBudget and NetworkPolicy (rollout pods only) of `moerl reward`."""
+
+    def __init__(self, scope: Construct, plan):
+        super().__init__(scope, "envpool")
+        k8s, ns, lab, e = k8s_module(plan.cfg.k8s_version), plan.namespace, labels(NAME), plan.wl.env
+        config_vol, config_mount = run_config_volume()
+        res = {"cpu": str(e.cpu), "memory": f"{e.memory_gi}Gi"}
+        probe = {"tcpSocket": {"port": e.port}, "periodSeconds": 10, "timeoutSeconds": 3, "failureThreshold": 3}
+        container = {
+            "name": "reward", "image": plan.images["env"], "imagePullPolicy": "IfNotPresent",
+            "command": ["moerl", "reward", "--config", CLUSTER_CONFIG, "--host", "0.0.0.0", "--port", str(e.port)],
+            "ports": [{"name": "http", "containerPort": e.port}],
+            "resources": {"requests": res, "limits": res},
+            "securityContext": container_security(),
+            "readinessProbe": probe, "livenessProbe": {**probe, "periodSeconds": 30},
+            "volumeMounts": [config_mount, {"name": "tmp", "mountPath": "/tmp"}],
+        }
+        api_object(self, k8s.KubeDeployment, NAME, ns, labels=lab, annotations=checkov_skips(
+            CKV_K8S_43="ECR repositories have immutable tags (infra/): a tag names exactly one digest"), spec={
+            "replicas": e.replicas, "selector": {"matchLabels": lab},
+            "template": {"metadata": {"labels": lab}, "spec": {
+                **on_pool(plan.pool("env-cpu"), spot=True),
+                "serviceAccountName": "moerl-env", "automountServiceAccountToken": False,
+                "priorityClassName": NAME, "securityContext": pod_security(UID),
+                "containers": [container],
+                "volumes": [config_vol, {"name": "tmp", "emptyDir": {"sizeLimit": "4Gi"}}],
+                "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                               "whenUnsatisfiable": "ScheduleAnyway",
+                                               "labelSelector": {"matchLabels": lab}}],
+            }},
+        })
+        api_object(self, k8s.KubeService, NAME, ns, labels=lab, spec={
+            "selector": lab, "ports": [{"name": "http", "port": 80, "targetPort": e.port}]})
+        api_object(self, k8s.KubePodDisruptionBudget, NAME, ns, labels=lab, spec={
+            "maxUnavailable": 1, "selector": {"matchLabels": lab}})
+        api_object(self, k8s.KubeNetworkPolicy, NAME, ns, labels=lab, spec={
+            "podSelector": {"matchLabels": lab}, "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": labels("moerl-rollout")}}],
+                         "ports": [{"protocol": "TCP", "port": e.port}]}],
+        })

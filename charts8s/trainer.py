@@ -1,0 +1,114 @@
+"""The trainer gang: a Volcano Job rendered by TorchX from app/torchx_component.py:trainer.
+
+Why Volcano (README, "Running on EKS"): it schedules the N pods as one gang (PodGroup
+minMember = N: all or none, so a half-placed job never holds p5en nodes idle), restarts the whole
+gang when any pod fails or is evicted (policy RestartJob), and it is what `torchx run -s
+kubernetes` submits, so both paths create the same object from the same AppDef.
+
+TorchX 0.7's renderer (torchx.schedulers.kubernetes_scheduler.app_to_resource) cannot express
+node selectors, tolerations, security contexts or a /dev/shm size; `place_gang` adds them.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import cdk8s
+from constructs import Construct
+from torchx.schedulers.kubernetes_scheduler import app_to_resource, sanitize_for_serialization
+
+from app.torchx_component import CLUSTER_CONFIG, trainer
+from charts8s.cluster import run_config_volume
+from charts8s.kube import api_object, k8s_module
+from charts8s.placement import container_security, labels, on_pool, pod_security
+from charts8s.volcano import VolcanoJob
+from charts8s.workloads import Plan
+
+JOB_NAME = "moerl-trainer"
+SERVICE = JOB_NAME  # headless Service: pods are <task>.<SERVICE>.<namespace>.svc
+QUEUE = "default"
+UID = 1000
+
+
+def trainer_appdef(plan: Plan):
+    """The TorchX AppDef of the cluster's trainer gang (sizes from the train-gpu pool)."""
+    spec = min(plan.pool("train-gpu").specs, key=lambda s: s.gpus)
+    return trainer(
+        image=plan.images["trainer"], nnodes=plan.trainer_nodes, nproc_per_node=plan.gpus_per_trainer,
+        gpus=plan.gpus_per_trainer, config=CLUSTER_CONFIG, resume=True, efa=plan.efa_per_trainer,
+        hugepages_mib=plan.wl.trainer.hugepages_2mi,
+        # Leave room for the kubelet, system daemons and the device plugins.
+        cpu=spec.vcpus - 8, mem_mb=int(spec.memory_gib * 1024 * 0.9) - plan.wl.trainer.hugepages_2mi,
+        rdzv_port=plan.wl.trainer.rdzv_port, max_retries=plan.wl.trainer.max_retries, name=JOB_NAME,
+    )
+
+
+def render_job(plan: Plan) -> dict:
+    """TorchX's Volcano Job for the trainer AppDef, with a fixed name (TorchX adds a random suffix)."""
+    with warnings.catch_warnings():
+        # TorchX warns about task-level retries of Volcano < 1.4; the gang restarts by job policy.
+        warnings.simplefilter("ignore", UserWarning)
+        job = app_to_resource(trainer_appdef(plan), QUEUE, plan.cfg.trainer_service_account,
+                              priority_class="moerl-trainer")
+    res = sanitize_for_serialization(job)
+    unique = res["metadata"]["name"]
+    # The suffix also appears in labels and the rendezvous id; one name keeps dist/ reproducible.
+    return json.loads(json.dumps(res).replace(unique, JOB_NAME))
+
+
+def place_gang(job: dict, plan: Plan) -> dict:
+    """Add what TorchX cannot express to every task: pool placement, security, DNS, volumes, env."""
+    pool = plan.pool("train-gpu")
+    spec = job["spec"]
+    spec["minAvailable"] = plan.trainer_nodes  # the gang: all replicas or none
+    # Our own headless Service replaces the svc plugin (see TrainerChart); keep the env plugin.
+    spec["plugins"] = {"env": []}
+    spec["policies"] = [{"event": "PodEvicted", "action": "RestartJob"}, {"event": "PodFailed", "action": "RestartJob"}]
+    config_vol, config_mount = run_config_volume()
+    for task in spec["tasks"]:
+        pod = task["template"]["spec"]
+        pod.update(on_pool(pool, spot=False))
+        pod["securityContext"] = pod_security(UID)
+        # Stable DNS name per replica through the headless Service: trainer-0.moerl-trainer.
+        pod["hostname"], pod["subdomain"] = task["name"], SERVICE
+        pod["priorityClassName"] = "moerl-trainer"
+        pod["automountServiceAccountToken"] = True  # Pod Identity for S3 checkpoints
+        for vol in pod["volumes"]:
+            if vol["name"] == "dshm":
+                # NCCL and CUDA IPC buffers; bounded so a leak cannot take the node's memory.
+                vol["emptyDir"]["sizeLimit"] = "256Gi"
+        pod["volumes"] += [config_vol, {"name": "tmp", "emptyDir": {"sizeLimit": "64Gi"}}]
+        (ctr,) = pod["containers"]
+        ctr["securityContext"] = container_security()
+        ctr["volumeMounts"] += [config_mount, {"name": "tmp", "mountPath": "/tmp"}]
+        ctr["imagePullPolicy"] = "IfNotPresent"
+        ctr["env"] += [{"name": "VC_TRAINER_0_HOSTS", "value": f"trainer-0.{SERVICE}.{plan.namespace}.svc.cluster.local"},
+                       {"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {
+                           "name": plan.wl.buffer.password_secret, "key": "password"}}}]
+        task["template"]["metadata"]["labels"].update(labels("moerl-trainer"))
+    return job
+
+
+class TrainerChart(cdk8s.Chart):
+    """The Volcano Job and the headless Service its replicas rendezvous through."""
+
+    def __init__(self, scope: Construct, plan: Plan):
+        super().__init__(scope, "trainer")
+        k8s = k8s_module(plan.cfg.k8s_version)
+        job = place_gang(render_job(plan), plan)
+        VolcanoJob(self, "job", JOB_NAME, plan.namespace, labels("moerl-trainer"), job["spec"])
+        api_object(self, k8s.KubeService, SERVICE, plan.namespace, labels=labels("moerl-trainer"), spec={
+            "clusterIP": "None",
+            # Rendezvous happens before any pod is ready; publish addresses at once.
+            "publishNotReadyAddresses": True,
+            "selector": {"volcano.sh/job-name": JOB_NAME},
+            "ports": [{"name": "c10d", "port": plan.wl.trainer.rdzv_port, "targetPort": plan.wl.trainer.rdzv_port}],
+        })
+        # Ranks talk to each other (rendezvous, NCCL bootstrap) and to nothing else inbound.
+        api_object(self, k8s.KubeNetworkPolicy, "moerl-trainer", plan.namespace, labels=labels("moerl-trainer"), spec={
+            "podSelector": {"matchLabels": labels("moerl-trainer")},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": labels("moerl-trainer")}}]}],
+        })
+

@@ -1,0 +1,219 @@
+"""Workload sizes and images of one deployment, checked against the node pools before synth.
+
+Pool names, labels, taints, instance types and sizes come from infra.config (declared once there);
+this file holds only what the workloads add: how many pods of each role, the run configuration
+they share, and the images. `load_workloads` applies every rule of issue 6 part 5 and raises one
+`WorkloadError` naming the field before any manifest is written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from app.config import RunConfig
+from infra.config import DeploymentConfig, NodePool
+
+Role = Literal["trainer", "rollout", "env"]
+
+
+class WorkloadError(ValueError):
+    """A workload setting cannot run on the configured node pools; the message names the field."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TrainerSpec(_Model):
+    """The gang of trainer pods: one pod per train-gpu node, every GPU of the node.
+
+    nodes: pods in the gang (None: the pool's max_size).
+    hugepages_2mi: 2 MiB hugepages per pod, MiB (libfabric's EFA provider registers buffers there).
+    max_retries: whole-gang restarts (each with --resume) before the job is marked failed.
+    """
+
+    nodes: int | None = Field(None, ge=1)
+    hugepages_2mi: int = Field(5120, ge=0)
+    max_retries: int = Field(10, ge=0)
+    rdzv_port: int = Field(29500, ge=1024, le=65535)
+
+
+class RolloutSpec(_Model):
+    """Rollout pods: SGLang server and the moerl rollout worker in one pod, one pod per node.
+
+    replicas: pods (None: the pool's desired_size, at least 1).
+    model_path: the base policy SGLang loads at start and the trainer starts from (HF id or
+        local path; also written to the mounted run config's model.path); None: RunConfig.model.path.
+    tp_size: SGLang tensor parallel size (None: every GPU of the node).
+    """
+
+    replicas: int | None = Field(None, ge=1)
+    model_path: str | None = "Qwen/Qwen3-30B-A3B"
+    tp_size: int | None = Field(None, ge=1)
+    engine_port: int = Field(30000, ge=1024, le=65535)
+    drain_margin_s: int = Field(15, ge=0, description="Added to rollout.drain_grace_s for the kubelet.")
+    shm_gi: int = Field(64, ge=1, description="/dev/shm size limit, GiB (NCCL and CUDA IPC).")
+
+
+class EnvSpec(_Model):
+    """CPU pods serving reward/verifier calls (`moerl reward`)."""
+
+    replicas: int = Field(2, ge=1)
+    cpu: int = Field(4, ge=1, description="vCPU per pod.")
+    memory_gi: int = Field(8, ge=1)
+    port: int = Field(8080, ge=1024, le=65535)
+
+
+class BufferSpec(_Model):
+    """The Redis experience buffer (one StatefulSet pod with an append-only file on a volume)."""
+
+    storage_gi: int = Field(100, ge=1)
+    memory_gi: int = Field(64, ge=1)
+    cpu: int = Field(4, ge=1)
+    image: str = "public.ecr.aws/docker/library/redis:7.4.2-alpine"
+    password_secret: str = "moerl-redis-auth"
+
+
+class Workloads(_Model):
+    """Everything the charts add to the deployment config.
+
+    run_config: path of a RunConfig YAML (None: RunConfig defaults); the charts put the
+        cluster addresses (buffer URL, engine URL, store URL) into it and mount it from one ConfigMap.
+    images: full image reference per role, overriding the ECR repository of the deployment config
+        (each must carry a tag or a digest).
+    """
+
+    run_config: str | None = None
+    images: dict[Role, str] = {}
+    trainer: TrainerSpec = TrainerSpec()
+    rollout: RolloutSpec = RolloutSpec()
+    env: EnvSpec = EnvSpec()
+    buffer: BufferSpec = BufferSpec()
+
+
+class Plan:
+    """Resolved, checked numbers the charts use (no further validation downstream).
+
+    Attributes: cfg (DeploymentConfig), run (RunConfig as mounted), wl (Workloads), images
+    (role -> reference), trainer_nodes, gpus_per_trainer (GPUs of one train-gpu node),
+    efa_per_trainer, rollout_replicas, gpus_per_rollout, efa_per_rollout.
+    """
+
+    def __init__(self, cfg: DeploymentConfig, wl: Workloads, run: RunConfig):
+        self.cfg, self.wl, self.run = cfg, wl, run
+        train, roll = cfg.pools["train-gpu"], cfg.pools["rollout-gpu"]
+        self.gpus_per_trainer = _node_gpus(train)
+        self.efa_per_trainer = train.efa_interfaces
+        self.trainer_nodes = wl.trainer.nodes or train.max_size
+        self.gpus_per_rollout = _node_gpus(roll)
+        self.efa_per_rollout = roll.efa_interfaces
+        self.rollout_replicas = wl.rollout.replicas or max(roll.desired_size, 1)
+        self.images = {role: wl.images.get(role) or cfg.image_uri(role) for role in ("trainer", "rollout", "env")}
+
+    @property
+    def trainer_world_size(self) -> int:
+        return self.trainer_nodes * self.gpus_per_trainer
+
+    @property
+    def namespace(self) -> str:
+        return self.cfg.namespace
+
+    def pool(self, name: str) -> NodePool:
+        return self.cfg.pools[name]
+
+
+def _node_gpus(pool: NodePool) -> int:
+    # A pod asks for the GPUs of the smallest type so it fits on every type of the pool.
+    return min(s.gpus for s in pool.specs)
+
+
+def _check_tag(role: str, ref: str) -> None:
+    # A reference without ":tag" or "@sha256:" after the last "/" would pull "latest" (mutable).
+    last = ref.rsplit("/", 1)[-1]
+    if "@" in ref:
+        return
+    if ":" not in last or not last.split(":", 1)[1]:
+        raise WorkloadError(f"images.{role}: image {ref!r} has no tag; give repository:tag or @sha256 digest")
+    if last.split(":", 1)[1] == "latest":
+        raise WorkloadError(f"images.{role}: image {ref!r} uses the mutable tag 'latest'; pin a version")
+
+
+def check(plan: Plan) -> Plan:
+    """Apply the capacity, EP and image rules; return `plan` or raise one WorkloadError.
+
+    Rules: trainer nodes <= train-gpu max_size; ep.size divides the trainer's GPUs (nodes x GPUs per
+    node); rollout replicas <= rollout-gpu max_size (one pod per node); env replicas fit the env-cpu
+    pool's vCPUs at max_size; every image has a tag or digest; a GPU pool has GPUs.
+    """
+    cfg, wl = plan.cfg, plan.wl
+    train, roll, env = cfg.pools["train-gpu"], cfg.pools["rollout-gpu"], cfg.pools["env-cpu"]
+    for role, ref in plan.images.items():
+        _check_tag(role, ref)
+    _check_tag("buffer", wl.buffer.image)
+    if plan.trainer_nodes > train.max_size:
+        raise WorkloadError(
+            f"trainer.nodes={plan.trainer_nodes} exceeds pools.train-gpu.max_size={train.max_size}"
+        )
+    ep = plan.run.ep.size
+    if plan.trainer_world_size % ep:
+        raise WorkloadError(
+            f"run config ep.size={ep} does not divide the trainer's {plan.trainer_world_size} GPUs "
+            f"({plan.trainer_nodes} nodes x {plan.gpus_per_trainer} GPUs)"
+        )
+    if not roll.gpu:
+        raise WorkloadError("pools.rollout-gpu has no GPU instance types")
+    if plan.rollout_replicas > roll.max_size:
+        raise WorkloadError(
+            f"rollout.replicas={plan.rollout_replicas} exceeds pools.rollout-gpu.max_size={roll.max_size} "
+            "(one rollout pod per node)"
+        )
+    if not (wl.rollout.model_path or plan.run.model.path):
+        raise WorkloadError("rollout.model_path: SGLang needs a checkpoint (HF id or directory); none given "
+                            "and the run config's model.path is empty")
+    tp = wl.rollout.tp_size or plan.gpus_per_rollout
+    if tp > plan.gpus_per_rollout:
+        raise WorkloadError(f"rollout.tp_size={tp} exceeds the {plan.gpus_per_rollout} GPUs of a rollout node")
+    per_node = min(s.vcpus for s in env.specs) // (wl.env.cpu + 1)  # 1 vCPU left to the kubelet and daemons
+    if wl.env.replicas > env.max_size * per_node:
+        raise WorkloadError(
+            f"env.replicas={wl.env.replicas} exceeds the env-cpu pool's capacity: {env.max_size} nodes x "
+            f"{per_node} pods of {wl.env.cpu} vCPU"
+        )
+    mem = min(s.memory_gib for s in cfg.pools["buffer-mem"].specs)
+    if wl.buffer.memory_gi >= mem:
+        raise WorkloadError(f"buffer.memory_gi={wl.buffer.memory_gi} does not fit a buffer-mem node ({mem} GiB)")
+    return plan
+
+
+def load_workloads(cfg: DeploymentConfig, path: str | Path | None = None) -> Plan:
+    """Read the workload YAML (None: built-in defaults) and the run config it names; check both.
+
+    Raises:
+        WorkloadError: unreadable file, unknown or invalid field, or a broken rule (see `check`);
+            the message names the file and the field.
+    """
+    data: dict = {}
+    source = "workloads (defaults)"
+    if path is not None:
+        source = str(path)
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise WorkloadError(f"{path}: cannot read workloads: {e}") from None
+    try:
+        wl = Workloads.model_validate(data)
+    except ValidationError as e:
+        fields = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+        raise WorkloadError(f"{source}: {fields}") from None
+    try:
+        run = RunConfig.load(wl.run_config) if wl.run_config else RunConfig()
+    except (OSError, ValueError) as e:
+        raise WorkloadError(f"{source}: run_config: {e}") from None
+    try:
+        return check(Plan(cfg, wl, run))
+    except WorkloadError as e:
+        raise WorkloadError(f"{source}: {e}") from None
