@@ -1,0 +1,101 @@
+"""The object store interface and `open_store(url)`.
+
+Artifacts (policy versions, training state) live in an object store addressed by a URL:
+``file:///abs/path`` or ``file://rel/path`` (the embedded default) and ``s3://bucket/prefix``
+(the cluster). Keys are '/'-separated paths relative to the store's root. Every write becomes
+visible only when complete: file stores write a temporary name and rename it; an S3 object
+appears atomically when its PutObject or CompleteMultipartUpload succeeds.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from pathlib import Path
+
+
+def check_key(key: str, what: str = "key") -> str:
+    """Return `key` if it is a clean relative '/'-path; else raise ValueError naming it."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"{what} must be a non-empty string, got {key!r}")
+    parts = key.split("/")
+    if key.startswith("/") or "\\" in key or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"{what} {key!r} must be a relative '/'-path without empty, '.' or '..' parts")
+    return key
+
+
+def check_prefix(prefix: str) -> str:
+    """A list/delete prefix: '' (everything) or a key, optionally ending with '/'."""
+    if prefix:
+        check_key(prefix.rstrip("/") or "/", "prefix")
+    return prefix
+
+
+class ObjectStore(abc.ABC):
+    """A flat key -> bytes store with atomic writes.
+
+    Missing keys raise FileNotFoundError naming the key's URI; bad keys raise ValueError.
+    """
+
+    url: str
+
+    @abc.abstractmethod
+    def put_file(self, local_path: str | os.PathLike, key: str) -> None:
+        """Upload a local file to `key` (visible only once complete)."""
+
+    @abc.abstractmethod
+    def get_file(self, key: str, local_path: str | os.PathLike) -> Path:
+        """Download `key` to `local_path` (temporary name, then rename); returns the path."""
+
+    @abc.abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Write `data` to `key` atomically."""
+
+    @abc.abstractmethod
+    def get_bytes(self, key: str) -> bytes:
+        """Read the whole object at `key`."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool:
+        """True if an object is stored at `key`."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """Sorted keys that start with `prefix` (a string prefix, as S3 ListObjectsV2)."""
+
+    @abc.abstractmethod
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key starting with the non-empty `prefix`; returns how many."""
+
+    def uri(self, key: str = "") -> str:
+        """The URL of `key` (or of the root when empty)."""
+        return f"{self.url.rstrip('/')}/{key}" if key else self.url
+
+
+def open_store(url: str, **kwargs) -> ObjectStore:
+    """Open the object store at `url`.
+
+    Args:
+        url: ``file:///abs/path``, ``file://rel/path`` (relative to the current directory, made
+            absolute now) or ``s3://bucket[/prefix]``.
+        kwargs: passed to S3Store (endpoint_url, sse, kms_key_id, multipart_threshold, ...).
+    Raises:
+        ValueError: an unknown scheme or an empty path/bucket, naming the URL.
+    """
+    if url.startswith("file://"):
+        from app.storage.file import FileStore
+
+        path = url[len("file://"):]
+        if not path:
+            raise ValueError(f"store URL {url!r} has no path")
+        if kwargs:
+            raise ValueError(f"file store {url!r} takes no options, got {sorted(kwargs)}")
+        return FileStore(path)
+    if url.startswith("s3://"):
+        from app.storage.s3 import S3Store
+
+        bucket, _, prefix = url[len("s3://"):].partition("/")
+        if not bucket:
+            raise ValueError(f"store URL {url!r} has no bucket")
+        return S3Store(bucket, prefix.strip("/"), **kwargs)
+    raise ValueError(f"store URL {url!r}: scheme must be file:// or s3://")
