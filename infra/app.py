@@ -10,7 +10,7 @@ from __future__ import annotations
 from aws_cdk import App, Environment
 
 from infra.config import ENVS, PipelineConfig, load_config
-from infra.nag import acknowledge, add_nag
+from infra.nag import acknowledge, add_nag, pipeline_acknowledgements
 from infra.pipeline import PipelineStack
 from infra.stage import add_env_stacks
 
@@ -33,7 +33,7 @@ def build_app(env: str = "dev", overrides: str | None = None, app: App | None = 
         pcfg = PipelineConfig()
         stack = PipelineStack(app, "Pipeline", pipeline_cfg=pcfg, configs=configs, stack_name="moerl-pipeline",
                       env=Environment(account=pcfg.account, region=pcfg.region))
-        acknowledge(stack, "pipeline")
+        acknowledge(stack, pipeline_acknowledgements(pcfg))
     else:
         add_env_stacks(app, load_config(env, overrides))
     # cdk-nag: every AwsSolutions finding is either fixed or acknowledged with a reason.

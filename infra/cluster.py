@@ -179,6 +179,8 @@ class ClusterStack(Stack):
             subnets=network.node_subnets,
             launch_template_spec=eks.LaunchTemplateSpec(id=lt.ref, version=lt.attr_latest_version_number),
             enable_node_auto_repair=True,
+            # Never replace training nodes past a PodDisruptionBudget; other pools may be forced.
+            force_update=pool.name != "train-gpu",
         )
         # The L2 guesses the architecture from a GPU-family list that lacks p5en/p6, so set the
         # AMI type on the L1 resource directly.

@@ -11,7 +11,7 @@ from aws_cdk import Acknowledgment, Stack, Validations
 from cdk_nag import AwsSolutionsChecks
 from constructs import Construct
 
-from infra.config import DeploymentConfig
+from infra.config import DeploymentConfig, PipelineConfig
 
 _AWS_POLICY = "AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{}]"
 _KUBECTL = ("made by aws_eks_v2's kubectl provider (aws-cdk-lib), which installs the device-plugin "
@@ -56,6 +56,37 @@ def acknowledgements(kind: str, cfg: DeploymentConfig) -> dict[str, str]:
     }
 
 
+_PIPELINE = ("made by CDK Pipelines (aws-cdk-lib pipelines.CodePipeline) for its own artifact bucket, "
+             "KMS key, CodeBuild projects and cross-account deploy roles; scoped by the library to this pipeline")
+
+
+def pipeline_acknowledgements(pcfg: PipelineConfig) -> dict[str, str]:
+    """Acknowledged finding id -> reason for the pipeline stack (ids carry the tooling account/region)."""
+    iam5 = "AwsSolutions::AwsSolutions-IAM5[{}]"
+    out = {
+        "AwsSolutions::AwsSolutions-S1":
+            "The pipeline artifact bucket holds only build outputs for this pipeline; its access is "
+            "already recorded by CloudTrail data events of the tooling account.",
+    }
+    for action in ("kms:GenerateDataKey*", "kms:ReEncrypt*", "s3:Abort*", "s3:DeleteObject*",
+                   "s3:GetBucket*", "s3:GetObject*", "s3:List*"):
+        out[iam5.format(f"Action::{action}")] = f"Action groups on the pipeline's own bucket and key, {_PIPELINE}."
+    a, r = pcfg.account, pcfg.region
+    for resource in (
+        "*",  # cross-account role assumption by the deploy actions and CodeBuild report setup
+        "<PipelineArtifactsBucketAEA9A052.Arn>/*",
+        f"arn:*:iam::{a}:role/*",
+        f"arn:<AWS::Partition>:codebuild:{r}:{a}:report-group/*",
+        f"arn:<AWS::Partition>:codebuild:{r}:{a}:report-group/<PipelineBuildSynthCdkBuildProject6BEFA8E6>-*",
+        f"arn:<AWS::Partition>:codebuild:{r}:{a}:report-group/<PipelineUpdatePipelineSelfMutationDAA41400>-*",
+        f"arn:<AWS::Partition>:logs:{r}:{a}:log-group:/aws/codebuild/*",
+        f"arn:<AWS::Partition>:logs:{r}:{a}:log-group:/aws/codebuild/<PipelineBuildSynthCdkBuildProject6BEFA8E6>:*",
+        f"arn:<AWS::Partition>:logs:{r}:{a}:log-group:/aws/codebuild/<PipelineUpdatePipelineSelfMutationDAA41400>:*",
+    ):
+        out[iam5.format(f"Resource::{resource}")] = f"Resource pattern {_PIPELINE}."
+    return out
+
+
 def add_nag(scope: Construct) -> None:
     """Register the AwsSolutions pack on an App or Stage (plugins do not cross Stage boundaries)."""
     Validations.of(scope).add_plugins(
@@ -63,7 +94,7 @@ def add_nag(scope: Construct) -> None:
     )
 
 
-def acknowledge(stack: Stack, kind: str, cfg: DeploymentConfig | None = None) -> None:
-    """Acknowledge the findings listed for `kind` on `stack`; each reason goes into the template."""
-    for rule, reason in (acknowledgements(kind, cfg) if cfg else {}).items():
+def acknowledge(stack: Stack, rules: dict[str, str]) -> None:
+    """Acknowledge `rules` (finding id -> reason) on `stack`; each reason goes into the template."""
+    for rule, reason in rules.items():
         Validations.of(stack).acknowledge(Acknowledgment(id=rule, reason=reason))

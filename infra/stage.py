@@ -8,7 +8,7 @@ from constructs import Construct
 
 from infra.cluster import ClusterStack
 from infra.config import DeploymentConfig
-from infra.nag import acknowledge, add_nag
+from infra.nag import acknowledge, acknowledgements, add_nag
 from infra.network import NetworkStack
 from infra.storage import StorageStack
 
@@ -32,7 +32,7 @@ def add_env_stacks(scope: Construct, cfg: DeploymentConfig) -> dict[str, object]
     for kind, stack in stacks.items():
         Tags.of(stack).add("project", "moerl")
         Tags.of(stack).add("environment", cfg.env)
-        acknowledge(stack, kind, cfg)
+        acknowledge(stack, acknowledgements(kind, cfg))
     return stacks
 
 
