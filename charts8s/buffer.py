@@ -15,7 +15,7 @@ from charts8s.placement import checkov_skips, container_security, labels, on_poo
 
 NAME = BUFFER_SERVICE
 STORAGE_CLASS = "moerl-gp3"
-UID = 999  # the redis user of the official image
+UID = 10001  # any UID runs redis-server; fsGroup makes /data writable
 CLIENTS = ("moerl-rollout", "moerl-trainer", "moerl-env")
 
 
@@ -50,6 +50,7 @@ class BufferChart(cdk8s.Chart):
         }
         skips = checkov_skips(
             CKV_K8S_43="the Redis image is pinned by version tag from ECR Public's Docker official images",
+            CKV_K8S_15="a pinned version tag does not change; IfNotPresent avoids a registry round trip per start",
             CKV_K8S_35="redis-server takes requirepass as an argument; the Secret is read from env at start only",
         )
         api_object(self, k8s.KubeStatefulSet, NAME, ns, labels=lab, annotations=skips, spec={

@@ -11,7 +11,7 @@ from charts8s.kube import api_object, k8s_module
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 
 NAME = "moerl-env"
-UID = 1000
+UID = 10001  # the moerl user of images/*.Dockerfile (high UID: no clash with host users)
 
 
 class EnvPoolChart(cdk8s.Chart):
@@ -33,7 +33,8 @@ class EnvPoolChart(cdk8s.Chart):
             "volumeMounts": [config_mount, {"name": "tmp", "mountPath": "/tmp"}],
         }
         api_object(self, k8s.KubeDeployment, NAME, ns, labels=lab, annotations=checkov_skips(
-            CKV_K8S_43="ECR repositories have immutable tags (infra/): a tag names exactly one digest"), spec={
+            CKV_K8S_43="ECR repositories have immutable tags (infra/): a tag names exactly one digest",
+            CKV_K8S_15="immutable tags never change; IfNotPresent avoids a registry round trip per start"), spec={
             "replicas": e.replicas, "selector": {"matchLabels": lab},
             "template": {"metadata": {"labels": lab}, "spec": {
                 **on_pool(plan.pool("env-cpu"), spot=True),

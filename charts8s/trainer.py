@@ -21,14 +21,14 @@ from torchx.schedulers.kubernetes_scheduler import app_to_resource, sanitize_for
 from app.torchx_component import CLUSTER_CONFIG, trainer
 from charts8s.cluster import run_config_volume
 from charts8s.kube import api_object, k8s_module
-from charts8s.placement import container_security, labels, on_pool, pod_security
+from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 from charts8s.volcano import VolcanoJob
 from charts8s.workloads import Plan
 
 JOB_NAME = "moerl-trainer"
 SERVICE = JOB_NAME  # headless Service: pods are <task>.<SERVICE>.<namespace>.svc
 QUEUE = "default"
-UID = 1000
+UID = 10001  # the moerl user of images/*.Dockerfile (high UID: no clash with host users)
 
 
 def trainer_appdef(plan: Plan):
@@ -97,7 +97,14 @@ class TrainerChart(cdk8s.Chart):
         super().__init__(scope, "trainer")
         k8s = k8s_module(plan.cfg.k8s_version)
         job = place_gang(render_job(plan), plan)
-        VolcanoJob(self, "job", JOB_NAME, plan.namespace, labels("moerl-trainer"), job["spec"])
+        # checkov reads any kind "Job" as batch/v1 and looks for spec.template, which a Volcano Job
+        # keeps under spec.tasks[*]; tests/test_charts.py asserts these settings on every task.
+        not_seen = "checkov looks for batch/v1 spec.template; each Volcano task template sets it (tests/test_charts.py)"
+        skips = checkov_skips(
+            CKV_K8S_23=not_seen, CKV_K8S_29=not_seen, CKV_K8S_31=not_seen, CKV_K8S_40=not_seen,
+            CKV_K8S_38="trainer ranks write checkpoints to S3 through EKS Pod Identity, which needs the token",
+        )
+        VolcanoJob(self, "job", JOB_NAME, plan.namespace, labels("moerl-trainer"), job["spec"], annotations=skips)
         api_object(self, k8s.KubeService, SERVICE, plan.namespace, labels=labels("moerl-trainer"), spec={
             "clusterIP": "None",
             # Rendezvous happens before any pod is ready; publish addresses at once.

@@ -63,7 +63,9 @@ JOB_SCHEMA: dict[str, Any] = {
 class VolcanoJob(cdk8s.ApiObject):
     """A batch.volcano.sh/v1alpha1 Job with `spec` as given (see JOB_SCHEMA for the fields)."""
 
-    def __init__(self, scope: Construct, id: str, name: str, namespace: str, labels: dict, spec: dict):
+    def __init__(self, scope: Construct, id: str, name: str, namespace: str, labels: dict, spec: dict,
+                 annotations: dict | None = None):
         super().__init__(scope, id, api_version=API_VERSION, kind=KIND,
-                         metadata=cdk8s.ApiObjectMetadata(name=name, namespace=namespace, labels=labels))
+                         metadata=cdk8s.ApiObjectMetadata(name=name, namespace=namespace, labels=labels,
+                                                          annotations=annotations))
         self.add_json_patch(cdk8s.JsonPatch.add("/spec", spec))

@@ -1,0 +1,22 @@
+# Env pool: slim CPU-only Python serving reward/verifier calls (`moerl reward`). Build from the root:
+#   docker build -f images/env.Dockerfile -t <ecr>/moerl/env:<tag> .
+# checkov:skip=CKV_DOCKER_2: the Deployment's probes check the port; Docker HEALTHCHECK is ignored there
+
+FROM python:3.11.11-slim-bookworm AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+# CPU build of torch first so nothing later pulls a CUDA build.
+RUN python -m venv /venv \
+    && /venv/bin/pip install --index-url https://download.pytorch.org/whl/cpu "torch==2.9.1"
+COPY pyproject.toml README.md ./
+COPY app ./app
+COPY infra ./infra
+COPY charts8s ./charts8s
+RUN /venv/bin/pip install .
+
+FROM python:3.11.11-slim-bookworm
+COPY --from=build /venv /venv
+RUN useradd --create-home --uid 10001 --user-group moerl
+USER 10001
+ENV PATH=/venv/bin:${PATH} HOME=/home/moerl
+CMD ["moerl", "--help"]
