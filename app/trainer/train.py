@@ -58,6 +58,7 @@ class TrainState:
     bad_in_row: int = 0
     samples: int = 0  # samples trained on
     overstale: int = 0  # groups dropped here for exceeding max_staleness (the buffer should)
+    malformed: int = 0  # groups skipped because a sample did not collate
     started: float = field(default_factory=time.time)
 
 
@@ -271,8 +272,11 @@ class Stop(Exception):
     """Raised on every rank when rank 0 says the run must end (signal or error)."""
 
 
-def take_groups(buffer, cfg: RunConfig, version: int, should_stop) -> tuple[list, float]:
-    """Rank 0: block until ``groups_per_step`` whole groups are taken (or time out).
+def take_groups(buffer, cfg: RunConfig, version: int, should_stop, keep) -> tuple[list, float]:
+    """Rank 0: block until ``groups_per_step`` whole groups that pass ``keep(group)`` are taken.
+
+    Groups that ``keep`` rejects are consumed from the buffer but not trained on (``keep``
+    counts them).
 
     Returns:
         ``(groups, seconds waited)``.
@@ -295,7 +299,7 @@ def take_groups(buffer, cfg: RunConfig, version: int, should_stop) -> tuple[list
                 f"(run {cfg.run_id!r}): are rollout workers running?"
             )
         got = buffer.take_batch(n - len(groups), trainer_version=version, timeout_s=1.0)
-        groups.extend(got)
+        groups.extend(g for g in got if keep(g))
     return groups, time.monotonic() - t0
 
 
@@ -316,6 +320,29 @@ def scatter_groups(payload: dict | None, rank: int) -> dict:
 
 # --------------------------------------------------------------------------------------------
 # The loop
+
+
+def on_rank0(fn, rank: int):
+    """Run ``fn()`` on rank 0 only and return its result there (None elsewhere).
+
+    If it raises, rank 0 re-raises the original exception and every other rank raises a
+    RuntimeError with the same message, so no rank is left waiting for a dead peer.
+    """
+    box: list = [None]
+    result = error = None
+    if rank == 0:
+        try:
+            result = fn()
+        except Exception as e:
+            error = e
+            box[0] = f"{type(e).__name__}: {e}"
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    if box[0] is not None:
+        raise RuntimeError(f"rank 0 failed: {box[0]}")
+    return result
 
 
 def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainState:
@@ -351,7 +378,21 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
     torch.manual_seed(cfg.task.seed)
     ep = init_ep(cfg.ep)
     store = open_store(cfg.store_url)
-    buffer = ExperienceBuffer.from_config(cfg) if rank == 0 else None
+
+    def connect_and_check():
+        # Rank 0 alone talks to Redis and checks the store; its error reaches every rank.
+        buf = ExperienceBuffer.from_config(cfg, autocommit=False)
+        latest = latest_policy_version(store, cfg.run_id)
+        if latest is not None:
+            raise ValueError(
+                f"{cfg.store_url}: run {cfg.run_id!r} already has policy v{latest}; use a new "
+                "run_id (resume arrives with issue 4)"
+            )
+        return buf
+
+    # Groups leave Redis (commit) only after the step that trained on them has finished, so a
+    # trainer killed mid-step loses nothing (issue 4 adds saving state before the commit).
+    buffer = on_rank0(connect_and_check, rank)
 
     model = build_model(cfg, ep, device)
     ref_model = None
@@ -385,15 +426,8 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
             keep=t.keep_versions, buffer=buffer, tokenizer_source=cfg.model.path,
         )
 
-    # Version 0 is the starting policy; a store that already has versions belongs to another
-    # (or a crashed) run of this run_id, and mixing them would break the version contract.
-    existing = [latest_policy_version(store, cfg.run_id) if rank == 0 else None]
-    dist.broadcast_object_list(existing, src=0)
-    if existing[0] is not None:
-        raise ValueError(
-            f"{cfg.store_url}: run {cfg.run_id!r} already has policy v{existing[0]}; use a new "
-            "run_id (resume arrives with issue 4)"
-        )
+    # Version 0 is the starting policy (a store that already had versions of this run_id was
+    # refused above: mixing two runs' versions would break the version contract).
     uri, secs = publish(0)
     if rank == 0:
         log.info("published initial policy v0 -> %s (%.1fs)", uri, secs)
@@ -406,12 +440,12 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
             if rank == 0:
                 payload = {"parts": None, "error": None, "stop": False, "meta": {}}
                 try:
-                    groups, wait_s = take_groups(buffer, cfg, state.version, lambda: stop_requested)
-                    fresh = [g for g in groups
-                             if state.version - g.policy_version <= cfg.buffer.max_staleness]
-                    state.overstale += len(groups) - len(fresh)
-                    payload["parts"] = split_groups(fresh, world)
-                    payload["meta"] = batch_meta(fresh, state.version)
+                    groups, wait_s = take_groups(
+                        buffer, cfg, state.version, lambda: stop_requested,
+                        lambda g: usable(g, state, cfg.buffer.max_staleness, pad_id),
+                    )
+                    payload["parts"] = split_groups(groups, world)
+                    payload["meta"] = batch_meta(groups, state.version)
                 except Stop:
                     payload["stop"] = True
                 except Exception as e:
@@ -436,6 +470,8 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
                 state.bad_in_row += 1
                 log.warning("step %d: non-finite loss or gradient; step skipped (%d in a row)",
                             state.step, state.bad_in_row)
+            if rank == 0:
+                buffer.commit()  # a skipped (non-finite) step consumes its groups too
             give_up = state.bad_in_row >= t.max_bad_steps
             publish_s = 0.0
             if not give_up and (state.step % t.publish_every == 0 or state.step == t.steps):
@@ -448,6 +484,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
                     **{k: v for k, v in stats.items()}, "lr": t.lr,
                     "wait_s": wait_s, "step_s": step_s, "publish_s": publish_s,
                     "samples_total": state.samples, "overstale_dropped": state.overstale,
+                    "malformed_groups": state.malformed,
                     "buffer": buffer.stats(),
                 }
                 metrics_file.write(json.dumps(record, allow_nan=True) + "\n")
@@ -470,6 +507,22 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
         if metrics_file is not None:
             metrics_file.close()
     return state
+
+
+def usable(group, state: TrainState, max_staleness: int, pad_id: int) -> bool:
+    """Rank 0's check of one group before it is scattered: within ``max_staleness`` (the buffer
+    enforces it already; this guards the contract) and well-formed (it collates). A rejected
+    group is counted in ``state`` and logged, never trained on."""
+    if state.version - group.policy_version > max_staleness:
+        state.overstale += 1
+        return False
+    try:
+        collate_groups([group], pad_id=pad_id)
+    except ValueError as e:
+        state.malformed += 1
+        log.warning("skipping malformed group %s/%s: %s", group.task_id, group.attempt, e)
+        return False
+    return True
 
 
 def batch_meta(groups: list, version: int) -> dict:
