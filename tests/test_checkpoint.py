@@ -109,6 +109,7 @@ def test_save_bf16_keeps_router_fp32_and_reloads(tmp_path):
     save_policy(model, tmp_path / "c", EPContext.local())
     saved = json.loads((tmp_path / "c" / "config.json").read_text())
     assert saved["dtype"] == "bfloat16" and saved["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert saved["rope_theta"] == saved["rope_parameters"]["rope_theta"]  # for transformers 4.x readers
     back = load_policy(tmp_path / "c", RouterConfig(), EPContext.local(), dtype=torch.bfloat16)
     for (name, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
         assert a.dtype == b.dtype and torch.equal(a, b), name

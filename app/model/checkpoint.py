@@ -265,7 +265,12 @@ def _write_metadata(model: PreTrainedModel, tmp: Path, shards: list[list[_HFTens
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
     config.dtype = model.get_input_embeddings().weight.dtype
-    config.to_json_file(tmp / CONFIG_NAME)
+    data = json.loads(config.to_json_string())
+    # transformers < 5 (as pinned by some SGLang releases) reads rope_theta at the top level.
+    rope = data.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        data.setdefault("rope_theta", rope["rope_theta"])
+    (tmp / CONFIG_NAME).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(tmp)
     for f in tmp.iterdir():
