@@ -65,7 +65,7 @@ def unpermute(rows: Tensor, slot_of_row: Tensor, num_tokens: int, top_k: int) ->
         [T, H] in rows' dtype; slots without a row contribute 0.
     """
     slots = rows.new_zeros(num_tokens * top_k, rows.shape[-1]).index_copy(0, slot_of_row, rows)
-    return slots.view(num_tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(rows.dtype)
+    return slots.view(num_tokens, top_k, rows.shape[-1]).sum(dim=1, dtype=torch.float32).to(rows.dtype)
 
 
 def make_dispatcher(ep: EPContext, num_experts: int) -> Dispatcher:
