@@ -25,13 +25,15 @@ HUGEPAGES_RESOURCE = "hugepages-2Mi"
 MIB = 1024 * 1024
 
 
-def trainer_command(config: str, nnodes: int, nproc_per_node: int, rdzv_port: int, resume: bool) -> str:
+def trainer_command(config: str, nnodes: int, nproc_per_node: int, rdzv_port: int, resume: bool,
+                    run_dir: str = "") -> str:
     """The trainer's shell command: torchrun starting `moerl train` on every GPU of the node.
 
     Rendezvous is c10d on rank 0's host; `${rank0_env}` is a TorchX macro that becomes
     TORCHX_RANK0_HOST (set to localhost) on replica 0 and VC_TRAINER_0_HOSTS (the headless-Service
     name of replica 0) elsewhere (torchx.specs.macros, torchx.components.dist.ddp).
     torchrun's own restarts are off: a failed rank restarts the whole gang, which resumes.
+    run_dir: `moerl train --run-dir` (metrics, local staging); "" keeps its default.
     """
     endpoint = f"${{{specs.macros.rank0_env}:=localhost}}:{rdzv_port}"
     cmd = [
@@ -39,34 +41,42 @@ def trainer_command(config: str, nnodes: int, nproc_per_node: int, rdzv_port: in
         "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={specs.macros.app_id}",
         "--max-restarts=0", "--no-python", "moerl", "train", "--config", config,
     ]
+    if run_dir:
+        cmd += ["--run-dir", run_dir]
     if resume:
         cmd.append("--resume")
     # Quote everything except the endpoint, whose ${...} bash must expand.
     return " ".join(a if a.startswith("--rdzv-endpoint") else shlex.quote(a) for a in cmd)
 
 
-def engine_command(engine: str, config: str, model_path: str | None, port: int, tp_size: int) -> list[str]:
+def engine_command(engine: str, model_path: str | None, port: int, tp_size: int) -> list[str]:
     """The rollout engine: SGLang's server in the cluster, `moerl engine` (built-in) locally.
 
     SGLang flags: python -m sglang.launch_server --model-path --host --port --tp-size
-    (SGLang server arguments doc). The server listens on loopback: only the worker in the same
-    pod talks to it.
+    (SGLang server arguments doc). Both listen on loopback: only the worker in the same pod
+    (or on the same machine) talks to the engine.
+
+    Raises:
+        ValueError: unknown engine, or no model_path.
     """
-    if engine == "builtin":
-        return ["moerl", "engine", "--config", config]
-    if engine != "sglang":
+    if engine not in ("sglang", "builtin"):
         raise ValueError(f"engine must be 'sglang' or 'builtin', got {engine!r}")
     if not model_path:
-        raise ValueError("engine 'sglang' needs model_path (an HF id or a local checkpoint directory)")
+        raise ValueError(f"engine {engine!r} needs model_path (an HF id or a local checkpoint directory)")
+    if engine == "builtin":
+        return ["moerl", "engine", "--model-path", model_path, "--host", "127.0.0.1", "--port", str(port)]
     return [
         "python3", "-m", "sglang.launch_server", "--model-path", model_path,
         "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp_size),
     ]
 
 
-def worker_command(config: str) -> list[str]:
-    """The moerl rollout worker (leases prompt groups, calls the engine on loopback, publishes)."""
-    return ["moerl", "rollout", "--config", config]
+def worker_command(config: str, worker_id: str) -> list[str]:
+    """The moerl rollout worker (leases prompt groups, calls the engine on loopback, publishes).
+
+    worker_id: unique per worker (its task-lease consumer name), e.g. the pod name.
+    """
+    return ["moerl", "rollout", "--config", config, "--worker-id", worker_id]
 
 
 def trainer_resource(gpus: int, efa: int, hugepages_mib: int, cpu: int, mem_mb: int) -> specs.Resource:
@@ -108,6 +118,7 @@ def trainer(
     gpus: int = 0,
     config: str = CLUSTER_CONFIG,
     resume: bool = True,
+    run_dir: str = "",
     efa: int = 0,
     hugepages_mib: int = 0,
     cpu: int = 2,
@@ -141,7 +152,7 @@ def trainer(
         name=TRAINER_ROLE,
         image=image,
         entrypoint="bash",
-        args=["-c", trainer_command(config, nnodes, nproc_per_node, rdzv_port, resume)],
+        args=["-c", trainer_command(config, nnodes, nproc_per_node, rdzv_port, resume, run_dir)],
         num_replicas=nnodes,
         resource=trainer_resource(gpus, efa, hugepages_mib, cpu, mem_mb),
         port_map={"c10d": rdzv_port},
@@ -159,7 +170,9 @@ def _pair(engine: list[str], worker: list[str]) -> str:
     return (
         f"{shlex.join(engine)} & engine=$!; "
         f"{shlex.join(worker)} & worker=$!; "
-        "trap 'kill -TERM $worker' TERM INT; wait $worker; rc=$?; "
+        "trap 'kill -TERM $worker' TERM INT; "
+        # `wait` returns early when a trapped signal arrives: wait again until the worker is gone.
+        "while kill -0 $worker 2>/dev/null; do wait $worker; rc=$?; done; "
         "kill $engine 2>/dev/null; wait $engine 2>/dev/null; exit $rc"
     )
 
@@ -186,7 +199,7 @@ def rollout(
 
     Args:
         engine: "builtin" (`moerl engine`, CPU, local) or "sglang" (the cluster's engine).
-        model_path: what SGLang loads (HF id or directory); unused by the built-in engine.
+        model_path: what the engine loads (SGLang: HF id or directory; built-in: HF directory).
         gpus, efa, cpu, mem_mb: per replica.
     """
     if replicas < 1:
@@ -195,7 +208,8 @@ def rollout(
         name=ROLLOUT_ROLE,
         image=image,
         entrypoint="bash",
-        args=["-c", _pair(engine_command(engine, config, model_path, port, tp_size), worker_command(config))],
+        args=["-c", _pair(engine_command(engine, model_path, port, tp_size),
+                          worker_command(config, f"{specs.macros.app_id}-{specs.macros.replica_id}"))],
         num_replicas=replicas,
         resource=trainer_resource(gpus, efa, 0, cpu, mem_mb),
         max_retries=max_retries,
@@ -209,6 +223,7 @@ def job(
     trainer_image: str = "moerl-trainer:local",
     rollout_image: str = "moerl-rollout:local",
     config: str = CLUSTER_CONFIG,
+    model_path: str = "",
     nproc_per_node: int = 2,
     rollout_replicas: int = 1,
 ) -> specs.AppDef:
@@ -218,5 +233,5 @@ def job(
     and rollout pods on Spot must not be tied to the trainer's gang.
     """
     t = trainer(image=trainer_image, nproc_per_node=nproc_per_node, config=config).roles[0]
-    r = rollout(image=rollout_image, replicas=rollout_replicas, config=config).roles[0]
+    r = rollout(image=rollout_image, replicas=rollout_replicas, config=config, model_path=model_path).roles[0]
     return specs.AppDef(name="moerl", roles=[t, r])

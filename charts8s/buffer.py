@@ -38,10 +38,9 @@ class BufferChart(cdk8s.Chart):
             "command": ["redis-server"],
             "args": ["--port", str(REDIS_PORT), "--dir", "/data", "--appendonly", "yes", "--appendfsync", "everysec",
                      "--maxmemory", maxmemory, "--maxmemory-policy", "noeviction",
-                     "--requirepass", "$(REDIS_PASSWORD)"],
-            "env": [{"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": b.password_secret, "key": "password"}}},
-                    # redis-cli (probes) reads the password from REDISCLI_AUTH.
-                    {"name": "REDISCLI_AUTH", "value": "$(REDIS_PASSWORD)"}],
+                     "--requirepass", "$(REDISCLI_AUTH)"],
+            # redis-cli (the probes) reads the password from REDISCLI_AUTH.
+            "env": [{"name": "REDISCLI_AUTH", "valueFrom": {"secretKeyRef": {"name": b.password_secret, "key": "password"}}}],
             "ports": [{"name": "redis", "containerPort": REDIS_PORT}],
             "resources": {"requests": res, "limits": res},
             "securityContext": container_security(),

@@ -25,7 +25,8 @@ def cluster_run_config(plan: Plan) -> RunConfig:
     """The run config as mounted in the cluster: the user's, with the cluster's addresses.
 
     buffer.redis_url -> the buffer Service; rollout.engine_url -> SGLang on loopback;
-    store_url -> the checkpoint bucket under run_prefix; model.path -> rollout.model_path if set.
+    store_url -> the checkpoint bucket under run_prefix; model.path -> rollout.model_path if set;
+    rollout.policy_cache_dir -> the volume both rollout containers mount.
     """
     run = plan.run.model_copy(deep=True)
     run.buffer.redis_url = f"redis://{BUFFER_SERVICE}.{plan.namespace}.svc.cluster.local:{REDIS_PORT}/0"
@@ -33,6 +34,8 @@ def cluster_run_config(plan: Plan) -> RunConfig:
     run.store_url = f"s3://{plan.cfg.checkpoint_bucket}/{plan.cfg.run_prefix}"
     if plan.wl.rollout.model_path:
         run.model.path = plan.wl.rollout.model_path
+    # Policy versions land on the pod's shared /models volume, where the engine container reads them.
+    run.rollout.policy_cache_dir = "/models/policy-cache"
     return run
 
 

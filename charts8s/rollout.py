@@ -13,6 +13,7 @@ import math
 import cdk8s
 from constructs import Construct
 
+from app.buffer.experience import PASSWORD_ENV
 from app.torchx_component import CLUSTER_CONFIG, EFA_ENV, EFA_RESOURCE, engine_command, worker_command
 from charts8s.cluster import run_config_volume
 from charts8s.kube import api_object, k8s_module
@@ -43,7 +44,7 @@ def rollout_pod(plan: Plan) -> dict:
     spec = min(pool.specs, key=lambda s: s.vcpus)
     drain = plan.run.rollout.drain_grace_s
     config_vol, config_mount = run_config_volume()
-    secret_env = {"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {
+    secret_env = {"name": PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
         "name": plan.wl.buffer.password_secret, "key": "password"}}}
     model = wl.model_path or plan.run.model.path
     engine_res = {"cpu": str(spec.vcpus - 16), "memory": f"{int(spec.memory_gib * 0.85)}Gi",
@@ -52,7 +53,7 @@ def rollout_pod(plan: Plan) -> dict:
         engine_res[EFA_RESOURCE] = str(plan.efa_per_rollout)
     engine = {
         "name": "engine", "image": plan.images["rollout"], "imagePullPolicy": "IfNotPresent",
-        "command": engine_command("sglang", CLUSTER_CONFIG, model, wl.engine_port, wl.tp_size or plan.gpus_per_rollout),
+        "command": engine_command("sglang", model, wl.engine_port, wl.tp_size or plan.gpus_per_rollout),
         "env": [{"name": k, "value": v} for k, v in EFA_ENV.items()] if plan.efa_per_rollout else [],
         "resources": {"requests": engine_res, "limits": engine_res},
         "securityContext": container_security(),
@@ -68,7 +69,9 @@ def rollout_pod(plan: Plan) -> dict:
     worker_res = {"cpu": "4", "memory": "16Gi"}
     worker = {
         "name": "worker", "image": plan.images["rollout"], "imagePullPolicy": "IfNotPresent",
-        "command": worker_command(CLUSTER_CONFIG), "env": [secret_env],
+        # The pod name is the worker id (its task-lease consumer name); the kubelet expands $(POD_NAME).
+        "command": worker_command(CLUSTER_CONFIG, "$(POD_NAME)"),
+        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}, secret_env],
         "resources": {"requests": worker_res, "limits": worker_res},
         "securityContext": container_security(),
         "volumeMounts": [config_mount, {"name": "models", "mountPath": "/models"}, {"name": "tmp", "mountPath": "/tmp"}],

@@ -18,6 +18,7 @@ import cdk8s
 from constructs import Construct
 from torchx.schedulers.kubernetes_scheduler import app_to_resource, sanitize_for_serialization
 
+from app.buffer.experience import PASSWORD_ENV
 from app.torchx_component import CLUSTER_CONFIG, trainer
 from charts8s.cluster import run_config_volume
 from charts8s.kube import api_object, k8s_module
@@ -28,6 +29,7 @@ from charts8s.workloads import Plan
 JOB_NAME = "moerl-trainer"
 SERVICE = JOB_NAME  # headless Service: pods are <task>.<SERVICE>.<namespace>.svc
 QUEUE = "default"
+RUN_DIR = "/tmp/moerl-run"  # the writable emptyDir; the root filesystem is read-only
 UID = 10001  # the moerl user of images/*.Dockerfile (high UID: no clash with host users)
 
 
@@ -36,7 +38,7 @@ def trainer_appdef(plan: Plan):
     spec = min(plan.pool("train-gpu").specs, key=lambda s: s.gpus)
     return trainer(
         image=plan.images["trainer"], nnodes=plan.trainer_nodes, nproc_per_node=plan.gpus_per_trainer,
-        gpus=plan.gpus_per_trainer, config=CLUSTER_CONFIG, resume=True, efa=plan.efa_per_trainer,
+        gpus=plan.gpus_per_trainer, config=CLUSTER_CONFIG, resume=True, run_dir=RUN_DIR, efa=plan.efa_per_trainer,
         hugepages_mib=plan.wl.trainer.hugepages_2mi,
         # Leave room for the kubelet, system daemons and the device plugins.
         cpu=spec.vcpus - 8, mem_mb=int(spec.memory_gib * 1024 * 0.9) - plan.wl.trainer.hugepages_2mi,
@@ -78,13 +80,13 @@ def place_gang(job: dict, plan: Plan) -> dict:
             if vol["name"] == "dshm":
                 # NCCL and CUDA IPC buffers; bounded so a leak cannot take the node's memory.
                 vol["emptyDir"]["sizeLimit"] = "256Gi"
-        pod["volumes"] += [config_vol, {"name": "tmp", "emptyDir": {"sizeLimit": "64Gi"}}]
+        pod["volumes"] += [config_vol, {"name": "tmp", "emptyDir": {"sizeLimit": "600Gi"}}]
         (ctr,) = pod["containers"]
         ctr["securityContext"] = container_security()
         ctr["volumeMounts"] += [config_mount, {"name": "tmp", "mountPath": "/tmp"}]
         ctr["imagePullPolicy"] = "IfNotPresent"
         ctr["env"] += [{"name": "VC_TRAINER_0_HOSTS", "value": f"trainer-0.{SERVICE}.{plan.namespace}.svc.cluster.local"},
-                       {"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {
+                       {"name": PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
                            "name": plan.wl.buffer.password_secret, "key": "password"}}}]
         task["template"]["metadata"]["labels"].update(labels("moerl-trainer"))
     return job
