@@ -254,3 +254,18 @@ def test_ep2_ranks_hold_local_experts_and_save_loads_at_ep1(tmp_path):
             # The EP=2 forward (dispatch over gloo) gives the EP=1 logits.
             torch.testing.assert_close(got["logits"], ref_logits, atol=ATOL, rtol=0)
     assert not list(tmp_path.glob("**/.*.partial"))
+
+
+def test_tied_embeddings_round_trip(tmp_path):
+    ep = EPContext.local()
+    model = build_policy(tiny_config("tiny-qwen3-moe", tie_word_embeddings=True), RouterConfig(), ep).eval()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    out = save_policy(model, tmp_path / "c", ep)
+    assert "lm_head.weight" not in _keys(out)  # the Hub omits tied weights
+    stock, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ours = load_policy(out, RouterConfig(), ep)
+    assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()
+    ids = _ids()
+    torch.testing.assert_close(_logits(stock.eval(), ids), _logits(model, ids), atol=ATOL, rtol=0)
+    torch.testing.assert_close(_logits(ours, ids), _logits(model, ids), atol=ATOL, rtol=0)
