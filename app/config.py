@@ -69,6 +69,14 @@ class RolloutConfig(Section):
     drain_grace_s: float = Field(30.0, gt=0.0, description="SIGTERM drain budget, seconds.")
     request_timeout_s: float = Field(60.0, gt=0.0)
     reward_timeout_s: float = Field(5.0, gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    max_inflight_tasks: int = Field(4, ge=1, description="Prompt groups a worker generates at once.")
+    engine_retries: int = Field(3, ge=0, description="Retries of a failed engine request.")
+    retry_backoff_s: float = Field(0.5, gt=0.0, description="First retry backoff; doubles.")
+    policy_poll_s: float = Field(2.0, gt=0.0, description="Seconds between policy-version checks.")
+    weight_update_timeout_s: float = Field(300.0, gt=0.0, description="One engine weight load.")
+    policy_cache_dir: str = Field("runs/policy-cache", description="Local copies of policy versions.")
+    reward_fn: str = Field("app.envs.rewards:score", description="module:attr of score(task, text).")
 
 
 class TrainerConfig(Section):

@@ -1,0 +1,472 @@
+"""The rollout worker: leases prompt groups, generates and scores them, publishes finished groups.
+
+`moerl rollout --config run.yaml --engine-url URL --worker-id ID` runs one worker against one
+engine (our built-in engine or SGLang, through `app.rollout.engine_client.EngineClient`) and the
+experience buffer (`app.buffer.ExperienceBuffer`). One asyncio loop:
+
+1. back-pressure: lease nothing while the buffer holds ``buffer.capacity_groups`` finished groups;
+2. lease up to ``rollout.max_inflight_tasks`` prompt groups; each becomes one batched /generate
+   of G = ``task.group_size`` completions (``n = G``), so the engine batches across tasks too;
+3. score every completion with the reward function (``rollout.reward_fn``, default
+   ``app.envs.rewards:score``) in a daemon thread with a per-sample timeout
+   (``rollout.reward_timeout_s``); a raise or a timeout gives reward 0 and is counted;
+4. publish finished groups in portions of ``rollout.publish_every_groups`` (sooner when nothing
+   else is in flight); every sample carries the engine's reported weight_version and the
+   per-token logprobs;
+5. engine failures: the client retries with backoff (``rollout.engine_retries``); after that the
+   task goes back to the queue (``ExperienceBuffer.release``) and the worker health-checks the
+   engine before it leases again;
+6. policy versions: every ``rollout.policy_poll_s`` seconds, compare ``buffer.current_policy()``
+   with the engine's weight_version; when newer, download it (`app.storage.policy.download_policy`)
+   to ``rollout.policy_cache_dir/<worker>/v<N>``, let in-flight requests finish (so no sequence
+   mixes two versions), then pause -> /update_weights_from_disk(path, N) -> continue. A failed or
+   timed-out load leaves the engine on its previous version and is retried at the next poll.
+   An engine that restarted (its version went back) is brought to the current version the same
+   way before the worker leases again.
+
+SIGTERM (Spot notice) / SIGINT: stop leasing, let in-flight groups finish within
+``rollout.drain_grace_s``, publish what finished, release unfinished tasks to the queue, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import logging
+import shutil
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import typer
+
+from app.buffer.records import Sample, Task
+from app.config import RunConfig
+from app.rollout.engine_client import EngineClient, EngineError, GenOutput
+
+log = logging.getLogger("moerl.rollout")
+
+ScoreFn = Callable[[Task, str], float]
+
+
+@dataclass
+class WorkerStats:
+    """Counters of one worker run (printed as JSON at exit)."""
+
+    groups_published: int = 0
+    samples_published: int = 0
+    duplicate_groups: int = 0
+    tasks_leased: int = 0
+    tasks_released: int = 0
+    engine_errors: int = 0
+    reward_errors: int = 0
+    reward_timeouts: int = 0
+    weight_updates: int = 0
+    weight_update_failures: int = 0
+    buffer_errors: int = 0
+
+
+def load_score_fn(spec: str) -> ScoreFn:
+    """Import ``"module:attr"``, a callable ``score(task: Task, completion: str) -> float``.
+
+    Raises:
+        ValueError: ``spec`` is not "module:attr", the module or attribute does not exist, or
+            it is not callable; the message names ``rollout.reward_fn``.
+    """
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"rollout.reward_fn must be 'module:attr', got {spec!r}")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"rollout.reward_fn {spec!r} cannot be imported: {e}") from None
+    if not callable(fn):
+        raise ValueError(f"rollout.reward_fn {spec!r} is not callable")
+    return fn
+
+
+async def score_with_timeout(fn: ScoreFn, task: Task, completion: str, timeout_s: float) -> tuple[float, str | None]:
+    """Run ``fn(task, completion)`` in a daemon thread, waiting at most ``timeout_s`` seconds.
+
+    A daemon thread (not an executor) so that a reward function that hangs forever cannot keep
+    the process from exiting.
+
+    Returns:
+        (reward, problem): problem is None, "error" (raised or returned a non-finite / non-number
+        value) or "timeout"; reward is 0.0 whenever problem is not None.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def run() -> None:
+        try:
+            value = float(fn(task, completion))
+            result: tuple[float, str | None] = (value, None) if value == value and abs(value) != float("inf") else (0.0, "error")
+        except Exception as e:  # noqa: BLE001 - a reward that raises scores 0, counted
+            log.debug("reward raised on %s: %s", task.task_id, e)
+            result = (0.0, "error")
+        try:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+        except RuntimeError:
+            pass  # the loop closed while a hung reward ran on: its result is not wanted
+
+    threading.Thread(target=run, daemon=True, name=f"reward-{task.task_id}").start()
+    try:
+        return await asyncio.wait_for(asyncio.shield(done), timeout_s)
+    except asyncio.TimeoutError:
+        return 0.0, "timeout"
+
+
+class RolloutWorker:
+    """One rollout worker bound to one engine.
+
+    Args:
+        cfg: the run configuration (rollout, buffer and run_id sections are used).
+        buffer: an ``app.buffer.ExperienceBuffer`` (or an object with the same methods).
+        client: the engine client.
+        worker_id: consumer name in the buffer's consumer group; also names the policy cache dir.
+        score_fn: reward function; default imported from ``cfg.rollout.reward_fn``.
+        store: object store holding published policies (default ``open_store(cfg.store_url)``,
+            opened on first use).
+        max_groups: stop (as on SIGTERM) after publishing this many groups; None = run until signalled.
+    """
+
+    def __init__(
+        self, cfg: RunConfig, buffer: Any, client: EngineClient, worker_id: str, *,
+        score_fn: ScoreFn | None = None, store: Any = None, max_groups: int | None = None,
+    ):
+        self.cfg = cfg
+        self.r = cfg.rollout
+        self.buffer = buffer
+        self.client = client
+        self.worker_id = worker_id
+        self.score_fn = score_fn or load_score_fn(cfg.rollout.reward_fn)
+        self.store = store
+        self.max_groups = max_groups
+        self.stats = WorkerStats()
+        self.engine_version: int | None = None
+        self.cache_dir = Path(cfg.rollout.policy_cache_dir).resolve() / worker_id
+        self._stop = asyncio.Event()
+        self._may_generate = asyncio.Event()  # cleared while weights are swapped
+        self._may_generate.set()
+        self._generating = 0  # /generate calls in flight
+        self._idle = asyncio.Event()  # set when _generating == 0
+        self._idle.set()
+        self._finished: list[tuple[Task, list[Sample]]] = []
+        self._engine_suspect = False
+        # One thread for every buffer call: the buffer object is not assumed thread-safe.
+        self._buffer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="buffer")
+
+    # -- helpers ---------------------------------------------------------------------------
+    async def _buf(self, method: str, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        fn = getattr(self.buffer, method)
+        return await loop.run_in_executor(self._buffer_thread, lambda: fn(*args, **kwargs))
+
+    def request_stop(self) -> None:
+        """Begin the drain (what SIGTERM does)."""
+        if not self._stop.is_set():
+            log.info("%s: stop requested: draining", self.worker_id)
+        self._stop.set()
+
+    async def _sleep_or_stop(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._stop.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    # -- policy versions -------------------------------------------------------------------
+    def _download(self, version: int) -> Path:
+        from app.storage import open_store
+        from app.storage.policy import download_policy
+
+        if self.store is None:
+            self.store = open_store(self.cfg.store_url)
+        # Idempotent: an intact copy already in the cache is used as it is.
+        dest = Path(download_policy(self.store, self.cfg.run_id, version, self.cache_dir / f"v{version}"))
+        # Keep this version and the one before it (the engine may still be reading it).
+        for old in self.cache_dir.glob("v*"):
+            try:
+                n = int(old.name[1:])
+            except ValueError:
+                continue
+            if n < version - 1:
+                shutil.rmtree(old, ignore_errors=True)
+        return dest.resolve()
+
+    async def sync_policy(self) -> None:
+        """Bring the engine to the buffer's current policy version if it lags (see module doc)."""
+        try:
+            current = await self._buf("current_policy")
+            self.engine_version = await self.client.weight_version()
+        except EngineError as e:
+            log.warning("%s: engine unreachable for the version check: %s", self.worker_id, e)
+            self._engine_suspect = True
+            return
+        except Exception as e:  # noqa: BLE001 - Redis hiccup: try again at the next poll
+            self.stats.buffer_errors += 1
+            log.warning("%s: buffer error reading the policy version: %s", self.worker_id, e)
+            return
+        if current is None:
+            return
+        version = int(current[0])
+        if self.engine_version is not None and self.engine_version >= version:
+            return
+        try:
+            path = await asyncio.to_thread(self._download, version)
+        except Exception as e:  # noqa: BLE001 - retried at the next poll
+            self.stats.weight_update_failures += 1
+            log.warning("%s: download of policy v%d failed: %s", self.worker_id, version, e)
+            return
+        # Let this worker's requests finish so that no sequence mixes two weight versions.
+        self._may_generate.clear()
+        try:
+            await self._idle.wait()
+            await self.client.pause_generation()
+            try:
+                ok, message = await self.client.update_weights_from_disk(
+                    str(path), version, timeout_s=self.r.weight_update_timeout_s
+                )
+            finally:
+                await self.client.continue_generation()
+        except EngineError as e:
+            ok, message = False, str(e)
+        finally:
+            self._may_generate.set()
+        if ok:
+            self.engine_version = version
+            self.stats.weight_updates += 1
+            log.info("%s: engine now at policy v%d", self.worker_id, version)
+        else:
+            self.stats.weight_update_failures += 1
+            log.warning("%s: engine failed to load v%d (%s); keeps v%s", self.worker_id, version, message, self.engine_version)
+
+    # -- one task --------------------------------------------------------------------------
+    async def _generate(self, task: Task) -> list[GenOutput]:
+        await self._may_generate.wait()
+        self._generating += 1
+        self._idle.clear()
+        try:
+            outs = await self.client.generate(
+                task.prompt_ids, n=task.group_size, max_new_tokens=self.r.max_new_tokens,
+                temperature=self.r.temperature, top_p=self.r.top_p,
+            )
+        finally:
+            self._generating -= 1
+            if self._generating == 0:
+                self._idle.set()
+        if any(o.finish_reason == "abort" for o in outs):
+            raise EngineError(f"engine aborted a request of task {task.task_id}")
+        return outs
+
+    async def rollout(self, task: Task) -> list[Sample]:
+        """Generate and score the G completions of ``task``.
+
+        Raises:
+            EngineError: the engine failed after the client's retries.
+        """
+        outs = await self._generate(task)
+        rewards = await asyncio.gather(
+            *(score_with_timeout(self.score_fn, task, o.text, self.r.reward_timeout_s) for o in outs)
+        )
+        samples = []
+        for j, (o, (reward, problem)) in enumerate(zip(outs, rewards)):
+            if problem == "timeout":
+                self.stats.reward_timeouts += 1
+            elif problem == "error":
+                self.stats.reward_errors += 1
+            version = o.weight_version if o.weight_version is not None else (self.engine_version or 0)
+            samples.append(Sample(
+                sample_id=task.sample_id(self.cfg.run_id, j), task_id=task.task_id, index=j,
+                attempt=task.attempt, prompt_ids=list(task.prompt_ids), completion_ids=o.token_ids,
+                logprobs=o.logprobs, reward=reward, policy_version=version,
+                finish_reason=o.finish_reason if o.finish_reason in ("stop", "length") else "error",
+            ))
+        return samples
+
+    # -- publishing ------------------------------------------------------------------------
+    async def _publish(self, force: bool) -> None:
+        while self._finished and (force or len(self._finished) >= self.r.publish_every_groups):
+            portion = self._finished[: self.r.publish_every_groups]
+            for task, samples in portion:
+                try:
+                    added = await self._buf("publish", task, samples)
+                except Exception as e:  # noqa: BLE001 - keep the group, retry later
+                    self.stats.buffer_errors += 1
+                    log.warning("%s: publish failed (%s); will retry", self.worker_id, e)
+                    return
+                self._finished.remove((task, samples))
+                if added:
+                    self.stats.groups_published += 1
+                    self.stats.samples_published += len(samples)
+                else:
+                    self.stats.duplicate_groups += 1
+
+    async def _release(self, tasks: list[Task]) -> None:
+        if not tasks:
+            return
+        try:
+            await self._buf("release", tasks)
+            self.stats.tasks_released += len(tasks)
+        except Exception as e:  # noqa: BLE001 - the lease will expire and the task returns anyway
+            self.stats.buffer_errors += 1
+            log.warning("%s: release of %d task(s) failed (%s); their leases will expire", self.worker_id, len(tasks), e)
+
+    async def _extend(self, tasks: list[Task]) -> None:
+        """Renew the leases of in-flight tasks (a slow engine must not lose them to expiry)."""
+        try:
+            await self._buf("extend", tasks)
+        except Exception as e:  # noqa: BLE001 - at worst a lease expires and the task is redone
+            self.stats.buffer_errors += 1
+            log.warning("%s: lease extension failed: %s", self.worker_id, e)
+
+    def _reap(self, done: set[asyncio.Task], inflight: dict[asyncio.Task, Task]) -> list[Task]:
+        """Collect finished rollouts; returns the tasks that failed (to release)."""
+        failed = []
+        for t in done:
+            task = inflight.pop(t)
+            if t.cancelled():
+                failed.append(task)
+                continue
+            err = t.exception()
+            if err is None:
+                self._finished.append((task, t.result()))
+            else:
+                self.stats.engine_errors += 1
+                self._engine_suspect = True
+                log.warning("%s: task %s failed: %s", self.worker_id, task.task_id, err)
+                failed.append(task)
+        return failed
+
+    # -- main loop -------------------------------------------------------------------------
+    async def run(self) -> WorkerStats:
+        """Run until `request_stop` (or ``max_groups``), then drain; returns the counters."""
+        inflight: dict[asyncio.Task, Task] = {}
+        next_poll = 0.0
+        next_extend = time.monotonic() + self.cfg.buffer.lease_ms / 3000
+        try:
+            while not self._stop.is_set():
+                if self._engine_suspect:
+                    if not await self.client.health_generate(timeout_s=self.r.request_timeout_s):
+                        log.warning("%s: engine %s unhealthy; not leasing", self.worker_id, self.client.url)
+                        await self._sleep_or_stop(self.r.retry_backoff_s * 4)
+                        continue
+                    self._engine_suspect = False
+                    next_poll = 0.0  # a restarted engine must load the current version first
+                if time.monotonic() >= next_poll:
+                    await self.sync_policy()
+                    next_poll = time.monotonic() + self.r.policy_poll_s
+
+                if inflight and time.monotonic() >= next_extend:
+                    await self._extend(list(inflight.values()))
+                    next_extend = time.monotonic() + self.cfg.buffer.lease_ms / 3000
+                if inflight:
+                    done, _ = await asyncio.wait(inflight, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+                    await self._release(self._reap(done, inflight))
+                await self._publish(force=not inflight)
+                if self.max_groups is not None and self.stats.groups_published + len(self._finished) >= self.max_groups:
+                    self.request_stop()
+                    break
+
+                free = self.r.max_inflight_tasks - len(inflight)
+                if free <= 0 or self._engine_suspect:
+                    continue
+                try:
+                    if not await self._buf("has_capacity"):
+                        await self._buf("wait_for_capacity", 0.5)
+                        continue
+                    tasks = await self._buf("lease", self.worker_id, count=free, block_ms=200 if inflight else 500)
+                except Exception as e:  # noqa: BLE001 - Redis restart or hiccup: back off
+                    self.stats.buffer_errors += 1
+                    log.warning("%s: buffer error while leasing: %s", self.worker_id, e)
+                    await self._sleep_or_stop(self.r.retry_backoff_s * 4)
+                    continue
+                self.stats.tasks_leased += len(tasks)
+                for task in tasks:
+                    inflight[asyncio.create_task(self.rollout(task))] = task
+        finally:
+            await self._drain(inflight)
+        return self.stats
+
+    async def _drain(self, inflight: dict[asyncio.Task, Task]) -> None:
+        """Finish in-flight groups within drain_grace_s, publish them, release the rest."""
+        self._may_generate.set()  # a weight swap interrupted by the signal must not block the drain
+        deadline = time.monotonic() + self.r.drain_grace_s
+        to_release: list[Task] = []
+        while inflight and time.monotonic() < deadline:
+            done, _ = await asyncio.wait(inflight, timeout=deadline - time.monotonic(), return_when=asyncio.FIRST_COMPLETED)
+            to_release += self._reap(done, inflight)
+        for t in inflight:
+            t.cancel()
+        if inflight:
+            await asyncio.gather(*inflight, return_exceptions=True)
+            to_release += list(inflight.values())
+            inflight.clear()
+        await self._publish(force=True)
+        # Groups that could not be published (buffer down) go back to the queue too.
+        to_release += [task for task, _ in self._finished]
+        self._finished.clear()
+        await self._release(to_release)
+        self._buffer_thread.shutdown(wait=True)
+
+
+async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_groups: int | None = None) -> WorkerStats:
+    """Connect to the buffer and the engine, run a `RolloutWorker` until SIGTERM/SIGINT, drain.
+
+    Raises:
+        ValueError: ``rollout.reward_fn`` cannot be imported.
+        ConnectionError (or the buffer's own error): Redis unreachable; names the URL.
+        TimeoutError: the engine is not healthy within ``rollout.request_timeout_s``.
+    """
+    from app.buffer import ExperienceBuffer
+
+    score_fn = load_score_fn(cfg.rollout.reward_fn)
+    buffer = ExperienceBuffer.from_config(cfg)
+    client = EngineClient(
+        engine_url, timeout_s=cfg.rollout.request_timeout_s, retries=cfg.rollout.engine_retries,
+        backoff_s=cfg.rollout.retry_backoff_s,
+    )
+    worker = RolloutWorker(cfg, buffer, client, worker_id, score_fn=score_fn, max_groups=max_groups)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.request_stop)
+    try:
+        deadline = time.monotonic() + cfg.rollout.request_timeout_s
+        while not await client.health_generate(timeout_s=cfg.rollout.request_timeout_s):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine at {engine_url} not healthy after {cfg.rollout.request_timeout_s:.0f} s")
+            if worker._stop.is_set():
+                return worker.stats
+            await asyncio.sleep(0.5)
+        return await worker.run()
+    finally:
+        await client.aclose()
+        close = getattr(buffer, "close", None)
+        if callable(close):
+            close()
+
+
+cli = typer.Typer(add_completion=False, help="Run a rollout worker against an engine and the experience buffer.")
+
+
+@cli.command()
+def rollout(
+    config: Path = typer.Option(..., "--config", help="Run configuration (YAML)."),
+    engine_url: str = typer.Option(None, "--engine-url", help="Engine base URL (default: rollout.engine_url)."),
+    worker_id: str = typer.Option(..., "--worker-id", help="Unique name of this worker."),
+    max_groups: int = typer.Option(None, "--max-groups", min=1, help="Exit after publishing this many groups."),
+) -> None:
+    """Lease prompt groups, generate through the engine, score, publish; drain on SIGTERM."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = RunConfig.load(config)
+    except (FileNotFoundError, ValueError) as e:
+        raise typer.BadParameter(str(e), param_hint="--config") from None
+    url = engine_url or cfg.rollout.engine_url
+    stats = asyncio.run(run_worker(cfg, url, worker_id, max_groups=max_groups))
+    print(json.dumps({"worker_id": worker_id, **asdict(stats)}), flush=True)

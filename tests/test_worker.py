@@ -1,0 +1,297 @@
+"""The rollout worker against a real engine process and a real redis-server.
+
+- SIGTERM drain of a `moerl rollout` process: exit 0, every task either published (once) or
+  back in the queue, nothing left leased;
+- a drain whose grace period runs out releases the unfinished tasks;
+- reward functions that raise or hang: reward 0, counted, the group still published;
+- engine errors: the task goes back to the queue after the client's retries;
+- a newly announced policy version: downloaded, loaded by the engine (pause -> update ->
+  continue), samples stamped with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from app.buffer import ExperienceBuffer, Task
+from app.buffer.redis_server import free_port
+from app.config import RunConfig
+from app.envs.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
+from app.rollout.engine_client import EngineClient, EngineError, wait_until_healthy
+from app.rollout.worker import RolloutWorker, score_with_timeout
+
+ROOT = Path(__file__).resolve().parents[1]
+G = 4
+
+STUB_REWARDS = '''
+def score(task, completion):
+    """Test stub: 1.0 for completions of even length."""
+    return float(len(completion) % 2 == 0)
+'''
+
+
+def make_checkpoint(out: Path, seed: int) -> Path:
+    """A tiny random Qwen3-MoE saved as an HF dir with the character tokenizer."""
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+        pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+    )
+    Qwen3MoeForCausalLM(cfg).save_pretrained(out)
+    save_tokenizer(out)
+    return out
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wckpts")
+    return make_checkpoint(root / "a", seed=0), make_checkpoint(root / "b", seed=1)
+
+
+@pytest.fixture(scope="module")
+def engine(ckpts, tmp_path_factory):
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("wengine") / "engine.log"
+    argv = [sys.executable, "-m", "app.cli", "engine", "--model-path", str(ckpts[0]), "--port", str(port),
+            "--threads", "1", "--weight-version", "0"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(url, timeout_s=90)
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                stop_process(proc)
+
+
+def make_config(tmp_path: Path, redis_url: str, engine_url: str, **rollout) -> RunConfig:
+    cfg = RunConfig(run_id="wtest", store_url=f"file://{tmp_path / 'store'}")
+    cfg.buffer.redis_url = redis_url
+    cfg.buffer.lease_ms = 30_000
+    cfg.rollout.engine_url = engine_url
+    cfg.rollout.group_size = G
+    cfg.rollout.max_new_tokens = 24
+    cfg.rollout.policy_cache_dir = str(tmp_path / "cache")
+    cfg.rollout.policy_poll_s = 0.2
+    for k, v in rollout.items():
+        setattr(cfg.rollout, k, v)
+    return cfg
+
+
+def make_tasks(n: int) -> list[Task]:
+    return [Task(task_id=f"train-{i:04d}", prompt_ids=[BOS_ID, 20 + i % 50, 30], prompt=f"p{i}",
+                 answer="{}", group_size=G) for i in range(n)]
+
+
+def drain_buffer(buf: ExperienceBuffer) -> tuple[dict[str, list], list[str]]:
+    """Everything in the buffer: published groups by task id, and the task ids still queued."""
+    groups: dict[str, list] = {}
+    while True:
+        batch = buf.take_batch(64, trainer_version=0, timeout_s=0)
+        if not batch:
+            break
+        for g in batch:
+            groups.setdefault(g.task_id, []).append(g)
+    queued = [t.task_id for t in buf.lease("auditor", count=1000, block_ms=0)]
+    return groups, queued
+
+
+def test_score_with_timeout_counts_raise_and_hang():
+    task = make_tasks(1)[0]
+
+    def raises(t, c):
+        raise RuntimeError("bad verifier")
+
+    def hangs(t, c):
+        time.sleep(30)
+        return 1.0
+
+    async def go():
+        return await asyncio.gather(
+            score_with_timeout(lambda t, c: 0.5, task, "x", 1.0),
+            score_with_timeout(raises, task, "x", 1.0),
+            score_with_timeout(hangs, task, "x", 0.2),
+            score_with_timeout(lambda t, c: float("nan"), task, "x", 1.0),
+        )
+
+    assert asyncio.run(go()) == [(0.5, None), (0.0, "error"), (0.0, "timeout"), (0.0, "error")]
+
+
+def test_sigterm_drain_loses_no_task(tmp_path, redis_server, engine):
+    """A real `moerl rollout` process, SIGTERM mid-run: exit 0; every task published or queued."""
+    (tmp_path / "stub_rewards.py").write_text(STUB_REWARDS)
+    cfg = make_config(tmp_path, redis_server, engine, reward_fn="stub_rewards:score",
+                      max_new_tokens=48, max_inflight_tasks=3, drain_grace_s=30.0)
+    cfg_path = tmp_path / "run.yaml"
+    cfg.save(cfg_path)
+    tasks = make_tasks(40)
+    buf = ExperienceBuffer.from_config(cfg)
+    assert buf.put_tasks(tasks) == len(tasks)
+
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "PYTHONUNBUFFERED": "1"}
+    log_path = tmp_path / "worker.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "rollout", "--config", str(cfg_path), "--engine-url", engine,
+             "--worker-id", "w0"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while buf.stats()["finished"] < 2 or buf.stats()["leased"] == 0:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"worker made no progress:\n{log_path.read_text()[-3000:]}"
+            time.sleep(0.05)
+        leased_at_signal = buf.stats()["leased"]
+        os.killpg(proc.pid, signal.SIGTERM)
+        code = proc.wait(cfg.rollout.drain_grace_s + 30)
+    finally:
+        stop_process(proc)
+    out = log_path.read_text()
+    assert code == 0, out[-3000:]
+    assert leased_at_signal > 0  # the signal found groups in flight
+    stats = json.loads(out.strip().splitlines()[-1])
+    assert stats["worker_id"] == "w0"
+
+    assert buf.stats()["leased"] == 0, "the drain left tasks leased"
+    groups, queued = drain_buffer(buf)
+    assert set(groups) | set(queued) == {t.task_id for t in tasks}  # nothing lost
+    assert not set(groups) & set(queued)
+    assert all(len(gs) == 1 for gs in groups.values())  # nothing published twice
+    assert len(groups) == stats["groups_published"] >= 2
+    for (g,) in groups.values():
+        assert [s.index for s in g.samples] == list(range(G))
+        for s in g.samples:
+            assert s.policy_version == 0 and s.sample_id == f"wtest/{g.task_id}/{s.index}/0"
+            assert len(s.logprobs) == len(s.completion_ids) >= 1
+            assert all(lp <= 0 for lp in s.logprobs)
+            assert s.finish_reason in ("stop", "length")
+            assert s.reward in (0.0, 1.0)
+
+
+class SlowClient(EngineClient):
+    """Generation that never finishes in time (a hung engine)."""
+
+    async def generate(self, *args, **kwargs):
+        await asyncio.sleep(3600)
+
+
+class FailingClient(EngineClient):
+    """Every /generate fails after the retries."""
+
+    calls = 0
+
+    async def generate(self, *args, **kwargs):
+        FailingClient.calls += 1
+        raise EngineError("POST /generate failed: HTTP 500")
+
+
+def test_drain_past_grace_releases_unfinished_tasks(tmp_path, redis_server, engine):
+    cfg = make_config(tmp_path, redis_server, engine, drain_grace_s=0.5, max_inflight_tasks=2)
+    buf = ExperienceBuffer.from_config(cfg)
+    buf.put_tasks(make_tasks(3))
+
+    async def go():
+        worker = RolloutWorker(cfg, buf, SlowClient(engine), "w1", score_fn=lambda t, c: 1.0)
+        runner = asyncio.create_task(worker.run())
+        while worker.stats.tasks_leased < 2:
+            await asyncio.sleep(0.05)
+        worker.request_stop()
+        return await asyncio.wait_for(runner, 10)
+
+    stats = asyncio.run(go())
+    assert stats.tasks_released == 2 and stats.groups_published == 0
+    s = buf.stats()
+    assert s["leased"] == 0 and s["queued"] == 3
+
+
+def test_engine_errors_send_the_task_back(tmp_path, redis_server, engine):
+    cfg = make_config(tmp_path, redis_server, engine, max_inflight_tasks=1)
+    buf = ExperienceBuffer.from_config(cfg)
+    buf.put_tasks(make_tasks(1))
+
+    async def go():
+        worker = RolloutWorker(cfg, buf, FailingClient(engine), "w2", score_fn=lambda t, c: 1.0)
+        runner = asyncio.create_task(worker.run())
+        while worker.stats.engine_errors < 1:
+            await asyncio.sleep(0.05)
+        worker.request_stop()
+        return await asyncio.wait_for(runner, 10)
+
+    stats = asyncio.run(go())
+    assert stats.engine_errors >= 1 and stats.tasks_released >= 1 and stats.groups_published == 0
+    s = buf.stats()
+    assert s["leased"] == 0 and s["queued"] == 1 and s["finished"] == 0
+
+
+def test_bad_rewards_score_zero_and_are_counted(tmp_path, redis_server, engine):
+    cfg = make_config(tmp_path, redis_server, engine, reward_timeout_s=0.3)
+    buf = ExperienceBuffer.from_config(cfg)
+    buf.put_tasks(make_tasks(2))
+
+    def flaky(task, completion):
+        if task.task_id.endswith("0"):
+            raise ValueError("malformed answer")
+        time.sleep(5)  # hangs past reward_timeout_s
+        return 1.0
+
+    async def go():
+        async with EngineClient(engine) as client:
+            return await RolloutWorker(cfg, buf, client, "w3", score_fn=flaky, max_groups=2).run()
+
+    stats = asyncio.run(go())
+    assert stats.groups_published == 2
+    assert stats.reward_errors == G and stats.reward_timeouts == G
+    groups, _ = drain_buffer(buf)
+    assert all(s.reward == 0.0 for gs in groups.values() for g in gs for s in g.samples)
+
+
+def test_new_policy_version_is_loaded_and_stamped(tmp_path, redis_server, engine, ckpts):
+    from app.storage import open_store, publish_policy
+
+    cfg = make_config(tmp_path, redis_server, engine)
+    buf = ExperienceBuffer.from_config(cfg)
+    store = open_store(cfg.store_url)
+    uri = publish_policy(store, cfg.run_id, 1, ckpts[1])
+    buf.announce_policy(1, uri)
+    buf.put_tasks(make_tasks(2))
+
+    async def go():
+        async with EngineClient(engine) as client:
+            try:
+                worker = RolloutWorker(cfg, buf, client, "w4", score_fn=lambda t, c: 1.0, max_groups=2)
+                stats = await worker.run()
+                info = await client.model_info()
+                return stats, info
+            finally:
+                await client.update_weights_from_disk(str(ckpts[0]), 0)  # module engine back to A
+
+    stats, info = asyncio.run(go())
+    assert stats.weight_updates == 1 and stats.weight_update_failures == 0
+    assert info["weight_version"] == "1"
+    assert Path(info["model_path"]) == (tmp_path / "cache" / "w4" / "v1").resolve()
+    groups, _ = drain_buffer(buf)
+    assert len(groups) == 2
+    assert all(s.policy_version == 1 for gs in groups.values() for g in gs for s in g.samples)
