@@ -167,7 +167,6 @@ class ClusterStack(Stack):
             cluster=self.cluster,
             nodegroup_name=f"{cfg.name_prefix}-{pool.name}",
             node_role=self.node_role,
-            instance_types=[ec2.InstanceType(t) for t in pool.instance_types],
             # Spot groups use the price-capacity-optimized allocation strategy and EKS handles
             # rebalance recommendations by draining the node (managed node group behaviour).
             capacity_type=_CAPACITY[pool.capacity_type],
@@ -182,9 +181,10 @@ class ClusterStack(Stack):
             # Never replace training nodes past a PodDisruptionBudget; other pools may be forced.
             force_update=pool.name != "train-gpu",
         )
-        # The L2 guesses the architecture from a GPU-family list that lacks p5en/p6, so set the
-        # AMI type on the L1 resource directly.
+        # Instance types and AMI type go on the L1 resource: the L2 cannot parse names such as
+        # p6-b200.48xlarge and guesses the architecture from a GPU list that lacks p5en.
         cfn_ng: eks.CfnNodegroup = ng.node.default_child  # type: ignore[assignment]
+        cfn_ng.instance_types = list(pool.instance_types)
         cfn_ng.ami_type = ami_type(pool)
         ng.node.add_dependency(self.addons["vpc-cni"])
         self.nodegroups[pool.name] = ng

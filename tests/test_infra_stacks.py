@@ -1,0 +1,386 @@
+"""Synthesized CDK templates: one synth of the promotion pipeline (dev, staging, prod stages) and
+one of a dev variant with other GPU types, shared by every test in this module.
+
+Covers issue 5: single-AZ node groups, EFA interface layout per instance type, security groups
+on interfaces, self-referencing EFA rules, bucket settings, labels/taints equal to the config,
+Spot on rollout and not on training, add-ons and pinned charts, Pod Identity scope, the pipeline,
+cfn-lint (zero errors) and cdk-nag AwsSolutions (zero unacknowledged findings, every
+acknowledgement with a reason).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION", "1")
+from aws_cdk import App  # noqa: E402
+from aws_cdk.assertions import Match, Template  # noqa: E402
+
+from infra.app import build_app  # noqa: E402
+from infra.cluster import EFA_DEVICE_PLUGIN, EKS_ADDONS, NVIDIA_DEVICE_PLUGIN  # noqa: E402
+from infra.config import ENVS, DeploymentConfig, load_config  # noqa: E402
+from infra.instances import INSTANCE_TABLE  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANT_YAML = """
+pools:
+  train-gpu:
+    instance_types: [p6-b200.48xlarge]
+    capacity_type: CAPACITY_BLOCK
+    capacity_reservation_id: cr-0123456789abcdef0
+  rollout-gpu:
+    instance_types: [p5.48xlarge, p5e.48xlarge]
+"""
+
+
+class Synth:
+    """Templates (dict) and Template objects of one synthesized app."""
+
+    def __init__(self, app: App, outdir: Path):
+        self.assembly = app.synth()
+        self.outdir = outdir
+
+    def template_files(self) -> list[Path]:
+        return sorted(self.outdir.rglob("*.template.json"))
+
+    def reports(self) -> list[dict]:
+        return [json.loads(p.read_text()) for p in sorted(self.outdir.rglob("validation-report.json"))]
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cdk-pipeline")
+    app = build_app("pipeline", app=App(outdir=str(out)))
+    synth = Synth(app, out)
+    stack = app.node.find_child("Pipeline")
+    synth.pipeline_stack = stack
+    synth.stages = stack.stages
+    synth.cfgs = {e: load_config(e) for e in ENVS}
+    return synth
+
+
+@pytest.fixture(scope="module")
+def variant(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cdk-variant")
+    f = out / "variant.yaml"
+    f.write_text(VARIANT_YAML)
+    app = build_app("dev", str(f), app=App(outdir=str(out / "cdk.out")))
+    synth = Synth(app, out / "cdk.out")
+    synth.cfg = load_config("dev", f)
+    synth.stacks = {k: app.node.find_child(k.capitalize()) for k in ("network", "storage", "cluster")}
+    return synth
+
+
+def tpl(pipeline, env: str, kind: str) -> Template:
+    return Template.from_stack(pipeline.stages[env].stacks[kind])
+
+
+def resources(t: Template, type_: str) -> dict[str, dict]:
+    return t.find_resources(type_)
+
+
+def by_name(t: Template, cfg: DeploymentConfig) -> dict[str, dict]:
+    """Node group properties keyed by pool name."""
+    out = {}
+    for r in resources(t, "AWS::EKS::Nodegroup").values():
+        p = r["Properties"]
+        out[p["NodegroupName"].removeprefix(cfg.name_prefix + "-")] = p
+    return out
+
+
+def launch_template(t: Template, ng: dict) -> dict:
+    lt_id = ng["LaunchTemplate"]["Id"]["Ref"]
+    return t.to_json()["Resources"][lt_id]["Properties"]["LaunchTemplateData"]
+
+
+def subnet_azs(network: Template, cluster: Template, subnets: list) -> set[str]:
+    """Resolve node-group subnet imports to the AZs of the subnets in the network template."""
+    net = network.to_json()
+    exports = {o["Export"]["Name"]: o["Value"]["Ref"] for o in net["Outputs"].values()
+               if "Export" in o and "Ref" in o["Value"]}
+    return {net["Resources"][exports[s["Fn::ImportValue"]]]["Properties"]["AvailabilityZone"] for s in subnets}
+
+
+# ---------------------------------------------------------------- network
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_network_control_plane_two_azs_nodes_one_az(pipeline, env):
+    cfg = pipeline.cfgs[env]
+    net, cl = tpl(pipeline, env, "network"), tpl(pipeline, env, "cluster")
+    cluster = next(iter(resources(cl, "AWS::EKS::Cluster").values()))["Properties"]
+    cp_azs = subnet_azs(net, cl, cluster["ResourcesVpcConfig"]["SubnetIds"])
+    assert cp_azs == set(cfg.control_plane_azs) and len(cp_azs) >= 2
+    groups = by_name(cl, cfg)
+    assert set(groups) == set(cfg.pools)
+    for name, ng in groups.items():
+        assert subnet_azs(net, cl, ng["Subnets"]) == {cfg.az}, name
+
+
+def test_network_s3_endpoint_and_lb_subnet_tags(pipeline):
+    net = tpl(pipeline, "prod", "network")
+    net.has_resource_properties("AWS::EC2::VPCEndpoint", {
+        "VpcEndpointType": "Gateway",
+        "ServiceName": Match.object_like({"Fn::Join": Match.array_with([Match.array_with([".s3"])])}),
+    })
+    subnets = resources(net, "AWS::EC2::Subnet").values()
+    tags = [{t["Key"]: t["Value"] for t in s["Properties"]["Tags"]} for s in subnets]
+    public = [t for t in tags if t.get("aws-cdk:subnet-type") == "Public"]
+    private = [t for t in tags if t.get("aws-cdk:subnet-type") == "Private"]
+    assert len(public) == len(private) == 2
+    assert all(t.get("kubernetes.io/role/elb") == "1" for t in public)
+    assert all(t.get("kubernetes.io/role/internal-elb") == "1" for t in private)
+
+
+def test_network_efa_security_group_references_itself(pipeline):
+    net = tpl(pipeline, "prod", "network")
+    sgs = {k: v for k, v in resources(net, "AWS::EC2::SecurityGroup").items() if k.startswith("EfaSecurityGroup")}
+    assert len(sgs) == 1
+    (sg_id, sg), = sgs.items()
+    # No default allow-all egress: only the self rule.
+    assert all(e.get("CidrIp") != "0.0.0.0/0" for e in sg["Properties"].get("SecurityGroupEgress", []))
+    me = {"Fn::GetAtt": [sg_id, "GroupId"]}
+    net.has_resource_properties("AWS::EC2::SecurityGroupIngress",
+                                {"IpProtocol": "-1", "GroupId": me, "SourceSecurityGroupId": me})
+    net.has_resource_properties("AWS::EC2::SecurityGroupEgress",
+                                {"IpProtocol": "-1", "GroupId": me, "DestinationSecurityGroupId": me})
+
+
+# ---------------------------------------------------------------- cluster and node groups
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_cluster_version_explicit_node_groups_no_auto_mode(pipeline, env):
+    cfg = pipeline.cfgs[env]
+    cl = tpl(pipeline, env, "cluster")
+    cl.has_resource_properties("AWS::EKS::Cluster", {
+        "Version": cfg.k8s_version,
+        "ComputeConfig": {"Enabled": False},
+        "AccessConfig": {"AuthenticationMode": Match.string_like_regexp("API")},
+        "ResourcesVpcConfig": Match.object_like({"EndpointPublicAccess": False}),
+    })
+    assert tuple(int(x) for x in cfg.k8s_version.split(".")) >= (1, 31)
+    cl.resource_count_is("AWS::EKS::Nodegroup", len(cfg.pools))
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_node_groups_match_config(pipeline, env):
+    cfg = pipeline.cfgs[env]
+    cl = tpl(pipeline, env, "cluster")
+    for name, ng in by_name(cl, cfg).items():
+        pool = cfg.pools[name]
+        assert ng["Labels"] == pool.labels
+        want = [{"Key": t.key, "Value": t.value, "Effect": {"NoSchedule": "NO_SCHEDULE"}[t.effect]} for t in pool.taints]
+        assert ng["Taints"] == want
+        assert ng["InstanceTypes"] == pool.instance_types
+        assert ng["CapacityType"] == pool.capacity_type
+        assert ng["ScalingConfig"] == {"MinSize": pool.min_size, "MaxSize": pool.max_size, "DesiredSize": pool.desired_size}
+        assert ng["AmiType"] == ("AL2023_x86_64_NVIDIA" if pool.gpu else "AL2023_x86_64_STANDARD")
+        assert ng["NodeRepairConfig"] == {"Enabled": True}
+        assert "DiskSize" not in ng  # the launch template holds the root volume
+        lt = launch_template(cl, ng)
+        assert lt["MetadataOptions"]["HttpTokens"] == "required"
+        (root,) = lt["BlockDeviceMappings"]
+        assert root["Ebs"]["VolumeType"] == "gp3" and root["Ebs"]["Encrypted"] is True
+        assert root["Ebs"]["VolumeSize"] == pool.disk_size_gib
+    groups = by_name(cl, cfg)
+    assert groups["rollout-gpu"]["CapacityType"] == "SPOT"
+    assert groups["train-gpu"]["CapacityType"] != "SPOT"
+
+
+def _check_efa_layout(cl: Template, ng: dict, count: int):
+    lt = launch_template(cl, ng)
+    nics = lt["NetworkInterfaces"]
+    assert len(nics) == count
+    assert [n["NetworkCardIndex"] for n in nics] == list(range(count))
+    assert (nics[0]["DeviceIndex"], nics[0]["InterfaceType"]) == (0, "efa")
+    assert all((n["DeviceIndex"], n["InterfaceType"]) == (1, "efa-only") for n in nics[1:])
+    for n in nics:
+        assert "SubnetId" not in n
+        groups = n["Groups"]
+        assert len(groups) == 2
+        assert {"Fn::GetAtt": [next(iter(resources(cl, "AWS::EKS::Cluster"))), "ClusterSecurityGroupId"]} in groups
+        assert any("EfaSecurityGroup" in json.dumps(g) for g in groups)
+    return lt
+
+
+def test_efa_layout_p5en_training_and_rollout(pipeline):
+    cfg = pipeline.cfgs["prod"]
+    cl = tpl(pipeline, "prod", "cluster")
+    groups = by_name(cl, cfg)
+    lt = _check_efa_layout(cl, groups["train-gpu"], INSTANCE_TABLE["p5en.48xlarge"].efa_interfaces)
+    assert len(lt["NetworkInterfaces"]) == 16
+    assert "Ref" in lt["Placement"]["GroupName"]
+    cl.has_resource_properties("AWS::EC2::PlacementGroup", {"Strategy": "cluster"})
+    _check_efa_layout(cl, groups["rollout-gpu"], cfg.pools["rollout-gpu"].efa_interfaces)
+    for name in ("env-cpu", "buffer-mem", "system"):
+        assert "NetworkInterfaces" not in launch_template(cl, groups[name])
+
+
+def test_efa_layout_p6_b200_and_p5_capacity_block(variant):
+    cfg = variant.cfg
+    cl = Template.from_stack(variant.stacks["cluster"])
+    groups = by_name(cl, cfg)
+    lt = _check_efa_layout(cl, groups["train-gpu"], 8)  # p6-b200: 8 network cards
+    assert lt["InstanceMarketOptions"] == {"MarketType": "capacity-block"}
+    assert lt["CapacityReservationSpecification"] == {
+        "CapacityReservationTarget": {"CapacityReservationId": "cr-0123456789abcdef0"}}
+    assert groups["train-gpu"]["CapacityType"] == "CAPACITY_BLOCK"
+    _check_efa_layout(cl, groups["rollout-gpu"], 32)  # p5 and p5e: 32 network cards
+
+
+def test_addons_and_pinned_device_plugins(pipeline):
+    cl = tpl(pipeline, "prod", "cluster")
+    names = {r["Properties"]["AddonName"] for r in resources(cl, "AWS::EKS::Addon").values()}
+    assert names == set(EKS_ADDONS)
+    charts = {r["Properties"]["Chart"]: r["Properties"] for r in resources(cl, "Custom::AWSCDK-EKS-HelmChart").values()}
+    for repo, chart, version in (NVIDIA_DEVICE_PLUGIN, EFA_DEVICE_PLUGIN):
+        assert charts[chart]["Version"] == version and charts[chart]["Repository"] == repo
+    nvidia = json.loads(charts["nvidia-device-plugin"]["Values"])
+    efa = json.loads(charts["aws-efa-k8s-device-plugin"]["Values"])
+    term = nvidia["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term == [{"matchExpressions": [{"key": "moerl.dev/accelerator", "operator": "In", "values": ["nvidia"]}]}]
+    assert efa["nodeSelector"] == {"moerl.dev/efa": "true"}
+    for values in (nvidia, efa):
+        keys = {t["key"] for t in values["tolerations"]}
+        assert {"nvidia.com/gpu", "moerl.dev/pool"} <= keys
+
+
+def test_pod_identity_trainer_rw_rollout_ro(pipeline):
+    cfg = pipeline.cfgs["prod"]
+    cl = tpl(pipeline, "prod", "cluster")
+    assocs = {r["Properties"]["ServiceAccount"]: r["Properties"] for r in resources(cl, "AWS::EKS::PodIdentityAssociation").values()}
+    assert set(assocs) == {cfg.trainer_service_account, cfg.rollout_service_account}
+    assert {a["Namespace"] for a in assocs.values()} == {cfg.namespace}
+    policies = cl.to_json()["Resources"]
+
+    def actions_on_objects(sa: str) -> set[str]:
+        role = assocs[sa]["RoleArn"]["Fn::GetAtt"][0]
+        acts = set()
+        for r in policies.values():
+            if r["Type"] == "AWS::IAM::Policy" and {"Ref": role} in r["Properties"]["Roles"]:
+                for st in r["Properties"]["PolicyDocument"]["Statement"]:
+                    if f"/{cfg.run_prefix}/*" in json.dumps(st["Resource"]):
+                        acts |= set([st["Action"]] if isinstance(st["Action"], str) else st["Action"])
+        return acts
+
+    trainer, rollout = actions_on_objects(cfg.trainer_service_account), actions_on_objects(cfg.rollout_service_account)
+    assert {"s3:GetObject", "s3:PutObject"} <= trainer
+    assert rollout == {"s3:GetObject"}
+    cl.has_resource_properties("AWS::IAM::Role", {"AssumeRolePolicyDocument": {"Statement": [Match.object_like(
+        {"Action": ["sts:AssumeRole", "sts:TagSession"], "Principal": {"Service": "pods.eks.amazonaws.com"}})]}})
+
+
+# ---------------------------------------------------------------- storage
+
+
+@pytest.mark.parametrize("env", ["dev", "prod"])
+def test_checkpoint_bucket_settings(pipeline, env):
+    cfg = pipeline.cfgs[env]
+    st = tpl(pipeline, env, "storage")
+    buckets = {r["Properties"]["BucketName"]: (k, r) for k, r in resources(st, "AWS::S3::Bucket").items()}
+    key, ckpt = buckets[cfg.checkpoint_bucket]
+    p = ckpt["Properties"]
+    assert p["VersioningConfiguration"] == {"Status": "Enabled"}
+    sse = p["BucketEncryption"]["ServerSideEncryptionConfiguration"][0]["ServerSideEncryptionByDefault"]
+    assert sse["SSEAlgorithm"] == "aws:kms" and "KMSMasterKeyID" in sse
+    assert p["PublicAccessBlockConfiguration"] == {k: True for k in (
+        "BlockPublicAcls", "BlockPublicPolicy", "IgnorePublicAcls", "RestrictPublicBuckets")}
+    assert p["LoggingConfiguration"]["DestinationBucketName"] == {"Ref": buckets[cfg.logs_bucket][0]}
+    (rule,) = p["LifecycleConfiguration"]["Rules"]
+    assert rule["NoncurrentVersionExpiration"]["NoncurrentDays"] > 0
+    assert rule["AbortIncompleteMultipartUpload"]["DaysAfterInitiation"] > 0
+    st.has_resource_properties("AWS::S3::BucketPolicy", {
+        "Bucket": {"Ref": key},
+        "PolicyDocument": {"Statement": Match.array_with([Match.object_like(
+            {"Effect": "Deny", "Condition": {"Bool": {"aws:SecureTransport": "false"}}})])},
+    })
+    want = "Retain" if env == "prod" else "Delete"
+    for name in (cfg.checkpoint_bucket, cfg.artifacts_bucket, cfg.logs_bucket):
+        assert buckets[name][1]["DeletionPolicy"] == want
+    auto_delete = st.find_resources("Custom::S3AutoDeleteObjects")
+    assert (len(auto_delete) == 3) == (env == "dev")
+
+
+def test_ecr_repositories(pipeline):
+    cfg = pipeline.cfgs["prod"]
+    st = tpl(pipeline, "prod", "storage")
+    repos = {r["Properties"]["RepositoryName"]: r["Properties"] for r in resources(st, "AWS::ECR::Repository").values()}
+    assert set(repos) == set(cfg.image_repos.values())
+    for p in repos.values():
+        assert p["ImageScanningConfiguration"] == {"ScanOnPush": True}
+        assert p["ImageTagMutability"] == "IMMUTABLE"
+        rules = json.loads(p["LifecyclePolicy"]["LifecyclePolicyText"])["rules"]
+        assert {r["selection"]["tagStatus"] for r in rules} == {"untagged", "any"}
+
+
+# ---------------------------------------------------------------- pipeline
+
+
+def test_pipeline_promotes_dev_staging_prod_with_approval(pipeline):
+    t = Template.from_stack(pipeline.pipeline_stack)
+    (p,) = resources(t, "AWS::CodePipeline::Pipeline").values()
+    stages = [s["Name"] for s in p["Properties"]["Stages"]]
+    assert stages.index("Dev") < stages.index("Staging") < stages.index("Prod")
+    prod = next(s for s in p["Properties"]["Stages"] if s["Name"] == "Prod")
+    approvals = [a for a in prod["Actions"] if a["ActionTypeId"]["Category"] == "Approval"]
+    assert len(approvals) == 1
+    first_deploy = min(a["RunOrder"] for a in prod["Actions"] if a["ActionTypeId"]["Category"] == "Deploy")
+    assert approvals[0]["RunOrder"] < first_deploy
+    builds = [r["Properties"]["Source"]["BuildSpec"] for r in resources(t, "AWS::CodeBuild::Project").values()]
+    assert any("make test" in b for b in builds)
+
+
+# ---------------------------------------------------------------- cfn-lint and cdk-nag
+
+
+def test_cfn_lint_zero_errors(pipeline, variant):
+    files = pipeline.template_files() + variant.template_files()
+    assert len(files) == 1 + 3 * 3 + 3
+    proc = subprocess.run([sys.executable, "-m", "cfnlint", "--format", "json", *map(str, files)],
+                          capture_output=True, text=True, timeout=600)
+    findings = json.loads(proc.stdout or "[]")
+    errors = [f for f in findings if f["Level"] == "Error"]
+    assert errors == [], json.dumps(errors[:5], indent=1)
+
+
+def test_cdk_nag_zero_unacknowledged_and_reasons(pipeline, variant):
+    reports = pipeline.reports() + variant.reports()
+    assert reports
+    suppressed = 0
+    for report in reports:
+        for plugin in report["pluginReports"]:
+            assert plugin["conclusion"] == "success", plugin["violations"][:3]
+            assert plugin["violations"] == []
+            for v in plugin.get("suppressedViolations", []):
+                suppressed += 1
+                assert len(v["reason"].split()) >= 6, v["ruleName"]
+    assert suppressed > 0
+    # The acknowledgements are also written into the templates as cdk_nag metadata.
+    meta = 0
+    for f in pipeline.template_files():
+        for r in json.loads(f.read_text())["Resources"].values():
+            for rule in r.get("Metadata", {}).get("cdk_nag", {}).get("rules_to_suppress", []):
+                meta += 1
+                assert rule["reason"].strip()
+    assert meta > 0
+
+
+def test_cdk_app_entry_synthesizes_one_environment(tmp_path):
+    """The command cdk.json gives the npm CLI (`cdk synth -c env=staging`), run as the CLI would."""
+    app_cmd = json.loads((ROOT / "cdk.json").read_text())["app"]
+    assert app_cmd.endswith("-m infra.app")
+    env = dict(os.environ, CDK_OUTDIR=str(tmp_path), CDK_CONTEXT_JSON=json.dumps({"env": "staging"}))
+    proc = subprocess.run([sys.executable, "-m", "infra.app"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    names = {a["properties"]["stackName"] for a in manifest["artifacts"].values()
+             if a["type"] == "aws:cloudformation:stack"}
+    assert names == {"moerl-staging-network", "moerl-staging-storage", "moerl-staging-cluster"}
