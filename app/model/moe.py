@@ -184,7 +184,8 @@ class MoEBlock(nn.Module):
 
         d = self.dispatcher.dispatch(x, routing.topk_idx, routing.topk_weights)
         y = self.experts(d.x, d.tokens_per_expert)
-        y = (y.float() * d.weights.unsqueeze(-1)).to(x.dtype)
+        # weight in fp32 (or better), then back to the activations' dtype for the combine
+        y = (y.to(d.weights.dtype) * d.weights.unsqueeze(-1)).to(x.dtype)
         out = self.dispatcher.combine(y, d.handle)
         self.last_tokens_per_expert = d.tokens_per_expert.detach()
         if self.shared_experts is not None:

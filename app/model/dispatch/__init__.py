@@ -52,8 +52,13 @@ class Dispatcher(Protocol):
     def combine(self, y: Tensor, handle: Any) -> Tensor: ...
 
 
+def at_least_fp32(t: Tensor) -> Tensor:
+    """Gate weights travel in fp32 (float64 stays float64, e.g. for gradcheck)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def unpermute(rows: Tensor, slot_of_row: Tensor, num_tokens: int, top_k: int) -> Tensor:
-    """Sum rows back into their tokens. Deterministic and accumulated in fp32.
+    """Sum rows back into their tokens. Deterministic and accumulated in fp32 (or float64).
 
     Args:
         rows: [N, H] weighted expert outputs.
@@ -65,7 +70,8 @@ def unpermute(rows: Tensor, slot_of_row: Tensor, num_tokens: int, top_k: int) ->
         [T, H] in rows' dtype; slots without a row contribute 0.
     """
     slots = rows.new_zeros(num_tokens * top_k, rows.shape[-1]).index_copy(0, slot_of_row, rows)
-    return slots.view(num_tokens, top_k, rows.shape[-1]).sum(dim=1, dtype=torch.float32).to(rows.dtype)
+    acc = torch.promote_types(rows.dtype, torch.float32)
+    return slots.view(num_tokens, top_k, rows.shape[-1]).sum(dim=1, dtype=acc).to(rows.dtype)
 
 
 def make_dispatcher(ep: EPContext, num_experts: int) -> Dispatcher:

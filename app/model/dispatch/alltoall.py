@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from app.model.dispatch import Dispatched, unpermute
+from app.model.dispatch import Dispatched, at_least_fp32, unpermute
 from app.model.parallel import EPContext
 
 
@@ -93,7 +93,7 @@ class AllToAllDispatcher:
 
         slot_of_row = slot_of_row[: sum(send_splits)]
         send_x = x.index_select(0, torch.div(slot_of_row, top_k, rounding_mode="floor"))
-        send_w = topk_weights.reshape(-1).float().index_select(0, slot_of_row)
+        send_w = at_least_fp32(topk_weights.reshape(-1)).index_select(0, slot_of_row)
         recv_x = all_to_all(send_x, recv_splits, send_splits, self.ep.group)
         recv_w = all_to_all(send_w, recv_splits, send_splits, self.ep.group)
         tokens_per_expert = recv_counts.view(size, e_local).sum(0)

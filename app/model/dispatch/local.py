@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from app.model.dispatch import Dispatched, unpermute
+from app.model.dispatch import Dispatched, at_least_fp32, unpermute
 
 
 @dataclass
@@ -37,7 +37,7 @@ class LocalDispatcher:
         flat = topk_idx.reshape(-1)
         valid = flat >= 0
         expert = torch.where(valid, flat, torch.zeros_like(flat))
-        weights = topk_weights.reshape(-1).float()
+        weights = at_least_fp32(topk_weights.reshape(-1))
         weights = torch.where(valid, weights, torch.zeros_like(weights))
         slot_of_row = torch.sort(expert, stable=True).indices
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)

@@ -1,0 +1,122 @@
+"""Routers against transformers' own, routing replay, aux loss and the expert-bias update."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DeepseekV3Config, Qwen3MoeConfig
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter, load_balancing_loss_func
+
+from app.config import RouterConfig
+from app.model.moe import MoEBlock
+from app.model.parallel import EPContext
+from app.model.router import Router
+
+QWEN = dict(hidden_size=16, moe_intermediate_size=8, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+DEEPSEEK = dict(hidden_size=16, moe_intermediate_size=8, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True)
+
+
+def sorted_routing(idx, weights):
+    order = idx.argsort(dim=-1)
+    return idx.gather(1, order), weights.gather(1, order)
+
+
+def test_qwen_router_matches_transformers() -> None:
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(**QWEN)
+    stock = Qwen3MoeTopKRouter(config)
+    torch.nn.init.normal_(stock.weight, std=0.5)
+    ours = Router("qwen3_moe", 8, 16, 2, True)
+    ours.load_state_dict(stock.state_dict())
+    x = torch.randn(20, 16)
+    _, ref_w, ref_idx = stock(x)
+    r = ours(x)
+    assert torch.equal(r.topk_idx, ref_idx)
+    torch.testing.assert_close(r.topk_weights, ref_w)
+    torch.testing.assert_close(r.topk_weights.sum(-1), torch.ones(20))
+
+
+def test_deepseek_router_matches_transformers_with_bias_and_groups() -> None:
+    torch.manual_seed(0)
+    config = DeepseekV3Config(**DEEPSEEK)
+    stock = DeepseekV3TopkRouter(config)
+    torch.nn.init.normal_(stock.weight, std=0.5)
+    stock.e_score_correction_bias.normal_(0, 0.3)
+    ours = Router("deepseek_v3", 16, 16, 4, True, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    ours.load_state_dict(stock.state_dict())
+    x = torch.randn(30, 16)
+    _, ref_w, ref_idx = stock(x)
+    r = ours(x)
+    a_idx, a_w = sorted_routing(r.topk_idx, r.topk_weights)
+    b_idx, b_w = sorted_routing(ref_idx, ref_w)
+    assert torch.equal(a_idx, b_idx)
+    torch.testing.assert_close(a_w, b_w)
+    # group limit: the chosen experts span at most topk_group of the n_group groups
+    assert all(len(set((row // 4).tolist())) <= 2 for row in r.topk_idx)
+    # weights come from the unbiased scores: sum to routed_scaling_factor after normalization
+    torch.testing.assert_close(r.topk_weights.sum(-1), torch.full((30,), 2.5))
+
+
+def test_routing_replay_routes_by_given_ids_and_still_trains_the_router() -> None:
+    torch.manual_seed(0)
+    block = MoEBlock(Qwen3MoeConfig(**QWEN), RouterConfig(routing_replay=True), EPContext.local())
+    block.reset_parameters()
+    x = torch.randn(1, 5, 16)
+    replay = torch.tensor([[[7, 3], [0, -1], [5, 6], [1, 2], [4, -1]]])
+    block.replay_topk_idx = replay  # set by a model-level context
+    out = block(x)
+    assert torch.equal(block.last_topk_idx, replay[0])
+    # weights: live softmax at the replayed ids, renormalized over the valid slots
+    probs = torch.softmax(x[0] @ block.gate.weight.T, dim=-1)
+    w = torch.where(replay[0] >= 0, probs.gather(1, replay[0].clamp(min=0)), torch.zeros(5, 2))
+    w = w / w.sum(-1, keepdim=True)
+    routed = block.gate(x[0], replay[0])
+    torch.testing.assert_close(routed.topk_weights, w)
+    out.square().sum().backward()
+    assert block.gate.weight.grad is not None and block.gate.weight.grad.abs().sum() > 0
+    # the explicit argument wins over the attribute, and differs from live routing
+    live = MoEBlock(Qwen3MoeConfig(**QWEN), RouterConfig(), EPContext.local())
+    live.load_state_dict(block.state_dict())
+    assert not torch.allclose(live(x), out.detach())
+
+
+def test_aux_loss_matches_transformers_load_balancing_loss() -> None:
+    torch.manual_seed(0)
+    block = MoEBlock(Qwen3MoeConfig(**QWEN), RouterConfig(aux_loss_coef=0.01), EPContext.local())
+    block.reset_parameters()
+    torch.nn.init.normal_(block.gate.weight, std=0.5)
+    x = torch.randn(2, 6, 16)
+    block(x)
+    logits = x.reshape(-1, 16) @ block.gate.weight.T
+    expected = 0.01 * load_balancing_loss_func((logits,), num_experts=8, top_k=2)
+    torch.testing.assert_close(block.last_aux_loss, expected)
+    block.last_aux_loss.backward()
+    assert block.gate.weight.grad.abs().sum() > 0
+    off = MoEBlock(Qwen3MoeConfig(**QWEN), RouterConfig(), EPContext.local())
+    off.reset_parameters()
+    off(x)
+    assert off.last_aux_loss is None
+
+
+def test_expert_bias_update_moves_load_toward_balance() -> None:
+    torch.manual_seed(0)
+    block = MoEBlock(DeepseekV3Config(**DEEPSEEK), RouterConfig(bias_update_rate=0.01), EPContext.local())
+    block.reset_parameters()
+    with torch.no_grad():
+        block.gate.e_score_correction_bias[:4] = 1.0  # overload group 0
+    x = torch.randn(1, 32, 16)
+    block(x)
+    load = block.expert_load.clone()
+    block.update_expert_bias()
+    delta = block.gate.e_score_correction_bias - torch.tensor([1.0] * 4 + [0.0] * 12)
+    over, under = load > load.mean(), load < load.mean()
+    assert over.any() and under.any()
+    assert torch.all(delta[over] < 0) and torch.all(delta[under] > 0)
+    assert torch.all(block.expert_load == 0)
+    # off by default: the bias never moves
+    default = MoEBlock(DeepseekV3Config(**DEEPSEEK), RouterConfig(), EPContext.local())
+    default.reset_parameters()
+    default(x)
+    default.update_expert_bias()
+    assert torch.all(default.gate.e_score_correction_bias == 0)
