@@ -221,7 +221,9 @@ class ExperienceBuffer:
             probe.ping()
             version = probe.info("server")["redis_version"]
         except redis.AuthenticationError as e:
-            raise BufferConnectionError(f"Redis at {redact_url(url)} refused AUTH: {e}") from None
+            raise BufferConnectionError(
+                f"Redis at {redact_url(url)} refused AUTH (missing or wrong password; set it in the "
+                f"URL or ${PASSWORD_ENV}): {e}") from None
         except redis.ResponseError as e:
             if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
                 raise BufferConnectionError(

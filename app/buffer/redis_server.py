@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 REDIS_SERVER = "/usr/bin/redis-server"
 
@@ -117,9 +119,9 @@ class LocalRedis:
         return argv
 
     def client(self) -> redis.Redis:
-        """A redis-py client for this server (for tests and admin)."""
+        """A redis-py client for this server (for tests and admin); no retries."""
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
-                           socket_connect_timeout=1.0, socket_timeout=5.0)
+                           socket_connect_timeout=1.0, socket_timeout=5.0, retry=Retry(NoBackoff(), 0))
 
     def start(self) -> "LocalRedis":
         """Start the server and wait until it answers PING; a fresh free port if none was set."""
