@@ -239,3 +239,26 @@ def test_nan_losses_skip_then_stop(tmp_path, redis_server, monkeypatch):
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["applied"] for r in lines] == [False, False, False]
     assert lines[-1]["bad_steps"] == 3
+
+
+def test_unreachable_redis_fails_fast_on_both_ranks(tmp_path):
+    """Bad input: one clear line naming the URL, exit code 1, no rank left hanging."""
+    port = free_port()  # nothing listens there
+    cfg = RunConfig.model_validate({
+        "run_id": "no-redis", "store_url": f"file://{tmp_path}/store", "ep": {"size": 2},
+        "buffer": {"redis_url": f"redis://127.0.0.1:{port}/0"},
+    })
+    cfg.save(tmp_path / "run.yaml")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+         "-m", "app.cli", "train", "--config", str(tmp_path / "run.yaml"),
+         "--run-dir", str(tmp_path / "run")],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert f"moerl train (rank 0): cannot reach Redis at redis://127.0.0.1:{port}/0" in err, err[-3000:]
+    assert "moerl train (rank 1): rank 0 failed" in err, err[-3000:]
+    assert not (tmp_path / "store").exists() or not any((tmp_path / "store").rglob("*.safetensors"))

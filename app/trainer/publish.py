@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from app.model.parallel import EPContext
+from app.trainer import TrainingError
 
 # Files of a Hugging Face tokenizer directory; copied from the source checkpoint when present.
 TOKENIZER_FILES = (
@@ -77,7 +78,7 @@ def publish_version(
         ``(uri, seconds)``: the published version's URI (same on every rank) and the wall time.
 
     Raises:
-        RuntimeError: on every rank, if rank 0 failed to upload or announce (the message
+        TrainingError: on every rank, if rank 0 failed to upload or announce (the message
             carries rank 0's error), so no rank is left waiting in a collective.
     """
     from app.model.checkpoint import save_policy
@@ -109,5 +110,5 @@ def publish_version(
         dist.broadcast_object_list(result, src=0)
     status, value = result[0]
     if status != "ok":
-        raise RuntimeError(value)
+        raise TrainingError(value)
     return value, time.perf_counter() - t0

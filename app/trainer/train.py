@@ -18,7 +18,15 @@ Old-policy logprobs: one optimizer step per batch, so "old" is the current polic
 
 Policy versions (DESIGN.md §3): version 0 is the initial policy, published before the first
 step if the store has none; every ``trainer.publish_every`` steps the next version is
-published and announced. Metrics: one JSON line per step in ``<run_dir>/metrics.jsonl``.
+published and announced.
+
+Metrics: one JSON line per step in ``<run_dir>/metrics.jsonl`` (rank 0), whole-batch figures:
+  step, policy_version, applied (False: non-finite step skipped), bad_steps, time (unix s);
+  groups, samples, reward_mean, reward_max, completion_len_mean, staleness_mean, staleness_max;
+  loss, pg_loss, tokens, clip_frac, ratio, ratio_max, approx_kl (k3, old||current),
+  mismatch_kl (k3, engine||trainer), tis, tis_max, tis_trunc_frac, entropy, kl_ref (kl_coef>0),
+  grad_norm (before clipping), lr; wait_s (waiting for groups), step_s, publish_s;
+  samples_total, overstale_dropped, malformed_groups; buffer (ExperienceBuffer.stats()).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import typer
 from torch import nn
 
 from app.config import RunConfig
+from app.trainer import TrainingError
 from app.trainer.batch import TrainBatch, collate_groups, split_groups
 from app.trainer.grpo import finish_stats, grpo_loss, token_entropy, token_logprobs
 
@@ -131,21 +140,27 @@ def expert_param_ids(model: nn.Module) -> set[int]:
 
 
 def reduce_replicated_grads(params: list[nn.Parameter]) -> None:
-    """All-reduce (SUM) the gradients of replicated parameters in one flat buffer.
+    """All-reduce (SUM) the gradients of replicated parameters, one flat buffer per dtype
+    (router weights stay float32 in a bfloat16 model).
 
     A parameter that got no gradient on this rank contributes zeros, so every rank sends the
     same layout.
     """
     if dist.get_world_size() == 1 or not params:
         return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    offset = 0
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for p in params:
-        n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).clone()
-        offset += n
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for dtype in sorted(by_dtype, key=str):  # same order on every rank
+        group = by_dtype[dtype]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in group])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for p in group:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
 
 
 def clip_grad_norm(replicated: list[nn.Parameter], sharded: list[nn.Parameter], max_norm: float) -> float:
@@ -269,7 +284,7 @@ def train_step(
 
 
 class Stop(Exception):
-    """Raised on every rank when rank 0 says the run must end (signal or error)."""
+    """Raised on every rank when rank 0 says the run must end (a signal)."""
 
 
 def take_groups(buffer, cfg: RunConfig, version: int, should_stop, keep) -> tuple[list, float]:
@@ -305,14 +320,14 @@ def take_groups(buffer, cfg: RunConfig, version: int, should_stop, keep) -> tupl
 
 def scatter_groups(payload: dict | None, rank: int) -> dict:
     """Broadcast rank 0's step payload ``{"parts": [groups per rank], "error": str|None,
-    "stop": bool}`` and return it on every rank. Raises `Stop` / RuntimeError everywhere if
+    "stop": bool}`` and return it on every rank. Raises `Stop` / `TrainingError` everywhere if
     rank 0 reported one."""
     box = [payload if rank == 0 else None]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     msg = box[0]
     if msg["error"]:
-        raise RuntimeError(msg["error"])
+        raise TrainingError(msg["error"])
     if msg["stop"]:
         raise Stop("stop requested")
     return msg
@@ -326,7 +341,7 @@ def on_rank0(fn, rank: int):
     """Run ``fn()`` on rank 0 only and return its result there (None elsewhere).
 
     If it raises, rank 0 re-raises the original exception and every other rank raises a
-    RuntimeError with the same message, so no rank is left waiting for a dead peer.
+    `TrainingError` with the same message, so no rank is left waiting for a dead peer.
     """
     box: list = [None]
     result = error = None
@@ -341,7 +356,7 @@ def on_rank0(fn, rank: int):
     if error is not None:
         raise error
     if box[0] is not None:
-        raise RuntimeError(f"rank 0 failed: {box[0]}")
+        raise TrainingError(f"rank 0 failed: {box[0]}")
     return result
 
 
@@ -352,8 +367,9 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
         NotImplementedError: ``resume`` (training state arrives with issue 4).
         ValueError: ``ep.size`` is neither 1 nor the world size; the store already holds
             policy versions of this run (start a new ``run_id`` or resume).
-        TimeoutError / RuntimeError: no batch in time, too many non-finite steps in a row,
-            a failed publish — raised on every rank with the same message.
+        TrainingError: no batch in time, too many non-finite steps in a row, a failed publish,
+            Redis unreachable — raised on every rank with the same message (rank 0 may raise
+            the original exception instead, e.g. BufferConnectionError naming the URL).
     """
     from app.buffer import ExperienceBuffer
     from app.model.parallel import init_ep
@@ -496,7 +512,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
                     stats["grad_norm"], stats["clip_frac"], stats.get("tis", 1.0), wait_s, step_s,
                 )
             if give_up:
-                raise RuntimeError(
+                raise TrainingError(
                     f"{state.bad_in_row} steps in a row had a non-finite loss or gradient "
                     f"(trainer.max_bad_steps={t.max_bad_steps}); stopping at step {state.step}, "
                     f"policy v{state.version}. Lower trainer.lr or check the rollout logprobs."
@@ -553,10 +569,15 @@ def train(
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(message)s"
     )
-    cfg = RunConfig.load(config)
     state = None
     try:
+        cfg = RunConfig.load(config)
         state = run_training(cfg, run_dir or Path("runs") / cfg.run_id, resume=resume)
+    except (TrainingError, ValueError, ConnectionError, TimeoutError, FileNotFoundError,
+            NotImplementedError) as e:
+        # Bad input or a run-ending condition: one clear line, no traceback.
+        typer.echo(f"moerl train (rank {os.environ.get('RANK', '0')}): {e}", err=True)
+        raise SystemExit(1) from None  # (typer.Exit escapes app.cli's click group)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
