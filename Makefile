@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch first, so nothing later pulls a CUDA build.
 	$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,infra,bench]'
+	# checkov (tests/test_charts.py, tests/test_images.py) in its own venv: its pins clash with ours.
+	test -x $(VENV)/checkov/bin/checkov || { $(PY) -m venv $(VENV)/checkov && $(VENV)/checkov/bin/pip install -q checkov==3.3.30; }
 	touch $@
 
 run: $(STAMP)
