@@ -21,12 +21,15 @@ from constructs import Construct
 
 from infra.config import (ACCELERATOR_LABEL, EFA_LABEL, GPU_TAINT_KEY, POOL_TAINT_KEY,
                           DeploymentConfig, NodePool)
+from infra.instances import INSTANCE_TABLE
 from infra.network import NetworkStack
 from infra.storage import StorageStack
 
 # Pinned chart versions (upgrades are a reviewed change, not a side effect of a deploy).
 NVIDIA_DEVICE_PLUGIN = ("https://nvidia.github.io/k8s-device-plugin", "nvidia-device-plugin", "0.17.1")
 EFA_DEVICE_PLUGIN = ("https://aws.github.io/eks-charts", "aws-efa-k8s-device-plugin", "v0.5.7")
+# Gang scheduler of the trainer job (charts8s/trainer.py renders a Volcano Job).
+VOLCANO = ("https://volcano-sh.github.io/helm-charts", "volcano", "1.15.2")
 EKS_ADDONS = ("vpc-cni", "coredns", "kube-proxy", "eks-pod-identity-agent")
 ROOT_DEVICE = "/dev/xvda"  # root volume of the AL2023 EKS AMIs
 
@@ -86,7 +89,10 @@ class ClusterStack(Stack):
             default_capacity=0,
             # vpc-cni, coredns and kube-proxy are installed as EKS add-ons instead.
             bootstrap_self_managed_addons=False,
-            endpoint_access=eks.EndpointAccess.PRIVATE,
+            endpoint_access=(
+                eks.EndpointAccess.PUBLIC_AND_PRIVATE.only_from(*cfg.public_endpoint_cidrs)
+                if cfg.public_endpoint_cidrs else eks.EndpointAccess.PRIVATE
+            ),
             cluster_logging=[
                 eks.ClusterLoggingTypes.API, eks.ClusterLoggingTypes.AUDIT,
                 eks.ClusterLoggingTypes.AUTHENTICATOR, eks.ClusterLoggingTypes.CONTROLLER_MANAGER,
@@ -191,7 +197,7 @@ class ClusterStack(Stack):
         self.launch_templates[pool.name] = lt
 
     def _device_plugins(self) -> None:
-        """NVIDIA and EFA device plugins, only on nodes that have the devices."""
+        """NVIDIA and EFA device plugins, only on nodes that have the devices; the Volcano scheduler."""
         tolerations = [
             {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"},
             {"key": POOL_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"},
@@ -211,8 +217,24 @@ class ClusterStack(Stack):
         self.efa_plugin = eks.HelmChart(
             self, "EfaDevicePlugin", cluster=self.cluster, repository=repo, chart=chart, version=version,
             release="aws-efa-k8s-device-plugin", namespace="kube-system",
-            values={"nodeSelector": {EFA_LABEL: "true"}, "tolerations": tolerations}, wait=False,
+            values={
+                "nodeSelector": {EFA_LABEL: "true"},
+                "tolerations": tolerations,
+                # The chart's own instance list lags new types (p6-b200); list ours from the table.
+                "supportedInstanceLabels": {
+                    "keys": ["node.kubernetes.io/instance-type"],
+                    "values": sorted(t for t, spec in INSTANCE_TABLE.items() if spec.has_efa),
+                },
+            },
+            wait=False,
         )
+        # Volcano runs on the untainted system pool (every other pool is tainted).
+        repo, chart, version = VOLCANO
+        self.volcano = eks.HelmChart(
+            self, "Volcano", cluster=self.cluster, repository=repo, chart=chart, version=version,
+            release="volcano", namespace="volcano-system", create_namespace=True, wait=True,
+        )
+        self.volcano.node.add_dependency(self.nodegroups["system"])
 
     def _pod_identity(self, storage: StorageStack) -> None:
         """Pod Identity: trainer read/write, rollout workers read-only, both under run_prefix/."""

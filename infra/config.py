@@ -180,6 +180,9 @@ class DeploymentConfig(Model):
     control_plane_azs: subnets for the EKS control plane (two or more, including `az`).
     run_prefix: key prefix in the checkpoint bucket under which runs live (Pod Identity scope).
     image_repos: ECR repository name per image role (trainer, rollout, env).
+    admin_role_arns: IAM roles given cluster-admin through EKS access entries.
+    public_endpoint_cidrs: empty keeps the API endpoint private (reach it from inside the VPC);
+        otherwise the endpoint is also public, open only to these CIDR blocks.
     retain_data: keep buckets and repositories when the stack is deleted (required in prod).
     """
 
@@ -205,7 +208,26 @@ class DeploymentConfig(Model):
     }
     image_tag: str = Field("0.1.0", pattern=r"^[\w][\w.-]{0,127}$")
     admin_role_arns: list[str] = []
+    public_endpoint_cidrs: list[str] = []
     retain_data: bool = True
+
+    @field_validator("admin_role_arns")
+    @classmethod
+    def _arns(cls, v: list[str]) -> list[str]:
+        for arn in v:
+            if not re.match(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+$", arn):
+                raise ValueError(f"{arn!r} is not an IAM role ARN")
+        return v
+
+    @field_validator("public_endpoint_cidrs")
+    @classmethod
+    def _cidrs(cls, v: list[str]) -> list[str]:
+        for c in v:
+            try:
+                ipaddress.ip_network(c)
+            except ValueError:
+                raise ValueError(f"{c!r} is not a CIDR block") from None
+        return v
 
     @field_validator("checkpoint_bucket", "artifacts_bucket", "logs_bucket")
     @classmethod
@@ -251,6 +273,8 @@ class DeploymentConfig(Model):
             )
         if not train.gpu:
             raise ValueError("pools.train-gpu: instance types must have GPUs")
+        if self.env != "dev" and any(ipaddress.ip_network(c).prefixlen == 0 for c in self.public_endpoint_cidrs):
+            raise ValueError("public_endpoint_cidrs: an open API endpoint (/0) is allowed in dev only")
         if self.env == "prod" and not self.retain_data:
             raise ValueError("retain_data must be true in prod")
         if len(set(self.image_repos.values())) != 3:

@@ -48,7 +48,13 @@ def acknowledgements(kind: str, cfg: DeploymentConfig) -> dict[str, str]:
     if kind != "cluster":
         return {}
     objects = f"arn:<AWS::Partition>:s3:::{cfg.checkpoint_bucket}/{cfg.run_prefix}/*"
+    public = {
+        "AwsSolutions::AwsSolutions-EKS1":
+            f"The API endpoint is public only to the configured CIDR blocks {cfg.public_endpoint_cidrs} "
+            "(public_endpoint_cidrs), so operators outside the VPC can apply the workload manifests.",
+    } if cfg.public_endpoint_cidrs else {}
     return {
+        **public,
         **CLUSTER_ACKNOWLEDGEMENTS,
         f"AwsSolutions::AwsSolutions-IAM5[Resource::{objects}]":
             f"Pod Identity roles reach only objects under the run prefix '{cfg.run_prefix}/' of the "

@@ -94,6 +94,12 @@ def test_other_rules():
     assert "efa=true" in _bad(lambda d: d["pools"]["env-cpu"].update(efa=True))
     assert "unknown" not in _bad(lambda d: d.update(image_tag="latest"))
     assert "Extra inputs" in _bad(lambda d: d.update(nodegroups={}))  # typo'd key
+    assert "not a CIDR block" in _bad(lambda d: d.update(public_endpoint_cidrs=["10.0.0.300/8"]))
+    assert "not an IAM role ARN" in _bad(lambda d: d.update(admin_role_arns=["platform-admin"]))
+    prod = default_config("prod")
+    prod["public_endpoint_cidrs"] = ["0.0.0.0/0"]
+    with pytest.raises(ConfigError, match="open API endpoint"):
+        validate_config(prod)
 
 
 def test_app_refuses_bad_override_before_building(tmp_path):

@@ -23,12 +23,14 @@ from aws_cdk import App  # noqa: E402
 from aws_cdk.assertions import Match, Template  # noqa: E402
 
 from infra.app import build_app  # noqa: E402
-from infra.cluster import EFA_DEVICE_PLUGIN, EKS_ADDONS, NVIDIA_DEVICE_PLUGIN  # noqa: E402
+from infra.cluster import EFA_DEVICE_PLUGIN, EKS_ADDONS, NVIDIA_DEVICE_PLUGIN, VOLCANO  # noqa: E402
 from infra.config import ENVS, DeploymentConfig, load_config  # noqa: E402
 from infra.instances import INSTANCE_TABLE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANT_YAML = """
+admin_role_arns: ["arn:aws:iam::111111111111:role/platform-admin"]
+public_endpoint_cidrs: ["203.0.113.0/24"]
 pools:
   train-gpu:
     instance_types: [p6-b200.48xlarge]
@@ -235,18 +237,31 @@ def test_efa_layout_p6_b200_and_p5_capacity_block(variant):
     _check_efa_layout(cl, groups["rollout-gpu"], 32)  # p5 and p5e: 32 network cards
 
 
+def test_access_entries_and_restricted_public_endpoint(variant, pipeline):
+    cl = Template.from_stack(variant.stacks["cluster"])
+    entries = [r["Properties"] for r in resources(cl, "AWS::EKS::AccessEntry").values()
+               if r["Properties"]["PrincipalArn"] == "arn:aws:iam::111111111111:role/platform-admin"]
+    assert len(entries) == 1
+    (policy,) = entries[0]["AccessPolicies"]
+    assert policy["AccessScope"] == {"Type": "cluster"}
+    assert "AmazonEKSClusterAdminPolicy" in json.dumps(policy["PolicyArn"])
+    cl.has_resource_properties("AWS::EKS::Cluster", {"ResourcesVpcConfig": Match.object_like(
+        {"EndpointPublicAccess": True, "EndpointPrivateAccess": True, "PublicAccessCidrs": ["203.0.113.0/24"]})})
+
+
 def test_addons_and_pinned_device_plugins(pipeline):
     cl = tpl(pipeline, "prod", "cluster")
     names = {r["Properties"]["AddonName"] for r in resources(cl, "AWS::EKS::Addon").values()}
     assert names == set(EKS_ADDONS)
     charts = {r["Properties"]["Chart"]: r["Properties"] for r in resources(cl, "Custom::AWSCDK-EKS-HelmChart").values()}
-    for repo, chart, version in (NVIDIA_DEVICE_PLUGIN, EFA_DEVICE_PLUGIN):
+    for repo, chart, version in (NVIDIA_DEVICE_PLUGIN, EFA_DEVICE_PLUGIN, VOLCANO):
         assert charts[chart]["Version"] == version and charts[chart]["Repository"] == repo
     nvidia = json.loads(charts["nvidia-device-plugin"]["Values"])
     efa = json.loads(charts["aws-efa-k8s-device-plugin"]["Values"])
     term = nvidia["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert term == [{"matchExpressions": [{"key": "moerl.dev/accelerator", "operator": "In", "values": ["nvidia"]}]}]
     assert efa["nodeSelector"] == {"moerl.dev/efa": "true"}
+    assert {"p5.48xlarge", "p5e.48xlarge", "p5en.48xlarge", "p6-b200.48xlarge"} <= set(efa["supportedInstanceLabels"]["values"])
     for values in (nvidia, efa):
         keys = {t["key"] for t in values["tolerations"]}
         assert {"nvidia.com/gpu", "moerl.dev/pool"} <= keys
