@@ -295,3 +295,26 @@ def test_new_policy_version_is_loaded_and_stamped(tmp_path, redis_server, engine
     groups, _ = drain_buffer(buf)
     assert len(groups) == 2
     assert all(s.policy_version == 1 for gs in groups.values() for g in gs for s in g.samples)
+
+
+def test_task_the_engine_refuses_is_consumed_not_recycled(tmp_path, redis_server, engine):
+    """A prompt longer than the context gets HTTP 400 on every worker: published as an all-error
+    group with reward 0 instead of going back to the queue forever."""
+    cfg = make_config(tmp_path, redis_server, engine)
+    buf = ExperienceBuffer.from_config(cfg)
+    long_task = Task(task_id="train-long", prompt_ids=[BOS_ID] + [40] * 119, prompt="x" * 119,
+                     answer="{}", group_size=G)  # 120 + max_new_tokens 24 > 128 positions
+    buf.put_tasks([long_task] + make_tasks(1))
+
+    async def go():
+        async with EngineClient(engine) as client:
+            return await RolloutWorker(cfg, buf, client, "w5", score_fn=lambda t, c: 1.0, max_groups=2).run()
+
+    stats = asyncio.run(go())
+    assert stats.rejected_tasks == 1 and stats.groups_published == 2 and stats.tasks_released == 0
+    groups, queued = drain_buffer(buf)
+    assert queued == []
+    (bad,) = groups["train-long"]
+    assert all(s.finish_reason == "error" and s.reward == 0.0 and s.completion_ids == [] for s in bad.samples)
+    (good,) = groups["train-0000"]
+    assert all(s.finish_reason in ("stop", "length") and s.reward == 1.0 for s in good.samples)

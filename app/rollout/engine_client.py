@@ -31,7 +31,22 @@ import httpx
 
 
 class EngineError(RuntimeError):
-    """The engine answered with an error, or did not answer within the retries; names the URL."""
+    """The engine answered with an error, or did not answer within the retries; names the URL.
+
+    Attributes:
+        status: the HTTP status of the last answer (None when there was no answer). A 4xx means
+            the request itself was refused (e.g. prompt longer than the context): retrying it
+            cannot help.
+    """
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def rejected(self) -> bool:
+        """True when the engine refused the request (HTTP 4xx), as opposed to failing."""
+        return self.status is not None and 400 <= self.status < 500
 
 
 @dataclass
@@ -110,6 +125,7 @@ class EngineClient:
         self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s)
 
     async def aclose(self) -> None:
+        """Close the HTTP connection pool."""
         await self._http.aclose()
 
     async def __aenter__(self) -> "EngineClient":
@@ -123,7 +139,7 @@ class EngineClient:
         ok_statuses: tuple[int, ...] = (200,), timeout_s: float | None = None,
     ) -> httpx.Response:
         retries = self.retries if retries is None else retries
-        last = ""
+        last, status = "", None
         for attempt in range(retries + 1):
             try:
                 r = await self._http.request(
@@ -132,15 +148,15 @@ class EngineClient:
                 )
                 if r.status_code in ok_statuses:
                     return r
-                last = f"HTTP {r.status_code}: {r.text[:300]}"
+                last, status = f"HTTP {r.status_code}: {r.text[:300]}", r.status_code
                 if r.status_code < 500:
                     break  # a bad request does not get better by repeating it
             except httpx.TransportError as e:
-                last = f"{type(e).__name__}: {e}"
+                last, status = f"{type(e).__name__}: {e}", None
             if attempt < retries:
                 delay = min(self.max_backoff_s, self.backoff_s * 2**attempt)
                 await asyncio.sleep(delay * random.uniform(0.5, 1.5))
-        raise EngineError(f"{method} {self.url}{path} failed: {last}")
+        raise EngineError(f"{method} {self.url}{path} failed: {last}", status)
 
     async def generate(
         self, input_ids: list[int] | list[list[int]], *, n: int = 1, max_new_tokens: int = 128,

@@ -15,7 +15,9 @@ experience buffer (`app.buffer.ExperienceBuffer`). One asyncio loop:
    per-token logprobs;
 5. engine failures: the client retries with backoff (``rollout.engine_retries``); after that the
    task goes back to the queue (``ExperienceBuffer.release``) and the worker health-checks the
-   engine before it leases again;
+   engine before it leases again. A task the engine refuses (HTTP 4xx) is published as an
+   all-"error" group with reward 0 instead, so that it cannot circle between workers forever;
+   leases of in-flight tasks are renewed every lease_ms / 3 (``ExperienceBuffer.extend``);
 6. policy versions: every ``rollout.policy_poll_s`` seconds, compare ``buffer.current_policy()``
    with the engine's weight_version; when newer, download it (`app.storage.policy.download_policy`)
    to ``rollout.policy_cache_dir/<worker>/v<N>``, let in-flight requests finish (so no sequence
@@ -64,6 +66,7 @@ class WorkerStats:
     tasks_leased: int = 0
     tasks_released: int = 0
     engine_errors: int = 0
+    rejected_tasks: int = 0
     reward_errors: int = 0
     reward_timeouts: int = 0
     weight_updates: int = 0
@@ -264,13 +267,33 @@ class RolloutWorker:
             raise EngineError(f"engine aborted a request of task {task.task_id}")
         return outs
 
+    def _error_group(self, task: Task) -> list[Sample]:
+        """G empty samples, reward 0, finish_reason "error": consumes a task the engine refuses."""
+        return [
+            Sample(sample_id=task.sample_id(self.cfg.run_id, j), task_id=task.task_id, index=j,
+                   attempt=task.attempt, prompt_ids=list(task.prompt_ids), completion_ids=[], logprobs=[],
+                   reward=0.0, policy_version=self.engine_version or 0, finish_reason="error")
+            for j in range(task.group_size)
+        ]
+
     async def rollout(self, task: Task) -> list[Sample]:
         """Generate and score the G completions of ``task``.
 
+        A task the engine refuses (HTTP 4xx, e.g. a prompt longer than the context) would fail
+        on every worker forever; it is published as a group of "error" samples with reward 0
+        (no advantage, nothing to learn) and counted in ``rejected_tasks``.
+
         Raises:
-            EngineError: the engine failed after the client's retries.
+            EngineError: the engine failed (not refused) after the client's retries.
         """
-        outs = await self._generate(task)
+        try:
+            outs = await self._generate(task)
+        except EngineError as e:
+            if not e.rejected:
+                raise
+            self.stats.rejected_tasks += 1
+            log.error("%s: engine refused task %s: %s", self.worker_id, task.task_id, e)
+            return self._error_group(task)
         rewards = await asyncio.gather(
             *(score_with_timeout(self.score_fn, task, o.text, self.r.reward_timeout_s) for o in outs)
         )
