@@ -318,3 +318,23 @@ def test_task_the_engine_refuses_is_consumed_not_recycled(tmp_path, redis_server
     assert all(s.finish_reason == "error" and s.reward == 0.0 and s.completion_ids == [] for s in bad.samples)
     (good,) = groups["train-0000"]
     assert all(s.finish_reason in ("stop", "length") and s.reward == 1.0 for s in good.samples)
+
+
+def test_unloadable_policy_keeps_the_engine_serving_and_is_retried(tmp_path, redis_server, engine):
+    """A version announced but missing from the store: no update, counted, retried at each poll;
+    generation goes on with the engine's current version."""
+    cfg = make_config(tmp_path, redis_server, engine, policy_poll_s=0.01, max_inflight_tasks=1)
+    buf = ExperienceBuffer.from_config(cfg)
+    buf.announce_policy(7, "file:///nowhere/policy/v7")
+    buf.put_tasks(make_tasks(4))
+
+    async def go():
+        async with EngineClient(engine) as client:
+            stats = await RolloutWorker(cfg, buf, client, "w6", score_fn=lambda t, c: 1.0, max_groups=4).run()
+            return stats, await client.weight_version()
+
+    stats, version = asyncio.run(go())
+    assert stats.weight_updates == 0 and stats.weight_update_failures >= 2  # retried
+    assert version == 0 and stats.groups_published == 4
+    groups, _ = drain_buffer(buf)
+    assert all(s.policy_version == 0 for gs in groups.values() for g in gs for s in g.samples)
