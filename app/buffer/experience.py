@@ -274,7 +274,10 @@ class ExperienceBuffer:
     # ---- task queue -------------------------------------------------------------------------
 
     def put_tasks(self, tasks: list[Task]) -> int:
-        """Queue prompt groups; a (task_id, attempt) queued before is skipped.
+        """Queue prompt groups; a (task_id, attempt) queued before in this run is skipped.
+
+        Skipping makes a restarted feeder harmless. A second pass over the same prompts (an
+        epoch) therefore needs new task ids, e.g. "e1-train-000123".
 
         Returns:
             how many tasks were queued.
@@ -306,7 +309,8 @@ class ExperienceBuffer:
         """Lease up to `count` tasks for rollout worker `consumer`.
 
         Leases idle for more than `lease_ms` (their worker died or hung) are taken over first
-        (XAUTOCLAIM); then new tasks are read (XREADGROUP), waiting up to `block_ms` if none.
+        (XAUTOCLAIM); then new tasks are read (XREADGROUP), waiting up to `block_ms` if none
+        (0: do not wait).
 
         Returns:
             the leased tasks, with `entry_id` and `consumer` set; empty if none came in time.
