@@ -54,7 +54,9 @@ def rollout_pod(plan: Plan) -> dict:
     engine = {
         "name": "engine", "image": plan.images["rollout"], "imagePullPolicy": "IfNotPresent",
         "command": engine_command("sglang", model, wl.engine_port, wl.tp_size or plan.gpus_per_rollout),
-        "env": [{"name": k, "value": v} for k, v in EFA_ENV.items()] if plan.efa_per_rollout else [],
+        # Hugging Face downloads (the base model) go to the large shared volume, not the cache one.
+        "env": [{"name": "HF_HOME", "value": "/models/hf"}]
+        + ([{"name": k, "value": v} for k, v in EFA_ENV.items()] if plan.efa_per_rollout else []),
         "resources": {"requests": engine_res, "limits": engine_res},
         "securityContext": container_security(),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "models", "mountPath": "/models"},
@@ -89,7 +91,7 @@ def rollout_pod(plan: Plan) -> dict:
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{wl.shm_gi}Gi"}},
             {"name": "models", "emptyDir": {"sizeLimit": "400Gi"}},
             {"name": "tmp", "emptyDir": {"sizeLimit": "16Gi"}},
-            {"name": "cache", "emptyDir": {"sizeLimit": "64Gi"}},
+            {"name": "cache", "emptyDir": {"sizeLimit": "32Gi"}}  # triton / flashinfer JIT,
         ],
         "topologySpreadConstraints": [
             {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule",

@@ -85,7 +85,8 @@ def place_gang(job: dict, plan: Plan) -> dict:
         ctr["securityContext"] = container_security()
         ctr["volumeMounts"] += [config_mount, {"name": "tmp", "mountPath": "/tmp"}]
         ctr["imagePullPolicy"] = "IfNotPresent"
-        ctr["env"] += [{"name": "VC_TRAINER_0_HOSTS", "value": f"trainer-0.{SERVICE}.{plan.namespace}.svc.cluster.local"},
+        ctr["env"] += [{"name": "HF_HOME", "value": f"{RUN_DIR}/hf"},  # base-model download, on the tmp volume
+                       {"name": "VC_TRAINER_0_HOSTS", "value": f"trainer-0.{SERVICE}.{plan.namespace}.svc.cluster.local"},
                        {"name": PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
                            "name": plan.wl.buffer.password_secret, "key": "password"}}}]
         task["template"]["metadata"]["labels"].update(labels("moerl-trainer"))

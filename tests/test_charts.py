@@ -312,6 +312,7 @@ def test_service_accounts_match_pod_identity_names(synth):
 # -- agreement with the TorchX component -------------------------------------------------------------
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning:torchx.schedulers.kubernetes_scheduler")  # TorchX's note on Volcano < 1.4 task retries
 def test_charts_and_torchx_component_agree(prod):
     """`torchx run -s kubernetes` (dry run) of the component yields the chart's image, command, resources."""
     from torchx.runner import get_runner
@@ -399,6 +400,22 @@ def test_bad_input_fails_before_synth_with_one_message(tmp_path, text, run, mess
         load_workloads(cfg, _workloads(tmp_path, text, run))
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_cdk8s_yaml_app_synthesizes_into_the_cli_outdir(tmp_path):
+    """`cdk8s synth` runs cdk8s.yaml's `app` with CDK8S_OUTDIR set; the app must honour both."""
+    conf = yaml.safe_load((ROOT / "cdk8s.yaml").read_text())
+    assert conf["language"] == "python" and conf["output"] == "dist"
+    cmd = conf["app"].split()
+    cmd[0] = str(ROOT / cmd[0]) if not Path(cmd[0]).is_absolute() else cmd[0]
+    out = tmp_path / "out"
+    env = {**os.environ, "CDK8S_OUTDIR": str(out), "MOERL_ENV": "staging"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    names = sorted(p.name for p in out.glob("*.k8s.yaml"))
+    assert names == ["buffer.k8s.yaml", "cluster.k8s.yaml", "envpool.k8s.yaml", "rollout.k8s.yaml", "trainer.k8s.yaml"]
+    job = next(d for d in _load(out) if d["kind"] == "Job")
+    assert len(job["spec"]["tasks"]) == load_config("staging").pools["train-gpu"].max_size
 
 
 def test_cli_bad_input_leaves_existing_output_untouched(tmp_path, capsys):
