@@ -428,3 +428,35 @@ def test_cli_bad_input_leaves_existing_output_untouched(tmp_path, capsys):
     assert len(err) == 1 and "trainer.nodes=99" in err[0]
     assert [p.name for p in out.iterdir()] == ["old.k8s.yaml"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".dist.")]  # no half-written temp dir
+
+
+# -- the command lines name options the CLI really has ----------------------------------------------
+
+
+def _options(name: str) -> set[str]:
+    import click
+
+    from app.cli import cli
+
+    cmd = cli.get_command(click.Context(cli), name)
+    return {opt for p in cmd.params for opt in p.opts}
+
+
+def _flags(argv: list[str]) -> set[str]:
+    return {a for a in argv if a.startswith("--")}
+
+
+def test_container_commands_use_existing_cli_options(prod):
+    from app.torchx_component import engine_command, worker_command
+
+    assert _flags(engine_command("builtin", "/m", 30000, 1)) <= _options("engine")
+    assert _flags(worker_command(CLUSTER_CONFIG, "w-0")) <= _options("rollout")
+    cmd = prod.trainer_tasks()[0]["template"]["spec"]["containers"][0]["command"][-1]
+    train_argv = cmd.split(" moerl train ", 1)[1].split()
+    assert _flags(train_argv) <= _options("train")
+    (reward,) = prod.get("Deployment", "moerl-env")["spec"]["template"]["spec"]["containers"]
+    try:
+        options = _options("reward")
+    except ModuleNotFoundError:
+        pytest.skip("app.envs.reward_server (`moerl reward`) is not in this tree yet")
+    assert _flags(reward["command"]) <= options
