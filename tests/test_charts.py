@@ -416,6 +416,9 @@ def test_cdk8s_yaml_app_synthesizes_into_the_cli_outdir(tmp_path):
     assert names == ["buffer.k8s.yaml", "cluster.k8s.yaml", "envpool.k8s.yaml", "rollout.k8s.yaml", "trainer.k8s.yaml"]
     job = next(d for d in _load(out) if d["kind"] == "Job")
     assert len(job["spec"]["tasks"]) == load_config("staging").pools["train-gpu"].max_size
+    # reproducible: a second synth (in this process) writes the same bytes, so dist/ diffs are real
+    again = build(load_workloads(load_config("staging")), tmp_path / "again")
+    assert {p.name: p.read_bytes() for p in again} == {p.name: p.read_bytes() for p in out.glob("*.k8s.yaml")}
 
 
 def test_cli_bad_input_leaves_existing_output_untouched(tmp_path, capsys):
