@@ -77,12 +77,14 @@ class GroupedExperts(nn.Module):
     def _loop(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         # One host sync for the counts; every expert runs (an empty slice costs nothing) so that
         # each local expert's weights take part in the graph and get a zero, not a missing, grad.
+        # unbind (not w[e]) so the backward stacks E gradients once instead of adding E full-size ones.
         counts = tokens_per_expert.tolist()
         x = x.to(self.gate_up_proj.dtype)
+        gate_up_w, down_w = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
         outs = []
         for e, rows in enumerate(torch.split(x, counts, dim=0)):
-            gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
+            gate, up = F.linear(rows, gate_up_w[e]).chunk(2, dim=-1)
+            outs.append(F.linear(self.act_fn(gate) * up, down_w[e]))
         if not outs:
             return x.new_zeros(0, self.down_proj.shape[1])
         return torch.cat(outs, dim=0)

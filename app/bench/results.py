@@ -1,0 +1,110 @@
+"""The JSON result file every benchmark writes under runs/bench/.
+
+One file per run, named ``<benchmark>-<UTC timestamp>.json``:
+
+    {
+      "benchmark": "moe",                      # which benchmark
+      "created": "2026-01-01T00:00:00Z",       # UTC, ISO 8601
+      "machine": {...},                        # host, CPU, cores, accelerator (machine_info)
+      "versions": {...},                       # python, torch, transformers, CUDA, moerl (versions)
+      "shape": {...},                          # the benchmark's inputs (flags)
+      "figures": [{"name": ..., ...}, ...],    # one row per measured variant; units in the key names
+      "ratios": {"a/b": 1.23, ...},            # derived comparisons, as printed
+      "notes": [...]                           # variants skipped and why, formulas used
+    }
+
+Written atomically (temporary name in the same directory, then os.replace).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT_DIR = Path("runs/bench")
+
+
+def machine_info() -> dict:
+    """Host name, OS, CPU model and core count, and the CUDA device if any."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "host": socket.gethostname(),
+        "os": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        info["cuda_device"] = torch.cuda.get_device_name()
+        info["cuda_capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+        info["cuda_device_count"] = torch.cuda.device_count()
+    return info
+
+
+def versions() -> dict:
+    """Versions of the software that decides the numbers."""
+    import torch
+    import transformers
+
+    out = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__}
+    if torch.version.cuda:
+        out["cuda"] = torch.version.cuda
+    try:
+        from importlib.metadata import version
+
+        out["moerl"] = version("moerl")
+    except Exception:  # noqa: BLE001 - not installed as a distribution (e.g. a plain checkout)
+        pass
+    return out
+
+
+def write_result(benchmark: str, shape: dict, figures: list[dict], ratios: dict | None = None,
+                 notes: list[str] | None = None, out_dir: str | os.PathLike = DEFAULT_DIR) -> Path:
+    """Write one result file and return its path.
+
+    Raises:
+        ValueError: `benchmark` is empty or a figure lacks a "name".
+    """
+    if not benchmark:
+        raise ValueError("benchmark name is empty")
+    for f in figures:
+        if "name" not in f:
+            raise ValueError(f"figure without a 'name': {f}")
+    doc = {
+        "benchmark": benchmark,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine_info(),
+        "versions": versions(),
+        "shape": shape,
+        "figures": figures,
+        "ratios": ratios or {},
+        "notes": notes or [],
+    }
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{benchmark}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f, indent=2)
+    os.replace(tmp, path)
+    return path
+
+
+def read_result(path: str | os.PathLike) -> dict:
+    """Load a result file written by `write_result`."""
+    return json.loads(Path(path).read_text())

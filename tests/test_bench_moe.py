@@ -1,0 +1,50 @@
+"""`moerl bench moe` runs end to end on a tiny CPU shape and writes a well-formed result file.
+
+Not a speed test: it checks that every variant is measured, the ratios are derived from the
+figures, ours agrees with transformers' block numerically, and the file lands atomically.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from app.bench.cli import cli
+from app.bench.results import write_result
+
+
+def test_bench_moe_cli_writes_result(tmp_path) -> None:
+    args = ["moe", "--family", "deepseek-v3", "--hidden", "32", "--intermediate", "16", "--experts", "8",
+            "--topk", "2", "--tokens", "24", "--iters", "1", "--warmup", "1", "--out-dir", str(tmp_path)]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    files = list(tmp_path.glob("moe-*.json"))
+    assert len(files) == 1 and not list(tmp_path.glob(".*"))
+    doc = json.loads(files[0].read_text())
+    names = [f["name"] for f in doc["figures"]]
+    assert names[0] == "ours" and "transformers-eager" in names and "dense" in names
+    for f in doc["figures"]:
+        assert f["tokens_per_s"] > 0 and f["tflops"] > 0
+        assert f["tokens_per_s"] == pytest.approx(24 / (f["ms_per_iter"] / 1e3))
+    ours = doc["figures"][0]["tokens_per_s"]
+    eager = next(f for f in doc["figures"] if f["name"] == "transformers-eager")["tokens_per_s"]
+    assert doc["ratios"]["ours/transformers-eager tokens_per_s"] == pytest.approx(ours / eager)
+    agreement = next(n for n in doc["notes"] if n.startswith("ours vs transformers-eager"))
+    errors = [float(part.split("=")[1]) for part in agreement.split(": ", 1)[1].split(", ")]
+    assert len(errors) == 4 and max(errors) < 1e-5  # fp32: same routing, same math
+    assert doc["shape"]["hidden"] == 32 and doc["versions"]["torch"] and doc["machine"]["cpu_count"]
+    assert "ratio ours/transformers-eager" in result.output
+
+
+def test_bench_moe_rejects_bad_flags(tmp_path) -> None:
+    result = CliRunner().invoke(cli, ["moe", "--dtype", "float16", "--out-dir", str(tmp_path)])
+    assert result.exit_code != 0 and "--dtype must be one of" in result.output
+    assert not list(tmp_path.iterdir())
+
+
+def test_write_result_requires_named_figures(tmp_path) -> None:
+    with pytest.raises(ValueError, match="figure without a 'name'"):
+        write_result("moe", {}, [{"tokens_per_s": 1.0}], out_dir=tmp_path)
+    assert not list(tmp_path.iterdir())
