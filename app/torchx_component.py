@@ -1,8 +1,10 @@
 """TorchX components of a moerl job: the trainer gang and the rollout workers.
 
-    torchx run -s local_cwd app/torchx_component.py:trainer --nnodes 1 --nproc_per_node 2 --config run.yaml
-    torchx run -s local_cwd app/torchx_component.py:rollout --config run.yaml --engine builtin
-    torchx run -s kubernetes -cfg queue=default,namespace=moerl app/torchx_component.py:job --image ...
+    torchx run -s local_cwd app/torchx_component.py:trainer --nproc_per_node 2 --config run.yaml
+    torchx run -s local_cwd app/torchx_component.py:rollout --config run.yaml --model_path <hf dir>
+    torchx run -s local_cwd app/torchx_component.py:job --config run.yaml --model_path <hf dir>
+    torchx run -s kubernetes -cfg queue=default,namespace=moerl,service_account=moerl-trainer \
+        app/torchx_component.py:trainer --image <ecr>/moerl/trainer:<tag> --nnodes 16 --nproc_per_node 8 ...
 
 The commands below are the single source of the containers' command lines: charts8s/ builds
 its rollout Deployment from `engine_command` / `worker_command` and its trainer Volcano Job from
@@ -30,8 +32,9 @@ def trainer_command(config: str, nnodes: int, nproc_per_node: int, rdzv_port: in
     """The trainer's shell command: torchrun starting `moerl train` on every GPU of the node.
 
     Rendezvous is c10d on rank 0's host; `${rank0_env}` is a TorchX macro that becomes
-    TORCHX_RANK0_HOST (set to localhost) on replica 0 and VC_TRAINER_0_HOSTS (the headless-Service
-    name of replica 0) elsewhere (torchx.specs.macros, torchx.components.dist.ddp).
+    TORCHX_RANK0_HOST (set to localhost) on replica 0 and VC_TRAINER_0_HOSTS elsewhere: replica 0's
+    DNS name, set by Volcano's svc plugin (`torchx run -s kubernetes`) or by charts8s/trainer.py
+    (torchx.specs.macros, torchx.components.dist.ddp).
     torchrun's own restarts are off: a failed rank restarts the whole gang, which resumes.
     run_dir: `moerl train --run-dir` (metrics, local staging); "" keeps its default.
     """
