@@ -338,3 +338,75 @@ def test_unloadable_policy_keeps_the_engine_serving_and_is_retried(tmp_path, red
     assert version == 0 and stats.groups_published == 4
     groups, _ = drain_buffer(buf)
     assert all(s.policy_version == 0 for gs in groups.values() for g in gs for s in g.samples)
+
+
+def start_engine_process(model_path: Path, port: int, log_path: Path) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "app.cli", "engine", "--model-path", str(model_path), "--port", str(port),
+            "--threads", "1", "--weight-version", "0"]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    wait_until_healthy(f"http://127.0.0.1:{port}", timeout_s=90)
+    return proc
+
+
+def test_engine_restart_reloads_the_current_policy_before_taking_work(tmp_path, local_redis, ckpts):
+    """SIGKILL the engine mid-run and start a fresh one (back at its base weights, version 0):
+    the worker releases what failed, waits for health, has the new engine load the current
+    policy (v1), and only then generates again. Every sample is stamped v1; no task is lost."""
+    from app.storage import open_store, publish_policy
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cfg = make_config(tmp_path, local_redis.url, url, max_inflight_tasks=2, engine_retries=1,
+                      retry_backoff_s=0.05, max_new_tokens=48, request_timeout_s=20)
+    buf = ExperienceBuffer.from_config(cfg)
+    buf.announce_policy(1, publish_policy(open_store(cfg.store_url), cfg.run_id, 1, ckpts[1]))
+    tasks = make_tasks(8)
+    buf.put_tasks(tasks)
+    procs = [start_engine_process(ckpts[0], port, tmp_path / "engine.log")]
+
+    async def go():
+        async with EngineClient(url, timeout_s=20, retries=1, backoff_s=0.05) as client:
+            worker = RolloutWorker(cfg, buf, client, "w7", score_fn=lambda t, c: 1.0, max_groups=len(tasks))
+            runner = asyncio.create_task(worker.run())
+            while worker.stats.groups_published < 2:
+                await asyncio.sleep(0.02)
+            os.killpg(procs[0].pid, signal.SIGKILL)
+            procs[0].wait(10)
+            await asyncio.sleep(1.0)  # the worker sees errors while the engine is down
+            procs.append(await asyncio.to_thread(start_engine_process, ckpts[0], port, tmp_path / "engine.log"))
+            return await asyncio.wait_for(runner, 120)
+
+    try:
+        stats = asyncio.run(go())
+    finally:
+        for p in procs:
+            stop_process(p)
+    assert stats.engine_errors >= 1 and stats.tasks_released >= 1  # the kill hit requests in flight
+    assert stats.weight_updates == 2  # once at start, once after the restart
+    groups, queued = drain_buffer(buf)
+    assert queued == [] and set(groups) == {t.task_id for t in tasks}
+    assert all(len(gs) == 1 for gs in groups.values())
+    assert all(s.policy_version == 1 for gs in groups.values() for g in gs for s in g.samples)
+
+
+def test_worker_rides_through_a_redis_restart(tmp_path, local_redis, engine):
+    cfg = make_config(tmp_path, local_redis.url, engine, max_inflight_tasks=1)
+    buf = ExperienceBuffer.from_config(cfg)
+    tasks = make_tasks(6)
+    buf.put_tasks(tasks)
+
+    async def go():
+        async with EngineClient(engine) as client:
+            worker = RolloutWorker(cfg, buf, client, "w8", score_fn=lambda t, c: 1.0, max_groups=len(tasks))
+            runner = asyncio.create_task(worker.run())
+            while worker.stats.groups_published < 2:
+                await asyncio.sleep(0.02)
+            await asyncio.to_thread(local_redis.restart)
+            return await asyncio.wait_for(runner, 120)
+
+    stats = asyncio.run(go())
+    groups, queued = drain_buffer(buf)
+    assert queued == [] and set(groups) == {t.task_id for t in tasks}
+    assert all(len(gs) == 1 for gs in groups.values())
+    assert stats.groups_published + stats.duplicate_groups >= len(tasks)
