@@ -211,9 +211,21 @@ def train_step(
 ) -> tuple[bool, dict[str, float]]:
     """Forward, loss, backward, gradient all-reduce and clipping, optimizer step. Collective.
 
+    Args:
+        cfg: the run config (``trainer`` section; ``rollout.temperature`` for the logprobs).
+        model: the policy, this rank's experts only.
+        ref_model: frozen reference policy for the k3 KL penalty, or None (``kl_coef`` 0).
+        optimizer: over ``replicated + sharded``.
+        batch: this rank's groups (`collate_groups`) or `dummy_batch`, on the model's device.
+        replicated: parameters every rank holds a copy of (gradients all-reduced with SUM).
+        sharded: this rank's expert parameters (gradients complete already; not reduced).
+
     Returns:
         ``(applied, stats)``: ``applied`` is False (on every rank) when the loss or the gradient
         norm was not finite; the optimizer step is then skipped and the gradients dropped.
+        ``stats`` are whole-batch figures, identical on every rank: ``loss`` (full-batch),
+        ``grad_norm`` (global, before clipping; NaN when skipped), ``entropy`` and the
+        per-token means of `grpo.finish_stats`.
     """
     t = cfg.trainer
     temp = cfg.rollout.temperature
@@ -427,8 +439,8 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
         nonlocal stop_requested
         stop_requested = True
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # SIGTERM / Ctrl-C: finish the current step, then stop on every rank (rank 0 decides).
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -522,6 +534,8 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
     finally:
         if metrics_file is not None:
             metrics_file.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return state
 
 
