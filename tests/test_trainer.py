@@ -48,6 +48,23 @@ def fake_groups(n_groups: int, group_size: int = 4, seed: int = 0) -> list[Group
     return groups
 
 
+def test_usable_rejects_and_counts_bad_groups():
+    from app.trainer.train import TrainState, usable
+
+    state = TrainState(version=3)
+    good, stale, errored, broken = fake_groups(4)
+    for smp in stale.samples:
+        smp.policy_version = 1  # staleness 2 > max_staleness 1
+    for smp in errored.samples:
+        smp.finish_reason, smp.completion_ids, smp.logprobs = "error", [], []
+    broken.samples[0].logprobs = broken.samples[0].logprobs + [-1.0]
+    for smp in good.samples + errored.samples + broken.samples:
+        smp.policy_version = 2
+    kept = [g for g in (good, stale, errored, broken) if usable(g, state, 1, 0)]
+    assert kept == [good]
+    assert (state.overstale, state.error_groups, state.malformed) == (1, 1, 1)
+
+
 # ------------------------------------------------------------------------------------------
 # Gradient equivalence: EP=2 data-parallel step == EP=1 full-batch step
 

@@ -26,7 +26,7 @@ Metrics: one JSON line per step in ``<run_dir>/metrics.jsonl`` (rank 0), whole-b
   loss, pg_loss, tokens, clip_frac, ratio, ratio_max, approx_kl (k3, old||current),
   mismatch_kl (k3, engine||trainer), tis, tis_max, tis_trunc_frac, entropy, kl_ref (kl_coef>0),
   grad_norm (before clipping), lr; wait_s (waiting for groups), step_s, publish_s;
-  samples_total, overstale_dropped, malformed_groups; buffer (ExperienceBuffer.stats()).
+  samples_total, overstale_dropped, malformed_groups, error_groups; buffer (ExperienceBuffer.stats()).
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ class TrainState:
     samples: int = 0  # samples trained on
     overstale: int = 0  # groups dropped here for exceeding max_staleness (the buffer should)
     malformed: int = 0  # groups skipped because a sample did not collate
+    error_groups: int = 0  # all-"error" groups skipped (tasks the engine refused)
     started: float = field(default_factory=time.time)
 
 
@@ -512,7 +513,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
                     **{k: v for k, v in stats.items()}, "lr": t.lr,
                     "wait_s": wait_s, "step_s": step_s, "publish_s": publish_s,
                     "samples_total": state.samples, "overstale_dropped": state.overstale,
-                    "malformed_groups": state.malformed,
+                    "malformed_groups": state.malformed, "error_groups": state.error_groups,
                     "buffer": buffer.stats(),
                 }
                 metrics_file.write(json.dumps(record, allow_nan=True) + "\n")
@@ -541,10 +542,15 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
 
 def usable(group, state: TrainState, max_staleness: int, pad_id: int) -> bool:
     """Rank 0's check of one group before it is scattered: within ``max_staleness`` (the buffer
-    enforces it already; this guards the contract) and well-formed (it collates). A rejected
-    group is counted in ``state`` and logged, never trained on."""
+    enforces it already; this guards the contract), not an all-"error" group, and well-formed
+    (it collates). A rejected group is counted in ``state``, never trained on, and does not
+    take a place in the step's ``groups_per_step``."""
     if state.version - group.policy_version > max_staleness:
         state.overstale += 1
+        return False
+    if all(s.finish_reason == "error" for s in group.samples):
+        # A task the engine refused (rollout worker): no completion tokens to learn from.
+        state.error_groups += 1
         return False
     try:
         collate_groups([group], pad_id=pad_id)
