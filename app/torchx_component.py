@@ -173,9 +173,10 @@ def _pair(engine: list[str], worker: list[str]) -> str:
     return (
         f"{shlex.join(engine)} & engine=$!; "
         f"{shlex.join(worker)} & worker=$!; "
-        "trap 'kill -TERM $worker' TERM INT; "
-        # `wait` returns early when a trapped signal arrives: wait again until the worker is gone.
-        "while kill -0 $worker 2>/dev/null; do wait $worker; rc=$?; done; "
+        "trap 'kill -TERM $worker' TERM INT; wait $worker; rc=$?; "
+        # A trapped signal interrupts `wait` (status > 128) without reaping the worker: wait again
+        # for its real status; 127 means it was already reaped and rc holds that status.
+        "while [ $rc -gt 128 ]; do wait $worker; r=$?; [ $r -eq 127 ] && break; rc=$r; done; "
         "kill $engine 2>/dev/null; wait $engine 2>/dev/null; exit $rc"
     )
 

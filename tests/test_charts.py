@@ -463,3 +463,64 @@ def test_container_commands_use_existing_cli_options(prod):
     except ModuleNotFoundError:
         pytest.skip("app.envs.reward_server (`moerl reward`) is not in this tree yet")
     assert _flags(reward["command"]) <= options
+
+
+# -- the TorchX component on its own ----------------------------------------------------------------
+
+
+def test_local_job_materializes_both_roles():
+    from torchx.runner import get_runner
+
+    with get_runner() as runner:
+        info = runner.dryrun_component(str(ROOT / "app" / "torchx_component.py") + ":job",
+                                       ["--config", "run.yaml", "--model_path", "/m", "--rollout_replicas", "2"],
+                                       scheduler="local_cwd")
+    roles = info._app.roles
+    assert [r.name for r in roles] == ["trainer", "rollout"]
+    assert "moerl train --config run.yaml --resume" in roles[0].args[-1]
+    assert "moerl engine --model-path /m" in roles[1].args[-1] and roles[1].num_replicas == 2
+    # each rollout replica gets its own worker id (task-lease consumer name)
+    ids = {r.args[-1].split("--worker-id ")[1].split()[0] for r in info.request.role_params["rollout"]}
+    assert len(ids) == 2
+
+
+@pytest.mark.parametrize("kwargs", [{"nnodes": 0}, {"gpus": 3, "nproc_per_node": 2}])
+def test_trainer_component_rejects_bad_counts(kwargs):
+    from app.torchx_component import trainer
+
+    with pytest.raises(ValueError):
+        trainer(**kwargs)
+
+
+def test_paired_roles_drain_the_worker_then_stop_the_engine(tmp_path):
+    """SIGTERM to the paired role reaches the worker, waits for its drain, returns its status, stops the engine."""
+    import signal
+    import time
+
+    from app.torchx_component import _pair
+
+    engine = ["bash", "-c", f"echo $$ > {tmp_path}/engine.pid; exec sleep 60"]
+    worker = ["bash", "-c", f"trap 'kill $!; echo drained > {tmp_path}/worker.txt; exit 7' TERM; "
+                            f"echo $$ > {tmp_path}/worker.pid; sleep 60 & wait $!"]
+    proc = subprocess.Popen(["bash", "-c", _pair(engine, worker)], start_new_session=True)
+    try:
+        for _ in range(200):  # both started (bounded wait, no timing assertion)
+            if (tmp_path / "engine.pid").exists() and (tmp_path / "worker.pid").exists():
+                break
+            time.sleep(0.05)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 7
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert (tmp_path / "worker.txt").read_text().strip() == "drained"
+    engine_pid = int((tmp_path / "engine.pid").read_text())
+    for _ in range(100):
+        try:
+            os.kill(engine_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the engine outlived the paired role")
