@@ -33,4 +33,6 @@ def moe(
         run(Shape(family=family, hidden=hidden, intermediate=intermediate, experts=experts, topk=topk,
                   tokens=tokens, dtype=dtype, device=device, iters=iters, warmup=warmup), out_dir=out_dir)
     except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
+        # A plain exit: the outer `moerl` group is click's, which does not know typer's exceptions.
+        typer.echo(f"moerl bench moe: error: {e}", err=True)
+        raise SystemExit(2) from None
