@@ -17,7 +17,11 @@ from infra.stage import add_env_stacks
 
 # Feature flags this code relies on (also in cdk.json): server access logs are delivered through
 # a bucket policy, not the legacy LogDeliveryWrite ACL (ACLs stay disabled on every bucket).
-FEATURE_FLAGS = {"@aws-cdk/aws-s3:serverAccessLogsUseBucketPolicy": True}
+# Cross-stack references stay "strong" (exports protect the producer), said explicitly.
+FEATURE_FLAGS = {
+    "@aws-cdk/aws-s3:serverAccessLogsUseBucketPolicy": True,
+    "@aws-cdk/core:defaultCrossStackReferences": "strong",
+}
 
 
 def build_app(env: str = "dev", overrides: str | None = None, app: App | None = None) -> App:

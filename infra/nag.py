@@ -45,6 +45,10 @@ CLUSTER_ACKNOWLEDGEMENTS: dict[str, str] = {
 
 def acknowledgements(kind: str, cfg: DeploymentConfig) -> dict[str, str]:
     """Acknowledged finding id -> reason for one stack kind ("network" | "storage" | "cluster" | "pipeline")."""
+    if kind == "network":
+        return {"CloudFormation-Validate::W3010":
+                "AZ names are fixed on purpose: every node group must sit in the one configured AZ "
+                f"({cfg.az}) and the control plane in {cfg.control_plane_azs}; synth makes no lookups."}
     if kind != "cluster":
         return {}
     objects = f"arn:<AWS::Partition>:s3:::{cfg.checkpoint_bucket}/{cfg.run_prefix}/*"

@@ -22,6 +22,7 @@ class NetworkStack(Stack):
     """
 
     def __init__(self, scope: Construct, id: str, *, cfg: DeploymentConfig, **kw) -> None:
+        self._azs = list(cfg.control_plane_azs)
         super().__init__(scope, id, **kw)
         self.vpc = ec2.Vpc(
             self,
@@ -77,3 +78,8 @@ class NetworkStack(Stack):
         self.efa_sg.add_egress_rule(self.efa_sg, ec2.Port.all_traffic(), "EFA to members")
         # Nodes also need to reach the cluster, ECR, S3 and the internet: the cluster security
         # group (attached next to this one on every interface) allows that outbound traffic.
+
+    @property
+    def availability_zones(self) -> list[str]:
+        """The configured AZs; overriding this keeps synth free of an AZ context lookup."""
+        return self._azs

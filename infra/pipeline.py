@@ -4,6 +4,7 @@ manual approval -> prod. Each stage deploys into its environment's account (cros
 from __future__ import annotations
 
 from aws_cdk import Stack
+from aws_cdk import aws_codepipeline as codepipeline
 from aws_cdk import pipelines
 from constructs import Construct
 
@@ -32,6 +33,7 @@ class PipelineStack(Stack):
         self.pipeline = pipelines.CodePipeline(
             self, "Pipeline",
             pipeline_name="moerl-promotion",
+            pipeline_type=codepipeline.PipelineType.V2,
             cross_account_keys=True,
             enable_key_rotation=True,
             synth=pipelines.ShellStep("Synth", input=source, commands=SYNTH_COMMANDS,
