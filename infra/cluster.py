@@ -173,8 +173,9 @@ class ClusterStack(Stack):
             cluster=self.cluster,
             nodegroup_name=f"{cfg.name_prefix}-{pool.name}",
             node_role=self.node_role,
-            # Spot groups use the price-capacity-optimized allocation strategy and EKS handles
-            # rebalance recommendations by draining the node (managed node group behaviour).
+            # Managed Spot groups created on Kubernetes 1.28+ use the price-capacity-optimized
+            # allocation strategy, with Capacity Rebalancing: EKS cordons and drains a node that
+            # gets a rebalance recommendation (EKS user guide, managed node group capacity types).
             capacity_type=_CAPACITY[pool.capacity_type],
             min_size=pool.min_size,
             max_size=pool.max_size,
