@@ -100,6 +100,7 @@ class ClusterStack(Stack):
             ],
             secrets_encryption_key=kms.Key(self, "SecretsKey", enable_key_rotation=True),
             # The kubectl handler runs in the VPC (private endpoint) and installs the Helm charts.
+            # kubectl 1.33 is within the supported skew (+/-1 minor) of the default 1.33 control plane.
             kubectl_provider_options=eks.KubectlProviderOptions(kubectl_layer=KubectlV33Layer(self, "Kubectl")),
         )
         for i, arn in enumerate(cfg.admin_role_arns):
