@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausal
 from app.buffer.redis_server import free_port
 from app.envs.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, load_tokenizer, save_tokenizer
 from app.rollout.engine_client import EngineClient, EngineError, wait_until_healthy
-from app.rollout.sampler import SamplingParams, generate
+from app.rollout.sampler import DecodeBatch, SamplingParams, generate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,6 +117,39 @@ def test_sampler_left_padding_matches_unpadded_forward(ckpts):
         ref = recompute_logprobs(model, p, o.token_ids, sp.temperature or 1.0)
         torch.testing.assert_close(torch.tensor(o.logprobs), ref, atol=1e-4, rtol=0)
     assert outs[2].token_ids == greedy_reference(model, prompts[2], len(outs[2].token_ids))
+
+
+def test_rows_joining_a_running_batch_match_unpadded_forward(ckpts):
+    """Continuous batching: rows added between decode steps (prompts longer, then shorter, than
+    the batch's cache) get exactly the logprobs of a lone forward; greedy rows the argmax path."""
+    model = AutoModelForCausalLM.from_pretrained(str(ckpts[0])).eval()
+    batch = DecodeBatch(model, pad_id=PAD_ID, eos_ids=[EOS_ID], generator=torch.Generator().manual_seed(3))
+    rows = {
+        "a": ([BOS_ID, 20, 21, 22], SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True)),
+        "b": ([BOS_ID, 30], SamplingParams(max_new_tokens=3, temperature=0.9, ignore_eos=True)),
+        "c": ([BOS_ID] + list(range(40, 55)), SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)),
+        "d": ([BOS_ID, 60], SamplingParams(max_new_tokens=8, temperature=1.2, ignore_eos=True)),
+        "e": ([BOS_ID, 70, 71], SamplingParams(max_new_tokens=1, temperature=1.0)),
+        "f": ([BOS_ID, 80, 81], SamplingParams(max_new_tokens=5, temperature=1.0, ignore_eos=True)),
+    }
+    done = dict(batch.add([rows[k][0] for k in "ab"], [rows[k][1] for k in "ab"], ["a", "b"]))
+    for _ in range(4):  # "b" finishes and leaves; "a" runs on
+        done.update(batch.step())
+    assert "b" in done and len(batch) == 1
+    done.update(batch.add([rows[k][0] for k in "cde"], [rows[k][1] for k in "cde"], ["c", "d", "e"]))
+    assert "e" in done  # max_new_tokens=1 finishes at prefill
+    for _ in range(2):
+        done.update(batch.step())
+    done.update(batch.add([rows["f"][0]], [rows["f"][1]], ["f"]))  # shorter than the batch's cache
+    while len(batch):
+        done.update(batch.step())
+    assert set(done) == set(rows)
+    for key, (prompt, sp) in rows.items():
+        out = done[key]
+        assert len(out.token_ids) == sp.max_new_tokens or out.finish_reason == "stop"
+        ref = recompute_logprobs(model, prompt, out.token_ids, sp.temperature or 1.0)
+        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
+    assert done["c"].token_ids == greedy_reference(model, rows["c"][0], 6)
 
 
 def test_batched_generate_logprobs_match_model(engine, ckpts):

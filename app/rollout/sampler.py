@@ -8,6 +8,9 @@ sampling settings per row:
 - one prefill forward fills a ``transformers.DynamicCache``, then one forward per new token;
 - rows that finish (a stop token or their own ``max_new_tokens``) leave the batch
   (``DynamicCache.batch_select_indices``) so the rest do not pay for them;
+- new rows can join a running batch between decode steps (`DecodeBatch.add`: continuous
+  batching, as in Orca, Yu et al. 2022, OSDI), so a request need not wait for the batch
+  before it to finish;
 - temperature and nucleus (top-p) sampling per row, greedy when ``temperature == 0``.
 
 Logprobs: for each sampled token we report ``log_softmax(logits / temperature)`` at that token,
@@ -132,7 +135,169 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-@torch.no_grad()
+def _pad_cache_left(cache: DynamicCache, n: int) -> None:
+    """Prepend ``n`` zero positions to every layer's keys/values (masked out by the caller)."""
+    if n <= 0:
+        return
+    for layer in cache.layers:
+        k, v = layer.keys, layer.values
+        layer.keys = torch.cat([k.new_zeros(*k.shape[:-2], n, k.shape[-1]), k], dim=-2)
+        layer.values = torch.cat([v.new_zeros(*v.shape[:-2], n, v.shape[-1]), v], dim=-2)
+
+
+def _crop_cache_left(cache: DynamicCache, n: int) -> None:
+    """Drop the first ``n`` positions of every layer (columns that are padding for every row)."""
+    if n <= 0:
+        return
+    for layer in cache.layers:
+        layer.keys = layer.keys[..., n:, :]
+        layer.values = layer.values[..., n:, :]
+
+
+def _cat_caches(a: DynamicCache, b: DynamicCache) -> None:
+    """Append the rows of ``b`` to ``a`` (same sequence length), layer by layer, in place."""
+    for la, lb in zip(a.layers, b.layers):
+        la.keys = torch.cat([la.keys, lb.keys], dim=0)
+        la.values = torch.cat([la.values, lb.values], dim=0)
+
+
+class DecodeBatch:
+    """Sequences decoded together; new ones may join between steps (continuous batching).
+
+    Each row holds one pending token (sampled, not yet in the KV cache). `add` prefills new
+    rows in one forward pass and merges their cache into the batch's: the shorter cache is
+    left-padded with masked zero positions, which is exact because attention ignores masked
+    positions and rotary positions come from per-row ``position_ids``, not from columns.
+    `step` feeds every pending token through one forward pass and samples the next. Finished
+    rows leave the batch at once, and columns that are padding for every remaining row are
+    cropped, so the cache stays as long as the longest live row.
+
+    Only the KV cache layout of ``transformers.DynamicCache`` with full-attention layers
+    (``layers[i].keys/values`` of shape ``[B, heads, S, head_dim]``) is assumed.
+
+    Args:
+        model: a causal LM in eval mode (see `generate`).
+        pad_id: token id used for left padding.
+        eos_ids: the model's end-of-sequence ids (stop unless a row's ``ignore_eos``).
+        generator: optional torch.Generator on the model's device.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, pad_id: int, eos_ids: list[int],
+                 generator: torch.Generator | None = None):
+        self.model = model
+        self.pad_id = pad_id
+        self.eos_ids = set(eos_ids)
+        self.generator = generator
+        self.device = next(model.parameters()).device
+        self.cache_kw = cache_kwarg(model)
+        self.cache: DynamicCache | None = None
+        self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)  # [B, S] over the cache
+        self.next_pos = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] position of the pending token
+        self.pending = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] sampled, not yet fed
+        self.temperature = torch.zeros(0, dtype=torch.float32, device=self.device)
+        self.top_p = torch.zeros(0, dtype=torch.float32, device=self.device)
+        self.rows: list[tuple[object, SamplingParams, set[int], Completion]] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @torch.no_grad()
+    def add(self, prompts: list[list[int]], params: list[SamplingParams], keys: list) -> list[tuple[object, Completion]]:
+        """Prefill ``prompts`` and sample their first token; they join the batch.
+
+        Args:
+            prompts: non-empty token id lists; params: one SamplingParams each; keys: any caller
+                handle per row, returned with its completion.
+
+        Returns:
+            (key, completion) of rows that finished on their first token.
+
+        Raises:
+            ValueError: lengths differ or a prompt is empty.
+        """
+        if not (len(prompts) == len(params) == len(keys)):
+            raise ValueError(f"prompts ({len(prompts)}), params ({len(params)}) and keys ({len(keys)}) differ in length")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompts[{i}] is empty")
+        if not prompts:
+            return []
+        input_ids, mask, positions = left_pad(prompts, self.pad_id, self.device)
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions,
+            use_cache=True, logits_to_keep=1, **{self.cache_kw: cache},
+        ).logits[:, -1]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
+        tokens, logps = sample_next(logits, temperature, top_p, self.generator)
+
+        if self.cache is None or not self.rows:
+            self.cache, self.mask = cache, mask
+        else:
+            width = max(self.mask.shape[1], mask.shape[1])
+            _pad_cache_left(self.cache, width - self.mask.shape[1])
+            _pad_cache_left(cache, width - mask.shape[1])
+            _cat_caches(self.cache, cache)
+            self.mask = torch.cat([
+                torch.nn.functional.pad(self.mask, (width - self.mask.shape[1], 0)),
+                torch.nn.functional.pad(mask, (width - mask.shape[1], 0)),
+            ])
+        self.next_pos = torch.cat([self.next_pos, positions[:, -1] + 1])
+        self.pending = torch.cat([self.pending, tokens])
+        self.temperature = torch.cat([self.temperature, temperature])
+        self.top_p = torch.cat([self.top_p, top_p])
+        first = len(self.rows)
+        for key, p in zip(keys, params):
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+            self.rows.append((key, p, stops, Completion([], [], "length")))
+        return self._record(tokens, logps, first)
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[object, Completion]]:
+        """Decode one token for every row; returns (key, completion) of rows that finished."""
+        if not self.rows:
+            return []
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        logits = self.model(
+            input_ids=self.pending[:, None], attention_mask=self.mask, position_ids=self.next_pos[:, None],
+            use_cache=True, **{self.cache_kw: self.cache},
+        ).logits[:, -1]
+        self.next_pos = self.next_pos + 1
+        tokens, logps = sample_next(logits, self.temperature, self.top_p, self.generator)
+        self.pending = tokens
+        return self._record(tokens, logps, 0)
+
+    def _record(self, tokens: torch.Tensor, logps: torch.Tensor, first: int) -> list[tuple[object, Completion]]:
+        """Append sampled tokens to rows ``first..``; remove finished rows from the batch."""
+        done, keep = [], list(range(first))
+        for r, (tok, lp) in enumerate(zip(tokens.tolist(), logps.tolist()), start=first):
+            key, p, stops, out = self.rows[r]
+            out.token_ids.append(tok)
+            out.logprobs.append(lp)
+            if tok in stops:
+                out.finish_reason, out.matched_stop = "stop", tok
+                done.append((key, out))
+            elif len(out.token_ids) >= p.max_new_tokens:
+                done.append((key, out))
+            else:
+                keep.append(r)
+        if len(keep) < len(self.rows):
+            idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+            self.cache.batch_select_indices(idx)
+            self.mask, self.next_pos, self.pending = self.mask[idx], self.next_pos[idx], self.pending[idx]
+            self.temperature, self.top_p = self.temperature[idx], self.top_p[idx]
+            self.rows = [self.rows[r] for r in keep]
+            if self.rows:
+                # Columns that are padding for every remaining row need not be attended to.
+                live = self.mask.any(dim=0).nonzero()
+                lead = int(live[0]) if len(live) else 0
+                if lead:
+                    _crop_cache_left(self.cache, lead)
+                    self.mask = self.mask[:, lead:]
+        return done
+
+
 def generate(
     model: torch.nn.Module,
     prompts: list[list[int]],
@@ -142,7 +307,7 @@ def generate(
     eos_ids: list[int],
     generator: torch.Generator | None = None,
 ) -> list[Completion]:
-    """Generate one completion per prompt, all rows in one batch.
+    """Generate one completion per prompt, all rows in one batch (a `DecodeBatch` run to the end).
 
     Args:
         model: a causal LM (transformers ``*ForCausalLM``) in eval mode; its forward must take
@@ -162,51 +327,11 @@ def generate(
     """
     if len(prompts) != len(params):
         raise ValueError(f"prompts ({len(prompts)}) and params ({len(params)}) differ in length")
-    if not prompts:
-        return []
-    for i, p in enumerate(prompts):
-        if not p:
-            raise ValueError(f"prompts[{i}] is empty")
-    device = next(model.parameters()).device
-    input_ids, mask, positions = left_pad(prompts, pad_id, device)
-    stops = [set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids)) for p in params]
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-
-    out = [Completion([], [], "length") for _ in prompts]
-    alive = list(range(len(prompts)))  # original row index of each row still in the batch
-    cache = DynamicCache(config=model.config)
-    cache_kw = cache_kwarg(model)
-    logits = model(
-        input_ids=input_ids, attention_mask=mask, position_ids=positions,
-        use_cache=True, logits_to_keep=1, **{cache_kw: cache},
-    ).logits[:, -1]
-    next_pos = positions[:, -1] + 1
-
-    while alive:
-        tokens, logps = sample_next(logits, temperature, top_p, generator)
-        keep = []
-        for row, (tok, lp) in enumerate(zip(tokens.tolist(), logps.tolist())):
-            i = alive[row]
-            out[i].token_ids.append(tok)
-            out[i].logprobs.append(lp)
-            if tok in stops[i]:
-                out[i].finish_reason, out[i].matched_stop = "stop", tok
-            elif len(out[i].token_ids) < params[i].max_new_tokens:
-                keep.append(row)
-        if not keep:
-            break
-        if len(keep) < len(alive):
-            # Finished rows leave the batch (cache, mask and per-row settings alike).
-            idx = torch.tensor(keep, device=device)
-            cache.batch_select_indices(idx)
-            tokens, mask, next_pos = tokens[idx], mask[idx], next_pos[idx]
-            temperature, top_p = temperature[idx], top_p[idx]
-            alive = [alive[r] for r in keep]
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        logits = model(
-            input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-            use_cache=True, **{cache_kw: cache},
-        ).logits[:, -1]
-        next_pos = next_pos + 1
+    batch = DecodeBatch(model, pad_id=pad_id, eos_ids=eos_ids, generator=generator)
+    out: list[Completion | None] = [None] * len(prompts)
+    for i, c in batch.add(prompts, params, list(range(len(prompts)))):
+        out[i] = c
+    while len(batch):
+        for i, c in batch.step():
+            out[i] = c
     return out
