@@ -20,6 +20,11 @@ Policy versions (DESIGN.md §3): version 0 is the initial policy, published befo
 step if the store has none; every ``trainer.publish_every`` steps the next version is
 published and announced.
 
+Later (designed for, not built): resume (issue 4) saves `TrainState`, the optimizer, the RNG
+states and the buffer cursor to the store before ``buffer.commit()`` (groups are committed only
+after their step, so a killed trainer re-reads them); PPO (issue 9) adds a value head and GAE
+beside grpo.py, and only the loss call in `train_step` is algorithm-specific.
+
 Metrics: one JSON line per step in ``<run_dir>/metrics.jsonl`` (rank 0), whole-batch figures:
   step, policy_version, applied (False: non-finite step skipped), bad_steps, time (unix s);
   groups, samples, reward_mean, reward_max, completion_len_mean, staleness_mean, staleness_max;
