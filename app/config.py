@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -102,14 +102,25 @@ class TrainerConfig(Section):
 
 
 class TaskConfig(Section):
-    """Where prompts and rewards come from."""
+    """Where prompts and rewards come from, and the supervised warm-up of the tiny policy.
+
+    Defaults are the recipe proven to be learnable on one CPU core (see app/envs/__init__.py):
+    reasoning-gym ``spell_backward`` on 3-6 letter words, compact prompts ``word=``.
+    """
 
     source: Literal["reasoning-gym", "jsonl"] = "reasoning-gym"
-    name: str = "chain_sum"
-    jsonl_path: str | None = None
+    name: str = Field("spell_backward", description="reasoning-gym dataset name.")
+    params: dict[str, Any] = Field(
+        default_factory=lambda: {"min_word_len": 3, "max_word_len": 6},
+        description="Config fields of the reasoning-gym dataset (difficulty).",
+    )
+    jsonl_path: str | None = Field(None, description='JSONL of {"prompt","answer"} rows (source jsonl).')
     seed: int = 0
     train_size: int = Field(2000, ge=1)
-    eval_size: int = Field(200, ge=1)
+    eval_size: int = Field(200, ge=1, description="Held-out prompts for evaluation.")
+    warmup_steps: int = Field(150, ge=1, description="Supervised warm-up steps (moerl warmup).")
+    warmup_lr: float = Field(3e-3, gt=0.0, description="Peak AdamW lr of the warm-up (cosine to 10%).")
+    warmup_batch_size: int = Field(64, ge=1)
 
 
 class RunConfig(Section):

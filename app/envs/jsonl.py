@@ -1,0 +1,92 @@
+"""JSONL prompt sets for GPU-scale runs: one ``{"prompt": str, "answer": str}`` object per line.
+
+Rows that are not valid JSON objects, or lack a non-empty string ``prompt`` / a string or number
+``answer``, are skipped and counted (with the first few line numbers) instead of failing the run;
+a file with no valid row at all is an error. The reward is math-verify equivalence
+(huggingface/Math-Verify: ``parse`` the gold answer and the completion, then ``verify``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class JsonlRows:
+    """Rows read from a JSONL file.
+
+    Attributes:
+        rows: ``(prompt, answer)`` pairs in file order.
+        skipped: malformed rows skipped.
+        skipped_lines: 1-based line numbers of the first 20 skipped rows (for the log).
+    """
+
+    rows: list[tuple[str, str]] = field(default_factory=list)
+    skipped: int = 0
+    skipped_lines: list[int] = field(default_factory=list)
+
+
+def _row(line: str) -> tuple[str, str] | None:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    prompt, answer = obj.get("prompt"), obj.get("answer")
+    if not isinstance(prompt, str) or not prompt.strip():
+        return None
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or str(answer).strip() == "":
+        return None
+    return prompt, str(answer)
+
+
+def load_jsonl(path: str | os.PathLike) -> JsonlRows:
+    """Read ``{"prompt","answer"}`` rows; blank lines are ignored, malformed rows skipped and counted.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist (message names it).
+        ValueError: the file holds no valid row (message names the file and the skip count).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"task.jsonl_path: {path} does not exist")
+    out = JsonlRows()
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = _row(line)
+            if row is None:
+                out.skipped += 1
+                if len(out.skipped_lines) < 20:
+                    out.skipped_lines.append(lineno)
+            else:
+                out.rows.append(row)
+    if not out.rows:
+        raise ValueError(f"{path}: no valid {{\"prompt\", \"answer\"}} row ({out.skipped} malformed rows skipped)")
+    return out
+
+
+def answer_json(answer: str) -> str:
+    """The ``Task.answer`` JSON for a JSONL row, read by app/envs/rewards.py."""
+    return json.dumps({"source": "jsonl", "answer": answer})
+
+
+def math_verify_reward(completion: str, gold: str) -> float:
+    """1.0 if math-verify finds the completion's answer equal to ``gold``, else 0.0.
+
+    Timeouts inside math-verify are off (they use SIGALRM, which only works in the main thread);
+    the rollout worker bounds the call with ``rollout.reward_timeout_s``.
+    """
+    from math_verify import parse, verify
+
+    gold_parsed = parse(gold, parsing_timeout=None)
+    if not gold_parsed:
+        # A gold answer math-verify cannot parse (plain text): compare as stripped strings.
+        return float(completion.strip() == gold.strip())
+    pred = parse(completion, parsing_timeout=None)
+    return float(bool(pred) and verify(gold_parsed, pred, timeout_seconds=None))
