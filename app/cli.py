@@ -11,9 +11,7 @@ is a ``typer.Typer`` (one command, or a group of sub-commands such as ``moerl be
 from __future__ import annotations
 
 import importlib
-
-import click
-import typer.main
+import sys
 
 # name -> "module:attribute" of a typer.Typer. One line per role.
 COMMANDS: dict[str, str] = {
@@ -39,33 +37,32 @@ HELP = {
 }
 
 
-class LazyGroup(click.Group):
-    """A click group whose sub-commands are imported on first use."""
-
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(COMMANDS)
-
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name not in COMMANDS:
-            return None
-        module_name, attr = COMMANDS[name].split(":")
-        module = importlib.import_module(module_name)
-        command = typer.main.get_command(getattr(module, attr))
-        command.name = name
-        return command
-
-    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        # Help must not import every role: describe commands from HELP instead.
-        with formatter.section("Commands"):
-            formatter.write_dl([(name, HELP.get(name, "")) for name in self.list_commands(ctx)])
+def usage() -> str:
+    """The top-level help: the commands and what each does (imports no role module)."""
+    width = max(map(len, COMMANDS))
+    lines = ["Usage: moerl COMMAND [OPTIONS]", "", "Asynchronous RL post-training of MoE language models.", "",
+             "Commands:"]
+    lines += [f"  {name:<{width}}  {HELP.get(name, '')}" for name in sorted(COMMANDS)]
+    lines += ["", "Run `moerl COMMAND --help` for a command's options."]
+    return "\n".join(lines)
 
 
-cli = LazyGroup(name="moerl", help="Asynchronous RL post-training of MoE language models.")
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `moerl` console script: import the command's module, hand it the rest.
 
-
-def main() -> None:
-    """Entry point of the `moerl` console script."""
-    cli()
+    Each role's typer app parses its own options, so typer's own click handles --help and errors.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        sys.exit(0 if argv else 2)
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"moerl: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        sys.exit(2)
+    module_name, attr = COMMANDS[name].split(":")
+    app = getattr(importlib.import_module(module_name), attr)
+    app(args=rest, prog_name=f"moerl {name}")
 
 
 if __name__ == "__main__":

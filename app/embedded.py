@@ -1,0 +1,184 @@
+"""The embedded default: every role of a moerl job as a separate process on this machine.
+
+The same roles run on EKS (charts8s/): a Redis experience buffer, W rollout workers each with
+its own engine (SGLang in the cluster, the built-in `moerl engine` here), and a trainer gang
+started by torchrun (EP over gloo here, NCCL/DeepEP there). Only the engine and the object
+store (file:// instead of s3://) differ.
+
+`EmbeddedLoop` owns those processes; `moerl run` (app/run.py) and `moerl chaos` (app/chaos.py)
+drive it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from app.buffer import ExperienceBuffer
+from app.buffer.redis_server import LocalRedis, free_port
+from app.config import RunConfig
+from app.procs import Proc, Supervisor, moerl_argv
+
+# Each role process uses one thread: the 2-core machine runs engines, workers and trainer ranks
+# at once, and oversubscribed OpenMP threads make all of them slower.
+ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+class RoleFailed(RuntimeError):
+    """A role process exited with an error; the message carries the tail of its log."""
+
+
+class EmbeddedLoop:
+    """Start, watch and stop the roles of one run on this machine.
+
+    Args:
+        cfg: the run configuration; ``buffer.redis_url`` is replaced by the local server's URL.
+        run_dir: where run.yaml, logs/, metrics.jsonl and the store (unless ``store_url`` is
+            set elsewhere) live.
+        workers: number of rollout workers, each with its own engine process.
+    """
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, workers: int = 2):
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.cfg = cfg.model_copy(deep=True)
+        self.run_dir = Path(run_dir).resolve()
+        self.workers = workers
+        self.config_path = self.run_dir / "run.yaml"
+        self.sup = Supervisor(self.run_dir / "logs")
+        self.redis: LocalRedis | None = None
+        self.engine_ports: dict[int, int] = {}
+
+    # -- infrastructure -----------------------------------------------------------------------
+
+    def start_redis(self) -> str:
+        """Start redis-server (append-only persistence) in run_dir/redis; returns its URL."""
+        self.redis = LocalRedis(self.run_dir / "redis", keep_dir=True).start()
+        self.cfg.buffer.redis_url = self.redis.url
+        self.write_config()
+        return self.redis.url
+
+    def write_config(self) -> None:
+        """Write the run config that every role process reads (atomic)."""
+        self.cfg.save(self.config_path)
+
+    def buffer(self) -> ExperienceBuffer:
+        """A client of this run's experience buffer."""
+        return ExperienceBuffer.from_config(self.cfg)
+
+    # -- roles --------------------------------------------------------------------------------
+
+    def start_engine(self, i: int, model_path: Path, version: int = 0) -> Proc:
+        """Start engine `i` serving `model_path` as policy `version` on a free loopback port."""
+        port = self.engine_ports.get(i) or free_port()
+        self.engine_ports[i] = port
+        argv = moerl_argv(
+            "engine", "--model-path", str(model_path), "--port", str(port),
+            "--weight-version", str(version), "--threads", "1", "--seed", str(self.cfg.task.seed + i),
+        )
+        return self.sup.start(f"engine-{i}", argv, ONE_THREAD_ENV)
+
+    def engine_url(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.engine_ports[i]}"
+
+    def wait_engine(self, i: int, timeout_s: float = 120.0) -> None:
+        """Block until engine `i` answers /health_generate.
+
+        Raises:
+            RoleFailed: the engine exited or did not become healthy within `timeout_s`.
+        """
+        proc = self.sup.procs[f"engine-{i}"]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise RoleFailed(f"engine-{i} exited with {proc.returncode()}:\n{proc.tail()}")
+            try:
+                if httpx.get(self.engine_url(i) + "/health_generate", timeout=10).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RoleFailed(f"engine-{i} not healthy after {timeout_s:.0f}s:\n{proc.tail()}")
+
+    def start_worker(self, i: int) -> Proc:
+        """Start rollout worker `i` against engine `i`."""
+        argv = moerl_argv(
+            "rollout", "--config", str(self.config_path), "--engine-url", self.engine_url(i),
+            "--worker-id", f"worker-{i}",
+        )
+        return self.sup.start(f"worker-{i}", argv, ONE_THREAD_ENV)
+
+    def start_trainer(self, resume: bool = False) -> Proc:
+        """Start the trainer gang: torchrun with one rank per EP rank (gloo on CPU)."""
+        nproc = self.cfg.ep.size
+        argv = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", "--max-restarts=0",
+            "-m", "app.cli", "train", "--config", str(self.config_path), "--run-dir", str(self.run_dir),
+        ]
+        if resume:
+            argv.append("--resume")
+        return self.sup.start("trainer", argv, ONE_THREAD_ENV)
+
+    def start_rollout(self, model_path: Path) -> None:
+        """Start every engine, wait until each is healthy, then start the workers."""
+        for i in range(self.workers):
+            self.start_engine(i, model_path)
+        for i in range(self.workers):
+            self.wait_engine(i)
+        for i in range(self.workers):
+            self.start_worker(i)
+
+    def check_roles(self, restart_rollout: bool = True) -> None:
+        """Restart a rollout worker or engine that exited (the cluster's Deployment does this).
+
+        Raises:
+            RoleFailed: the trainer exited with a non-zero code.
+        """
+        trainer = self.sup.procs.get("trainer")
+        if trainer is not None and trainer.returncode() not in (None, 0):
+            raise RoleFailed(f"trainer exited with {trainer.returncode()}:\n{trainer.tail(40)}")
+        if not restart_rollout:
+            return
+        for name, proc in list(self.sup.procs.items()):
+            if name.startswith(("engine-", "worker-")) and not proc.alive():
+                proc.start()
+
+    def trainer_done(self) -> bool:
+        trainer = self.sup.procs.get("trainer")
+        return trainer is not None and trainer.returncode() == 0
+
+    def stop_rollout(self, grace_s: float | None = None) -> None:
+        """Drain the workers (SIGTERM, as on a Spot notice), then stop the engines."""
+        grace = self.cfg.rollout.drain_grace_s + 5 if grace_s is None else grace_s
+        workers = [p for n, p in self.sup.procs.items() if n.startswith("worker-")]
+        for p in workers:
+            p.stop(grace)
+        for n, p in self.sup.procs.items():
+            if n.startswith("engine-"):
+                p.stop(10)
+
+    def close(self) -> None:
+        """Stop every process and redis-server."""
+        self.sup.stop_all(grace_s=self.cfg.rollout.drain_grace_s + 5)
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> "EmbeddedLoop":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- metrics ------------------------------------------------------------------------------
+
+    def metrics(self) -> list[dict]:
+        """The trainer's metrics so far (rank 0's metrics.jsonl)."""
+        from app.report import read_metrics
+
+        path = self.run_dir / "metrics.jsonl"
+        return read_metrics(path) if path.exists() else []

@@ -1,0 +1,215 @@
+"""`moerl run`: the whole asynchronous GRPO loop on this machine (what `make run` calls).
+
+1. start redis-server (append-only persistence) in the run directory;
+2. make the tiny base policy with a short supervised warm-up (`moerl warmup`), cached by recipe;
+3. measure the held-out mean reward of that base policy (where RL starts);
+4. queue the training prompts as tasks, start W engines + W rollout workers and the trainer
+   (torchrun, EP over gloo), show live progress;
+5. when the trainer has made its steps: drain the workers, measure the held-out mean reward of
+   the last published policy, write metrics.jsonl, TensorBoard events, plot.png, summary.json.
+
+Ctrl-C stops every process cleanly (SIGTERM, then SIGKILL after the drain grace period).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from app.config import RunConfig
+from app.embedded import EmbeddedLoop, RoleFailed
+from app.procs import moerl_argv
+
+console = Console()
+cli = typer.Typer(add_completion=False, help="Run the whole loop on this machine (the embedded default).")
+
+
+def _sigterm_as_interrupt(signum, frame) -> None:
+    """SIGTERM (e.g. from a supervisor) ends the run the same way as Ctrl-C."""
+    raise KeyboardInterrupt
+
+
+def warmup_dir(cfg: RunConfig, cache_root: Path) -> Path:
+    """Where the warm-up checkpoint for this recipe is cached (key: model, task and seed)."""
+    recipe = {"model": cfg.model.model_dump(), "task": cfg.task.model_dump(), "ep": cfg.ep.size}
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    return cache_root / f"warmup-{key}"
+
+
+def make_base_policy(loop: EmbeddedLoop, cache_root: Path) -> Path:
+    """Run `moerl warmup` once per recipe; later runs reuse the checkpoint.
+
+    Raises:
+        RoleFailed: the warm-up process failed (its log tail is in the message).
+    """
+    out = warmup_dir(loop.cfg, cache_root)
+    if (out / "config.json").exists():
+        console.print(f"warm-up: reusing {out}")
+        return out
+    console.print("warm-up: supervised fit of the tiny base policy on the task's training examples")
+    proc = loop.sup.start("warmup", moerl_argv("warmup", "--config", str(loop.config_path), "--out", str(out)))
+    code = proc.wait(timeout_s=1800)
+    if code != 0:
+        raise RoleFailed(f"warm-up failed with {code}:\n{proc.tail(30)}")
+    return out
+
+
+def held_out_reward(cfg: RunConfig, model_dir: Path) -> dict:
+    """Held-out mean reward of the policy in `model_dir` (sampled at the rollout temperature)."""
+    from app.envs.evaluate import evaluate_checkpoint
+
+    return evaluate_checkpoint(cfg, model_dir)
+
+
+def queue_tasks(loop: EmbeddedLoop) -> int:
+    """Queue enough training prompts for every trainer step (epochs get new task ids)."""
+    from app.envs.tasks import training_tasks
+
+    t = loop.cfg.trainer
+    needed = t.steps * t.groups_per_step * 2
+    tasks = training_tasks(loop.cfg, count=needed)
+    with loop.buffer() as buf:
+        return buf.put_tasks(tasks)
+
+
+def progress_loop(loop: EmbeddedLoop, steps: int) -> None:
+    """Show step, reward, samples/s, staleness and policy version until the trainer is done."""
+    columns = [
+        TextColumn("[bold]step {task.completed:.0f}/{task.total:.0f}"), BarColumn(),
+        TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+    ]
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task("train", total=steps, info="waiting for the first batch")
+        while not loop.trainer_done():
+            loop.check_roles()
+            records = loop.metrics()
+            if records:
+                r = records[-1]
+                window = records[-10:]
+                dt = window[-1]["time"] - window[0]["time"]
+                sps = (window[-1]["samples_total"] - window[0]["samples_total"]) / dt if dt > 0 else 0.0
+                info = (
+                    f"reward {r.get('reward_mean', float('nan')):.3f}  {sps:.1f} samples/s  "
+                    f"staleness {r.get('staleness_mean', 0):.2f}  policy v{r['policy_version']}"
+                )
+                bar.update(task, completed=r["step"], info=info)
+            time.sleep(1.0)
+        records = loop.metrics()
+        if records:
+            bar.update(task, completed=records[-1]["step"])
+
+
+@cli.command()
+def run(
+    config: Path = typer.Option(None, "--config", exists=True, dir_okay=False, help="Run config YAML."),
+    out: Path = typer.Option(None, "--out", help="Run directory (default runs/<run_id>-<time>)."),
+    workers: int = typer.Option(2, "--workers", min=1, help="Rollout workers (one engine each)."),
+    steps: int = typer.Option(None, "--steps", min=1, help="Trainer steps (overrides the config)."),
+    cache: Path = typer.Option(Path("runs/cache"), "--cache", help="Warm-up checkpoint cache."),
+) -> None:
+    """Run the embedded loop end to end and print a summary; exit code 0 on success."""
+    cfg = RunConfig.load(config) if config else RunConfig()
+    if steps:
+        cfg.trainer.steps = steps
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    run_dir = (out or Path("runs") / f"{cfg.run_id}-{stamp}").resolve()
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise typer.BadParameter(f"run directory {run_dir} is not empty", param_hint="--out")
+    cfg.store_url = f"file://{run_dir / 'store'}"
+    started = time.time()
+
+    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    loop = EmbeddedLoop(cfg, run_dir, workers=workers)
+    try:
+        console.print(f"run directory: {run_dir}")
+        loop.start_redis()
+        base = make_base_policy(loop, cache.resolve())
+        loop.cfg.model.path = str(base)
+        loop.write_config()
+        before = held_out_reward(loop.cfg, base)
+        console.print(f"held-out reward before RL: {before['mean_reward']:.3f} (n={before['n']})")
+        console.print(f"queued {queue_tasks(loop)} prompt groups")
+        loop.start_trainer()
+        loop.start_rollout(base)
+        progress_loop(loop, loop.cfg.trainer.steps)
+        loop.stop_rollout()
+        final = latest_local_policy(loop)
+        after = held_out_reward(loop.cfg, final)
+        summary = summarize(loop, before, after, started)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping every process[/]")
+        loop.close()
+        raise typer.Exit(130)
+    except RoleFailed as e:
+        console.print(f"[red]run failed:[/] {e}")
+        loop.close()
+        raise typer.Exit(1)
+    loop.close()
+    print_summary(summary)
+
+
+def latest_local_policy(loop: EmbeddedLoop) -> Path:
+    """Download the newest published policy version to run_dir/final (for the held-out eval)."""
+    from app.storage import open_store
+    from app.storage.policy import download_policy, latest_policy_version
+
+    store = open_store(loop.cfg.store_url)
+    version = latest_policy_version(store, loop.cfg.run_id)
+    if version is None:
+        raise RoleFailed("the trainer published no policy version")
+    return download_policy(store, loop.cfg.run_id, version, loop.run_dir / "final" / f"v{version}")
+
+
+def summarize(loop: EmbeddedLoop, before: dict, after: dict, started: float) -> dict:
+    """Write plot.png, TensorBoard events and summary.json; return the summary."""
+    from app.report import write_plot, write_tensorboard
+
+    records = loop.metrics()
+    evals = {"held-out before RL": before["mean_reward"], "held-out after RL": after["mean_reward"]}
+    plot = write_plot(records, loop.run_dir / "plot.png", evals)
+    write_tensorboard(records, loop.run_dir / "tensorboard")
+    last = records[-1] if records else {}
+    elapsed = max(records[-1]["time"] - records[0]["time"], 1e-9) if len(records) > 1 else float("nan")
+    summary = {
+        "run_dir": str(loop.run_dir),
+        "task": loop.cfg.task.name,
+        "held_out_prompts": before["n"],
+        "held_out_reward_before": before["mean_reward"],
+        "held_out_reward_after": after["mean_reward"],
+        "gain_points": 100 * (after["mean_reward"] - before["mean_reward"]),
+        "steps": last.get("step", 0),
+        "policy_version": last.get("policy_version", 0),
+        "samples_trained": last.get("samples_total", 0),
+        "samples_per_s": (last.get("samples_total", 0) - records[0].get("samples_total", 0)) / elapsed
+        if len(records) > 1 else float("nan"),
+        "buffer": last.get("buffer", {}),
+        "wall_s": time.time() - started,
+        "plot": str(plot),
+    }
+    tmp = loop.run_dir / ".summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2))
+    os.replace(tmp, loop.run_dir / "summary.json")
+    return summary
+
+
+def print_summary(s: dict) -> None:
+    console.rule("moerl run: summary")
+    console.print(f"task {s['task']}: held-out mean reward over {s['held_out_prompts']} prompts")
+    console.print(
+        f"  before RL {s['held_out_reward_before']:.3f}  after RL {s['held_out_reward_after']:.3f}  "
+        f"({s['gain_points']:+.1f} points)"
+    )
+    console.print(
+        f"  {s['steps']} trainer steps, policy v{s['policy_version']}, {s['samples_trained']} samples "
+        f"trained, {s['samples_per_s']:.1f} samples/s, {s['wall_s'] / 60:.1f} min"
+    )
+    console.print(f"  run directory {s['run_dir']}  (metrics.jsonl, tensorboard/, plot.png, summary.json)")
