@@ -15,9 +15,10 @@ so that `app.rollout.engine_client.EngineClient` serves this engine and a real S
   ``weight_version``, and with return_logprob ``output_token_logprobs``: [logprob, token_id, None]}.
   Errors: HTTP 400 ``{"error": {"message": ...}}``.
 - ``POST /update_weights_from_disk`` {``model_path``, ``weight_version``?}: ``{success, message,
-  num_paused_requests}``, HTTP 400 when success is false. The new checkpoint is loaded between
-  batches; a failed load leaves the previous weights serving; asking again for the version
-  already served from the same path is a no-op that succeeds.
+  num_paused_requests}``, HTTP 400 when success is false. The new checkpoint is read while the
+  old one serves and swapped in once the live rows have finished; a failed load leaves the
+  previous weights serving; asking again for the version already served from the same path is
+  a no-op that succeeds.
 - ``GET /health_generate`` (one-token generation; 503 if it fails or takes over 20 s),
   ``GET /health``, ``POST /flush_cache`` (no prefix cache here: always succeeds),
   ``POST /pause_generation`` (nothing new is admitted; returns when live rows have finished),
@@ -40,7 +41,7 @@ import time
 import uuid
 from collections import deque
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
