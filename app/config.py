@@ -86,6 +86,8 @@ class TrainerConfig(Section):
     steps: int = Field(60, ge=1)
     groups_per_step: int = Field(8, ge=1)
     lr: float = Field(1e-5, gt=0.0)
+    lr_warmup_steps: int = Field(10, ge=0, description="Linear lr warm-up; early Adam steps are noisy.")
+    adam_betas: tuple[float, float] = (0.9, 0.99)
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float = Field(1.0, gt=0.0)
     clip_eps_low: float = Field(0.2, ge=0.0)

@@ -436,7 +436,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
     params = [p for p in model.parameters() if p.requires_grad]
     replicated = [p for p in params if id(p) not in sharded_ids]
     sharded = [p for p in params if id(p) in sharded_ids]
-    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
     pad_id = getattr(model.config, "pad_token_id", None) or 0
 
     stop_requested = False
@@ -493,6 +493,9 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
             if batch.input_ids.shape[0] == 0:
                 batch = dummy_batch(pad_id)
             batch = batch.to(device)
+            lr = step_lr(t, state.step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
             applied, stats = train_step(cfg, model, ref_model, optimizer, batch, replicated, sharded)
             state.step += 1
             step_s = time.perf_counter() - t0
@@ -515,7 +518,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
                 record = {
                     "time": time.time(), "step": state.step, "policy_version": state.version,
                     "applied": applied, "bad_steps": state.bad_steps, **msg["meta"],
-                    **{k: v for k, v in stats.items()}, "lr": t.lr,
+                    **{k: v for k, v in stats.items()}, "lr": lr,
                     "wait_s": wait_s, "step_s": step_s, "publish_s": publish_s,
                     "samples_total": state.samples, "overstale_dropped": state.overstale,
                     "malformed_groups": state.malformed, "error_groups": state.error_groups,
@@ -543,6 +546,15 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return state
+
+
+def step_lr(t, step: int) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warm-up over
+    ``trainer.lr_warmup_steps`` steps to ``trainer.lr``, then constant. A function of the step
+    alone, so a resumed run continues the same schedule."""
+    if t.lr_warmup_steps <= 0:
+        return t.lr
+    return t.lr * min(1.0, (step + 1) / t.lr_warmup_steps)
 
 
 def usable(group, state: TrainState, max_staleness: int, pad_id: int) -> bool:
