@@ -36,3 +36,55 @@ def moe(
         # A plain exit: the outer `moerl` group is click's, which does not know typer's exceptions.
         typer.echo(f"moerl bench moe: error: {e}", err=True)
         raise SystemExit(2) from None
+
+
+@cli.command("train-step")
+def train_step(
+    model: str = typer.Option("tiny", help="Policy preset: tiny (CPU) | small (~0.5 B params, GPU)."),
+    groups: int = typer.Option(2, help="GRPO groups per step."),
+    group_size: int = typer.Option(4, help="Completions per group (G)."),
+    prompt_len: int = typer.Option(16, help="Prompt tokens per sample."),
+    completion_len: int = typer.Option(48, help="Completion tokens per sample."),
+    dtype: str = typer.Option("float32", help="float32 | bfloat16"),
+    device: str = typer.Option("cpu", help="cpu | cuda"),
+    iters: int = typer.Option(3, help="Timed steps."),
+    warmup: int = typer.Option(1, help="Untimed warm-up steps."),
+    dense_n: int = typer.Option(0, help="Dense matmul baseline size n (0: 8192 on CUDA, 512 on CPU)."),
+    out_dir: str = typer.Option("runs/bench", help="Where the JSON result goes."),
+) -> None:
+    """One GRPO trainer step of a small MoE policy: tokens/s, MFU vs a dense matmul, memory, split."""
+    from app.bench.train_step import TrainStepBench, run
+
+    try:
+        run(TrainStepBench(model=model, groups=groups, group_size=group_size, prompt_len=prompt_len,
+                           completion_len=completion_len, dtype=dtype, device=device, iters=iters,
+                           warmup=warmup, dense_n=dense_n), out_dir=out_dir)
+    except ValueError as e:
+        typer.echo(f"moerl bench train-step: error: {e}", err=True)
+        raise SystemExit(2) from None
+
+
+@cli.command("engine")
+def engine(
+    model: str = typer.Option("tiny", help="Policy preset: tiny (CPU) | small (~0.5 B params, GPU)."),
+    batch_sizes: str = typer.Option("1,8,64", help="Comma-separated batch sizes."),
+    prompt_len: int = typer.Option(128, help="Prompt tokens per sequence."),
+    output_len: int = typer.Option(128, help="Generated tokens per sequence (EOS ignored)."),
+    dtype: str = typer.Option("float32", help="float32 | bfloat16"),
+    device: str = typer.Option("cpu", help="cpu | cuda"),
+    work_dir: str = typer.Option("", help="Scratch dir on the disk to measure (default: a temp dir)."),
+    out_dir: str = typer.Option("runs/bench", help="Where the JSON result goes."),
+) -> None:
+    """Built-in engine: generation tokens/s per batch size; policy-load s/GB vs the disk's read speed."""
+    from app.bench.engine import EngineBench, run
+
+    try:
+        try:
+            sizes = tuple(int(b) for b in batch_sizes.split(",") if b.strip())
+        except ValueError:
+            raise ValueError(f"--batch-sizes must be comma-separated integers, got {batch_sizes!r}") from None
+        run(EngineBench(model=model, batch_sizes=sizes, prompt_len=prompt_len, output_len=output_len,
+                        dtype=dtype, device=device, work_dir=work_dir), out_dir=out_dir)
+    except ValueError as e:
+        typer.echo(f"moerl bench engine: error: {e}", err=True)
+        raise SystemExit(2) from None

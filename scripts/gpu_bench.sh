@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# Issue 7 benchmarks on one H200, in one call: `moerl bench moe` for every issue-7 shape, then
+# `moerl bench train-step` and `moerl bench engine`. Target: under 8 minutes of GPU wall time.
+#
+# On the lent machine (python3 3.12 with torch and transformers, no venv, no pip index), from the
+# repository root, carrying the pydantic wheels (see BENCHMARKS.md, "Running on the GPU"):
+#     bash scripts/gpu_bench.sh                     # run(command=..., carry=[".whl"])
+# Here, once, to fetch those wheels into .whl/bench (git-ignored):
+#     bash scripts/gpu_bench.sh --fetch-wheels
+# DRY_RUN=1 prints the benchmark commands instead of running them (tests/test_bench.py uses it).
+#
+# Writes into $OUT (default runs/bench-gpu): results.json (a JSON list of every result document,
+# rewritten after each step, so a cut-short run still returns what finished) and gpu_bench.log.
+# Each step gets a timeout; once BUDGET_S seconds have passed no further step starts.
+set -u -o pipefail
+
+PY="${PYTHON:-python3}"
+
+if [[ "${1:-}" == "--fetch-wheels" ]]; then
+    # Versions as in this checkout's .venv; cp312 manylinux x86_64 for the GPU image (KINDS.md).
+    VPY="${VPY:-.venv/bin/python}"
+    mkdir -p .whl/bench
+    for pkg in pydantic pydantic-core annotated-types typing-inspection typing-extensions; do
+        ver=$("$VPY" -c "from importlib.metadata import version; print(version('$pkg'))") || exit 1
+        "$VPY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+            -d .whl/bench "$pkg==$ver" || exit 1
+    done
+    ls -l .whl/bench
+    exit 0
+fi
+
+OUT="${OUT:-runs/bench-gpu}"
+BUDGET_S="${BUDGET_S:-420}"
+SCRATCH="${SCRATCH:-runs/gpu-bench-scratch}"   # on the repository's disk (the engine bench reads it)
+RESULTS="$SCRATCH/results"
+LOG="$OUT/gpu_bench.log"
+DRY_RUN="${DRY_RUN:-0}"
+START=$(date +%s)
+STATUS=0
+
+[[ "$DRY_RUN" == 1 ]] || { mkdir -p "$OUT"; rm -rf "$SCRATCH"; mkdir -p "$RESULTS"; }
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+elapsed() { echo $(( $(date +%s) - START )); }
+say() { echo "[$(date -u +%H:%M:%S) +$(elapsed)s] $*" | tee -a "$LOG"; }
+
+collect() {
+    # Every result file so far -> $OUT/results.json (temporary name, then rename).
+    "$PY" - "$RESULTS" "$OUT/results.json" <<'EOF'
+import json, os, sys
+from pathlib import Path
+src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+docs = [json.loads(p.read_text()) for p in sorted(src.glob("*.json"))]
+tmp = dst.with_name(dst.name + ".tmp")
+tmp.write_text(json.dumps(docs, indent=1))
+os.replace(tmp, dst)
+EOF
+}
+
+# step CAP_S LABEL ARGS...: run `python3 -m app.cli bench ARGS...` under a timeout.
+step() {
+    local cap=$1 label=$2
+    shift 2
+    local cmd=("$PY" -m app.cli bench "$@" --out-dir "$RESULTS")
+    if [[ "$DRY_RUN" == 1 ]]; then
+        echo "${cmd[*]}"
+        return
+    fi
+    local left=$(( BUDGET_S - $(elapsed) ))
+    if (( left < 20 )); then
+        say "SKIP $label: budget of ${BUDGET_S}s spent"
+        STATUS=1
+        return
+    fi
+    local limit=$(( cap < left ? cap : left ))
+    say "START $label (timeout ${limit}s): ${cmd[*]}"
+    timeout --kill-after=5 "$limit" "${cmd[@]}" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    if (( rc == 0 )); then say "DONE $label"; else say "FAILED $label (exit $rc)"; STATUS=1; fi
+    collect
+}
+
+if [[ "$DRY_RUN" != 1 ]]; then
+    say "gpu_bench: OUT=$OUT budget ${BUDGET_S}s scratch $SCRATCH"
+    { nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw,memory.used \
+        --format=csv; df -hT "$SCRATCH"; } 2>&1 | tee -a "$LOG"
+    # The image has no pydantic (app.config needs it): install the carried wheels, once per name.
+    if ! "$PY" -c "import pydantic" 2>/dev/null; then
+        wheels=$(find .whl -name '*.whl' 2>/dev/null | awk -F/ '{split($NF, a, "-"); if (!seen[tolower(a[1])]++) print}')
+        if [[ -z "$wheels" ]]; then
+            say "ABORT: pydantic is missing and no wheels under .whl/ (carry .whl; see BENCHMARKS.md)"
+            exit 2
+        fi
+        # shellcheck disable=SC2086
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/moerl-site $wheels 2>&1 | tee -a "$LOG"
+        export PYTHONPATH="$PYTHONPATH:/tmp/moerl-site"
+    fi
+    "$PY" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, \
+'transformers', transformers.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" 2>&1 | tee -a "$LOG"
+    if ! "$PY" -c "import app.cli, app.bench.cli, app.bench.moe, app.bench.train_step, app.bench.engine" 2>&1 | tee -a "$LOG"; then
+        say "ABORT: the benchmark modules do not import here (see above)"
+        exit 2
+    fi
+fi
+
+GPU=(--dtype bfloat16 --device cuda)
+MOE=(moe "${GPU[@]}" --iters 10 --warmup 3)
+DSV3=(--family deepseek-v3 --hidden 7168 --intermediate 2048 --topk 8)
+QWEN3=(--family qwen3 --hidden 2048 --intermediate 768 --experts 128 --topk 8)
+
+# The 4096-token MoE shapes first, then the two other benchmarks, then the 16384-token shapes:
+# if the budget runs out, every benchmark has figures.
+step 75 "moe deepseek-v3 E=32 T=4096" "${MOE[@]}" "${DSV3[@]}" --experts 32 --tokens 4096
+step 60 "moe deepseek-v3 E=8 T=4096" "${MOE[@]}" "${DSV3[@]}" --experts 8 --tokens 4096
+step 60 "moe qwen3-30b-a3b E=128 T=4096" "${MOE[@]}" "${QWEN3[@]}" --tokens 4096
+step 120 "train-step small" train-step --model small --groups 8 --group-size 8 --prompt-len 256 \
+    --completion-len 768 --iters 5 --warmup 2 "${GPU[@]}"
+step 120 "engine small" engine --model small --batch-sizes 1,8,64 --prompt-len 128 --output-len 128 \
+    --work-dir "$SCRATCH/engine" "${GPU[@]}"
+step 75 "moe deepseek-v3 E=32 T=16384" "${MOE[@]}" "${DSV3[@]}" --experts 32 --tokens 16384
+step 60 "moe deepseek-v3 E=8 T=16384" "${MOE[@]}" "${DSV3[@]}" --experts 8 --tokens 16384
+step 60 "moe qwen3-30b-a3b E=128 T=16384" "${MOE[@]}" "${QWEN3[@]}" --tokens 16384
+
+if [[ "$DRY_RUN" != 1 ]]; then
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$LOG"
+    collect
+    rm -rf "$SCRATCH"
+    say "gpu_bench finished in $(elapsed)s, status $STATUS; results in $OUT/results.json"
+fi
+exit $STATUS

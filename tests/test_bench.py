@@ -1,0 +1,221 @@
+"""The benchmark entry points (`moerl bench moe | train-step | engine`) on CPU with tiny shapes.
+
+No timings are asserted (speed belongs to the benchmark output): the tests check that each
+command runs through the real CLI, writes a well-formed result file with the figures its
+docs promise, refuses bad flags with one message naming the flag, and that
+scripts/gpu_bench.sh only uses commands and options the CLI has, for every issue-7 shape.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer.main
+from typer.testing import CliRunner
+
+from app.bench.cli import cli
+from app.bench.results import read_result
+from app.cli import COMMANDS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def invoke(*args: str):
+    """`moerl bench ARGS` in this process (app.cli hands the arguments to this typer app)."""
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def only_result(out_dir: Path, benchmark: str) -> dict:
+    files = sorted(out_dir.glob(f"{benchmark}-*.json"))
+    assert len(files) == 1, files
+    doc = read_result(files[0])
+    assert doc["benchmark"] == benchmark
+    for key in ("created", "machine", "versions", "shape", "figures", "ratios", "notes"):
+        assert key in doc, key
+    assert doc["versions"]["torch"] and doc["machine"]["cpu_count"] >= 1
+    assert not list(out_dir.glob(".*")), "temporary files left behind"
+    return doc
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_moe_bench_writes_result(tmp_path):
+    r = invoke("moe", "--hidden", "32", "--intermediate", "16", "--experts", "4", "--topk", "2",
+               "--tokens", "32", "--iters", "1", "--warmup", "0", "--out-dir", str(tmp_path))
+    assert r.exit_code == 0, r.output
+    doc = only_result(tmp_path, "moe")
+    names = {f["name"] for f in doc["figures"]}
+    assert {"ours", "dense"} <= names
+    assert all(positive(f["tflops"]) for f in doc["figures"])
+
+
+def test_train_step_bench_writes_result(tmp_path):
+    r = invoke("train-step", "--groups", "2", "--group-size", "2", "--prompt-len", "4", "--completion-len", "4",
+               "--iters", "2", "--warmup", "0", "--out-dir", str(tmp_path))
+    assert r.exit_code == 0, r.output
+    doc = only_result(tmp_path, "train_step")
+    by = {f["name"]: f for f in doc["figures"]}
+    step = by["train_step"]
+    assert step["applied"] is True and math.isfinite(step["loss"])
+    for key in ("ms_per_step", "tokens_per_s", "model_tflops", "mfu_vs_dense"):
+        assert positive(step[key]), key
+    assert step["peak_memory_gb"] is None  # CPU: not measured, and the notes say so
+    assert any("peak memory" in n for n in doc["notes"])
+    parts = [by[f"split:{k}"] for k in ("forward", "backward", "optimizer")]
+    assert all(positive(p["ms_per_step"]) for p in parts)
+    assert sum(p["share"] for p in parts) == pytest.approx(1.0)
+    assert positive(by["dense_matmul"]["tflops"])
+    shape = doc["shape"]
+    assert shape["rows"] == 4 and shape["seq_len"] == 8 and shape["tokens_per_step"] == 32
+    assert doc["ratios"]["train_step model TFLOP/s / dense matmul TFLOP/s (MFU)"] == pytest.approx(step["mfu_vs_dense"])
+
+
+def test_param_counts_follow_the_config():
+    """Active parameters = total - embedding - norms - the (E - K)/E unused share of the experts."""
+    from app.bench.train_step import model_config, param_counts, step_flops
+    from app.config import RouterConfig
+    from app.model.parallel import EPContext
+    from app.model.policy import build_policy
+
+    config = model_config("tiny")
+    model = build_policy(config, RouterConfig(), EPContext.local(), init=False)
+    c = model.config
+    h, layers, e, k, i = c.hidden_size, c.num_hidden_layers, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    attention = h * q + 2 * h * kv + q * h
+    per_layer = attention + e * h + k * 3 * h * i  # projections, router, K experts of 3 matrices
+    expected_active = layers * per_layer + c.vocab_size * h  # + LM head
+    counts = param_counts(model)
+    assert counts["active"] == expected_active
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    tokens = 3 * 10
+    assert step_flops(c, counts["active"], 3, 10) == 6 * expected_active * tokens + 12 * layers * q * 10 * tokens
+
+
+def _check_engine_doc(doc: dict, batch_sizes: list[int], output_len: int) -> None:
+    by = {f["name"]: f for f in doc["figures"]}
+    for name in ("disk_read_cold", "disk_read_warm", "download_policy", "load_cold", "load_warm"):
+        assert positive(by[name]["seconds"]) and positive(by[name]["gb"]), name
+    assert by["load_cold"]["gb"] == pytest.approx(doc["shape"]["checkpoint_bytes"] / 1e9)
+    assert by["load_cold"]["s_per_gb"] == pytest.approx(by["load_cold"]["seconds"] / by["load_cold"]["gb"])
+    for b in batch_sizes:
+        f = by[f"generate_b{b}"]
+        assert positive(f["tokens_per_s"]) and positive(f["decode_tokens_per_s"])
+        assert f["tokens_per_s"] == pytest.approx(b * output_len / f["seconds"])
+    assert not any("tokens generated, expected" in n for n in doc["notes"])
+
+
+def test_engine_bench_writes_result(tmp_path):
+    work = tmp_path / "work"
+    r = invoke("engine", "--batch-sizes", "1,3", "--prompt-len", "5", "--output-len", "4",
+               "--work-dir", str(work), "--out-dir", str(tmp_path / "out"))
+    assert r.exit_code == 0, r.output
+    doc = only_result(tmp_path / "out", "engine")
+    _check_engine_doc(doc, [1, 3], 4)
+    assert doc["shape"]["batch_sizes"] == [1, 3]
+    # The published version and its downloaded copy are where a worker would have them.
+    assert (work / "store" / "bench" / "policy" / "latest").read_text() == "1"
+    assert (work / "cache" / "v1" / "config.json").is_file()
+
+
+def test_benches_run_without_server_packages(tmp_path):
+    """The GPU image has no FastAPI, uvicorn, redis-py or boto3 (KINDS.md): the bench paths must not need them."""
+    code = f"""
+import sys
+# None in sys.modules: `import x` raises ModuleNotFoundError and importlib.util.find_spec(x)
+# returns None, as when the package is not installed.
+for name in ("fastapi", "uvicorn", "redis", "boto3"):
+    sys.modules[name] = None
+sys.argv = ["python3 -m app.cli", "bench", "engine", "--batch-sizes", "2", "--prompt-len", "3",
+            "--output-len", "3", "--out-dir", {str(tmp_path)!r}]
+import runpy
+runpy.run_module("app.cli", run_name="__main__")  # what `python3 -m app.cli` runs (gpu_bench.sh)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = only_result(tmp_path, "engine")
+    _check_engine_doc(doc, [2], 3)
+    assert any("fastapi missing" in n for n in doc["notes"]), doc["notes"]
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["train-step", "--dtype", "float16"], "--dtype"),
+    (["train-step", "--model", "huge"], "--model"),
+    (["train-step", "--iters", "0"], "--iters"),
+    (["train-step", "--device", "cuda"], "--device"),
+    (["engine", "--batch-sizes", "1,x"], "--batch-sizes"),
+    (["engine", "--batch-sizes", "0"], "--batch-sizes"),
+    (["engine", "--output-len", "1"], "--output-len"),
+    (["engine", "--prompt-len", "500", "--output-len", "100"], "max_position_embeddings"),
+])
+def test_bad_flags_give_one_error_naming_the_flag(tmp_path, args, flag):
+    if "cuda" in args:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("CUDA is available here")
+    r = CliRunner().invoke(cli, [*args, "--out-dir", str(tmp_path)])
+    assert r.exit_code == 2, r.output
+    assert flag in r.output
+    assert not list(tmp_path.iterdir()), "nothing may be written for a bad flag"
+
+
+def test_page_cache_helpers(tmp_path):
+    from app.bench.engine import drop_from_page_cache, read_seconds, write_file
+
+    path = tmp_path / "probe.bin"
+    write_file(path, 3_000_000)
+    assert path.stat().st_size == 3_000_000
+    data = path.read_bytes()
+    assert len(set(data[:4096])) > 100  # random bytes, not zeros
+    assert drop_from_page_cache(path) is hasattr(os, "posix_fadvise")
+    assert read_seconds(path) > 0
+    assert path.read_bytes() == data  # dropping the cache never changes the file
+
+
+def test_gpu_script_uses_cli_options_for_every_issue7_shape(tmp_path):
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh")], cwd=tmp_path,
+                          env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert not list(tmp_path.iterdir()), "a dry run writes nothing"
+    assert COMMANDS["bench"] == "app.bench.cli:cli"  # what `python3 -m app.cli bench` dispatches to
+    lines = [line.split() for line in proc.stdout.splitlines() if line.strip()]
+    seen_moe = set()
+    for words in lines:
+        assert words[:4] == ["python3", "-m", "app.cli", "bench"], words
+        # Parse (not run) the command line exactly as click would: unknown options fail here.
+        bench = typer.main.get_command(cli)
+        ctx = bench.make_context("bench", [words[4]], resilient_parsing=True)
+        sub = bench.get_command(ctx, words[4])
+        assert sub is not None, words[4]
+        params = sub.make_context(words[4], words[5:]).params
+        assert params["device"] == "cuda" and params["dtype"] == "bfloat16"
+        if words[4] == "moe":
+            seen_moe.add((params["family"], params["hidden"], params["intermediate"], params["experts"],
+                          params["topk"], params["tokens"]))
+    want = {("deepseek-v3", 7168, 2048, e, 8, t) for e in (32, 8) for t in (4096, 16384)}
+    want |= {("qwen3", 2048, 768, 128, 8, t) for t in (4096, 16384)}
+    assert seen_moe == want
+    assert {w[4] for w in lines} == {"moe", "train-step", "engine"}
+
+
+def test_results_json_of_the_gpu_script_is_a_list_of_documents(tmp_path):
+    """collect() in gpu_bench.sh merges result files; run it on two real ones."""
+    script = (ROOT / "scripts" / "gpu_bench.sh").read_text()
+    body = script.split("<<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
+    src = tmp_path / "results"
+    src.mkdir()
+    for i in range(2):
+        (src / f"x-{i}.json").write_text(json.dumps({"benchmark": "x", "figures": [{"name": str(i)}]}))
+    subprocess.run([sys.executable, "-c", body, str(src), str(tmp_path / "results.json")], check=True, timeout=60)
+    docs = json.loads((tmp_path / "results.json").read_text())
+    assert [d["figures"][0]["name"] for d in docs] == ["0", "1"]
