@@ -265,6 +265,8 @@ class RolloutWorker:
                 self._idle.set()
         if any(o.finish_reason == "abort" for o in outs):
             raise EngineError(f"engine aborted a request of task {task.task_id}")
+        if any(len(o.logprobs) != len(o.token_ids) for o in outs):
+            raise EngineError(f"engine returned fewer logprobs than tokens for task {task.task_id}")
         return outs
 
     def _error_group(self, task: Task) -> list[Sample]:
@@ -319,7 +321,12 @@ class RolloutWorker:
             for task, samples in portion:
                 try:
                     added = await self._buf("publish", task, samples)
-                except Exception as e:  # noqa: BLE001 - keep the group, retry later
+                except ValueError as e:  # the buffer refused the group: retrying cannot help
+                    log.error("%s: group of %s refused by the buffer: %s", self.worker_id, task.task_id, e)
+                    self._finished.remove((task, samples))
+                    await self._release([task])
+                    continue
+                except Exception as e:  # noqa: BLE001 - Redis unreachable: keep the group, retry later
                     self.stats.buffer_errors += 1
                     log.warning("%s: publish failed (%s); will retry", self.worker_id, e)
                     return
