@@ -285,3 +285,27 @@ def test_engine_cli_rejects_a_missing_model_dir(tmp_path):
                         "--port", str(free_port())], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "config.json" in r.stderr
+
+
+def test_continuous_batching_with_deepseek_v3_mla_cache():
+    """The cache merge/crop also holds for DeepSeek-V3's MLA attention (other key/value dims)."""
+    from app.model.config import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("tiny-deepseek-v3")).eval()
+    rows = {
+        "a": ([BOS_ID, 20, 21, 22], SamplingParams(max_new_tokens=8, ignore_eos=True)),
+        "b": ([BOS_ID] + list(range(40, 52)), SamplingParams(max_new_tokens=5, temperature=0.7, ignore_eos=True)),
+        "c": ([BOS_ID, 5], SamplingParams(max_new_tokens=4, ignore_eos=True)),
+    }
+    batch = DecodeBatch(model, pad_id=PAD_ID, eos_ids=[EOS_ID], generator=torch.Generator().manual_seed(0))
+    done = dict(batch.add([rows["a"][0]], [rows["a"][1]], ["a"]))
+    done.update(batch.step())
+    done.update(batch.add([rows["b"][0]], [rows["b"][1]], ["b"]))  # longer than the cache
+    done.update(batch.step())
+    done.update(batch.add([rows["c"][0]], [rows["c"][1]], ["c"]))  # shorter than the cache
+    while len(batch):
+        done.update(batch.step())
+    for key, (prompt, sp) in rows.items():
+        ref = recompute_logprobs(model, prompt, done[key].token_ids, sp.temperature)
+        torch.testing.assert_close(torch.tensor(done[key].logprobs), ref, atol=1e-4, rtol=0)
