@@ -1,0 +1,142 @@
+"""Held-out evaluation: mean reward of the policy over held-out prompts.
+
+Completions are sampled at the rollout temperature (the number RL is judged on) and greedily,
+with ``model.generate`` on left-padded prompt batches; each is scored with app/envs/rewards.py.
+Works on an in-memory model (ours or stock transformers) or on a checkpoint directory loaded with
+stock ``AutoModelForCausalLM`` and ``AutoTokenizer``, so it also checks that a published policy is
+loadable by tools other than ours.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import typer
+
+from app.envs.rewards import score_answer_spec
+from app.envs.tasks import Prompt
+
+
+@dataclass
+class EvalResult:
+    """Mean held-out reward.
+
+    Attributes:
+        n: prompts evaluated.
+        temperature: sampling temperature used for ``sampled``.
+        sampled: mean reward of one completion per prompt sampled at ``temperature``.
+        greedy: mean reward of the greedy completion (None if not asked for).
+    """
+
+    n: int
+    temperature: float
+    sampled: float
+    greedy: float | None = None
+
+
+@torch.no_grad()
+def generate(model, tokenizer, texts: list[str], temperature: float, max_new_tokens: int) -> list[str]:
+    """Complete each prompt text once; temperature 0 means greedy.
+
+    Prompts are tokenized with ``<bos>`` (as the engine does) and left-padded. Returns the decoded
+    completions without special tokens; a completion that never produced ``<eos>`` within
+    ``max_new_tokens`` is returned as "" (unfinished answers earn no reward, as in rollouts).
+    """
+    tokenizer.padding_side = "left"
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    device = next(model.parameters()).device
+    eos = tokenizer.eos_token_id
+    kwargs = dict(do_sample=False) if temperature <= 0 else dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=None)
+    out = model.generate(
+        input_ids=batch["input_ids"].to(device),
+        attention_mask=batch["attention_mask"].to(device),
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos,
+        **kwargs,
+    )
+    completions = []
+    for row in out[:, batch["input_ids"].shape[1] :].tolist():
+        if eos not in row:
+            completions.append("")
+            continue
+        completions.append(tokenizer.decode(row[: row.index(eos)], skip_special_tokens=True))
+    return completions
+
+
+def mean_reward(model, tokenizer, prompts: list[Prompt], temperature: float, max_new_tokens: int,
+                batch_size: int = 100) -> float:
+    """Mean reward of one completion per prompt at ``temperature`` (0 = greedy)."""
+    total = 0.0
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        for p, c in zip(chunk, generate(model, tokenizer, [p.text for p in chunk], temperature, max_new_tokens)):
+            total += score_answer_spec(p.spec, c)
+    return total / len(prompts)
+
+
+def evaluate(model, tokenizer, prompts: list[Prompt], temperature: float = 1.0, max_new_tokens: int = 8,
+             greedy: bool = True, seed: int = 0) -> EvalResult:
+    """Held-out mean reward of ``model`` (sampled at ``temperature``, and greedy if asked).
+
+    Sampling is seeded (``seed``) without touching the caller's global RNG state. The model is
+    put in eval mode and its previous mode restored.
+
+    Raises:
+        ValueError: ``prompts`` is empty.
+    """
+    if not prompts:
+        raise ValueError("evaluate: no held-out prompts (task.eval_size must be >= 1)")
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            sampled = mean_reward(model, tokenizer, prompts, temperature, max_new_tokens)
+        best = mean_reward(model, tokenizer, prompts, 0.0, max_new_tokens) if greedy else None
+    finally:
+        model.train(was_training)
+    return EvalResult(n=len(prompts), temperature=temperature, sampled=sampled, greedy=best)
+
+
+def evaluate_checkpoint(path: str | os.PathLike, prompts: list[Prompt], temperature: float = 1.0,
+                        max_new_tokens: int = 8, greedy: bool = True, seed: int = 0) -> EvalResult:
+    """`evaluate` a checkpoint directory loaded with stock transformers (model and tokenizer).
+
+    Raises:
+        FileNotFoundError: ``path`` has no config.json or no tokenizer.json.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from app.envs.tokenizer import load_tokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return evaluate(model, tokenizer, prompts, temperature, max_new_tokens, greedy, seed)
+
+
+cli = typer.Typer(add_completion=False, help="Held-out mean reward of a checkpoint.")
+
+
+@cli.command()
+def main(
+    checkpoint: Path = typer.Option(..., "--checkpoint", help="HF checkpoint dir with tokenizer files."),
+    config: Path | None = typer.Option(None, "--config", help="Run config YAML (task section)."),
+    temperature: float | None = typer.Option(None, help="Default: rollout.temperature."),
+) -> None:
+    """Print the held-out mean reward (sampled and greedy) of CHECKPOINT as one JSON line."""
+    from app.config import RunConfig
+    from app.envs.tasks import make_splits
+
+    cfg = RunConfig.load(config) if config else RunConfig()
+    _, heldout = make_splits(cfg.task)
+    temp = cfg.rollout.temperature if temperature is None else temperature
+    res = evaluate_checkpoint(checkpoint, heldout, temp, cfg.rollout.max_new_tokens, seed=cfg.task.seed)
+    typer.echo(json.dumps(asdict(res)))

@@ -1,0 +1,167 @@
+"""`moerl warmup`: make the tiny base policy by a short supervised fit on the task's training examples.
+
+No pretrained weights can be downloaded here, so the embedded default starts RL from a policy
+that has seen the task's own TRAINING prompts with their reference answers (prompt + answer +
+``<eos>``, loss on the answer and ``<eos>`` tokens only). The warm-up is deliberately short
+(``task.warmup_steps``): it leaves the held-out sampled reward well below the ceiling, so RL has
+something to gain, and the gain is measured from this checkpoint on held-out prompts.
+
+The result is a Hugging Face checkpoint (app/model/checkpoint.py) plus the tokenizer files,
+loadable by stock transformers like any published policy version.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import typer
+
+from app.config import RunConfig
+from app.envs.tasks import Prompt, make_splits
+from app.envs.tokenizer import EOS_ID, PAD_ID, build_tokenizer, save_tokenizer
+
+
+def sft_batch(prompts: list[Prompt], tokenizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded supervised batch.
+
+    Returns:
+        ``input_ids [B, L] int64`` (``<bos> prompt answer <eos>``, then ``<pad>``),
+        ``attention_mask [B, L] int64``, ``loss_mask [B, L] float32`` (1 on answer and
+        ``<eos>`` tokens: the positions whose prediction is trained).
+    """
+    seqs, masks = [], []
+    for p in prompts:
+        prompt_ids = tokenizer(p.text)["input_ids"]
+        answer_ids = tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [EOS_ID]
+        seqs.append(prompt_ids + answer_ids)
+        masks.append([0.0] * len(prompt_ids) + [1.0] * len(answer_ids))
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), PAD_ID, dtype=torch.long)
+    attn = torch.zeros(len(seqs), width, dtype=torch.long)
+    loss_mask = torch.zeros(len(seqs), width)
+    for i, (s, m) in enumerate(zip(seqs, masks)):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        loss_mask[i, : len(s)] = torch.tensor(m)
+    return ids, attn, loss_mask
+
+
+def sft_loss(model, ids: torch.Tensor, attn: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the positions where ``loss_mask`` is 1 (scalar fp32)."""
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    mask = loss_mask[:, 1:]
+    return -(logp * mask).sum() / mask.sum()
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int = 20) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay from ``peak`` to ``peak / 10``."""
+    ramp = min(1.0, (step + 1) / warmup)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * step / max(1, total)))
+    return peak * ramp * (0.1 + 0.9 * cosine)
+
+
+def warm_up(model, train: list[Prompt], steps: int, lr: float, batch_size: int, seed: int = 0,
+            log=None) -> list[float]:
+    """Fit ``model`` in place on random batches of ``train``; returns the loss of every step.
+
+    AdamW (betas 0.9/0.98, no weight decay), `lr_at` schedule, gradient clipping at 1.0.
+
+    Raises:
+        ValueError: ``train`` is empty.
+    """
+    if not train:
+        raise ValueError("warmup: no training prompts")
+    tokenizer = build_tokenizer()
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    model.train()
+    losses = []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr)
+        batch = rng.sample(train, min(batch_size, len(train)))
+        loss = sft_loss(model, *sft_batch(batch, tokenizer))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if log and (step % 25 == 0 or step == steps - 1):
+            log(f"warmup step {step + 1}/{steps} loss {losses[-1]:.3f}")
+    return losses
+
+
+def build_base_policy(cfg: RunConfig):
+    """The untrained policy of ``cfg.model`` (preset built in code, or ``model.path`` loaded), EP 1."""
+    from app.model.checkpoint import load_policy
+    from app.model.config import tiny_config
+    from app.model.parallel import EPContext
+    from app.model.policy import build_policy
+
+    dtype = getattr(torch, cfg.model.dtype)
+    if cfg.model.path:
+        return load_policy(cfg.model.path, cfg.router, EPContext.local(), dtype=dtype)
+    return build_policy(tiny_config(cfg.model.preset), cfg.router, EPContext.local(), dtype=dtype, seed=cfg.task.seed)
+
+
+def run_warmup(cfg: RunConfig, out: Path, threads: int | None = 1, log=print) -> dict:
+    """Warm up the policy of ``cfg`` and save it with its tokenizer as a checkpoint at ``out``.
+
+    Writes ``out/`` (HF checkpoint + tokenizer files) and ``out/warmup.json`` (losses, held-out
+    evaluation, wall time). ``threads`` caps torch's CPU threads (None leaves it).
+
+    Returns:
+        The summary written to warmup.json.
+
+    Raises:
+        ValueError: bad task config (see `make_splits`); ``out`` exists and is not a directory.
+    """
+    from app.envs.evaluate import evaluate
+    from app.model.checkpoint import save_policy
+    from app.model.parallel import EPContext
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out: {out} exists and is not a directory")
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(cfg.task.seed)
+    train, heldout = make_splits(cfg.task)
+    model = build_base_policy(cfg)
+    t0 = time.monotonic()
+    t = cfg.task
+    losses = warm_up(model, train, t.warmup_steps, t.warmup_lr, t.warmup_batch_size, t.seed, log)
+    wall = time.monotonic() - t0
+    result = evaluate(model, build_tokenizer(), heldout, cfg.rollout.temperature, cfg.rollout.max_new_tokens,
+                      seed=t.seed)
+    save_policy(model, out, EPContext.local(), overwrite=True)
+    save_tokenizer(out)
+    summary = dict(task=t.name, steps=t.warmup_steps, first_loss=losses[0], last_loss=losses[-1],
+                   wall_s=round(wall, 2), heldout=asdict(result), checkpoint=str(out))
+    tmp = out / ".warmup.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1))
+    tmp.replace(out / "warmup.json")
+    log(f"warmup done in {wall:.1f}s: loss {losses[0]:.3f} -> {losses[-1]:.3f}; held-out mean reward "
+        f"sampled(T={result.temperature}) {result.sampled:.3f}, greedy {result.greedy:.3f}; saved {out}")
+    return summary
+
+
+cli = typer.Typer(add_completion=False, help="Make the tiny base policy with a short supervised warm-up.")
+
+
+@cli.command()
+def main(
+    config: Path | None = typer.Option(None, "--config", help="Run config YAML (default: built-in defaults)."),
+    out: Path = typer.Option(..., "--out", help="Checkpoint directory to write."),
+    threads: int = typer.Option(1, help="torch CPU threads (the machine is shared)."),
+) -> None:
+    """Warm up the policy on the task's training examples and save it as an HF checkpoint."""
+    cfg = RunConfig.load(config) if config else RunConfig()
+    run_warmup(cfg, out, threads=threads)

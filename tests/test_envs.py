@@ -1,0 +1,150 @@
+"""Tokenizer, task splits, rewards and the JSONL loader (app/envs)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from app.buffer.records import Task
+from app.config import TaskConfig
+from app.envs import rewards
+from app.envs.jsonl import load_jsonl, math_verify_reward
+from app.envs.tasks import make_splits, make_tasks
+from app.envs.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, VOCAB_SIZE, build_tokenizer, load_tokenizer, save_tokenizer
+
+SMALL = dict(train_size=40, eval_size=10)
+
+
+def test_tokenizer_round_trip_and_special_ids():
+    tok = build_tokenizer()
+    text = "Hello, world! 12+7= [a b]\n~"
+    ids = tok(text)["input_ids"]
+    assert ids[0] == BOS_ID and len(ids) == len(text) + 1  # one token per character
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (PAD_ID, BOS_ID, EOS_ID)
+    assert len(tok) == VOCAB_SIZE
+    assert tok("é", add_special_tokens=False)["input_ids"] == [UNK_ID]
+
+
+def test_tokenizer_saved_loads_with_auto_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    save_tokenizer(tmp_path)
+    assert (tmp_path / "tokenizer.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
+    stock = AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = build_tokenizer()
+    for text in ["abc=", "spell me", "3 + 4 = 7"]:
+        assert stock(text)["input_ids"] == ours(text)["input_ids"]
+    assert stock.decode(ours("xyz=")["input_ids"] + [EOS_ID], skip_special_tokens=True) == "xyz="
+    assert stock.eos_token_id == EOS_ID and stock.pad_token_id == PAD_ID
+    batch = stock(["a", "abcd"], padding=True)["input_ids"]
+    assert batch[0][:3] == [PAD_ID] * 3  # left padding for generation
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        load_tokenizer(tmp_path / "missing")
+
+
+def test_splits_are_deterministic_disjoint_and_distinct():
+    cfg = TaskConfig(**SMALL)
+    train, held = make_splits(cfg)
+    again_train, again_held = make_splits(TaskConfig(**SMALL))
+    assert [p.text for p in train] == [p.text for p in again_train]
+    assert [p.text for p in held] == [p.text for p in again_held]
+    assert (len(train), len(held)) == (40, 10)
+    texts = [p.text for p in train + held]
+    assert len(set(texts)) == len(texts)  # distinct, so disjoint
+    other_train, _ = make_splits(TaskConfig(seed=1, **SMALL))
+    assert [p.text for p in other_train] != [p.text for p in train]
+    # compact prompt "word=" whose reference answer is the word reversed
+    p = held[0]
+    assert p.text.endswith("=") and p.answer == p.text[:-1][::-1]
+    assert len(p.text) <= 24 and len(p.answer) <= 8
+
+
+def test_bad_task_config_names_the_field():
+    with pytest.raises(ValueError, match="task.name"):
+        make_splits(TaskConfig(name="no_such_task", **SMALL))
+    with pytest.raises(ValueError, match="task.params"):
+        make_splits(TaskConfig(params={"not_a_field": 1}, **SMALL))
+    # chain_sum of one-digit pairs has 200 distinct prompts: asking for more is a clear error
+    tiny = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    with pytest.raises(ValueError, match="distinct prompts"):
+        make_splits(TaskConfig(name="chain_sum", params=tiny, train_size=500, eval_size=10))
+
+
+def test_tasks_and_rewards_right_wrong_malformed():
+    tok = build_tokenizer()
+    _, held = make_splits(TaskConfig(**SMALL))
+    task = make_tasks(held[:1], tok, group_size=8)[0]
+    assert isinstance(task, Task) and task.group_size == 8
+    assert task.prompt_ids == tok(held[0].text)["input_ids"] and task.prompt_ids[0] == BOS_ID
+    right = held[0].answer
+    assert rewards.score(task, right) == 1.0
+    assert rewards.score(task, f"  {right} \nextra line") == 1.0  # first line, stripped
+    assert rewards.score(task, "#" * len(right)) == 0.0  # no letter in place
+    # spell_backward's own partial credit: 1/len per letter in its place
+    assert rewards.score(task, "#" + right[1:]) == pytest.approx((len(right) - 1) / len(right))
+    assert rewards.score(task, "") == 0.0
+    assert rewards.score(task, "\n \n") == 0.0
+    broken = Task(task_id="x", prompt_ids=[1], prompt="x", answer="not json", group_size=1)
+    assert rewards.score(broken, right) == 0.0
+    unknown = Task(task_id="x", prompt_ids=[1], prompt="x", answer=json.dumps({"source": "?"}), group_size=1)
+    assert rewards.score(unknown, right) == 0.0
+
+
+def test_raising_or_invalid_scorer_gives_zero(monkeypatch):
+    task = Task(task_id="t", prompt_ids=[1], prompt="p", answer=json.dumps({"source": "boom"}), group_size=1)
+
+    def boom(spec, completion):
+        raise RuntimeError("verifier crashed")
+
+    monkeypatch.setitem(rewards.SCORERS, "boom", boom)
+    assert rewards.score(task, "anything") == 0.0
+    monkeypatch.setitem(rewards.SCORERS, "boom", lambda spec, completion: math.nan)
+    assert rewards.score(task, "anything") == 0.0
+    monkeypatch.setitem(rewards.SCORERS, "boom", lambda spec, completion: 3.0)
+    assert rewards.score(task, "anything") == 0.0
+    monkeypatch.setitem(rewards.SCORERS, "boom", lambda spec, completion: 0.25)
+    assert rewards.score(task, "anything") == 0.25
+
+
+def test_jsonl_skips_and_counts_malformed_rows(tmp_path):
+    path = tmp_path / "data.jsonl"
+    lines = [
+        json.dumps({"prompt": "1+1=", "answer": "2"}),
+        "{not json",
+        json.dumps(["a", "list"]),
+        json.dumps({"prompt": "", "answer": "3"}),
+        json.dumps({"prompt": "no answer"}),
+        "",
+        json.dumps({"prompt": "half of one", "answer": 0.5}),
+        json.dumps({"prompt": "flag", "answer": True}),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    data = load_jsonl(path)
+    assert data.rows == [("1+1=", "2"), ("half of one", "0.5")]
+    assert data.skipped == 5 and data.skipped_lines == [2, 3, 4, 5, 8]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{oops\n")
+    with pytest.raises(ValueError, match="no valid"):
+        load_jsonl(bad)
+    with pytest.raises(FileNotFoundError, match="task.jsonl_path"):
+        load_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_jsonl_splits_and_math_verify_reward(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(30)) + "junk\n")
+    cfg = TaskConfig(source="jsonl", jsonl_path=str(path), train_size=100, eval_size=5)
+    train, held = make_splits(cfg)
+    assert (len(train), len(held)) == (25, 5)
+    assert not {p.text for p in train} & {p.text for p in held}
+    assert [p.text for p in make_splits(cfg)[1]] == [p.text for p in held]
+    task = make_tasks(held[:1], build_tokenizer(), 4)[0]
+    assert rewards.score(task, f"The answer is $\\boxed{{{held[0].answer}}}$") == 1.0
+    assert rewards.score(task, "The answer is 12345") == 0.0
+    assert math_verify_reward("0.5", "1/2") == 1.0
+    with pytest.raises(ValueError, match="task.jsonl_path"):
+        make_splits(TaskConfig(source="jsonl"))
