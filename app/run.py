@@ -13,6 +13,7 @@ Ctrl-C stops every process cleanly (SIGTERM, then SIGKILL after the drain grace 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -31,6 +32,26 @@ from app.procs import moerl_argv
 
 console = Console()
 cli = typer.Typer(add_completion=False, help="Run the whole loop on this machine (the embedded default).")
+
+
+def embedded_default() -> RunConfig:
+    """The run config of `make run`: the tiny recipe of app/envs/__init__.py on 2 CPU cores.
+
+    EP=2 over gloo (two trainer ranks, each holding half of the experts), two rollout workers,
+    GRPO groups of 8, short answers. Back-pressure at two steps' worth of finished groups keeps
+    rollouts at most one policy version ahead, so few groups go stale.
+    """
+    cfg = RunConfig()
+    cfg.ep.size = 2
+    cfg.trainer.steps = 400
+    cfg.trainer.groups_per_step = 8
+    cfg.trainer.lr = 4e-4
+    cfg.rollout.group_size = 8
+    cfg.rollout.max_new_tokens = 8
+    cfg.rollout.policy_poll_s = 0.5
+    cfg.buffer.max_staleness = 1
+    cfg.buffer.capacity_groups = 2 * cfg.trainer.groups_per_step
+    return cfg
 
 
 def _sigterm_as_interrupt(signum, frame) -> None:
@@ -64,21 +85,36 @@ def make_base_policy(loop: EmbeddedLoop, cache_root: Path) -> Path:
 
 
 def held_out_reward(cfg: RunConfig, model_dir: Path) -> dict:
-    """Held-out mean reward of the policy in `model_dir` (sampled at the rollout temperature)."""
+    """Held-out mean reward of the policy in `model_dir`: one completion per held-out prompt
+    sampled at the rollout temperature (the figure RL is judged by), and the greedy one."""
     from app.envs.evaluate import evaluate_checkpoint
+    from app.envs.tasks import make_splits
 
-    return evaluate_checkpoint(cfg, model_dir)
+    _, heldout = make_splits(cfg.task)
+    r = evaluate_checkpoint(model_dir, heldout, temperature=cfg.rollout.temperature,
+                            max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.task.seed)
+    return {"n": r.n, "mean_reward": r.sampled, "greedy": r.greedy}
 
 
-def queue_tasks(loop: EmbeddedLoop) -> int:
-    """Queue enough training prompts for every trainer step (epochs get new task ids)."""
-    from app.envs.tasks import training_tasks
+def queue_tasks(loop: EmbeddedLoop, model_dir: Path) -> int:
+    """Queue enough prompt groups for every trainer step, twice over (stale groups are dropped).
 
-    t = loop.cfg.trainer
-    needed = t.steps * t.groups_per_step * 2
-    tasks = training_tasks(loop.cfg, count=needed)
+    Prompts are reused across epochs; each epoch's tasks get new ids (``e<k>-train-...``), since
+    the buffer never queues the same (task_id, attempt) twice.
+    """
+    from app.envs.tasks import make_splits, make_tasks
+    from app.envs.tokenizer import load_tokenizer
+
+    cfg = loop.cfg
+    train, _ = make_splits(cfg.task)
+    tasks = make_tasks(train, load_tokenizer(model_dir), cfg.rollout.group_size)
+    needed = 2 * cfg.trainer.steps * cfg.trainer.groups_per_step
+    queued = []
+    for epoch in range(-(-needed // len(tasks))):
+        for task in tasks:
+            queued.append(dataclasses.replace(task, task_id=f"e{epoch}-{task.task_id}"))
     with loop.buffer() as buf:
-        return buf.put_tasks(tasks)
+        return buf.put_tasks(queued[:needed])
 
 
 def progress_loop(loop: EmbeddedLoop, steps: int) -> None:
@@ -117,7 +153,7 @@ def run(
     cache: Path = typer.Option(Path("runs/cache"), "--cache", help="Warm-up checkpoint cache."),
 ) -> None:
     """Run the embedded loop end to end and print a summary; exit code 0 on success."""
-    cfg = RunConfig.load(config) if config else RunConfig()
+    cfg = RunConfig.load(config) if config else embedded_default()
     if steps:
         cfg.trainer.steps = steps
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -125,6 +161,7 @@ def run(
     if run_dir.exists() and any(run_dir.iterdir()):
         raise typer.BadParameter(f"run directory {run_dir} is not empty", param_hint="--out")
     cfg.store_url = f"file://{run_dir / 'store'}"
+    cfg.rollout.policy_cache_dir = str(run_dir / "policy-cache")
     started = time.time()
 
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
@@ -136,8 +173,9 @@ def run(
         loop.cfg.model.path = str(base)
         loop.write_config()
         before = held_out_reward(loop.cfg, base)
-        console.print(f"held-out reward before RL: {before['mean_reward']:.3f} (n={before['n']})")
-        console.print(f"queued {queue_tasks(loop)} prompt groups")
+        console.print(f"held-out reward before RL: {before['mean_reward']:.3f} (n={before['n']}, "
+                      f"greedy {before['greedy']:.3f})")
+        console.print(f"queued {queue_tasks(loop, base)} prompt groups")
         loop.start_trainer()
         loop.start_rollout(base)
         progress_loop(loop, loop.cfg.trainer.steps)
@@ -185,6 +223,8 @@ def summarize(loop: EmbeddedLoop, before: dict, after: dict, started: float) -> 
         "held_out_prompts": before["n"],
         "held_out_reward_before": before["mean_reward"],
         "held_out_reward_after": after["mean_reward"],
+        "held_out_greedy_before": before["greedy"],
+        "held_out_greedy_after": after["greedy"],
         "gain_points": 100 * (after["mean_reward"] - before["mean_reward"]),
         "steps": last.get("step", 0),
         "policy_version": last.get("policy_version", 0),
@@ -206,7 +246,8 @@ def print_summary(s: dict) -> None:
     console.print(f"task {s['task']}: held-out mean reward over {s['held_out_prompts']} prompts")
     console.print(
         f"  before RL {s['held_out_reward_before']:.3f}  after RL {s['held_out_reward_after']:.3f}  "
-        f"({s['gain_points']:+.1f} points)"
+        f"({s['gain_points']:+.1f} points; greedy {s['held_out_greedy_before']:.3f} -> "
+        f"{s['held_out_greedy_after']:.3f})"
     )
     console.print(
         f"  {s['steps']} trainer steps, policy v{s['policy_version']}, {s['samples_trained']} samples "
