@@ -6,12 +6,14 @@ runs in the private subnet of `cfg.az`. GPU groups use the AL2023 NVIDIA AMI; EF
 L1 launch template with one EFA interface per network card (infra/instances.py), card 0 /
 device 0 an EFA-with-ENA interface (the node's IP interface; EFA-only is not allowed as primary)
 and the other cards device 1, EFA-only, following "Maximize network bandwidth on Amazon EC2
-instances with multiple network cards" (EC2 user guide).
+instances with multiple network cards" (EC2 user guide). A pool with hugepages_2mi reserves
+them through MIME user data in its launch template. Add-ons: the VPC CNI (network policies
+enforced), CoreDNS, kube-proxy, the Pod Identity agent and the EBS CSI driver (the buffer's volume).
 """
 
 from __future__ import annotations
 
-from aws_cdk import Stack
+from aws_cdk import Fn, Stack
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_eks_v2 as eks
 from aws_cdk import aws_iam as iam
@@ -30,7 +32,17 @@ NVIDIA_DEVICE_PLUGIN = ("https://nvidia.github.io/k8s-device-plugin", "nvidia-de
 EFA_DEVICE_PLUGIN = ("https://aws.github.io/eks-charts", "aws-efa-k8s-device-plugin", "v0.5.7")
 # Gang scheduler of the trainer job (charts8s/trainer.py renders a Volcano Job).
 VOLCANO = ("https://volcano-sh.github.io/helm-charts", "volcano", "1.15.2")
-EKS_ADDONS = ("vpc-cni", "coredns", "kube-proxy", "eks-pod-identity-agent")
+EKS_ADDONS = ("vpc-cni", "coredns", "kube-proxy", "eks-pod-identity-agent", "aws-ebs-csi-driver")
+# configurationValues per add-on (each add-on's schema: `aws eks describe-addon-configuration`).
+ADDON_CONFIG: dict[str, dict] = {
+    # The VPC CNI's network policy agent enforces the NetworkPolicies charts8s ships.
+    "vpc-cni": {"enableNetworkPolicy": "true"},
+    # The node plugin must run on every pool (all but system are tainted) to mount volumes there.
+    "aws-ebs-csi-driver": {"node": {"tolerateAllTaints": True}},
+}
+# The EBS CSI controller's service account (EKS user guide, "Amazon EBS CSI driver").
+EBS_CSI_SERVICE_ACCOUNT = "ebs-csi-controller-sa"
+USER_DATA_BOUNDARY = "==MOERL=="
 ROOT_DEVICE = "/dev/xvda"  # root volume of the AL2023 EKS AMIs
 
 _EFFECTS = {
@@ -49,6 +61,40 @@ def ami_type(pool: NodePool) -> str:
     """EKS AMI type for the pool (CloudFormation spelling): AL2023 NVIDIA on GPU pools, standard otherwise."""
     arch = "ARM_64" if pool.specs[0].arch == "arm64" else "x86_64"
     return f"AL2023_{arch}_{'NVIDIA' if pool.gpu else 'STANDARD'}"
+
+
+def hugepages_user_data(mib: int) -> str:
+    """MIME multi-part user data that reserves `mib` MiB of 2 MiB hugepages (mib even, > 0).
+
+    EKS merges its own NodeConfig part into a managed node group's MIME user data (AL2023,
+    no custom AMI). NodeConfig has no sysctl field, so a shell part sets vm.nr_hugepages: cloud-init
+    runs it in cloud-final, and nodeadm-run.service (After=cloud-final.service) starts the kubelet
+    afterwards, so the kubelet reports the pages as hugepages-2Mi capacity. The sysctl.d file keeps
+    the setting across reboots. Sources: nodeadm docs (awslabs.github.io/amazon-eks-ami/nodeadm),
+    Kubernetes "Manage HugePages".
+    """
+    pages = mib // 2
+    script = "\n".join([
+        "#!/bin/bash",
+        "set -euo pipefail",
+        f"echo 'vm.nr_hugepages = {pages}' > /etc/sysctl.d/90-moerl-hugepages.conf",
+        f"sysctl -w vm.nr_hugepages={pages}",
+        # Fragmented memory can leave the kernel short; say so in the console log, fail the part.
+        f'got=$(cat /proc/sys/vm/nr_hugepages); [ "$got" -ge {pages} ] || '
+        f'{{ echo "moerl: reserved $got of {pages} hugepages" >&2; exit 1; }}',
+    ])
+    return "\n".join([
+        "MIME-Version: 1.0",
+        f'Content-Type: multipart/mixed; boundary="{USER_DATA_BOUNDARY}"',
+        "",
+        f"--{USER_DATA_BOUNDARY}",
+        'Content-Type: text/x-shellscript; charset="us-ascii"',
+        "",
+        script,
+        "",
+        f"--{USER_DATA_BOUNDARY}--",
+        "",
+    ])
 
 
 def efa_interfaces(count: int, security_groups: list[str]) -> list[ec2.CfnLaunchTemplate.NetworkInterfaceProperty]:
@@ -71,8 +117,9 @@ def efa_interfaces(count: int, security_groups: list[str]) -> list[ec2.CfnLaunch
 
 
 class ClusterStack(Stack):
-    """EKS cluster of one environment. Attributes: cluster, nodegroups (dict pool -> Nodegroup),
-    launch_templates (dict pool -> CfnLaunchTemplate), trainer_role, rollout_role."""
+    """EKS cluster of one environment. Attributes: cluster, addons (dict name -> Addon), nodegroups
+    (dict pool -> Nodegroup), launch_templates (dict pool -> CfnLaunchTemplate), trainer_role,
+    rollout_role, ebs_csi_role."""
 
     def __init__(self, scope: Construct, id: str, *, cfg: DeploymentConfig, network: NetworkStack,
                  storage: StorageStack, **kw) -> None:
@@ -107,9 +154,11 @@ class ClusterStack(Stack):
             self.cluster.grant_cluster_admin(f"Admin{i}", arn)
 
         self.addons = {
-            name: eks.Addon(self, f"Addon-{name}", cluster=self.cluster, addon_name=name, preserve_on_delete=False)
+            name: eks.Addon(self, f"Addon-{name}", cluster=self.cluster, addon_name=name, preserve_on_delete=False,
+                            configuration_values=ADDON_CONFIG.get(name))
             for name in EKS_ADDONS
         }
+        self._ebs_csi_identity()
 
         self.node_role = iam.Role(
             self, "NodeRole",
@@ -124,8 +173,9 @@ class ClusterStack(Stack):
         self.launch_templates: dict[str, ec2.CfnLaunchTemplate] = {}
         for pool in cfg.pools.values():
             self._nodegroup(pool, network)
-        # CoreDNS needs somewhere to run before its add-on reports healthy.
+        # CoreDNS and the EBS CSI controller need somewhere to run before their add-ons report healthy.
         self.addons["coredns"].node.add_dependency(self.nodegroups["system"])
+        self.addons["aws-ebs-csi-driver"].node.add_dependency(self.nodegroups["system"])
 
         self._device_plugins()
         self._pod_identity(storage)
@@ -160,6 +210,8 @@ class ClusterStack(Stack):
                     capacity_reservation_id=pool.capacity_reservation_id
                 )
             )
+        if pool.hugepages_2mi:
+            data["user_data"] = Fn.base64(hugepages_user_data(pool.hugepages_2mi))
         if pool.capacity_type == "CAPACITY_BLOCK":
             data["instance_market_options"] = ec2.CfnLaunchTemplate.InstanceMarketOptionsProperty(
                 market_type="capacity-block"
@@ -237,6 +289,25 @@ class ClusterStack(Stack):
             release="volcano", namespace="volcano-system", create_namespace=True, wait=True,
         )
         self.volcano.node.add_dependency(self.nodegroups["system"])
+
+    def _ebs_csi_identity(self) -> None:
+        """Pod Identity for the EBS CSI controller: AWS's AmazonEBSCSIDriverPolicy, associated by the add-on.
+
+        The buffer's StorageClass (charts8s/buffer.py) uses gp3 encrypted with the account's
+        default EBS key, which this policy covers.
+        """
+        self.ebs_csi_role = iam.Role(
+            self, "EbsCsiRole",
+            assumed_by=iam.SessionTagsPrincipal(iam.ServicePrincipal("pods.eks.amazonaws.com")),
+            description="EBS CSI controller: create, attach and delete EBS volumes",
+            managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name("service-role/AmazonEBSCSIDriverPolicy")],
+        )
+        addon = self.addons["aws-ebs-csi-driver"]
+        # The L2 Addon has no Pod Identity prop; the L1 property lets EKS manage the association.
+        cfn: eks.CfnAddon = addon.node.default_child  # type: ignore[assignment]
+        cfn.pod_identity_associations = [eks.CfnAddon.PodIdentityAssociationProperty(
+            service_account=EBS_CSI_SERVICE_ACCOUNT, role_arn=self.ebs_csi_role.role_arn)]
+        addon.node.add_dependency(self.addons["eks-pod-identity-agent"])
 
     def _pod_identity(self, storage: StorageStack) -> None:
         """Pod Identity: trainer read/write, rollout workers read-only, both under run_prefix/."""

@@ -89,6 +89,9 @@ class NodePool(Model):
     efa: attach EFA interfaces on every network card of the instance type (from INSTANCE_TABLE).
     placement_group: launch into a cluster placement group (training only).
     capacity_reservation_id: On-Demand Capacity Reservation or Capacity Block id (cr-...).
+    hugepages_2mi: MiB of 2 MiB hugepages reserved on every node at boot (launch-template user
+        data sets vm.nr_hugepages before the kubelet starts); a multiple of 2, 0 for none. The
+        trainer pod (one per train-gpu node) requests all of them as hugepages-2Mi (charts8s).
     az: leave empty; every pool must run in the deployment's single AZ (validated).
     """
 
@@ -104,6 +107,7 @@ class NodePool(Model):
     efa: bool = False
     placement_group: bool = False
     capacity_reservation_id: str | None = Field(None, pattern=r"^cr-[0-9a-f]{8,17}$")
+    hugepages_2mi: int = Field(0, ge=0)
     az: str | None = None
 
     @field_validator("instance_types")
@@ -139,6 +143,13 @@ class NodePool(Model):
             raise ValueError(f"pool {self.name!r}: a Spot pool cannot target a capacity reservation")
         if self.capacity_reservation_id and len(self.instance_types) != 1:
             raise ValueError(f"pool {self.name!r}: a capacity reservation holds one instance type")
+        if self.hugepages_2mi % 2:
+            raise ValueError(f"pool {self.name!r}: hugepages_2mi={self.hugepages_2mi} MiB is not a whole "
+                             "number of 2 MiB pages")
+        mem_mib = min(s.memory_gib for s in specs) * 1024
+        if self.hugepages_2mi > mem_mib // 2:
+            raise ValueError(f"pool {self.name!r}: hugepages_2mi={self.hugepages_2mi} MiB exceeds half the "
+                             f"memory of the smallest instance type ({mem_mib} MiB)")
         return self
 
     @property
@@ -323,7 +334,9 @@ def default_config(env: str) -> dict:
     s, account, region = _SIZES[env], _ACCOUNTS[env], "us-east-2"
     pools = {
         "train-gpu": _pool("train-gpu", ["p5en.48xlarge"], "ON_DEMAND", s["train-gpu"],
-                           efa=True, placement_group=True, disk_size_gib=1024),
+                           efa=True, placement_group=True, disk_size_gib=1024,
+                           # libfabric's EFA provider registers its buffers in 2 MiB hugepages.
+                           hugepages_2mi=5120),
         # Spot GPU types of one family share an EFA layout; p5en's 16 cards set the common count.
         "rollout-gpu": _pool("rollout-gpu", ["p5en.48xlarge", "p5e.48xlarge", "p5.48xlarge"], "SPOT",
                              s["rollout-gpu"], efa=True, disk_size_gib=512),

@@ -30,6 +30,9 @@ CLUSTER_ACKNOWLEDGEMENTS: dict[str, str] = {
         "Node IAM role: pull-only ECR access for images, the narrowest AWS policy for it.",
     _AWS_POLICY.format("AmazonSSMManagedInstanceCore"):
         "Node IAM role: SSM Session Manager replaces SSH for node debugging (no key pairs, no port 22).",
+    _AWS_POLICY.format("service-role/AmazonEBSCSIDriverPolicy"):
+        "EBS CSI controller (Pod Identity): AWS's policy for the driver; its create and delete actions are "
+        "conditioned on the driver's own volume tags, and AWS keeps it in step with driver releases.",
     _AWS_POLICY.format("service-role/AWSLambdaBasicExecutionRole"): f"Lambda logging for functions {_KUBECTL}.",
     _AWS_POLICY.format("service-role/AWSLambdaVPCAccessExecutionRole"):
         f"The kubectl handler runs in the VPC to reach the private cluster endpoint; {_KUBECTL}.",

@@ -102,6 +102,14 @@ def test_other_rules():
         validate_config(prod)
 
 
+def test_hugepages_rules():
+    assert load_config("prod").pools["train-gpu"].hugepages_2mi > 0
+    msg = _bad(lambda d: d["pools"]["train-gpu"].update(hugepages_2mi=5121))
+    assert "pools.train-gpu" in msg and "whole number of 2 MiB pages" in msg
+    msg = _bad(lambda d: d["pools"]["system"].update(hugepages_2mi=10 * 2**20))
+    assert "pools.system" in msg and "exceeds half the memory" in msg
+
+
 def test_app_refuses_bad_override_before_building(tmp_path):
     from infra.app import build_app
 

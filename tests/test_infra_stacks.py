@@ -3,13 +3,15 @@ one of a dev variant with other GPU types, shared by every test in this module.
 
 Covers issue 5: single-AZ node groups, EFA interface layout per instance type, security groups
 on interfaces, self-referencing EFA rules, bucket settings, labels/taints equal to the config,
-Spot on rollout and not on training, add-ons and pinned charts, Pod Identity scope, the pipeline,
+Spot on rollout and not on training, add-ons (EBS CSI with Pod Identity, VPC CNI network policies)
+and pinned charts, hugepages reserved by train-gpu user data, Pod Identity scope, the pipeline,
 cfn-lint (zero errors) and cdk-nag AwsSolutions (zero unacknowledged findings, every
 acknowledgement with a reason).
 """
 
 from __future__ import annotations
 
+import email
 import json
 import os
 import subprocess
@@ -23,7 +25,8 @@ from aws_cdk import App  # noqa: E402
 from aws_cdk.assertions import Match, Template  # noqa: E402
 
 from infra.app import build_app  # noqa: E402
-from infra.cluster import EFA_DEVICE_PLUGIN, EKS_ADDONS, NVIDIA_DEVICE_PLUGIN, VOLCANO  # noqa: E402
+from infra.cluster import (EBS_CSI_SERVICE_ACCOUNT, EFA_DEVICE_PLUGIN, EKS_ADDONS,  # noqa: E402
+                           NVIDIA_DEVICE_PLUGIN, VOLCANO)
 from infra.config import ENVS, DeploymentConfig, load_config  # noqa: E402
 from infra.instances import INSTANCE_TABLE  # noqa: E402
 
@@ -265,6 +268,66 @@ def test_addons_and_pinned_device_plugins(pipeline):
     for values in (nvidia, efa):
         keys = {t["key"] for t in values["tolerations"]}
         assert {"nvidia.com/gpu", "moerl.dev/pool"} <= keys
+
+
+def addon(t: Template, name: str) -> tuple[str, dict]:
+    """(logical id, resource) of the EKS add-on `name`."""
+    (hit,) = [(k, r) for k, r in resources(t, "AWS::EKS::Addon").items() if r["Properties"]["AddonName"] == name]
+    return hit
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_vpc_cni_enforces_network_policies(pipeline, env):
+    """charts8s ships NetworkPolicies; the VPC CNI's policy agent must be on to enforce them."""
+    _, cni = addon(tpl(pipeline, env, "cluster"), "vpc-cni")
+    assert json.loads(cni["Properties"]["ConfigurationValues"]) == {"enableNetworkPolicy": "true"}
+
+
+def test_ebs_csi_driver_with_pod_identity(pipeline):
+    """The buffer's StorageClass (provisioner ebs.csi.aws.com) needs the EBS CSI add-on and its IAM."""
+    cl = tpl(pipeline, "prod", "cluster")
+    res = cl.to_json()["Resources"]
+    _, ebs = addon(cl, "aws-ebs-csi-driver")
+    (assoc,) = ebs["Properties"]["PodIdentityAssociations"]
+    assert assoc["ServiceAccount"] == EBS_CSI_SERVICE_ACCOUNT == "ebs-csi-controller-sa"
+    role = res[assoc["RoleArn"]["Fn::GetAtt"][0]]["Properties"]
+    assert role["AssumeRolePolicyDocument"]["Statement"] == [{
+        "Action": ["sts:AssumeRole", "sts:TagSession"], "Effect": "Allow",
+        "Principal": {"Service": "pods.eks.amazonaws.com"}}]
+    (policy,) = role["ManagedPolicyArns"]
+    assert json.dumps(policy).endswith(':iam::aws:policy/service-role/AmazonEBSCSIDriverPolicy"]]}')
+    # The association needs the Pod Identity agent; the controller needs the system nodes.
+    agent_id, _ = addon(cl, "eks-pod-identity-agent")
+    system_ng = next(k for k, r in resources(cl, "AWS::EKS::Nodegroup").items()
+                     if r["Properties"]["NodegroupName"].endswith("-system"))
+    assert {agent_id, system_ng} <= set(ebs["DependsOn"])
+    # The node plugin runs on every (tainted) pool that may mount a volume.
+    assert json.loads(ebs["Properties"]["ConfigurationValues"])["node"]["tolerateAllTaints"] is True
+    # cdk-nag's IAM4 on the AWS managed policy is acknowledged, with its reason, not ignored.
+    iam4 = [v for r in pipeline.reports() for p in r["pluginReports"] for v in p["suppressedViolations"]
+            if "AmazonEBSCSIDriverPolicy" in v["ruleName"]]
+    assert iam4 and all(v["ruleName"].startswith("AwsSolutions-IAM4") and "EBS CSI" in v["reason"] for v in iam4)
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_train_gpu_nodes_reserve_hugepages(pipeline, env):
+    """The pool's hugepages_2mi (the figure the trainer pods request) is set by launch-template user data."""
+    cfg = pipeline.cfgs[env]
+    cl = tpl(pipeline, env, "cluster")
+    for name, ng in by_name(cl, cfg).items():
+        mib = cfg.pools[name].hugepages_2mi
+        lt = launch_template(cl, ng)
+        if not mib:
+            assert "UserData" not in lt, name
+            continue
+        msg = email.message_from_string(lt["UserData"]["Fn::Base64"])
+        assert msg.is_multipart() and msg.get_content_type() == "multipart/mixed"
+        (part,) = msg.get_payload()
+        assert part.get_content_type() == "text/x-shellscript"
+        script = part.get_payload()
+        assert script.startswith("#!/bin/bash") and f"sysctl -w vm.nr_hugepages={mib // 2}\n" in script
+        assert f"vm.nr_hugepages = {mib // 2}" in script  # persisted under /etc/sysctl.d
+    assert cfg.pools["train-gpu"].hugepages_2mi > 0
 
 
 def test_pod_identity_trainer_rw_rollout_ro(pipeline):
