@@ -35,13 +35,16 @@ UID = 10001  # the moerl user of images/*.Dockerfile (high UID: no clash with ho
 
 def trainer_appdef(plan: Plan):
     """The TorchX AppDef of the cluster's trainer gang (sizes from the train-gpu pool)."""
-    spec = min(plan.pool("train-gpu").specs, key=lambda s: s.gpus)
+    pool = plan.pool("train-gpu")
+    spec = min(pool.specs, key=lambda s: s.gpus)
+    # One pod per node: it takes every hugepage the node reserves at boot (infra/cluster.py user data).
+    hugepages = pool.hugepages_2mi
     return trainer(
         image=plan.images["trainer"], nnodes=plan.trainer_nodes, nproc_per_node=plan.gpus_per_trainer,
         gpus=plan.gpus_per_trainer, config=CLUSTER_CONFIG, resume=True, run_dir=RUN_DIR, efa=plan.efa_per_trainer,
-        hugepages_mib=plan.wl.trainer.hugepages_2mi,
+        hugepages_mib=hugepages,
         # Leave room for the kubelet, system daemons and the device plugins.
-        cpu=spec.vcpus - 8, mem_mb=int(spec.memory_gib * 1024 * 0.9) - plan.wl.trainer.hugepages_2mi,
+        cpu=spec.vcpus - 8, mem_mb=int(spec.memory_gib * 1024 * 0.9) - hugepages,
         rdzv_port=plan.wl.trainer.rdzv_port, max_retries=plan.wl.trainer.max_retries, name=JOB_NAME,
     )
 

@@ -32,12 +32,11 @@ class TrainerSpec(_Model):
     """The gang of trainer pods: one pod per train-gpu node, every GPU of the node.
 
     nodes: pods in the gang (None: the pool's max_size).
-    hugepages_2mi: 2 MiB hugepages per pod, MiB (libfabric's EFA provider registers buffers there).
+    Each pod requests every 2 MiB hugepage its node reserves: pools.train-gpu.hugepages_2mi (infra.config).
     max_retries: whole-gang restarts (each with --resume) before the job is marked failed.
     """
 
     nodes: int | None = Field(None, ge=1)
-    hugepages_2mi: int = Field(5120, ge=0)
     max_retries: int = Field(10, ge=0)
     rdzv_port: int = Field(29500, ge=1024, le=65535)
 

@@ -189,7 +189,7 @@ def test_gpu_and_efa_counts_match_the_instance_table(synth):
         lim = c["resources"]["limits"]
         assert int(lim["nvidia.com/gpu"]) == gpus
         assert int(lim.get(EFA_RESOURCE, 0)) == efa
-        assert int(lim["hugepages-2Mi"]) == synth.plan.wl.trainer.hugepages_2mi * 2**20
+        assert int(lim["hugepages-2Mi"]) == synth.cfg.pools["train-gpu"].hugepages_2mi * 2**20
         assert f"--nproc-per-node={gpus}" in c["command"][-1]
     engine = next(c for c in synth.get("Deployment", "moerl-rollout")["spec"]["template"]["spec"]["containers"]
                   if c["name"] == "engine")
@@ -324,9 +324,9 @@ def test_charts_and_torchx_component_agree(prod):
             str(ROOT / "app" / "torchx_component.py") + ":trainer",
             ["--image", plan.images["trainer"], "--nnodes", str(plan.trainer_nodes),
              "--nproc_per_node", str(plan.gpus_per_trainer), "--gpus", str(plan.gpus_per_trainer),
-             "--efa", str(plan.efa_per_trainer), "--hugepages_mib", str(plan.wl.trainer.hugepages_2mi),
+             "--efa", str(plan.efa_per_trainer), "--hugepages_mib", str(prod.cfg.pools["train-gpu"].hugepages_2mi),
              "--cpu", str(train.vcpus - 8), "--mem_mb",
-             str(int(train.memory_gib * 1024 * 0.9) - plan.wl.trainer.hugepages_2mi),
+             str(int(train.memory_gib * 1024 * 0.9) - prod.cfg.pools["train-gpu"].hugepages_2mi),
              "--run_dir", "/tmp/moerl-run"],
             scheduler="kubernetes", cfg={"queue": "default", "namespace": prod.cfg.namespace,
                                          "service_account": prod.cfg.trainer_service_account},
