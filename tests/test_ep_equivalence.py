@@ -25,9 +25,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import DeepseekV3Config, Qwen3MoeConfig
 
-from app.config import RouterConfig
+from app.config import EPConfig, RouterConfig
 from app.model.moe import MoEBlock
-from app.model.parallel import EPContext
+from app.model.parallel import EPContext, init_ep
 
 RTOL, ATOL = 1e-5, 1e-6
 HIDDEN = 16
@@ -98,7 +98,13 @@ def _worker(rank: int, size: int, port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
-        ep = EPContext(group=dist.group.WORLD, rank=rank, size=size, backend="alltoall")
+        ep = init_ep(EPConfig(size=size, backend="auto"))  # no deep_ep/CUDA here -> alltoall
+        assert (ep.backend, ep.rank, ep.size) == ("alltoall", rank, size), ep
+        try:
+            init_ep(EPConfig(size=size + 1))
+            raise AssertionError("init_ep accepted ep.size different from the group size")
+        except ValueError as e:
+            assert f"ep.size={size + 1} but the EP process group has {size} ranks" in str(e)
         for name, (make_config, tokens, mode) in CASES.items():
             config = make_config()
             tokens = tokens[:size]
