@@ -20,10 +20,26 @@ Policy versions (DESIGN.md §3): version 0 is the initial policy, published befo
 step if the store has none; every ``trainer.publish_every`` steps the next version is
 published and announced.
 
-Later (designed for, not built): resume (issue 4) saves `TrainState`, the optimizer, the RNG
-states and the buffer cursor to the store before ``buffer.commit()`` (groups are committed only
-after their step, so a killed trainer re-reads them); PPO (issue 9) adds a value head and GAE
-beside grpo.py, and only the loss call in `train_step` is algorithm-specific.
+Training state and resume (issue 4; app/trainer/state.py): every ``trainer.save_every`` steps
+(and after the last) every rank saves its model shard, optimizer and RNG state, and rank 0 the
+`TrainState`, the buffer commit point and the keys of the groups trained on, to
+``<run>/train/s{step}/`` in the store; the manifest is written last. Taken groups are committed
+(deleted from Redis) only after that save, so a trainer killed between saves re-reads the
+groups its lost steps had taken. ``--resume`` loads the newest complete state (or, if none was
+saved yet, starts from the initial weights), deletes the groups the saved state had already
+taken, and publishes its weights as the version after the newest one in the store, so versions
+keep increasing and engines move to the resumed weights. Groups whose (task, attempt) the
+lineage already trained on are skipped (counted in ``duplicates``): a group republished after a
+Redis failure cannot be trained twice.
+
+Trained-sample record: rank 0 appends one JSON line per step to ``<run_dir>/trained.jsonl``
+(fsync'd): ``{"step", "trainer_version", "time", "groups": [{"task_id", "attempt",
+"samples": [[sample_id, policy_version], ...]}], "skipped": [[task_id, attempt, reason], ...]}``;
+a resume appends ``{"resume_from_step": S, "version": V, "time"}``: lines of steps after S that
+precede it were rolled back (their groups are trained again). app/ledger.py audits this file.
+
+PPO (issue 9) adds a value head and GAE beside grpo.py; only the loss call in `train_step` is
+algorithm-specific.
 
 Metrics: one JSON line per step in ``<run_dir>/metrics.jsonl`` (rank 0), whole-batch figures:
   step, policy_version, applied (False: non-finite step skipped), bad_steps, time (unix s);
@@ -74,6 +90,8 @@ class TrainState:
     overstale: int = 0  # groups dropped here for exceeding max_staleness (the buffer should)
     malformed: int = 0  # groups skipped because a sample did not collate
     error_groups: int = 0  # all-"error" groups skipped (tasks the engine refused)
+    duplicates: int = 0  # groups skipped because this lineage had trained on them already
+    resumed_from: int | None = None  # step of the state this process resumed from
     started: float = field(default_factory=time.time)
 
 
@@ -378,31 +396,71 @@ def on_rank0(fn, rank: int):
     return result
 
 
+def broadcast_from_rank0(value, rank: int):
+    """``value`` of rank 0 on every rank (a pickled broadcast; small objects only)."""
+    box = [value if rank == 0 else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def append_line(f, record: dict) -> None:
+    """Append one JSON line to ``f`` and fsync it (the ledger must survive a SIGKILL)."""
+    f.write(json.dumps(record, separators=(",", ":")) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def open_trained_log(path: Path):
+    """Open trained.jsonl for appending; a line cut short by a kill is closed with a newline
+    first, so the next record starts on a line of its own."""
+    if path.exists() and path.stat().st_size > 0:
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            cut = f.read(1) != b"\n"
+        if cut:
+            with open(path, "ab") as f:
+                f.write(b"\n")
+    return open(path, "a")
+
+
 def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainState:
     """Train for ``trainer.steps`` steps (this rank's part). Returns the final state.
 
+    Args:
+        cfg: the run configuration.
+        run_dir: where metrics.jsonl and trained.jsonl go (rank 0).
+        resume: continue from the newest complete training state in the store (see the module
+            docstring); without one, start from the initial weights. Either way the first
+            version published is one after the newest in the store.
+
     Raises:
-        NotImplementedError: ``resume`` (training state arrives with issue 4).
-        ValueError: ``ep.size`` is neither 1 nor the world size; the store already holds
-            policy versions of this run (start a new ``run_id`` or resume).
-        TrainingError: no batch in time, too many non-finite steps in a row, a failed publish,
-            Redis unreachable — raised on every rank with the same message (rank 0 may raise
-            the original exception instead, e.g. BufferConnectionError naming the URL).
+        ValueError: ``ep.size`` is neither 1 nor the world size; ``buffer.capacity_groups`` is
+            smaller than ``(trainer.save_every + 1) * trainer.groups_per_step`` (the workers
+            would stop before the trainer could fill a step); the store already holds policy
+            versions of this run and ``resume`` is False; the state to resume was saved by a
+            different number of ranks.
+        TrainingError: no batch in time, too many non-finite steps in a row, a failed publish
+            or save, Redis unreachable — raised on every rank with the same message (rank 0 may
+            raise the original exception instead, e.g. BufferConnectionError naming the URL).
     """
     from app.buffer import ExperienceBuffer
     from app.model.parallel import init_ep
     from app.storage import open_store
     from app.storage.policy import latest_policy_version
     from app.trainer.publish import publish_version
+    from app.trainer.state import (drop_committed, latest_state, load_rank_payload, newer_entry,
+                                   rank_payload, restore, save_state)
 
-    if resume:
-        raise NotImplementedError(
-            "--resume needs saved training state (optimizer, step, RNG, buffer cursor), which "
-            "arrives with issue 4; start a new run_id instead"
-        )
     t = cfg.trainer
     if t.algorithm != "grpo":
         raise ValueError(f"trainer.algorithm={t.algorithm!r}: only 'grpo' is implemented (PPO: issue 9)")
+    need = (t.save_every + 1) * t.groups_per_step
+    if cfg.buffer.capacity_groups < need:
+        raise ValueError(
+            f"buffer.capacity_groups={cfg.buffer.capacity_groups} must be >= (trainer.save_every + 1) "
+            f"* trainer.groups_per_step = {need}: taken groups stay in Redis until the next save"
+        )
     rank, world, device = init_distributed(timeout_s=t.batch_timeout_s + 600)
     if cfg.ep.size not in (1, world):
         raise ValueError(
@@ -417,16 +475,26 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
         # Rank 0 alone talks to Redis and checks the store; its error reaches every rank.
         buf = ExperienceBuffer.from_config(cfg, autocommit=False)
         latest = latest_policy_version(store, cfg.run_id)
-        if latest is not None:
+        if latest is not None and not resume:
             raise ValueError(
                 f"{cfg.store_url}: run {cfg.run_id!r} already has policy v{latest}; use a new "
-                "run_id (resume arrives with issue 4)"
+                "run_id, or --resume to continue it"
             )
-        return buf
+        manifest = latest_state(store, cfg.run_id) if resume else None
+        if manifest is not None:
+            if manifest["world_size"] != world:
+                raise ValueError(
+                    f"training state of step {manifest['step']} was saved by {manifest['world_size']} "
+                    f"ranks; this run has {world} (keep ep.size and --nproc-per-node)")
+            # Finish a commit that a kill interrupted: the saved state has taken these groups.
+            drop_committed(buf, manifest.get("commit_point"))
+        return buf, latest, manifest
 
-    # Groups leave Redis (commit) only after the step that trained on them has finished, so a
-    # trainer killed mid-step loses nothing (issue 4 adds saving state before the commit).
-    buffer = on_rank0(connect_and_check, rank)
+    # Groups leave Redis (commit) only after a saved state includes the steps that trained on
+    # them, so a trainer killed at any point loses nothing.
+    checked = on_rank0(connect_and_check, rank)
+    buffer = checked[0] if rank == 0 else None
+    latest, manifest = broadcast_from_rank0(checked[1:] if rank == 0 else None, rank)
 
     model = build_model(cfg, ep, device)
     ref_model = None
@@ -436,8 +504,22 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
     params = [p for p in model.parameters() if p.requires_grad]
     replicated = [p for p in params if id(p) not in sharded_ids]
     sharded = [p for p in params if id(p) in sharded_ids]
-    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
     pad_id = getattr(model.config, "pad_token_id", None) or 0
+
+    state = TrainState()
+    trained: set[str] = set()  # rank 0: "task_id/attempt" of every group this lineage trained on
+    commit_point: str | None = None  # rank 0: newest samples-stream entry taken
+    if manifest is not None:
+        extra = restore(model, optimizer, load_rank_payload(store, cfg.run_id, manifest))
+        state = TrainState(**manifest["train_state"])
+        state.resumed_from = manifest["step"]
+        trained = set(extra.get("trained", []))
+        commit_point = manifest.get("commit_point")
+        if rank == 0:
+            log.info("resumed from the training state of step %d (policy v%d)", state.step, state.version)
+    elif resume and rank == 0:
+        log.info("--resume: no complete training state in the store; starting from step 0")
 
     stop_requested = False
 
@@ -452,7 +534,6 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
     run_dir.mkdir(parents=True, exist_ok=True)
     work_dir = run_dir / "trainer-publish"
     metrics_path = run_dir / "metrics.jsonl"
-    state = TrainState()
 
     def publish(version: int) -> tuple[str, float]:
         return publish_version(
@@ -460,24 +541,45 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
             keep=t.keep_versions, buffer=buffer, tokenizer_source=cfg.model.path,
         )
 
-    # Version 0 is the starting policy (a store that already had versions of this run_id was
-    # refused above: mixing two runs' versions would break the version contract).
-    uri, secs = publish(0)
+    def save() -> float:
+        meta = {"train_state": asdict(state), "policy_version": state.version, "commit_point": commit_point}
+        extra = {"trained": sorted(trained)} if rank == 0 else {}
+        try:
+            return save_state(store, cfg.run_id, state.step, rank_payload(model, optimizer, extra), meta,
+                              work_dir=work_dir, keep=t.keep_states)
+        except RuntimeError as e:
+            raise TrainingError(str(e)) from None
+
+    # The first version is the starting policy: v0 for a new run; for a resumed run the
+    # version after the newest in the store (a store with versions was refused above unless
+    # resuming: mixing two runs' versions would break the version contract).
+    first = 0 if latest is None else latest + 1
+    uri, secs = publish(first)
+    state.version = first
     if rank == 0:
-        log.info("published initial policy v0 -> %s (%.1fs)", uri, secs)
+        log.info("published %s policy v%d -> %s (%.1fs)", "resumed" if resume else "initial", first, uri, secs)
 
     metrics_file = open(metrics_path, "a") if rank == 0 else None
+    trained_file = open_trained_log(run_dir / "trained.jsonl") if rank == 0 else None
+    if trained_file is not None and resume:
+        append_line(trained_file, {"resume_from_step": state.resumed_from or 0, "version": first,
+                                   "time": time.time()})
     try:
         while state.step < t.steps:
             payload = None
             wait_s = 0.0
+            groups: list = []
+            skipped: list = []
             if rank == 0:
                 payload = {"parts": None, "error": None, "stop": False, "meta": {}}
+
+                def keep(g) -> bool:
+                    nonlocal commit_point
+                    commit_point = newer_entry(commit_point, g.entry_id)
+                    return usable(g, state, cfg.buffer.max_staleness, pad_id, trained=trained, skipped=skipped)
+
                 try:
-                    groups, wait_s = take_groups(
-                        buffer, cfg, state.version, lambda: stop_requested,
-                        lambda g: usable(g, state, cfg.buffer.max_staleness, pad_id),
-                    )
+                    groups, wait_s = take_groups(buffer, cfg, state.version, lambda: stop_requested, keep)
                     payload["parts"] = split_groups(groups, world)
                     payload["meta"] = batch_meta(groups, state.version)
                 except Stop:
@@ -493,10 +595,8 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
             if batch.input_ids.shape[0] == 0:
                 batch = dummy_batch(pad_id)
             batch = batch.to(device)
-            lr = step_lr(t, state.step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
             applied, stats = train_step(cfg, model, ref_model, optimizer, batch, replicated, sharded)
+            trainer_version = state.version
             state.step += 1
             step_s = time.perf_counter() - t0
             if applied:
@@ -508,21 +608,35 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
                 log.warning("step %d: non-finite loss or gradient; step skipped (%d in a row)",
                             state.step, state.bad_in_row)
             if rank == 0:
-                buffer.commit()  # a skipped (non-finite) step consumes its groups too
+                if applied:
+                    trained.update(f"{g.task_id}/{g.attempt}" for g in groups)
+                else:
+                    skipped += [[g.task_id, g.attempt, "nonfinite"] for g in groups]
+                append_line(trained_file, {
+                    "step": state.step, "trainer_version": trainer_version, "time": time.time(),
+                    "groups": [{"task_id": g.task_id, "attempt": g.attempt,
+                                "samples": [[s.sample_id, s.policy_version] for s in g.samples]}
+                               for g in (groups if applied else [])],
+                    "skipped": skipped,
+                })
             give_up = state.bad_in_row >= t.max_bad_steps
-            publish_s = 0.0
+            publish_s = save_s = 0.0
             if not give_up and (state.step % t.publish_every == 0 or state.step == t.steps):
                 uri, publish_s = publish(state.version + 1)
                 state.version += 1
+            if not give_up and (state.step % t.save_every == 0 or state.step == t.steps):
+                save_s = save()
+                if rank == 0:
+                    buffer.commit()  # a skipped (non-finite) step consumes its groups too
             if rank == 0:
                 record = {
                     "time": time.time(), "step": state.step, "policy_version": state.version,
                     "applied": applied, "bad_steps": state.bad_steps, **msg["meta"],
-                    **{k: v for k, v in stats.items()}, "lr": lr,
-                    "wait_s": wait_s, "step_s": step_s, "publish_s": publish_s,
+                    **{k: v for k, v in stats.items()}, "lr": t.lr,
+                    "wait_s": wait_s, "step_s": step_s, "publish_s": publish_s, "save_s": save_s,
                     "samples_total": state.samples, "overstale_dropped": state.overstale,
                     "malformed_groups": state.malformed, "error_groups": state.error_groups,
-                    "buffer": buffer.stats(),
+                    "duplicate_groups": state.duplicates, "buffer": buffer.stats(),
                 }
                 metrics_file.write(json.dumps(record, allow_nan=True) + "\n")
                 metrics_file.flush()
@@ -541,41 +655,43 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
     except Stop:
         log.info("stop requested: ending at step %d, policy v%d", state.step, state.version)
     finally:
-        if metrics_file is not None:
-            metrics_file.close()
+        for f in (metrics_file, trained_file):
+            if f is not None:
+                f.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return state
 
 
-def step_lr(t, step: int) -> float:
-    """Learning rate of optimizer step ``step`` (0-based): linear warm-up over
-    ``trainer.lr_warmup_steps`` steps to ``trainer.lr``, then constant. A function of the step
-    alone, so a resumed run continues the same schedule."""
-    if t.lr_warmup_steps <= 0:
-        return t.lr
-    return t.lr * min(1.0, (step + 1) / t.lr_warmup_steps)
-
-
-def usable(group, state: TrainState, max_staleness: int, pad_id: int) -> bool:
-    """Rank 0's check of one group before it is scattered: within ``max_staleness`` (the buffer
+def usable(group, state: TrainState, max_staleness: int, pad_id: int, *,
+           trained: set[str] | None = None, skipped: list | None = None) -> bool:
+    """Rank 0's check of one group before it is scattered: not trained on before by this
+    lineage (``trained`` holds "task_id/attempt" keys), within ``max_staleness`` (the buffer
     enforces it already; this guards the contract), not an all-"error" group, and well-formed
-    (it collates). A rejected group is counted in ``state``, never trained on, and does not
-    take a place in the step's ``groups_per_step``."""
-    if state.version - group.policy_version > max_staleness:
+    (it collates). A rejected group is counted in ``state``, appended to ``skipped`` as
+    ``[task_id, attempt, reason]``, never trained on, and does not take a place in the step's
+    ``groups_per_step``."""
+    reason = None
+    if trained is not None and f"{group.task_id}/{group.attempt}" in trained:
+        state.duplicates += 1
+        reason = "duplicate"
+    elif state.version - group.policy_version > max_staleness:
         state.overstale += 1
-        return False
-    if all(s.finish_reason == "error" for s in group.samples):
+        reason = "overstale"
+    elif all(s.finish_reason == "error" for s in group.samples):
         # A task the engine refused (rollout worker): no completion tokens to learn from.
         state.error_groups += 1
-        return False
-    try:
-        collate_groups([group], pad_id=pad_id)
-    except ValueError as e:
-        state.malformed += 1
-        log.warning("skipping malformed group %s/%s: %s", group.task_id, group.attempt, e)
-        return False
-    return True
+        reason = "error"
+    else:
+        try:
+            collate_groups([group], pad_id=pad_id)
+        except ValueError as e:
+            state.malformed += 1
+            log.warning("skipping malformed group %s/%s: %s", group.task_id, group.attempt, e)
+            reason = "malformed"
+    if reason is not None and skipped is not None:
+        skipped.append([group.task_id, group.attempt, reason])
+    return reason is None
 
 
 def batch_meta(groups: list, version: int) -> dict:
@@ -610,8 +726,7 @@ def train(
     try:
         cfg = RunConfig.load(config)
         state = run_training(cfg, run_dir or Path("runs") / cfg.run_id, resume=resume)
-    except (TrainingError, ValueError, ConnectionError, TimeoutError, FileNotFoundError,
-            NotImplementedError) as e:
+    except (TrainingError, ValueError, ConnectionError, TimeoutError, FileNotFoundError) as e:
         # Bad input or a run-ending condition: one clear line, no traceback.
         typer.echo(f"moerl train (rank {os.environ.get('RANK', '0')}): {e}", err=True)
         raise SystemExit(1) from None  # (typer.Exit escapes app.cli's click group)
