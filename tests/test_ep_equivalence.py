@@ -80,12 +80,15 @@ def batch(total: int, top_k: int, mode: str):
 
 
 def run_case(block: MoEBlock, x: torch.Tensor, replay, proj: torch.Tensor):
+    device = block.gate.weight.device
+    x, proj = x.to(device), proj.to(device)
+    replay = None if replay is None else replay.to(device)
     x = x.clone().requires_grad_(True)
     out = block(x.unsqueeze(0)) if replay is None else block(x.unsqueeze(0), replay.unsqueeze(0))
     out = out[0]
     (out * proj).sum().backward()
     grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in block.named_parameters()}
-    return out.detach(), x.grad.clone(), grads
+    return out.detach().cpu(), x.grad.cpu(), {n: g.cpu() for n, g in grads.items()}
 
 
 def free_port() -> int:
@@ -94,11 +97,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, size: int, port: int) -> None:
+def _worker(rank: int, size: int, port: int, backend: str = "gloo") -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
-        ep = init_ep(EPConfig(size=size, backend="auto"))  # no deep_ep/CUDA here -> alltoall
+        ep = init_ep(EPConfig(size=size, backend="auto" if backend == "gloo" else "alltoall"))
         assert (ep.backend, ep.rank, ep.size) == ("alltoall", rank, size), ep
         try:
             init_ep(EPConfig(size=size + 1))
@@ -113,10 +119,10 @@ def _worker(rank: int, size: int, port: int) -> None:
             x, replay, proj = batch(sum(tokens), config.num_experts_per_tok, mode)
             start, stop = sum(tokens[:rank]), sum(tokens[: rank + 1])
 
-            ref = build(config, EPContext.local(), mode)
+            ref = build(config, EPContext.local(), mode).to(device)
             ref_out, ref_dx, ref_grads = run_case(ref, x, replay, proj)
 
-            block = build(config, ep, mode)
+            block = build(config, ep, mode).to(device)
             local = slice(start, stop)
             out, dx, grads = run_case(block, x[local], None if replay is None else replay[local], proj[local])
 
@@ -128,7 +134,9 @@ def _worker(rank: int, size: int, port: int) -> None:
                 if pname.startswith("experts."):
                     expected = ref_grads[pname][shard]
                 else:
+                    grad = grad.to(device)
                     dist.all_reduce(grad)
+                    grad = grad.cpu()
                     expected = ref_grads[pname]
                 torch.testing.assert_close(grad, expected, rtol=RTOL, atol=ATOL,
                                            msg=lambda m: f"{where}: grad of {pname}\n{m}")
@@ -144,6 +152,12 @@ def _worker(rank: int, size: int, port: int) -> None:
 @pytest.mark.parametrize("size", [2, 4])
 def test_ep_matches_ep1(size: int) -> None:
     mp.spawn(_worker, args=(size, free_port()), nprocs=size, join=True)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL all-to-all run needs 2+ CUDA GPUs")
+def test_ep_matches_ep1_on_gpus_with_nccl() -> None:
+    """The same cases, fp32, one process per GPU, NCCL (the GPU fallback when DeepEP is missing)."""
+    mp.spawn(_worker, args=(2, free_port(), "nccl"), nprocs=2, join=True)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "deepseek-v3"])

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from app.model.dispatch import Dispatched, unpermute
@@ -146,10 +147,15 @@ class DeepEPDispatcher:
         if x.dtype != torch.bfloat16 or not x.is_cuda:
             raise ValueError(f"deepep dispatch needs bf16 CUDA hidden states, got {x.dtype} on {x.device}")
         num_tokens, top_k = topk_idx.shape
-        buffer = get_buffer(self.ep.group, x.shape[1], x.shape[1] * x.element_size(), num_tokens, top_k)
+        # V2 needs the same num_max_tokens_per_rank on every rank: the group's max, rounded up to a
+        # power of two so the shared buffer is not re-allocated for every small change.
+        max_tokens = torch.tensor([num_tokens], dtype=torch.int64, device=x.device)
+        dist.all_reduce(max_tokens, op=dist.ReduceOp.MAX, group=self.ep.group)
+        max_tokens = 1 << max(int(max_tokens.item()) - 1, 0).bit_length()
+        buffer = get_buffer(self.ep.group, x.shape[1], x.shape[1] * x.element_size(), max_tokens, top_k)
         weights = torch.where(topk_idx >= 0, topk_weights.float(), torch.zeros_like(topk_weights, dtype=torch.float32))
         recv_x, recv_idx, recv_w, handle, counts = _Dispatch.apply(
-            x.contiguous(), topk_idx.contiguous(), weights.contiguous(), buffer, self.num_experts, num_tokens
+            x.contiguous(), topk_idx.contiguous(), weights.contiguous(), buffer, self.num_experts, max_tokens
         )
         # Expand received tokens to one row per (token, local expert), sorted by local expert.
         n_recv = recv_x.shape[0]
