@@ -134,8 +134,9 @@ class MoEBlock(nn.Module):
         self.last_topk_idx: Tensor | None = None
         self.last_aux_loss: Tensor | None = None
         self.last_tokens_per_expert: Tensor | None = None
-        # Global expert loads since the last update_expert_bias() (only when bias updates are on).
-        self.register_buffer("expert_load", torch.zeros(self.num_experts), persistent=False)
+        # Expert loads of this rank's tokens since the last update_expert_bias() (only when bias
+        # updates are on). A plain attribute, made at first use: no garbage after meta-device init.
+        self.expert_load: Tensor | None = None
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -180,6 +181,8 @@ class MoEBlock(nn.Module):
             )
         if self.router_cfg.bias_update_rate > 0:
             idx = routing.topk_idx.reshape(-1)
+            if self.expert_load is None:
+                self.expert_load = torch.zeros(self.num_experts, device=x.device)
             self.expert_load.scatter_add_(0, idx.clamp(min=0), (idx >= 0).float())
 
         d = self.dispatcher.dispatch(x, routing.topk_idx, routing.topk_weights)
@@ -202,6 +205,8 @@ class MoEBlock(nn.Module):
         rate = self.router_cfg.bias_update_rate
         if rate <= 0:
             return
+        if self.expert_load is None:  # no forward since the last update; every rank agrees
+            self.expert_load = torch.zeros(self.num_experts, device=self.gate.weight.device)
         load = self.expert_load.clone()
         if self.ep.group is not None:
             dist.all_reduce(load, group=self.ep.group)
