@@ -79,22 +79,12 @@ class RolloutConfig(Section):
     reward_fn: str = Field("app.envs.rewards:score", description="module:attr of score(task, text).")
     reward_url: str = Field("http://127.0.0.1:8080", description="`moerl reward` server; used when "
                             "task.reward_model is set.")
-    reward_url: str = Field("http://127.0.0.1:8080", description="`moerl reward` server; used when "
-                            "task.reward_model is set.")
 
 
 class TrainerConfig(Section):
     """GRPO or PPO trainer (app/trainer/)."""
 
     algorithm: Literal["grpo", "ppo"] = "grpo"
-    # PPO (algorithm: ppo): critic, GAE and value loss (app/trainer/ppo.py, critic.py).
-    gamma: float = Field(1.0, ge=0.0, le=1.0, description="PPO discount per token.")
-    gae_lambda: float = Field(0.95, ge=0.0, le=1.0, description="PPO GAE lambda.")
-    whiten_advantages: bool = Field(True, description="PPO: normalise advantages over the batch.")
-    value_clip: float | None = Field(0.2, gt=0.0, description="PPO value-loss clip range; None disables.")
-    critic_path: str | None = Field(None, description="HF checkpoint of the critic trunk; None: a copy "
-                                    "of the policy's trunk.")
-    critic_lr: float | None = Field(None, gt=0.0, description="Critic AdamW lr; None: trainer.lr.")
     # PPO (algorithm: ppo): critic, GAE and value loss (app/trainer/ppo.py, critic.py).
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="PPO discount per token.")
     gae_lambda: float = Field(0.95, ge=0.0, le=1.0, description="PPO GAE lambda.")
@@ -146,8 +136,6 @@ class TaskConfig(Section):
     warmup_steps: int = Field(150, ge=1, description="Supervised warm-up steps (moerl warmup).")
     warmup_lr: float = Field(3e-3, gt=0.0, description="Peak AdamW lr of the warm-up (cosine to 10%).")
     warmup_batch_size: int = Field(64, ge=1)
-    reward_model: str | None = Field(None, description="HF sequence-classification checkpoint that scores "
-                                     "completions (`moerl reward`) instead of the task's verifier.")
     reward_model: str | None = Field(None, description="HF sequence-classification checkpoint that scores "
                                      "completions (`moerl reward`) instead of the task's verifier.")
 
