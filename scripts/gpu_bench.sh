@@ -97,8 +97,11 @@ if [[ "$DRY_RUN" != 1 ]]; then
             --target /tmp/moerl-site $wheels 2>&1 | tee -a "$LOG"
         export PYTHONPATH="$PYTHONPATH:/tmp/moerl-site"
     fi
-    "$PY" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, \
-'transformers', transformers.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" 2>&1 | tee -a "$LOG"
+    if ! "$PY" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, \
+'transformers', transformers.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" 2>&1 | tee -a "$LOG"; then
+        say "ABORT: no CUDA device visible to torch (see above)"
+        exit 2
+    fi
     if ! "$PY" -c "import app.cli, app.bench.cli, app.bench.moe, app.bench.train_step, app.bench.engine" 2>&1 | tee -a "$LOG"; then
         say "ABORT: the benchmark modules do not import here (see above)"
         exit 2
@@ -118,7 +121,7 @@ step 60 "moe qwen3-30b-a3b E=128 T=4096" "${MOE[@]}" "${QWEN3[@]}" --tokens 4096
 # 64 rollouts of 128 + 384 tokens = 32768 tokens per step (logits alone: 2.1 GB bf16, 4.3 GB fp32).
 step 120 "train-step small" train-step --model small --groups 8 --group-size 8 --prompt-len 128 \
     --completion-len 384 --iters 5 --warmup 2 "${GPU[@]}"
-step 120 "engine small" engine --model small --batch-sizes 1,8,64 --prompt-len 128 --output-len 128 \
+step 120 "engine small" engine --model small --batch-sizes 1,8,64 --prompt-len 128 --output-len 128 --repeats 3 \
     --work-dir "$SCRATCH/engine" "${GPU[@]}"
 step 75 "moe deepseek-v3 E=32 T=16384" "${MOE[@]}" "${DSV3[@]}" --experts 32 --tokens 16384
 step 60 "moe deepseek-v3 E=8 T=16384" "${MOE[@]}" "${DSV3[@]}" --experts 8 --tokens 16384

@@ -115,7 +115,7 @@ def _check_engine_doc(doc: dict, batch_sizes: list[int], output_len: int) -> Non
 
 def test_engine_bench_writes_result(tmp_path):
     work = tmp_path / "work"
-    r = invoke("engine", "--batch-sizes", "1,3", "--prompt-len", "5", "--output-len", "4",
+    r = invoke("engine", "--batch-sizes", "1,3", "--prompt-len", "5", "--output-len", "4", "--repeats", "2",
                "--work-dir", str(work), "--out-dir", str(tmp_path / "out"))
     assert r.exit_code == 0, r.output
     doc = only_result(tmp_path / "out", "engine")
@@ -155,6 +155,7 @@ runpy.run_module("app.cli", run_name="__main__")  # what `python3 -m app.cli` ru
     (["engine", "--batch-sizes", "1,x"], "--batch-sizes"),
     (["engine", "--batch-sizes", "0"], "--batch-sizes"),
     (["engine", "--output-len", "1"], "--output-len"),
+    (["engine", "--repeats", "0"], "--repeats"),
     (["engine", "--prompt-len", "500", "--output-len", "100"], "max_position_embeddings"),
 ])
 def test_bad_flags_give_one_error_naming_the_flag(tmp_path, args, flag):

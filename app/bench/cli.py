@@ -70,6 +70,7 @@ def engine(
     batch_sizes: str = typer.Option("1,8,64", help="Comma-separated batch sizes."),
     prompt_len: int = typer.Option(128, help="Prompt tokens per sequence."),
     output_len: int = typer.Option(128, help="Generated tokens per sequence (EOS ignored)."),
+    repeats: int = typer.Option(1, help="Timed generate calls per batch size; the median is reported."),
     dtype: str = typer.Option("float32", help="float32 | bfloat16"),
     device: str = typer.Option("cpu", help="cpu | cuda"),
     work_dir: str = typer.Option("", help="Scratch dir on the disk to measure (default: a temp dir)."),
@@ -84,7 +85,7 @@ def engine(
         except ValueError:
             raise ValueError(f"--batch-sizes must be comma-separated integers, got {batch_sizes!r}") from None
         run(EngineBench(model=model, batch_sizes=sizes, prompt_len=prompt_len, output_len=output_len,
-                        dtype=dtype, device=device, work_dir=work_dir), out_dir=out_dir)
+                        repeats=repeats, dtype=dtype, device=device, work_dir=work_dir), out_dir=out_dir)
     except ValueError as e:
         typer.echo(f"moerl bench engine: error: {e}", err=True)
         raise SystemExit(2) from None

@@ -14,7 +14,7 @@ rollout worker takes. Then, in the same run and on the same disk:
   - generate: `app.rollout.sampler.generate` (no HTTP) on the loaded model at each batch size,
     fixed prompt and output lengths (``ignore_eos``, temperature 1, top_p 1): output tokens/s;
     a run with ``max_new_tokens=1`` gives the prefill time, and decode tokens/s =
-    B x (output_len - 1) / (full time - prefill time).
+    B x (output_len - 1) / (full time - prefill time); with ``repeats`` > 1, medians of each.
 
 Page cache: ``os.posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED)`` after an fsync, per file
 (Linux drops the clean cached pages of that file; a hypervisor's cache below the guest, if any,
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -122,6 +123,7 @@ class EngineBench:
     output_len: int = 128
     dtype: str = "float32"
     device: str = "cpu"
+    repeats: int = 1  # timed generate calls per batch size (and per prefill); the median is reported
     work_dir: str = ""  # where the checkpoint, store and disk-test file go; "" = a temp dir
     seed: int = 0
 
@@ -133,6 +135,8 @@ class EngineBench:
             raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"--batch-sizes must be positive integers, got {list(self.batch_sizes)}")
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be at least 1, got {self.repeats}")
         if self.prompt_len < 1 or self.output_len < 2:
             raise ValueError("--prompt-len must be >= 1 and --output-len >= 2 (decode needs a second token)")
         device = torch.device(self.device)
@@ -225,7 +229,8 @@ def run(bench: EngineBench, out_dir: str = "runs/bench") -> dict:
         notes.append(f"loader: {loader_name}")
         for p in files:
             drop_from_page_cache(p)
-        _, load_cold_s = _timed(lambda: load(str(cache), str(device), bench.dtype), device)
+        cold, load_cold_s = _timed(lambda: load(str(cache), str(device), bench.dtype), device)
+        del cold
         loaded, load_warm_s = _timed(lambda: load(str(cache), str(device), bench.dtype), device)
         for name, s in (("load_cold", load_cold_s), ("load_warm", load_warm_s)):
             figures.append({"name": name, "gb": gb, "seconds": s, "s_per_gb": s / gb, "gb_per_s": gb / s,
@@ -248,8 +253,9 @@ def run(bench: EngineBench, out_dir: str = "runs/bench") -> dict:
 
         for batch in bench.batch_sizes:
             call(batch, 2)  # warm-up: kernels, allocator, cache code paths
-            _, prefill_s = _timed(lambda: call(batch, 1), device)
-            outs, full_s = _timed(lambda: call(batch, bench.output_len), device)
+            prefill_s = statistics.median(_timed(lambda: call(batch, 1), device)[1] for _ in range(bench.repeats))
+            runs = [_timed(lambda: call(batch, bench.output_len), device) for _ in range(bench.repeats)]
+            outs, full_s = sorted(runs, key=lambda r: r[1])[(len(runs) - 1) // 2]  # the median run
             produced = sum(len(o.token_ids) for o in outs)
             if produced != batch * bench.output_len:
                 notes.append(f"batch {batch}: {produced} tokens generated, expected {batch * bench.output_len}")
