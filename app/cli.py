@@ -47,6 +47,23 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def load(name: str):
+    """The typer app of command `name` (imports its module).
+
+    Raises:
+        KeyError: `name` is not a moerl command.
+    """
+    module_name, attr = COMMANDS[name].split(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def command(name: str):
+    """The click command behind `moerl name` (for introspection, e.g. its options in tests)."""
+    import typer.main
+
+    return typer.main.get_command(load(name))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `moerl` console script: import the command's module, hand it the rest.
 
@@ -60,9 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     if name not in COMMANDS:
         print(f"moerl: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         sys.exit(2)
-    module_name, attr = COMMANDS[name].split(":")
-    app = getattr(importlib.import_module(module_name), attr)
-    app(args=rest, prog_name=f"moerl {name}")
+    load(name)(args=rest, prog_name=f"moerl {name}")
 
 
 if __name__ == "__main__":

@@ -437,11 +437,9 @@ def test_cli_bad_input_leaves_existing_output_untouched(tmp_path, capsys):
 
 
 def _options(name: str) -> set[str]:
-    import click
+    from app.cli import command
 
-    from app.cli import cli
-
-    cmd = cli.get_command(click.Context(cli), name)
+    cmd = command(name)
     return {opt for p in cmd.params for opt in p.opts}
 
 
