@@ -140,3 +140,7 @@ def main(
     temp = cfg.rollout.temperature if temperature is None else temperature
     res = evaluate_checkpoint(checkpoint, heldout, temp, cfg.rollout.max_new_tokens, seed=cfg.task.seed)
     typer.echo(json.dumps(asdict(res)))
+
+
+if __name__ == "__main__":  # python -m app.envs.evaluate --checkpoint DIR [--config run.yaml]
+    cli()
