@@ -87,7 +87,7 @@ if [[ "$DRY_RUN" != 1 ]]; then
         --format=csv; df -hT "$SCRATCH"; } 2>&1 | tee -a "$LOG"
     # The image has no pydantic (app.config needs it): install the carried wheels, once per name.
     if ! "$PY" -c "import pydantic" 2>/dev/null; then
-        wheels=$(find .whl -name '*.whl' 2>/dev/null | awk -F/ '{split($NF, a, "-"); if (!seen[tolower(a[1])]++) print}')
+        wheels=$(find .whl -type f -name '*.whl' 2>/dev/null | awk -F/ '{split($NF, a, "-"); if (!seen[tolower(a[1])]++) print}')
         if [[ -z "$wheels" ]]; then
             say "ABORT: pydantic is missing and no wheels under .whl/ (carry .whl; see BENCHMARKS.md)"
             exit 2
