@@ -81,6 +81,8 @@ def test_evaluate_restores_mode_and_greedy_is_deterministic():
     assert generate(model, tok, ["ab="], 0.0, 4) == generate(model, tok, ["ab="], 0.0, 4)
     with pytest.raises(ValueError, match="eval_size"):
         evaluate(model, tok, [], 1.0, 4)
+    with pytest.raises(ValueError, match="samples"):
+        evaluate(model, tok, held, 1.0, 4, samples=0)
 
 
 def test_warmup_rejects_a_file_as_out(tmp_path):

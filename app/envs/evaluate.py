@@ -28,12 +28,14 @@ class EvalResult:
     Attributes:
         n: prompts evaluated.
         temperature: sampling temperature used for ``sampled``.
-        sampled: mean reward of one completion per prompt sampled at ``temperature``.
+        samples: completions sampled per prompt for ``sampled``.
+        sampled: mean reward of the completions sampled at ``temperature``.
         greedy: mean reward of the greedy completion (None if not asked for).
     """
 
     n: int
     temperature: float
+    samples: int
     sampled: float
     greedy: float | None = None
 
@@ -69,21 +71,25 @@ def generate(model, tokenizer, texts: list[str], temperature: float, max_new_tok
 
 
 def mean_reward(model, tokenizer, prompts: list[Prompt], temperature: float, max_new_tokens: int,
-                batch_size: int = 100) -> float:
-    """Mean reward of one completion per prompt at ``temperature`` (0 = greedy)."""
+                samples: int = 1, batch_size: int = 128) -> float:
+    """Mean reward of ``samples`` completions per prompt at ``temperature`` (0 = greedy)."""
+    items = [p for p in prompts for _ in range(samples)]
     total = 0.0
-    for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i : i + batch_size]
+    for i in range(0, len(items), batch_size):
+        chunk = items[i : i + batch_size]
         for p, c in zip(chunk, generate(model, tokenizer, [p.text for p in chunk], temperature, max_new_tokens)):
             total += score_answer_spec(p.spec, c)
-    return total / len(prompts)
+    return total / len(items)
 
 
 def evaluate(model, tokenizer, prompts: list[Prompt], temperature: float = 1.0, max_new_tokens: int = 8,
-             greedy: bool = True, seed: int = 0) -> EvalResult:
+             greedy: bool = True, seed: int = 0, samples: int = 4) -> EvalResult:
     """Held-out mean reward of ``model`` (sampled at ``temperature``, and greedy if asked).
 
-    Sampling is seeded (``seed``) without touching the caller's global RNG state. The model is
+    ``samples`` completions per prompt (default 4) halve the sampling noise of the sampled figure
+    (the part of its standard error that comes from which completions were drawn, ~0.03 with one
+    completion on 200 prompts of the tiny recipe), which is the noise in a before/after difference
+    on the same prompts. Sampling is seeded (``seed``) without touching the caller's global RNG state. The model is
     put in eval mode and its previous mode restored.
 
     Raises:
@@ -91,20 +97,22 @@ def evaluate(model, tokenizer, prompts: list[Prompt], temperature: float = 1.0, 
     """
     if not prompts:
         raise ValueError("evaluate: no held-out prompts (task.eval_size must be >= 1)")
+    if samples < 1:
+        raise ValueError(f"evaluate: samples must be >= 1, got {samples}")
     was_training = model.training
     model.eval()
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            sampled = mean_reward(model, tokenizer, prompts, temperature, max_new_tokens)
+            sampled = mean_reward(model, tokenizer, prompts, temperature, max_new_tokens, samples)
         best = mean_reward(model, tokenizer, prompts, 0.0, max_new_tokens) if greedy else None
     finally:
         model.train(was_training)
-    return EvalResult(n=len(prompts), temperature=temperature, sampled=sampled, greedy=best)
+    return EvalResult(n=len(prompts), temperature=temperature, samples=samples, sampled=sampled, greedy=best)
 
 
 def evaluate_checkpoint(path: str | os.PathLike, prompts: list[Prompt], temperature: float = 1.0,
-                        max_new_tokens: int = 8, greedy: bool = True, seed: int = 0) -> EvalResult:
+                        max_new_tokens: int = 8, greedy: bool = True, seed: int = 0, samples: int = 4) -> EvalResult:
     """`evaluate` a checkpoint directory loaded with stock transformers (model and tokenizer).
 
     Raises:
@@ -119,7 +127,7 @@ def evaluate_checkpoint(path: str | os.PathLike, prompts: list[Prompt], temperat
         raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    return evaluate(model, tokenizer, prompts, temperature, max_new_tokens, greedy, seed)
+    return evaluate(model, tokenizer, prompts, temperature, max_new_tokens, greedy, seed, samples)
 
 
 cli = typer.Typer(add_completion=False, help="Held-out mean reward of a checkpoint.")
