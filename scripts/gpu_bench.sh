@@ -102,7 +102,10 @@ if [[ "$DRY_RUN" != 1 ]]; then
         say "ABORT: no CUDA device visible to torch (see above)"
         exit 2
     fi
-    if ! "$PY" -c "import app.cli, app.bench.cli, app.bench.moe, app.bench.train_step, app.bench.engine" 2>&1 | tee -a "$LOG"; then
+    # What the three benchmarks import when they run, so a missing package stops us here, in seconds.
+    if ! "$PY" -c "import app.cli, app.bench.cli, app.bench.moe, app.bench.train_step, app.bench.engine, \
+app.config, app.model.policy, app.model.checkpoint, app.trainer.train, app.storage.policy, app.rollout.sampler" \
+        2>&1 | tee -a "$LOG"; then
         say "ABORT: the benchmark modules do not import here (see above)"
         exit 2
     fi
