@@ -38,8 +38,10 @@ def embedded_default() -> RunConfig:
     """The run config of `make run`: the tiny recipe of app/envs/__init__.py on 2 CPU cores.
 
     EP=2 over gloo (two trainer ranks, each holding half of the experts), two rollout workers,
-    GRPO groups of 8, short answers. Back-pressure at two steps' worth of finished groups keeps
-    rollouts at most one policy version ahead, so few groups go stale.
+    GRPO groups of 8, short answers. A new policy version every step: the engines load it about
+    one step later, so samples are typically 1-2 versions old; max_staleness 2 (corrected by
+    truncated importance sampling) keeps most of them, and back-pressure at two steps' worth of
+    finished groups stops the workers from running further ahead.
     """
     cfg = RunConfig()
     cfg.ep.size = 2
@@ -49,7 +51,7 @@ def embedded_default() -> RunConfig:
     cfg.rollout.group_size = 8
     cfg.rollout.max_new_tokens = 8
     cfg.rollout.policy_poll_s = 0.5
-    cfg.buffer.max_staleness = 1
+    cfg.buffer.max_staleness = 2
     cfg.buffer.capacity_groups = 2 * cfg.trainer.groups_per_step
     return cfg
 
@@ -96,28 +98,45 @@ def held_out_reward(cfg: RunConfig, model_dir: Path) -> dict:
     return {"n": r.n, "mean_reward": r.sampled, "greedy": r.greedy}
 
 
-def queue_tasks(loop: EmbeddedLoop, model_dir: Path) -> int:
-    """Queue enough prompt groups for every trainer step, twice over (stale groups are dropped).
+class TaskFeeder:
+    """Keeps the task queue topped up with training prompt groups, epoch after epoch.
 
-    Prompts are reused across epochs; each epoch's tasks get new ids (``e<k>-train-...``), since
-    the buffer never queues the same (task_id, attempt) twice.
+    Stale groups are dropped (``buffer.stale_policy``), so how many tasks a run consumes is not
+    known in advance; the feeder adds the next ``low_water`` tasks whenever fewer than that are
+    waiting. Each epoch's tasks get new ids (``e<k>-train-...``): the buffer never queues the
+    same (task_id, attempt) twice.
     """
-    from app.envs.tasks import make_splits, make_tasks
-    from app.envs.tokenizer import load_tokenizer
 
-    cfg = loop.cfg
-    train, _ = make_splits(cfg.task)
-    tasks = make_tasks(train, load_tokenizer(model_dir), cfg.rollout.group_size)
-    needed = 2 * cfg.trainer.steps * cfg.trainer.groups_per_step
-    queued = []
-    for epoch in range(-(-needed // len(tasks))):
-        for task in tasks:
-            queued.append(dataclasses.replace(task, task_id=f"e{epoch}-{task.task_id}"))
-    with loop.buffer() as buf:
-        return buf.put_tasks(queued[:needed])
+    def __init__(self, loop: EmbeddedLoop, model_dir: Path):
+        from app.envs.tasks import make_splits, make_tasks
+        from app.envs.tokenizer import load_tokenizer
+
+        cfg = loop.cfg
+        train, _ = make_splits(cfg.task)
+        self.tasks = make_tasks(train, load_tokenizer(model_dir), cfg.rollout.group_size)
+        self.loop = loop
+        self.low_water = 4 * cfg.trainer.groups_per_step
+        self.next = 0  # index into the endless sequence of epochs
+        self.issued = 0
+
+    def top_up(self) -> int:
+        """Queue tasks until at least ``2 * low_water`` wait; returns how many were added."""
+        with self.loop.buffer() as buf:
+            waiting = buf.stats()["queued"]
+            if waiting >= self.low_water:
+                return 0
+            batch = []
+            for _ in range(2 * self.low_water - waiting):
+                epoch, i = divmod(self.next, len(self.tasks))
+                task = self.tasks[i]
+                batch.append(dataclasses.replace(task, task_id=f"e{epoch}-{task.task_id}"))
+                self.next += 1
+            added = buf.put_tasks(batch)
+        self.issued += added
+        return added
 
 
-def progress_loop(loop: EmbeddedLoop, steps: int) -> None:
+def progress_loop(loop: EmbeddedLoop, feeder: TaskFeeder, steps: int) -> None:
     """Show step, reward, samples/s, staleness and policy version until the trainer is done."""
     columns = [
         TextColumn("[bold]step {task.completed:.0f}/{task.total:.0f}"), BarColumn(),
@@ -127,6 +146,7 @@ def progress_loop(loop: EmbeddedLoop, steps: int) -> None:
         task = bar.add_task("train", total=steps, info="waiting for the first batch")
         while not loop.trainer_done():
             loop.check_roles()
+            feeder.top_up()
             records = loop.metrics()
             if records:
                 r = records[-1]
@@ -175,10 +195,11 @@ def run(
         before = held_out_reward(loop.cfg, base)
         console.print(f"held-out reward before RL: {before['mean_reward']:.3f} (n={before['n']}, "
                       f"greedy {before['greedy']:.3f})")
-        console.print(f"queued {queue_tasks(loop, base)} prompt groups")
+        feeder = TaskFeeder(loop, base)
+        feeder.top_up()
         loop.start_trainer()
         loop.start_rollout(base)
-        progress_loop(loop, loop.cfg.trainer.steps)
+        progress_loop(loop, feeder, loop.cfg.trainer.steps)
         loop.stop_rollout()
         final = latest_local_policy(loop)
         after = held_out_reward(loop.cfg, final)

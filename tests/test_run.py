@@ -1,0 +1,119 @@
+"""End to end: `moerl run` as a user runs it, with real processes (redis-server, engines,
+rollout workers, a 2-rank torchrun trainer), on a short schedule."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from app.run import embedded_default, warmup_dir
+
+pytestmark = pytest.mark.slow
+
+
+def small_config(tmp_path: Path, steps: int) -> Path:
+    """The embedded default, shortened: fewer steps, a shorter warm-up, fewer held-out prompts."""
+    cfg = embedded_default()
+    cfg.run_id = "e2e"
+    cfg.trainer.steps = steps
+    cfg.task.train_size = 200
+    cfg.task.eval_size = 40
+    cfg.task.warmup_steps = 20
+    path = tmp_path / "run.yaml"
+    cfg.save(path)
+    return path
+
+
+def moerl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "app.cli", *args]
+
+
+def descendants(pid: int) -> list[int]:
+    """PIDs of every live process whose parent chain reaches `pid` (from /proc)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            # The command name may hold spaces; fields after the closing parenthesis are fixed.
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                parents[int(entry)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        found += kids
+        frontier += kids
+    return found
+
+
+def test_run_end_to_end(tmp_path):
+    config = small_config(tmp_path, steps=4)
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        moerl("run", "--config", str(config), "--out", str(out), "--cache", str(tmp_path / "cache")),
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4
+    assert summary["policy_version"] == 4
+    assert summary["held_out_prompts"] == 40
+    assert 0.0 <= summary["held_out_reward_before"] <= 1.0
+    assert 0.0 <= summary["held_out_reward_after"] <= 1.0
+    assert summary["samples_trained"] == 4 * 8 * 8  # steps x groups x G
+    # metrics, plot and TensorBoard events are written
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+    assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    # the last policy version is a complete HF checkpoint in the store
+    latest = out / "store" / "e2e" / "policy" / "latest"
+    assert latest.read_text().strip() == "4"
+    assert (out / "final" / "v4" / "config.json").exists()
+    # every staleness the trainer saw is within the bound
+    bound = embedded_default().buffer.max_staleness
+    for line in lines:
+        assert json.loads(line)["staleness_max"] <= bound
+    # the warm-up checkpoint was cached for the next run
+    cfg = embedded_default().model_validate(__import__("yaml").safe_load(config.read_text()))
+    assert (warmup_dir(cfg, tmp_path / "cache") / "config.json").exists()
+
+
+def test_run_ctrl_c_stops_every_process(tmp_path):
+    config = small_config(tmp_path, steps=1000)
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        moerl("run", "--config", str(config), "--out", str(out), "--cache", str(tmp_path / "cache")),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        # Wait until the trainer has made a step: every role is up by then.
+        deadline = time.monotonic() + 300
+        metrics = out / "metrics.jsonl"
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(1)
+        assert metrics.exists(), "the trainer made no step within 300 s"
+        children = descendants(proc.pid)
+        assert len(children) >= 6  # redis, 2 engines, 2 workers, torchrun + 2 ranks
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 130
+    time.sleep(1)
+    alive = [pid for pid in children if Path(f"/proc/{pid}").exists() and
+             Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert alive == [], f"processes left running after Ctrl-C: {alive}"
