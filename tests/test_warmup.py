@@ -65,6 +65,13 @@ def test_warmup_lowers_loss_and_writes_a_stock_loadable_checkpoint(tmp_path):
     with torch.no_grad():
         assert sft_loss(model, ids, attn, mask) < sft_loss(fresh, ids, attn, mask)
 
+    # a warm-up can continue from a checkpoint (model.path): it starts where the first one ended
+    more = small_config(warmup_steps=5)
+    more.model.path = str(out)
+    again = run_warmup(more, tmp_path / "again", threads=1, log=lambda msg: None)
+    assert again["first_loss"] < 0.7 * summary["first_loss"]
+    assert (tmp_path / "again" / "tokenizer.json").is_file()
+
 
 def test_evaluate_restores_mode_and_greedy_is_deterministic():
     from app.envs.warmup import build_base_policy

@@ -24,7 +24,7 @@ import typer
 
 from app.config import RunConfig
 from app.envs.tasks import Prompt, make_splits
-from app.envs.tokenizer import EOS_ID, PAD_ID, build_tokenizer, save_tokenizer
+from app.envs.tokenizer import PAD_ID, build_tokenizer, load_tokenizer, save_tokenizer
 
 
 def sft_batch(prompts: list[Prompt], tokenizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -38,11 +38,12 @@ def sft_batch(prompts: list[Prompt], tokenizer) -> tuple[torch.Tensor, torch.Ten
     seqs, masks = [], []
     for p in prompts:
         prompt_ids = tokenizer(p.text)["input_ids"]
-        answer_ids = tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [EOS_ID]
+        answer_ids = tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         seqs.append(prompt_ids + answer_ids)
         masks.append([0.0] * len(prompt_ids) + [1.0] * len(answer_ids))
     width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), PAD_ID, dtype=torch.long)
+    pad = PAD_ID if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
     attn = torch.zeros(len(seqs), width, dtype=torch.long)
     loss_mask = torch.zeros(len(seqs), width)
     for i, (s, m) in enumerate(zip(seqs, masks)):
@@ -67,7 +68,7 @@ def lr_at(step: int, total: int, peak: float, warmup: int = 20) -> float:
     return peak * ramp * (0.1 + 0.9 * cosine)
 
 
-def warm_up(model, train: list[Prompt], steps: int, lr: float, batch_size: int, seed: int = 0,
+def warm_up(model, tokenizer, train: list[Prompt], steps: int, lr: float, batch_size: int, seed: int = 0,
             log=None) -> list[float]:
     """Fit ``model`` in place on random batches of ``train``; returns the loss of every step.
 
@@ -78,7 +79,6 @@ def warm_up(model, train: list[Prompt], steps: int, lr: float, batch_size: int, 
     """
     if not train:
         raise ValueError("warmup: no training prompts")
-    tokenizer = build_tokenizer()
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     model.train()
@@ -135,14 +135,16 @@ def run_warmup(cfg: RunConfig, out: Path, threads: int | None = 1, log=print) ->
     torch.manual_seed(cfg.task.seed)
     train, heldout = make_splits(cfg.task)
     model = build_base_policy(cfg)
+    # A loaded checkpoint keeps its own tokenizer if it has one; presets use the character one.
+    has_own = cfg.model.path and (Path(cfg.model.path) / "tokenizer.json").is_file()
+    tokenizer = load_tokenizer(cfg.model.path) if has_own else build_tokenizer()
     t0 = time.monotonic()
     t = cfg.task
-    losses = warm_up(model, train, t.warmup_steps, t.warmup_lr, t.warmup_batch_size, t.seed, log)
+    losses = warm_up(model, tokenizer, train, t.warmup_steps, t.warmup_lr, t.warmup_batch_size, t.seed, log)
     wall = time.monotonic() - t0
-    result = evaluate(model, build_tokenizer(), heldout, cfg.rollout.temperature, cfg.rollout.max_new_tokens,
-                      seed=t.seed)
+    result = evaluate(model, tokenizer, heldout, cfg.rollout.temperature, cfg.rollout.max_new_tokens, seed=t.seed)
     save_policy(model, out, EPContext.local(), overwrite=True)
-    save_tokenizer(out)
+    save_tokenizer(out, tokenizer)
     summary = dict(task=t.name, steps=t.warmup_steps, first_loss=losses[0], last_loss=losses[-1],
                    wall_s=round(wall, 2), heldout=asdict(result), checkpoint=str(out))
     tmp = out / ".warmup.json.tmp"
