@@ -171,11 +171,16 @@ def run(
     workers: int = typer.Option(2, "--workers", min=1, help="Rollout workers (one engine each)."),
     steps: int = typer.Option(None, "--steps", min=1, help="Trainer steps (overrides the config)."),
     cache: Path = typer.Option(Path("runs/cache"), "--cache", help="Warm-up checkpoint cache."),
+    algorithm: str = typer.Option(None, "--algorithm", help="grpo | ppo (overrides trainer.algorithm)."),
 ) -> None:
     """Run the embedded loop end to end and print a summary; exit code 0 on success."""
     cfg = RunConfig.load(config) if config else embedded_default()
     if steps:
         cfg.trainer.steps = steps
+    if algorithm:
+        if algorithm not in ("grpo", "ppo"):
+            raise typer.BadParameter(f"{algorithm!r}: must be 'grpo' or 'ppo'", param_hint="--algorithm")
+        cfg.trainer.algorithm = algorithm
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     run_dir = (out or Path("runs") / f"{cfg.run_id}-{stamp}").resolve()
     if run_dir.exists() and any(run_dir.iterdir()):

@@ -19,6 +19,7 @@ The critic's weights and optimizer state live in the training state, next to the
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -129,3 +130,35 @@ def restore_critic(critic: Critic, optimizer: torch.optim.Optimizer, payload: di
     except RuntimeError as e:
         raise ValueError(f"saved critic does not match this critic: {e}") from None
     optimizer.load_state_dict(payload["optimizer"])
+
+
+@dataclass
+class CriticParts:
+    """The critic as the trainer steps it: the module, its optimizer, and its parameters split
+    like the policy's (``replicated``: gradients all-reduced; ``sharded``: this rank's experts)."""
+
+    module: Critic
+    optimizer: torch.optim.Optimizer
+    replicated: list[nn.Parameter]
+    sharded: list[nn.Parameter]
+
+    @property
+    def base_lr(self) -> float:
+        return self.optimizer.defaults["lr"]
+
+
+def make_critic_parts(cfg: RunConfig, ep, device: torch.device | str = "cpu") -> CriticParts:
+    """`build_critic` plus an AdamW over it (``trainer.critic_lr`` or ``trainer.lr``, the
+    policy's betas and weight decay). Collective under several ranks (the broadcast)."""
+    from app.trainer.train import expert_param_ids
+
+    t = cfg.trainer
+    critic = build_critic(cfg, ep, device)
+    sharded_ids = expert_param_ids(critic) if ep.size > 1 else set()
+    params = [p for p in critic.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=t.critic_lr or t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
+    return CriticParts(
+        module=critic, optimizer=optimizer,
+        replicated=[p for p in params if id(p) not in sharded_ids],
+        sharded=[p for p in params if id(p) in sharded_ids],
+    )

@@ -159,7 +159,7 @@ def value_loss(
         denominator: see above.
 
     Returns:
-        `LossOutput` with sums of ``tokens``, ``vf_loss``, ``vf_clipped`` (tokens where the
+        `LossOutput` with sums of ``tokens``, ``vf_loss``, ``vf_clip_frac`` (tokens where the
         clipped term is the larger), ``value``, ``return``, ``value_error`` ((V - R)^2) — divide
         by ``tokens`` (`grpo.finish_stats`) for means.
 
@@ -193,7 +193,7 @@ def value_loss(
         sums = {
             "tokens": mask.sum(),
             "vf_loss": (per_token.detach() * mask).sum(),
-            "vf_clipped": (clipped_frac * mask).sum(),
+            "vf_clip_frac": (clipped_frac * mask).sum(),
             "value": (values.detach() * mask).sum(),
             "return": (returns * mask).sum(),
             "value_error": (unclipped.detach() * mask).sum(),

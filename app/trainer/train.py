@@ -1,4 +1,4 @@
-"""The GRPO training loop: `moerl train --config run.yaml`, one process per rank under torchrun.
+"""The GRPO / PPO training loop: `moerl train --config run.yaml`, one process per rank under torchrun.
 
 Parallelism (embedded default: ``torchrun --nproc-per-node 2``, ``ep.size = 2``, gloo): the EP
 ranks are also the data-parallel ranks. Each step, rank 0 takes ``groups_per_step`` whole GRPO
@@ -38,15 +38,21 @@ Trained-sample record: rank 0 appends one JSON line per step to ``<run_dir>/trai
 a resume appends ``{"resume_from_step": S, "version": V, "time"}``: lines of steps after S that
 precede it were rolled back (their groups are trained again). app/ledger.py audits this file.
 
-PPO (issue 9) adds a value head and GAE beside grpo.py; only the loss call in `train_step` is
-algorithm-specific.
+PPO (``trainer.algorithm: ppo``, issue 9): a critic (app/trainer/critic.py: a value head on a
+copy of the policy trunk, or ``trainer.critic_path``) lives in the same trainer job, EP-sharded
+like the policy; `train_step` turns its values into per-token GAE advantages (app/trainer/ppo.py)
+for the same clipped loss, staleness bound and TIS, and trains it with the clipped value loss in
+the same step. Its weights and optimizer state are saved in each rank's training state
+(``extra["critic"]``) and restored by ``--resume``. Both optimizers follow `step_lr` (the
+critic to ``trainer.critic_lr``).
 
 Metrics: one JSON line per step in ``<run_dir>/metrics.jsonl`` (rank 0), whole-batch figures:
   step, policy_version, applied (False: non-finite step skipped), bad_steps, time (unix s);
   groups, samples, reward_mean, reward_max, completion_len_mean, staleness_mean, staleness_max;
   loss, pg_loss, tokens, clip_frac, ratio, ratio_max, approx_kl (k3, old||current),
   mismatch_kl (k3, engine||trainer), tis, tis_max, tis_trunc_frac, entropy, kl_ref (kl_coef>0),
-  grad_norm (before clipping), lr; wait_s (waiting for groups), step_s, publish_s;
+  grad_norm (before clipping), lr; PPO: vf_loss, vf_clip_frac, value, return, value_error,
+  critic_grad_norm; wait_s (waiting for groups), step_s, publish_s;
   samples_total, overstale_dropped, malformed_groups, error_groups; buffer (ExperienceBuffer.stats()).
 """
 
@@ -232,8 +238,15 @@ def train_step(
     batch: TrainBatch,
     replicated: list[nn.Parameter],
     sharded: list[nn.Parameter],
+    critic=None,
 ) -> tuple[bool, dict[str, float]]:
     """Forward, loss, backward, gradient all-reduce and clipping, optimizer step. Collective.
+
+    GRPO (``critic`` None): the clipped loss on the batch's group-relative advantages. PPO
+    (``critic`` an `app.trainer.critic.CriticParts`): the critic's values give per-token GAE
+    advantages, whitened over the whole batch (app/trainer/ppo.py), for the same clipped loss
+    (with TIS and the k3 KL); the clipped value loss trains the critic in the same backward, and
+    each model's gradient is all-reduced and clipped on its own before both optimizers step.
 
     Args:
         cfg: the run config (``trainer`` section; ``rollout.temperature`` for the logprobs).
@@ -243,13 +256,16 @@ def train_step(
         batch: this rank's groups (`collate_groups`) or `dummy_batch`, on the model's device.
         replicated: parameters every rank holds a copy of (gradients all-reduced with SUM).
         sharded: this rank's expert parameters (gradients complete already; not reduced).
+        critic: PPO's critic, or None for GRPO.
 
     Returns:
         ``(applied, stats)``: ``applied`` is False (on every rank) when the loss or the gradient
         norm was not finite; the optimizer step is then skipped and the gradients dropped.
         ``stats`` are whole-batch figures, identical on every rank: ``loss`` (full-batch),
         ``grad_norm`` (global, before clipping; NaN when skipped), ``entropy`` and the
-        per-token means of `grpo.finish_stats`.
+        per-token means of `grpo.finish_stats`; with a critic also ``vf_loss``,
+        ``vf_clip_frac``, ``value``, ``return``, ``value_error`` (per-token means) and
+        ``critic_grad_norm``.
     """
     t = cfg.trainer
     temp = cfg.rollout.temperature
@@ -267,12 +283,23 @@ def train_step(
         with torch.no_grad():
             ref_logits = ref_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
             ref_logp = token_logprobs(ref_logits, batch.input_ids, temp)
-    out = grpo_loss(
-        logp, logp.detach(), batch.advantages, batch.completion_mask,
+    policy_kw = dict(
         clip_eps_low=t.clip_eps_low, clip_eps_high=t.clip_eps_high, loss_agg=t.loss_agg,
         denominator=denominator, rollout_logprobs=batch.rollout_logprobs, tis_cap=t.tis_cap,
         ref_logprobs=ref_logp, kl_coef=t.kl_coef,
     )
+    vout = None
+    if critic is None:
+        out = grpo_loss(logp, logp.detach(), batch.advantages, batch.completion_mask, **policy_kw)
+    else:
+        from app.trainer.ppo import ppo_policy_loss, ppo_targets, value_loss
+
+        critic.module.train()
+        values = critic.module(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        # One update per batch: the values the targets are built from are the critic's now.
+        targets = ppo_targets(batch.rewards, values, mask, t.gamma, t.gae_lambda, t.whiten_advantages)
+        out = ppo_policy_loss(logp, logp.detach(), targets.advantages, mask, **policy_kw)
+        vout = value_loss(values, targets.values, targets.returns, mask, t.value_clip, denominator=counts[0])
     loss = out.loss
     aux = [m.last_aux_loss for m in model.modules() if getattr(m, "last_aux_loss", None) is not None]
     if aux and cfg.router.aux_loss_coef > 0:
@@ -283,22 +310,32 @@ def train_step(
         sums["entropy"] = (token_entropy(logits.detach(), temp) * batch.completion_mask).sum()
     # Each rank's loss is its share of the full-batch loss (global denominator): SUM them.
     sums["loss"] = loss.detach()
+    if vout is not None:
+        sums.update({k: v for k, v in vout.sums.items() if k != "tokens"})
+        loss = loss + vout.loss  # disjoint parameters: one backward gives each model its gradient
 
     # Every rank must agree before backward: a rank skipping it would strand the others in
     # the combine/dispatch all-to-alls of the backward pass.
     bad = torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=loss.device)
     if dist.get_world_size() > 1:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    grad_norm = float("nan")
+    grad_norm = critic_grad_norm = float("nan")
     applied = False
     if bad.item() == 0:
         loss.backward()
         reduce_replicated_grads(replicated)
         grad_norm = clip_grad_norm(replicated, sharded, t.grad_clip)
-        if math.isfinite(grad_norm):
+        if critic is not None:
+            reduce_replicated_grads(critic.replicated)
+            critic_grad_norm = clip_grad_norm(critic.replicated, critic.sharded, t.grad_clip)
+        if math.isfinite(grad_norm) and (critic is None or math.isfinite(critic_grad_norm)):
             optimizer.step()
+            if critic is not None:
+                critic.optimizer.step()
             applied = True
     optimizer.zero_grad(set_to_none=True)
+    if critic is not None:
+        critic.optimizer.zero_grad(set_to_none=True)
 
     keys = sorted(sums)
     vec = torch.stack([sums[k].float().reshape(()) for k in keys]).to(counts.device)
@@ -312,6 +349,8 @@ def train_step(
     stats = finish_stats(reduced, dict(zip(mkeys, mvec.cpu())))
     stats["loss"] = full_loss
     stats["grad_norm"] = grad_norm
+    if critic is not None:
+        stats["critic_grad_norm"] = critic_grad_norm
     return applied, stats
 
 
@@ -453,8 +492,8 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
                                    rank_payload, restore, save_state)
 
     t = cfg.trainer
-    if t.algorithm != "grpo":
-        raise ValueError(f"trainer.algorithm={t.algorithm!r}: only 'grpo' is implemented (PPO: issue 9)")
+    if t.algorithm == "ppo" and t.loss_agg != "token-mean":
+        raise ValueError(f"trainer.loss_agg={t.loss_agg!r}: PPO's per-token advantages need 'token-mean'")
     need = (t.save_every + 1) * t.groups_per_step
     if cfg.buffer.capacity_groups < need:
         raise ValueError(
@@ -504,14 +543,21 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
     params = [p for p in model.parameters() if p.requires_grad]
     replicated = [p for p in params if id(p) not in sharded_ids]
     sharded = [p for p in params if id(p) in sharded_ids]
-    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
     pad_id = getattr(model.config, "pad_token_id", None) or 0
+    critic = None
+    if t.algorithm == "ppo":
+        from app.trainer.critic import make_critic_parts, restore_critic, critic_payload
+
+        critic = make_critic_parts(cfg, ep, device)
 
     state = TrainState()
     trained: set[str] = set()  # rank 0: "task_id/attempt" of every group this lineage trained on
     commit_point: str | None = None  # rank 0: newest samples-stream entry taken
     if manifest is not None:
         extra = restore(model, optimizer, load_rank_payload(store, cfg.run_id, manifest))
+        if critic is not None:
+            restore_critic(critic.module, critic.optimizer, extra.get("critic"))
         state = TrainState(**manifest["train_state"])
         state.resumed_from = manifest["step"]
         trained = set(extra.get("trained", []))
@@ -544,6 +590,8 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
     def save() -> float:
         meta = {"train_state": asdict(state), "policy_version": state.version, "commit_point": commit_point}
         extra = {"trained": sorted(trained)} if rank == 0 else {}
+        if critic is not None:
+            extra["critic"] = critic_payload(critic.module, critic.optimizer)
         try:
             return save_state(store, cfg.run_id, state.step, rank_payload(model, optimizer, extra), meta,
                               work_dir=work_dir, keep=t.keep_states)
@@ -595,7 +643,13 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
             if batch.input_ids.shape[0] == 0:
                 batch = dummy_batch(pad_id)
             batch = batch.to(device)
-            applied, stats = train_step(cfg, model, ref_model, optimizer, batch, replicated, sharded)
+            lr = step_lr(t, state.step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            if critic is not None:
+                for group in critic.optimizer.param_groups:
+                    group["lr"] = lr * critic.base_lr / t.lr  # same warm-up, its own peak
+            applied, stats = train_step(cfg, model, ref_model, optimizer, batch, replicated, sharded, critic)
             trainer_version = state.version
             state.step += 1
             step_s = time.perf_counter() - t0
@@ -632,7 +686,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
                 record = {
                     "time": time.time(), "step": state.step, "policy_version": state.version,
                     "applied": applied, "bad_steps": state.bad_steps, **msg["meta"],
-                    **{k: v for k, v in stats.items()}, "lr": t.lr,
+                    **{k: v for k, v in stats.items()}, "lr": lr,
                     "wait_s": wait_s, "step_s": step_s, "publish_s": publish_s, "save_s": save_s,
                     "samples_total": state.samples, "overstale_dropped": state.overstale,
                     "malformed_groups": state.malformed, "error_groups": state.error_groups,
@@ -661,6 +715,15 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return state
+
+
+def step_lr(t, step: int) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warm-up over
+    ``trainer.lr_warmup_steps`` steps to ``trainer.lr``, then constant. A function of the step
+    alone, so a resumed run continues the same schedule."""
+    if t.lr_warmup_steps <= 0:
+        return t.lr
+    return t.lr * min(1.0, (step + 1) / t.lr_warmup_steps)
 
 
 def usable(group, state: TrainState, max_staleness: int, pad_id: int, *,
