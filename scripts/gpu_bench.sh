@@ -123,7 +123,7 @@ step 60 "moe deepseek-v3 E=8 T=4096" "${MOE[@]}" "${DSV3[@]}" --experts 8 --toke
 step 60 "moe qwen3-30b-a3b E=128 T=4096" "${MOE[@]}" "${QWEN3[@]}" --tokens 4096
 # 64 rollouts of 128 + 384 tokens = 32768 tokens per step (logits alone: 2.1 GB bf16, 4.3 GB fp32).
 step 120 "train-step small" train-step --model small --groups 8 --group-size 8 --prompt-len 128 \
-    --completion-len 384 --iters 5 --warmup 2 "${GPU[@]}"
+    --completion-len 384 --iters 5 --warmup 2 --profile "${GPU[@]}"
 step 120 "engine small" engine --model small --batch-sizes 1,8,64 --prompt-len 128 --output-len 128 --repeats 3 \
     --work-dir "$SCRATCH/engine" "${GPU[@]}"
 step 75 "moe deepseek-v3 E=32 T=16384" "${MOE[@]}" "${DSV3[@]}" --experts 32 --tokens 16384

@@ -59,7 +59,7 @@ def test_moe_bench_writes_result(tmp_path):
 
 def test_train_step_bench_writes_result(tmp_path):
     r = invoke("train-step", "--groups", "2", "--group-size", "2", "--prompt-len", "4", "--completion-len", "4",
-               "--iters", "2", "--warmup", "0", "--out-dir", str(tmp_path))
+               "--iters", "2", "--warmup", "0", "--profile", "--out-dir", str(tmp_path))
     assert r.exit_code == 0, r.output
     doc = only_result(tmp_path, "train_step")
     by = {f["name"]: f for f in doc["figures"]}
@@ -73,6 +73,9 @@ def test_train_step_bench_writes_result(tmp_path):
     assert all(positive(p["ms_per_step"]) for p in parts)
     assert sum(p["share"] for p in parts) == pytest.approx(1.0)
     assert positive(by["dense_matmul"]["tflops"])
+    profiled = [f for f in doc["figures"] if f["name"].startswith("profile:")]
+    assert 0 < len(profiled) <= 15 and all(f["calls"] >= 1 for f in profiled)
+    assert [f["self_ms"] for f in profiled] == sorted((f["self_ms"] for f in profiled), reverse=True)
     shape = doc["shape"]
     assert shape["rows"] == 4 and shape["seq_len"] == 8 and shape["tokens_per_step"] == 32
     assert doc["ratios"]["train_step model TFLOP/s / dense matmul TFLOP/s (MFU)"] == pytest.approx(step["mfu_vs_dense"])

@@ -50,6 +50,7 @@ def train_step(
     iters: int = typer.Option(3, help="Timed steps."),
     warmup: int = typer.Option(1, help="Untimed warm-up steps."),
     dense_n: int = typer.Option(0, help="Dense matmul baseline size n (0: 8192 on CUDA, 512 on CPU)."),
+    profile: bool = typer.Option(False, help="Profile one more step (torch.profiler): top ops by self time."),
     out_dir: str = typer.Option("runs/bench", help="Where the JSON result goes."),
 ) -> None:
     """One GRPO trainer step of a small MoE policy: tokens/s, MFU vs a dense matmul, memory, split."""
@@ -58,7 +59,7 @@ def train_step(
     try:
         run(TrainStepBench(model=model, groups=groups, group_size=group_size, prompt_len=prompt_len,
                            completion_len=completion_len, dtype=dtype, device=device, iters=iters,
-                           warmup=warmup, dense_n=dense_n), out_dir=out_dir)
+                           warmup=warmup, dense_n=dense_n, profile=profile), out_dir=out_dir)
     except ValueError as e:
         typer.echo(f"moerl bench train-step: error: {e}", err=True)
         raise SystemExit(2) from None

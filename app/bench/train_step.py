@@ -132,6 +132,27 @@ def dense_matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, iters:
     return 2.0 * n**3 * iters / marks.intervals()[0] / 1e12
 
 
+def profile_top(fn, device: torch.device, top: int = 15) -> list[dict]:
+    """Run ``fn`` once under `torch.profiler` and return its ``top`` entries by self time.
+
+    Self time is device (kernel) time on CUDA and CPU time on CPU; each row has ``name``
+    (``profile:<op or kernel>``), ``self_ms``, ``calls`` and ``share`` of the total self time.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = prof.key_averages()
+    total = sum(getattr(e, attr) for e in events) or 1.0
+    rows = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:top]
+    return [{"name": f"profile:{e.key[:120]}", "self_ms": getattr(e, attr) / 1e3, "calls": e.count,
+             "share": getattr(e, attr) / total} for e in rows]
+
+
 def synthetic_groups(groups: int, group_size: int, prompt_len: int, completion_len: int, vocab: int,
                      seed: int) -> list:
     """GRPO groups shaped like the buffer's (`app.buffer.records.Group`/`Sample` fields that
@@ -170,6 +191,7 @@ class TrainStepBench:
     iters: int = 3
     warmup: int = 1
     dense_n: int = 0  # 0: 8192 on CUDA, 512 on CPU
+    profile: bool = False  # one more step under torch.profiler: top kernels/ops by self time
     seed: int = 0
 
     def check(self) -> None:
@@ -298,7 +320,12 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
         parts = {k: v / bench.iters for k, v in parts.items()}
         split_s = sum(parts.values())
 
-        # 3) the dense GEMM ceiling.
+        # 3) optionally, where one more step spends its time.
+        profiled = []
+        if bench.profile:
+            profiled = profile_top(lambda: train_step(cfg, model, None, optimizer, batch, params, []), device)
+
+        # 4) the dense GEMM ceiling.
         dense_n = bench.dense_n or (8192 if device.type == "cuda" else 512)
         dense_tflops = dense_matmul_tflops(device, dtype, dense_n)
     finally:
@@ -313,6 +340,7 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
         *({"name": f"split:{k}", "ms_per_step": v * 1e3, "share": v / split_s} for k, v in parts.items()),
         {"name": "split:total", "ms_per_step": split_s * 1e3, "share": 1.0},
         {"name": "dense_matmul", "n": dense_n, "tflops": dense_tflops},
+        *profiled,
     ]
     ratios = {
         "train_step model TFLOP/s / dense matmul TFLOP/s (MFU)": model_tflops / dense_tflops,
@@ -344,6 +372,10 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
           f"model TFLOP/s {model_tflops:.3f}")
     print(f"dense matmul {dense_n}^3 {bench.dtype}: {dense_tflops:.3f} TFLOP/s")
     print(f"MFU vs dense: {model_tflops / dense_tflops:.1%}" + (f"   peak memory {peak_gb:.2f} GB" if peak_gb else ""))
+    if profiled:
+        print(f"profile of one train_step, top {len(profiled)} by self {'device' if device.type == 'cuda' else 'CPU'} time:")
+        for f in profiled:
+            print(f"  {f['self_ms']:>10.2f} ms {f['share']:>6.1%} {f['calls']:>6}x  {f['name'][len('profile:'):]}")
     if not math.isfinite(stats.get("loss", float("nan"))):
         notes.append("the loss was not finite")
     for n in notes:
