@@ -54,9 +54,13 @@ class EmbeddedLoop:
 
     # -- infrastructure -----------------------------------------------------------------------
 
-    def start_redis(self) -> str:
-        """Start redis-server (append-only persistence) in run_dir/redis; returns its URL."""
-        self.redis = LocalRedis(self.run_dir / "redis", keep_dir=True).start()
+    def start_redis(self, appendfsync: str = "everysec") -> str:
+        """Start redis-server (append-only persistence) in run_dir/redis; returns its URL.
+
+        ``appendfsync="always"`` (the chaos harness) makes every acknowledged write survive a
+        SIGKILL of the server; ``everysec`` may lose the last second of writes.
+        """
+        self.redis = LocalRedis(self.run_dir / "redis", keep_dir=True, appendfsync=appendfsync).start()
         self.cfg.buffer.redis_url = self.redis.url
         self.write_config()
         return self.redis.url

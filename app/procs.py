@@ -57,6 +57,22 @@ class Proc:
             except ProcessLookupError:
                 pass
 
+    def kill_tree(self) -> None:
+        """SIGKILL the process and every descendant (a lost node).
+
+        A process-group signal is not enough for the trainer: torchrun starts each rank in a
+        session of its own, so `signal(SIGKILL)` would kill torchrun and leave its ranks running.
+        """
+        if not self.alive():
+            return
+        pids = [self.popen.pid, *descendants(self.popen.pid)]
+        for pid in pids:  # parent first: a dead torchrun starts no new rank
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.popen.wait()
+
     def wait(self, timeout_s: float) -> int | None:
         """Wait up to `timeout_s` seconds; returns the exit code or None if still running."""
         if self.popen is None:
@@ -117,6 +133,28 @@ class Supervisor:
 
     def __exit__(self, *exc) -> None:
         self.stop_all()
+
+
+def descendants(pid: int) -> list[int]:
+    """Process ids of every descendant of ``pid`` (Linux: parent ids read from /proc/*/stat)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # exited while we looked
+        # Field 4 is the parent pid; the command name (field 2) may hold spaces, so split after ')'.
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out: list[int] = []
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            out.append(child)
+            stack.append(child)
+    return out
 
 
 def moerl_argv(*args: str) -> list[str]:
