@@ -77,6 +77,9 @@ class RolloutConfig(Section):
     weight_update_timeout_s: float = Field(300.0, gt=0.0, description="One engine weight load.")
     policy_cache_dir: str = Field("runs/policy-cache", description="Local copies of policy versions.")
     reward_fn: str = Field("app.envs.rewards:score", description="module:attr of score(task, text).")
+    truncated_reward: float | None = Field(
+        0.0, description="Reward of a completion cut at max_new_tokens (None: score it normally)."
+    )
     reward_url: str = Field("http://127.0.0.1:8080", description="`moerl reward` server; used when "
                             "task.reward_model is set.")
 

@@ -410,3 +410,24 @@ def test_worker_rides_through_a_redis_restart(tmp_path, local_redis, engine):
     assert queued == [] and set(groups) == {t.task_id for t in tasks}
     assert all(len(gs) == 1 for gs in groups.values())
     assert stats.groups_published + stats.duplicate_groups >= len(tasks)
+
+
+@pytest.mark.parametrize("truncated_reward", [0.0, None])
+def test_truncated_completions_get_the_configured_reward(tmp_path, redis_server, engine, truncated_reward):
+    # A random tiny model rarely emits <eos> within 3 tokens: most completions are cut ("length").
+    cfg = make_config(tmp_path, redis_server, engine, max_new_tokens=3, truncated_reward=truncated_reward)
+    buf = ExperienceBuffer.from_config(cfg)
+    buf.put_tasks(make_tasks(2))
+
+    async def go():
+        async with EngineClient(engine) as client:
+            return await RolloutWorker(cfg, buf, client, "w-trunc", score_fn=lambda t, c: 1.0,
+                                       max_groups=2).run()
+
+    asyncio.run(go())
+    groups, _ = drain_buffer(buf)
+    samples = [s for gs in groups.values() for g in gs for s in g.samples]
+    cut = [s for s in samples if s.finish_reason == "length"]
+    assert cut, "expected some completions cut at max_new_tokens"
+    assert all(s.reward == (1.0 if truncated_reward is None else 0.0) for s in cut)
+    assert all(s.reward == 1.0 for s in samples if s.finish_reason == "stop")

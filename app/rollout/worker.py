@@ -305,6 +305,11 @@ class RolloutWorker:
                 self.stats.reward_timeouts += 1
             elif problem == "error":
                 self.stats.reward_errors += 1
+            if o.finish_reason == "length" and self.r.truncated_reward is not None:
+                # Cut off at max_new_tokens: no verifier call, a fixed reward (overlong
+                # filtering, Yu et al. 2025 DAPO); otherwise a dense verifier pays for run-on
+                # text and the policy learns to stop emitting <eos>.
+                reward = self.r.truncated_reward
             version = o.weight_version if o.weight_version is not None else (self.engine_version or 0)
             samples.append(Sample(
                 sample_id=task.sample_id(self.cfg.run_id, j), task_id=task.task_id, index=j,
