@@ -6,7 +6,8 @@ synthetic GRPO groups (random prompt and completion ids, 0/1 rewards, random eng
 and `app.trainer.train.train_step` (forward, `token_logprobs`, `grpo_loss` with TIS, entropy,
 backward, global-norm clipping, AdamW) with the `RunConfig` defaults. Measured in the same run:
 
-  - step: `train_step` end to end -> ms/step, tokens/s, model TFLOP/s, MFU, peak memory;
+  - step: `train_step` end to end -> ms/step, tokens/s (rows x (prompt + completion) tokens, all
+    of which the forward and backward process), model TFLOP/s, MFU, peak memory;
   - split: the same work done piece by piece with device timestamps between the pieces:
     forward (+ logprobs, loss, entropy) | backward | optimizer (clip + AdamW + zero_grad);
   - dense: an n x n x n matmul in the run's dtype (`torch.matmul`), the device's GEMM ceiling.
