@@ -18,6 +18,7 @@ RUN_CONFIG_KEY = "run.yaml"
 # (rollout only refills the buffer; a stalled trainer stalls the run).
 PRIORITY = {"moerl-trainer": 100000, "moerl-buffer": 90000, "moerl-rollout": 50000, "moerl-env": 40000}
 BUFFER_SERVICE = "moerl-buffer"
+REWARD_MODEL_SERVICE = "moerl-reward-model"  # charts8s/rewardmodel.py, when task.reward_model is set
 REDIS_PORT = 6379
 
 
@@ -26,7 +27,8 @@ def cluster_run_config(plan: Plan) -> RunConfig:
 
     buffer.redis_url -> the buffer Service; rollout.engine_url -> SGLang on loopback;
     store_url -> the checkpoint bucket under run_prefix; model.path -> rollout.model_path if set;
-    rollout.policy_cache_dir -> the volume both rollout containers mount.
+    rollout.policy_cache_dir -> the volume both rollout containers mount;
+    rollout.reward_url -> the reward-model Service (when task.reward_model is set).
     """
     run = plan.run.model_copy(deep=True)
     run.buffer.redis_url = f"redis://{BUFFER_SERVICE}.{plan.namespace}.svc.cluster.local:{REDIS_PORT}/0"
@@ -36,6 +38,8 @@ def cluster_run_config(plan: Plan) -> RunConfig:
         run.model.path = plan.wl.rollout.model_path
     # Policy versions land on the pod's shared /models volume, where the engine container reads them.
     run.rollout.policy_cache_dir = "/models/policy-cache"
+    if run.task.reward_model:
+        run.rollout.reward_url = f"http://{REWARD_MODEL_SERVICE}.{plan.namespace}.svc.cluster.local:80"
     return run
 
 
@@ -60,7 +64,7 @@ class ClusterChart(cdk8s.Chart):
             api_object(self, k8s.KubePriorityClass, name, labels=labels(name), value=value,
                        globalDefault=False, preemptionPolicy="PreemptLowerPriority" if name == "moerl-trainer" else "Never",
                        description=f"moerl {name.removeprefix('moerl-')} pods")
-        gpus = plan.trainer_world_size + plan.rollout_replicas * plan.gpus_per_rollout
+        gpus = plan.trainer_world_size + plan.rollout_replicas * plan.gpus_per_rollout + plan.reward_model_gpus
         efa = plan.trainer_nodes * plan.efa_per_trainer + plan.rollout_replicas * plan.efa_per_rollout
         api_object(self, k8s.KubeResourceQuota, "moerl-accelerators", ns, labels=labels("moerl"), spec={
             "hard": {"requests.nvidia.com/gpu": str(gpus), "requests.vpc.amazonaws.com/efa": str(efa)}})

@@ -23,13 +23,15 @@ from charts8s.buffer import BufferChart
 from charts8s.cluster import ClusterChart
 from charts8s.envpool import EnvPoolChart
 from charts8s.kube import k8s_module
+from charts8s.rewardmodel import RewardModelChart
 from charts8s.rollout import RolloutChart
 from charts8s.trainer import TrainerChart
 from charts8s.workloads import Plan, WorkloadError, load_workloads
 
 
 def build(plan: Plan, outdir: str | Path) -> list[Path]:
-    """Write one file per chart (cluster, buffer, rollout, trainer, envpool) into `outdir`.
+    """Write one file per chart (cluster, buffer, rollout, trainer, envpool; rewardmodel when the
+    run config names task.reward_model) into `outdir`.
 
     Synthesizes into a temporary directory beside `outdir` and swaps it in, so a failure leaves
     the previous output whole. Returns the written files.
@@ -45,6 +47,8 @@ def build(plan: Plan, outdir: str | Path) -> list[Path]:
         EnvPoolChart(app, plan)
         RolloutChart(app, plan)
         TrainerChart(app, plan)
+        if plan.run.task.reward_model:
+            RewardModelChart(app, plan)
         app.synth()
         if outdir.exists():
             shutil.rmtree(outdir)

@@ -67,6 +67,17 @@ class EnvSpec(_Model):
     port: int = Field(8080, ge=1024, le=65535)
 
 
+class RewardModelSpec(_Model):
+    """GPU pods serving the learned reward model (`moerl reward`), deployed only when the run
+    config names ``task.reward_model``. They run on the rollout-gpu pool, on nodes of their own."""
+
+    replicas: int = Field(1, ge=1)
+    gpus: int = Field(1, ge=1, description="GPUs per pod.")
+    port: int = Field(8080, ge=1024, le=65535)
+    max_batch: int = Field(64, ge=1, description="Most sequences in one forward (`moerl reward --max-batch`).")
+    models_gi: int = Field(200, ge=1, description="Scratch volume for a downloaded model, GiB.")
+
+
 class BufferSpec(_Model):
     """The Redis experience buffer (one StatefulSet pod with an append-only file on a volume)."""
 
@@ -91,6 +102,7 @@ class Workloads(_Model):
     trainer: TrainerSpec = TrainerSpec()
     rollout: RolloutSpec = RolloutSpec()
     env: EnvSpec = EnvSpec()
+    reward_model: RewardModelSpec = RewardModelSpec()
     buffer: BufferSpec = BufferSpec()
 
 
@@ -112,6 +124,19 @@ class Plan:
         self.efa_per_rollout = roll.efa_interfaces
         self.rollout_replicas = wl.rollout.replicas or max(roll.desired_size, 1)
         self.images = {role: wl.images.get(role) or cfg.image_uri(role) for role in ("trainer", "rollout", "env")}
+
+    @property
+    def reward_model_gpus(self) -> int:
+        """GPUs of the reward-model pods (0 when the run config names no reward model)."""
+        return self.wl.reward_model.replicas * self.wl.reward_model.gpus if self.run.task.reward_model else 0
+
+    @property
+    def reward_model_nodes(self) -> int:
+        """rollout-gpu nodes the reward-model pods need (they do not share a node with a rollout pod)."""
+        if not self.run.task.reward_model:
+            return 0
+        per_node = self.gpus_per_rollout // self.wl.reward_model.gpus
+        return -(-self.wl.reward_model.replicas // max(per_node, 1))
 
     @property
     def trainer_world_size(self) -> int:
@@ -146,7 +171,8 @@ def check(plan: Plan) -> Plan:
 
     Rules: trainer nodes <= train-gpu max_size; ep.size divides the trainer's GPUs (nodes x GPUs per
     node); rollout replicas <= rollout-gpu max_size (one pod per node); env replicas fit the env-cpu
-    pool's vCPUs at max_size; every image has a tag or digest; a GPU pool has GPUs.
+    pool's vCPUs at max_size; every image has a tag or digest; a GPU pool has GPUs; with a reward
+    model, its pods fit a rollout-gpu node and their nodes fit the pool beside the rollout pods.
     """
     cfg, wl = plan.cfg, plan.wl
     train, roll, env = cfg.pools["train-gpu"], cfg.pools["rollout-gpu"], cfg.pools["env-cpu"]
@@ -176,6 +202,15 @@ def check(plan: Plan) -> Plan:
     tp = wl.rollout.tp_size or plan.gpus_per_rollout
     if tp > plan.gpus_per_rollout:
         raise WorkloadError(f"rollout.tp_size={tp} exceeds the {plan.gpus_per_rollout} GPUs of a rollout node")
+    if plan.run.task.reward_model:
+        rm = wl.reward_model
+        if rm.gpus > plan.gpus_per_rollout:
+            raise WorkloadError(f"reward_model.gpus={rm.gpus} exceeds the {plan.gpus_per_rollout} GPUs of a rollout-gpu node")
+        if plan.rollout_replicas + plan.reward_model_nodes > roll.max_size:
+            raise WorkloadError(
+                f"reward_model.replicas={rm.replicas} needs {plan.reward_model_nodes} rollout-gpu node(s) beside "
+                f"{plan.rollout_replicas} rollout pods; pools.rollout-gpu.max_size={roll.max_size}"
+            )
     per_node = min(s.vcpus for s in env.specs) // (wl.env.cpu + 1)  # 1 vCPU left to the kubelet and daemons
     if wl.env.replicas > env.max_size * per_node:
         raise WorkloadError(

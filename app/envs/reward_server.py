@@ -65,12 +65,12 @@ class ModelScorer:
     """An HF sequence-classification model with one output, on CPU or one GPU.
 
     Args:
-        path: checkpoint directory with config.json and tokenizer files.
+        path: checkpoint directory with config.json and tokenizer files, or a Hub id.
         max_length: longest sequence accepted, in tokens.
         device: torch device; default CUDA when available.
 
     Raises:
-        FileNotFoundError: ``path`` has no config.json.
+        FileNotFoundError: ``path`` is a directory without config.json (or a path that does not exist).
         ValueError: the model does not have exactly one label, or no ``pad_token_id``
             (sequence classification pools the last non-pad token of each row).
     """
@@ -81,9 +81,11 @@ class ModelScorer:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        path = Path(path)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"task.reward_model: {path} has no config.json (expected an HF checkpoint)")
+        local = Path(path)
+        hub_id = not local.exists() and not str(path).startswith(("/", ".")) and str(path).count("/") == 1
+        if not hub_id and not (local / "config.json").is_file():
+            raise FileNotFoundError(f"task.reward_model: {path} has no config.json (expected an HF checkpoint "
+                                    "directory or a Hub id 'org/name')")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = AutoModelForSequenceClassification.from_pretrained(str(path)).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
