@@ -148,3 +148,25 @@ def test_jsonl_splits_and_math_verify_reward(tmp_path):
     assert math_verify_reward("0.5", "1/2") == 1.0
     with pytest.raises(ValueError, match="task.jsonl_path"):
         make_splits(TaskConfig(source="jsonl"))
+
+
+def test_reasoning_gym_reward_waits_for_a_concurrent_first_import():
+    # The rollout worker scores in threads. reasoning_gym registers its datasets while its
+    # package imports, and its `factory` submodule is complete long before the registry is:
+    # a scorer that looked a dataset up in that window got "not registered" and reward 0.
+    import subprocess
+    import sys
+
+    code = """
+import json, sys, threading, time
+threading.Thread(target=lambda: __import__("reasoning_gym"), daemon=True).start()
+while "reasoning_gym.factory" not in sys.modules:
+    time.sleep(0.0005)
+from app.envs.rewards import score_answer_spec
+spec = json.dumps({"source": "reasoning-gym", "dataset": "spell_backward", "params": {},
+                   "entry": {"question": "q", "answer": "olleh", "metadata": {"word": "hello"}}})
+print(score_answer_spec(spec, "olleh"))
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "1.0", res.stdout + res.stderr

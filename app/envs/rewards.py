@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 from functools import lru_cache
 from typing import Any, Callable
 
@@ -35,11 +36,19 @@ def extract_answer(completion: str) -> str:
     return ""
 
 
+_IMPORT_LOCK = threading.Lock()
+
+
 @lru_cache(maxsize=None)
 def _gym_scorer(dataset: str) -> Callable[[str | None, dict[str, Any]], float]:
-    from reasoning_gym.factory import get_score_answer_fn
+    # The rollout worker scores in several threads at once; the first import of reasoning_gym
+    # registers its datasets, and a thread that looked the name up mid-import saw an empty
+    # registry ("Dataset ... not registered"). One import at a time, of the whole package.
+    with _IMPORT_LOCK:
+        import reasoning_gym  # noqa: F401  (registers every dataset)
+        from reasoning_gym.factory import get_score_answer_fn
 
-    return get_score_answer_fn(dataset)
+        return get_score_answer_fn(dataset)
 
 
 def _score_reasoning_gym(spec: dict[str, Any], completion: str) -> float:
