@@ -43,6 +43,16 @@ def throughput(records: list[dict]) -> list[float]:
     return out
 
 
+def rolling_mean(values: list[float], window: int) -> list[float]:
+    """Mean of the last `window` finite values at each position (NaN until one is seen)."""
+    out, recent = [], []
+    for v in values:
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            recent = (recent + [v])[-window:]
+        out.append(sum(recent) / len(recent) if recent else float("nan"))
+    return out
+
+
 def write_tensorboard(records: list[dict], out_dir: str | os.PathLike) -> Path:
     """Write TensorBoard event files (one scalar per SCALARS key per step) into `out_dir`."""
     from torch.utils.tensorboard import SummaryWriter
@@ -77,14 +87,16 @@ def write_plot(records: list[dict], path: str | os.PathLike, evals: dict[str, fl
     t0 = records[0]["time"] if records else 0.0
     minutes = [(r["time"] - t0) / 60 for r in records]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    ax1.plot(minutes, [r.get("reward_mean", float("nan")) for r in records], label="batch mean reward")
+    rewards = [r.get("reward_mean", float("nan")) for r in records]
+    ax1.plot(minutes, rewards, alpha=0.35, label="batch mean reward")
+    ax1.plot(minutes, rolling_mean(rewards, 20), label="batch mean reward, 20-step mean")
     for name, value in (evals or {}).items():
         ax1.axhline(value, linestyle="--", color="gray" if "before" in name else "green", label=name)
     ax1.set_ylabel("reward")
     ax1.legend(loc="lower right")
     ax1.grid(alpha=0.3)
-    ax2.plot(minutes[1:], throughput(records), color="tab:orange")
-    ax2.set_ylabel("trained samples / s")
+    ax2.plot(minutes[1:], rolling_mean(throughput(records), 20), color="tab:orange")
+    ax2.set_ylabel("trained samples / s (20-step mean)")
     ax2.set_xlabel("minutes since first step")
     ax2.grid(alpha=0.3)
     fig.tight_layout()

@@ -117,3 +117,12 @@ def test_run_ctrl_c_stops_every_process(tmp_path):
     alive = [pid for pid in children if Path(f"/proc/{pid}").exists() and
              Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
     assert alive == [], f"processes left running after Ctrl-C: {alive}"
+
+
+def test_rolling_mean_skips_missing_values():
+    from app.report import rolling_mean
+
+    nan = float("nan")
+    out = rolling_mean([nan, 1.0, nan, 3.0, 5.0], window=2)
+    assert out[0] != out[0]  # NaN before the first value
+    assert out[1:] == [1.0, 1.0, 2.0, 4.0]
