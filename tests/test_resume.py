@@ -1,0 +1,269 @@
+"""Trainer resume (issue 4): training state save/load, kills during saves, a killed trainer resumed.
+
+- a SIGKILL between the rank files and the manifest of a training-state save leaves the
+  previous state the newest complete one, and it loads bit-exactly;
+- a SIGKILL in the middle of a policy publish leaves ``latest`` on the previous version,
+  which still downloads;
+- a real `moerl train` process killed after an unsaved step, then `--resume`d: the rolled-back
+  step is re-read from Redis and trained once in the final lineage, the resumed weights are
+  those of the saved state, versions keep increasing; without --resume the run is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.buffer import ExperienceBuffer, Sample, Task
+from app.buffer.redis_server import free_port
+from app.config import RunConfig
+from app.ledger import read_lineage
+from app.storage import open_store
+from app.storage.policy import download_policy, latest_policy_version, policy_versions
+from app.trainer.state import latest_state, load_rank_payload, restore, state_steps
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Child process: saves state 1 (or publishes v0), changes the weights, then dies by SIGKILL
+# inside the second save at the point named by argv[2].
+_KILL_CHILD = textwrap.dedent('''
+    import os, signal, sys, torch
+    from pathlib import Path
+    from app.config import RouterConfig
+    from app.model.checkpoint import save_policy
+    from app.model.config import tiny_config
+    from app.model.parallel import EPContext
+    from app.model.policy import build_policy
+    from app.storage import open_store
+    from app.storage.policy import publish_policy
+    from app.trainer.state import rank_payload, save_state
+
+    root, what = Path(sys.argv[1]), sys.argv[2]
+    store = open_store(f"file://{root}/store")
+    ep = EPContext.local()
+    model = build_policy(tiny_config("tiny-qwen3-moe"), RouterConfig(), ep, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=torch.tensor([[1, 5, 6]])).logits.sum().backward()
+    opt.step()
+
+    class DiesOnWrite:
+        """Delegates to the store; SIGKILLs this process at the n-th write."""
+        def __init__(self, inner, n):
+            self.inner, self.n = inner, n
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+        def _tick(self):
+            self.n -= 1
+            if self.n == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+        def put_file(self, *a):
+            self._tick(); return self.inner.put_file(*a)
+        def put_bytes(self, *a):
+            self._tick(); return self.inner.put_bytes(*a)
+
+    if what == "state":
+        save_state(store, "r", 1, rank_payload(model, opt, {"trained": ["a/0"]}),
+                   {"train_state": {"step": 1}, "policy_version": 1, "commit_point": "1-0"},
+                   work_dir=root / "work")
+        torch.save(model.state_dict(), root / "expected.pt")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        # write 1: rank0.pt of step 2 (stored), write 2: its manifest -> killed before it.
+        save_state(DiesOnWrite(store, 2), "r", 2, rank_payload(model, opt), {"train_state": {"step": 2}},
+                   work_dir=root / "work")
+    else:
+        for v in (0, 1):
+            out = root / f"hf{v}"
+            save_policy(model, out, ep)
+            from app.envs.tokenizer import save_tokenizer
+            save_tokenizer(out)
+            if v == 0:
+                publish_policy(store, "r", 0, out)
+                torch.save(model.state_dict(), root / "expected.pt")
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(1.0)
+        # v1: killed after its first file, before the manifest and `latest`.
+        publish_policy(DiesOnWrite(store, 2), "r", 1, root / "hf1")
+    print("NOT KILLED")
+''')
+
+
+def _run_killed_child(tmp_path: Path, what: str) -> None:
+    proc = subprocess.run([sys.executable, "-c", _KILL_CHILD, str(tmp_path), what], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr[-3000:]
+
+
+def test_kill_during_state_save_keeps_previous_state(tmp_path):
+    from app.config import RouterConfig
+    from app.model.config import tiny_config
+    from app.model.parallel import EPContext
+    from app.model.policy import build_policy
+
+    _run_killed_child(tmp_path, "state")
+    store = open_store(f"file://{tmp_path}/store")
+    assert state_steps(store, "r", complete_only=False) == [1, 2]  # step 2 half-written
+    assert state_steps(store, "r") == [1]
+    manifest = latest_state(store, "r")
+    assert manifest["step"] == 1 and manifest["commit_point"] == "1-0"
+
+    model = build_policy(tiny_config("tiny-qwen3-moe"), RouterConfig(), EPContext.local(), seed=5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    extra = restore(model, opt, load_rank_payload(store, "r", manifest))
+    assert extra == {"trained": ["a/0"]}
+    expected = torch.load(tmp_path / "expected.pt")
+    got = model.state_dict()
+    assert expected.keys() == got.keys()
+    for k in expected:
+        assert torch.equal(expected[k], got[k]), k
+    assert opt.state_dict()["state"], "optimizer moments were not restored"
+
+
+def test_kill_during_policy_publish_keeps_previous_version(tmp_path):
+    from safetensors.torch import load_file
+
+    _run_killed_child(tmp_path, "policy")
+    store = open_store(f"file://{tmp_path}/store")
+    assert latest_policy_version(store, "r") == 0
+    assert policy_versions(store, "r") == [0]
+    assert 1 in policy_versions(store, "r", complete_only=False)  # the killed upload
+    with pytest.raises(FileNotFoundError):
+        download_policy(store, "r", 1, tmp_path / "dl1")
+    d = download_policy(store, "r", 0, tmp_path / "dl0")
+    expected = torch.load(tmp_path / "expected.pt")
+    tensors = {}
+    for f in d.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    assert torch.equal(tensors["model.embed_tokens.weight"], expected["model.embed_tokens.weight"])
+
+
+# ------------------------------------------------------------------------------------------
+# A real trainer process killed after an unsaved step, then resumed
+
+
+def _produce(url: str, run_id: str, stop: threading.Event, per_version: int, group_size: int) -> None:
+    """A fake rollout worker paced by the trainer: for each newly announced policy version it
+    publishes up to ``per_version`` leased groups stamped with that version."""
+    buf = ExperienceBuffer(url, run_id, capacity_groups=64, max_staleness=1)
+    served = -1
+    while not stop.is_set():
+        current = buf.current_policy()
+        if current is None or current[0] == served:
+            time.sleep(0.05)
+            continue
+        tasks = buf.lease("fake-worker", count=per_version, block_ms=200)
+        for task in tasks:
+            samples = [
+                Sample(sample_id=task.sample_id(run_id, k), task_id=task.task_id, index=k, attempt=task.attempt,
+                       prompt_ids=task.prompt_ids, completion_ids=[10 + k] * (1 + k), logprobs=[-4.6] * (1 + k),
+                       reward=float(k % 2), policy_version=current[0], finish_reason="stop")
+                for k in range(group_size)
+            ]
+            buf.publish(task, samples)
+        if tasks:
+            served = current[0]
+    buf.close()
+
+
+def _put(url: str, run_id: str, ids: range, group_size: int) -> None:
+    with ExperienceBuffer(url, run_id) as buf:
+        buf.put_tasks([Task(task_id=f"p{i}", prompt_ids=[1, 4 + i % 50, 9], prompt="", answer="{}",
+                            group_size=group_size) for i in ids])
+
+
+def _lineage_steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in read_lineage(run_dir / "trained.jsonl").steps]
+
+
+def test_killed_trainer_resumes_from_saved_state(tmp_path, redis_server):
+    run_id, gps, G = "resume-test", 2, 2
+    cfg = RunConfig.model_validate({
+        "run_id": run_id, "store_url": f"file://{tmp_path}/store",
+        "buffer": {"redis_url": redis_server, "max_staleness": 1, "capacity_groups": 16,
+                   "stale_policy": "requeue"},
+        "rollout": {"group_size": G},
+        "trainer": {"steps": 5, "groups_per_step": gps, "lr": 1e-3, "save_every": 2,
+                    "keep_versions": 20, "batch_timeout_s": 120, "log_entropy": False},
+    })
+    cfg_path = tmp_path / "run.yaml"
+    cfg.save(cfg_path)
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "app.cli", "train", "--config", str(cfg_path), "--run-dir", str(run_dir)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
+
+    # Only 3 steps' worth of prompts: the trainer saves at step 2, trains step 3, then waits.
+    _put(redis_server, run_id, range(3 * gps), G)
+    stop = threading.Event()
+    producer = threading.Thread(target=_produce, args=(redis_server, run_id, stop, gps, G), daemon=True)
+    producer.start()
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while _lineage_steps(run_dir)[-1:] != [3]:
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "trainer did not reach step 3"
+            time.sleep(0.1)
+        time.sleep(1.0)  # step 3's publish; no save (save_every=2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    store = open_store(cfg.store_url)
+    assert latest_state(store, run_id)["step"] == 2
+    assert latest_policy_version(store, run_id) == 3  # v0 + steps 1..3
+
+    # Without --resume the run is refused (its versions exist already).
+    refused = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "--resume" in refused.stderr, refused.stderr[-2000:]
+
+    _put(redis_server, run_id, range(100, 100 + 2 * gps), G)
+    try:
+        done = subprocess.run(argv + ["--resume"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        stop.set()
+        producer.join(30)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    final = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (final["step"], final["resumed_from"]) == (5, 2)
+
+    lineage = read_lineage(run_dir / "trained.jsonl")
+    assert [r["step"] for r in lineage.steps] == [1, 2, 3, 4, 5]
+    assert (lineage.rolled_back_steps, lineage.resumes) == (1, 1)
+    trained = [(g["task_id"], g["attempt"]) for r in lineage.steps for g in r["groups"]]
+    # Every prompt once. Step 3's groups (v2) came back after the kill but were stale for the
+    # resumed trainer (v4, max_staleness 1): requeued as attempt 1 and trained as such.
+    first = [(f"p{i}", 0) for i in range(2 * gps)]
+    step3 = [(f"p{i}", 1) for i in range(2 * gps, 3 * gps)]
+    later = [(f"p{i}", 0) for i in range(100, 100 + 2 * gps)]
+    assert sorted(trained) == sorted(first + step3 + later)
+    samples = [sid for r in lineage.steps for g in r["groups"] for sid, _ in g["samples"]]
+    assert len(samples) == len(set(samples)) == 5 * gps * G
+    # Versions continue: v4 is the resumed (step-2) weights, then steps 3..5 give v5..v7.
+    assert latest_policy_version(store, run_id) == 7
+    from safetensors.torch import load_file
+
+    def weights(v):
+        d = download_policy(store, run_id, v, tmp_path / f"dl{v}")
+        out = {}
+        for f in sorted(d.glob("*.safetensors")):
+            out.update(load_file(f))
+        return out
+
+    v2, v3, v4 = weights(2), weights(3), weights(4)
+    assert all(torch.equal(v2[k], v4[k]) for k in v2), "resumed weights differ from the saved state"
+    assert not all(torch.equal(v3[k], v4[k]) for k in v3)
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["policy_version"] for m in metrics][-3:] == [5, 6, 7]
