@@ -241,21 +241,22 @@ def test_labelled_examples_are_scored_by_the_verifier():
 
 @pytest.mark.slow
 def test_fitted_reward_model_ranks_reference_answers_first(tmp_path):
-    """A short fit from a (briefly) warmed-up policy: held-out MSE well under the labels'
-    variance and the reference answer outscoring its corruptions most of the time."""
+    """A short fit from a briefly warmed-up policy, checked on held-out prompts: its MSE beats
+    the best constant predictor (the labels' variance) and the untrained head by far, and the
+    reference answer outscores its corruptions clearly more often than before the fit."""
     from app.envs.reward_model import fit_reward_model
     from app.envs.warmup import run_warmup
 
-    cfg = RunConfig.model_validate({"task": {"train_size": 300, "eval_size": 40, "warmup_steps": 60}})
+    cfg = RunConfig.model_validate({"task": {"train_size": 1500, "eval_size": 40, "warmup_steps": 60}})
     run_warmup(cfg, tmp_path / "base", log=lambda *_: None)
-    summary = fit_reward_model(cfg, tmp_path / "base", tmp_path / "rm", steps=150, log=None)
-    h = summary["heldout"]
-    assert h["mse"] < 0.6 * h["label_var"], summary
-    assert h["ranking_accuracy"] > max(0.7, summary["heldout_before"]["ranking_accuracy"]), summary
+    summary = fit_reward_model(cfg, tmp_path / "base", tmp_path / "rm", steps=200, log=None)
+    before, after = summary["heldout_before"], summary["heldout"]
+    assert after["mse"] < 0.85 * after["label_var"] and after["mse"] < 0.3 * before["mse"], summary
+    assert after["ranking_accuracy"] > max(0.65, before["ranking_accuracy"] + 0.15), summary
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm")
     assert model.config.num_labels == 1 and model.config.pad_token_id == 0
-    assert json.loads((tmp_path / "rm" / "reward_model.json").read_text())["steps"] == 150
+    assert json.loads((tmp_path / "rm" / "reward_model.json").read_text())["steps"] == 200
     with pytest.raises(FileExistsError):
         fit_reward_model(cfg, tmp_path / "base", tmp_path / "rm", steps=1, log=None)

@@ -169,8 +169,8 @@ def _var(x: list[float]) -> float:
     return sum((v - m) ** 2 for v in x) / len(x)
 
 
-def fit_reward_model(cfg: RunConfig, base: str | os.PathLike, out: str | os.PathLike, steps: int = 300,
-                     lr: float = 1e-3, batch_size: int = 64, threads: int | None = 1, log=print) -> dict:
+def fit_reward_model(cfg: RunConfig, base: str | os.PathLike, out: str | os.PathLike, steps: int = 400,
+                     lr: float = 3e-3, batch_size: int = 64, threads: int | None = 1, log=print) -> dict:
     """Fit a reward model from the policy checkpoint ``base`` and save it at ``out``.
 
     Writes ``out/`` (HF sequence-classification checkpoint + tokenizer) and
@@ -245,8 +245,9 @@ def fit_reward_model(cfg: RunConfig, base: str | os.PathLike, out: str | os.Path
     save_tokenizer(tmp, tokenizer)
     (tmp / "reward_model.json").write_text(json.dumps(summary, indent=1))
     os.replace(tmp, out)
-    log(f"reward model done in {wall:.1f}s: held-out mse {after['mse']:.4f} (labels' variance "
-        f"{after['label_var']:.4f}), reference ranked above a corruption {after['ranking_accuracy']:.1%}; saved {out}")
+    if log:
+        log(f"reward model done in {wall:.1f}s: held-out mse {after['mse']:.4f} (labels' variance "
+            f"{after['label_var']:.4f}), reference ranked above a corruption {after['ranking_accuracy']:.1%}; saved {out}")
     return summary
 
 
@@ -258,8 +259,8 @@ def main(
     base: Path = typer.Option(..., "--base", help="Warm-up policy checkpoint (HF) to start from."),
     out: Path = typer.Option(..., "--out", help="Reward-model checkpoint directory to write."),
     config: Path | None = typer.Option(None, "--config", help="Run config YAML (default: built-in defaults)."),
-    steps: int = typer.Option(300, "--steps", min=1),
-    lr: float = typer.Option(1e-3, "--lr", min=0.0),
+    steps: int = typer.Option(400, "--steps", min=1),
+    lr: float = typer.Option(3e-3, "--lr", min=0.0),
     threads: int = typer.Option(1, "--threads", min=1, help="torch CPU threads (the machine is shared)."),
 ) -> None:
     """Fit and save the reward model; prints its held-out check."""
