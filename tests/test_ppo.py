@@ -369,3 +369,99 @@ def test_ppo_two_rank_run_saves_and_resumes_the_critic(tmp_path, redis_server):
     assert lines[0]["value"] == 0.0  # the zero-initialised value head
     # The resumed run starts from the saved critic, not from a fresh (all-zero) one.
     assert lines[2]["value"] != 0.0
+
+
+# ------------------------------------------------------------------------------------------
+# EP=2 PPO step == EP=1 full-batch step (policy and critic gradients, whitening over both ranks)
+
+
+def _fake_groups(n_groups: int, group_size: int = 4, seed: int = 0):
+    from app.buffer.records import Group, Sample
+
+    g = torch.Generator().manual_seed(seed)
+    groups = []
+    for t in range(n_groups):
+        prompt = torch.randint(4, 100, (2 + t % 3,), generator=g).tolist()
+        samples = []
+        for i in range(group_size):
+            n = 1 + int(torch.randint(0, 5, (1,), generator=g))
+            samples.append(Sample(
+                sample_id=f"r/t{t}/{i}/0", task_id=f"t{t}", index=i, attempt=0,
+                prompt_ids=[1] + prompt, completion_ids=torch.randint(4, 100, (n,), generator=g).tolist(),
+                logprobs=(torch.rand(n, generator=g) * -3 - 3).tolist(),
+                reward=float(torch.rand((), generator=g)), policy_version=0, finish_reason="stop"))
+        groups.append(Group(task_id=f"t{t}", attempt=0, samples=samples))
+    return groups
+
+
+def _ppo_grad_worker(rank: int, world: int, port: int, cfg_json: str, out_dir: str) -> None:
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from app.model.config import tiny_config
+    from app.model.parallel import init_ep
+    from app.model.policy import build_policy
+    from app.trainer.batch import collate_groups, split_groups
+    from app.trainer.critic import make_critic_parts
+    from app.trainer.train import expert_param_ids, init_distributed, train_step
+
+    cfg = RunConfig.model_validate_json(cfg_json)
+    init_distributed(timeout_s=120)
+    ep = init_ep(cfg.ep)
+    model = build_policy(tiny_config(cfg.model.preset), cfg.router, ep, seed=0)
+    critic = make_critic_parts(cfg, ep)
+    with torch.no_grad():  # a non-zero head, the same on every rank, so the trunk gets gradient too
+        critic.module.value_head.weight.copy_(torch.randn(critic.module.value_head.weight.shape,
+                                                          generator=torch.Generator().manual_seed(1)))
+    sharded_ids = expert_param_ids(model) if ep.size > 1 else set()
+    params = list(model.parameters())
+    # SGD with lr 1 makes each update equal to minus the gradient.
+    opt = torch.optim.SGD(params, lr=1.0)
+    critic.optimizer = torch.optim.SGD(list(critic.module.parameters()), lr=1.0)
+    named = {"policy": model, "critic": critic.module}
+    before = {f"{m}.{k}": v.detach().clone() for m, mod in named.items() for k, v in mod.named_parameters()}
+    batch = collate_groups(split_groups(_fake_groups(5), world)[rank])
+    applied, stats = train_step(cfg, model, None, opt, batch, [p for p in params if id(p) not in sharded_ids],
+                                [p for p in params if id(p) in sharded_ids], critic)
+    grads = {f"{m}.{k}": before[f"{m}.{k}"] - v.detach() for m, mod in named.items() for k, v in mod.named_parameters()}
+    offsets = {f"{m}.{k}": getattr(x, "local_expert_offset", 0) for m, mod in named.items() for k, x in mod.named_modules()}
+    torch.save({"applied": applied, "stats": stats, "grads": grads, "offset": offsets},
+               Path(out_dir) / f"ep{world}-rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ppo_ep2_step_equals_full_batch_step(tmp_path):
+    import torch.multiprocessing as mp
+
+    base = dict(model={"preset": "tiny-qwen3-moe"},
+                trainer={"algorithm": "ppo", "grad_clip": 1e9, "tis_cap": 2.0, "gae_lambda": 0.9, "gamma": 0.99})
+    for world in (1, 2):
+        cfg = RunConfig.model_validate({**base, "ep": {"size": world, "backend": "auto"}})
+        mp.start_processes(_ppo_grad_worker, args=(world, free_port(), cfg.model_dump_json(), str(tmp_path)),
+                           nprocs=world, start_method="spawn", join=True)
+    ref = torch.load(tmp_path / "ep1-rank0.pt")
+    parts = [torch.load(tmp_path / f"ep2-rank{r}.pt") for r in range(2)]
+    assert ref["applied"] and all(p["applied"] for p in parts)
+    for key in ("loss", "vf_loss", "value", "return", "grad_norm", "critic_grad_norm", "tokens", "clip_frac"):
+        assert parts[0]["stats"][key] == pytest.approx(ref["stats"][key], rel=1e-4, abs=1e-6), key
+        assert parts[1]["stats"][key] == parts[0]["stats"][key], key
+    assert ref["stats"]["critic_grad_norm"] > 0 and ref["stats"]["grad_norm"] > 0
+    tol = dict(atol=2e-6, rtol=1e-4)
+    n_expert = {"policy": 0, "critic": 0}
+    for name, g_ref in ref["grads"].items():
+        for p in parts:
+            g = p["grads"][name]
+            if g.shape == g_ref.shape:
+                torch.testing.assert_close(g, g_ref, **tol, msg=name)
+            else:  # a local expert shard: compare with the reference's rows
+                n_expert[name.split(".")[0]] += 1
+                off = p["offset"][name.rsplit(".", 2)[0]]
+                torch.testing.assert_close(g, g_ref[off: off + g.shape[0]], **tol, msg=name)
+    assert n_expert["policy"] > 0 and n_expert["critic"] > 0, n_expert
+    assert ref["grads"]["critic.trunk.embed_tokens.weight"].abs().max() > 0
