@@ -1,0 +1,499 @@
+"""`moerl bench loop`: the embedded asynchronous loop against TRL's GRPOTrainer, equal wall-clock.
+
+One invocation on this machine runs, one after the other:
+
+1. **moerl**: the embedded default of `moerl run` (app/run.py, app/embedded.py): redis-server,
+   the trainer gang (torchrun, EP over gloo), W engines and W rollout workers as separate
+   processes, for ``seconds`` of training wall-clock;
+2. **trl**: ``trl.GRPOTrainer`` (synchronous: generate, score, train, in turn, in one process)
+   for the same ``seconds``, stopped by a ``TrainerCallback`` at the deadline;
+
+then prints, for both, samples trained per second and the held-out mean reward reached (the
+evaluator of app/envs/evaluate.py on the same held-out prompts, with the same seed, on the
+final policy saved as an HF checkpoint and loaded with stock transformers), and their ratios,
+and writes a result file (app/bench/results.py, benchmark "loop").
+
+How the comparison is kept fair:
+
+* same start: both legs start from the same warm-up checkpoint (``moerl warmup``, cached by
+  recipe like `moerl run` does); TRL loads it with ``AutoModelForCausalLM.from_pretrained``;
+* same data and reward: the training prompts of ``make_splits(cfg.task)`` (plain-text prompts,
+  tokenized by the same tokenizer with ``<bos>``), scored as the rollout worker scores them:
+  ``app.envs.rewards`` on the decoded completion, and ``rollout.truncated_reward`` for one cut
+  at max new tokens (without it TRL's policy learns to stop emitting ``<eos>``: run-on text
+  earns partial credit from spell_backward's verifier, and held-out reward, where an unfinished
+  answer scores 0, falls);
+* same GRPO recipe: group size G (``num_generations``), ``groups_per_step * G`` completions per
+  optimizer step and one optimizer step per batch (``num_iterations=1``), temperature, top-p,
+  max new tokens, group advantages (r - mean) / (std + 1e-4) (``scale_rewards="group"``),
+  clipped ratio with eps 0.2 / 0.28, token-mean loss over the whole batch (TRL's ``"dapo"``),
+  no KL term (``beta=0``), no router aux loss, grad clip, and the SAME optimizer: torch AdamW
+  with the trainer's betas and weight decay and the trainer's lr schedule (linear warm-up
+  ``min(1, (step+1)/lr_warmup_steps)``, then constant), handed to TRL through ``optimizers``;
+* same CPU budget: both use all of the machine's cores. moerl's roles run one thread each
+  (2 trainer ranks + W engines + W workers over the cores, as `moerl run` does); TRL runs in
+  one process with ``torch.set_num_threads(cores)``;
+* same clock: the moerl window opens when the rollout workers start (the trainer has already
+  published v0 and the engines are healthy: process start-up and model loading are reported
+  apart as ``setup_s``) and closes when the trainer's step in flight at the deadline has
+  finished (SIGTERM: the trainer finishes its step, publishes, exits). The TRL window opens at
+  ``on_train_begin`` (model already loaded) and closes at the end of the step in flight at the
+  deadline. Either leg makes at least one step. Samples/s = samples trained in the window /
+  the window's length;
+* same CPU accounting: the machine may be shared, and other tenants can leave the two legs
+  unequal shares of the cores (six single-thread processes get more of a busy machine than one
+  process with two threads). So each leg also reports the CPU seconds it used in its window
+  (moerl: every role process and its children plus redis-server, psutil, up to the stop
+  signal; TRL: ``time.process_time()``), the cores it actually got, and samples per CPU-second.
+
+Differences that remain, by design of each system: moerl generates with its own engine
+(continuous batching over HTTP) while the trainer trains (rollouts at most
+``buffer.max_staleness`` versions behind, with truncated importance sampling against the
+engine's logprobs); TRL generates with ``model.generate`` on the training model between steps,
+always on-policy. The legs run one after the other on a machine that may be shared: the load
+average before each leg is recorded in the result's notes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from app.bench.results import write_result
+
+console = Console(soft_wrap=True)  # table rows stay one line each when piped
+
+
+@dataclass
+class LoopBench:
+    """Inputs of `moerl bench loop` (recorded as the result's ``shape``).
+
+    Attributes:
+        seconds: training wall-clock of each leg, seconds (> 0).
+        workers: rollout workers of the moerl leg (one engine each).
+        config: run config YAML (default: `moerl run`'s ``embedded_default()``).
+        cache: warm-up checkpoint cache directory (shared with `moerl run`).
+        work_dir: where both legs' run directories go (default ``<out_dir>/loop-<UTC time>``).
+        max_steps: trainer step cap of both legs (0: ``max(20, 20 * seconds)``); the deadline
+            normally ends a leg first, and a leg that hits the cap says so in the result.
+    """
+
+    seconds: float = 180.0
+    workers: int = 2
+    config: str = ""
+    cache: str = "runs/cache"
+    work_dir: str = ""
+    max_steps: int = 0
+
+    def validate(self) -> None:
+        """Raises ValueError naming the flag if an input is out of range or missing."""
+        if not (self.seconds > 0 and math.isfinite(self.seconds)):
+            raise ValueError(f"--seconds must be a positive number, got {self.seconds}")
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if self.max_steps < 0:
+            raise ValueError(f"--max-steps must be >= 0, got {self.max_steps}")
+        if self.config and not Path(self.config).is_file():
+            raise ValueError(f"--config: {self.config} is not a file")
+
+    def step_cap(self) -> int:
+        return self.max_steps or max(20, int(20 * self.seconds))
+
+
+def cores() -> int:
+    """CPU cores this process may use (the budget both legs share)."""
+    return len(os.sched_getaffinity(0))
+
+
+def load_config(bench: LoopBench):
+    """The run config of both legs: ``--config`` or `moerl run`'s embedded default.
+
+    Raises:
+        ValueError: the config file is invalid (the message names the file and field).
+    """
+    from app.config import RunConfig
+    from app.run import embedded_default
+
+    cfg = RunConfig.load(bench.config) if bench.config else embedded_default()
+    cfg.trainer.steps = bench.step_cap()
+    return cfg
+
+
+def load_now() -> float:
+    """1-minute load average (how busy the shared machine was)."""
+    return os.getloadavg()[0]
+
+
+def tree_cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) used so far by the processes ``pids`` and all their live
+    descendants (psutil). A process that is gone counts 0."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for proc in procs:
+            try:
+                t = proc.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += t.user + t.system
+    return total
+
+
+def leg_figures(name: str, steps: int, samples: int, window_s: float, setup_s: float, after: dict,
+                before: dict, cap_hit: bool, cpu: tuple[int, float, float], extra: dict) -> dict:
+    """One result row: throughput and the held-out reward reached (units in the key names).
+
+    ``cpu`` is (samples trained, CPU seconds, wall seconds) over the part of the window where
+    CPU time was measured: on a shared machine samples per CPU-second compares the two systems'
+    efficiency even when the other tenants leave them unequal shares of the cores.
+    """
+    cpu_samples, cpu_s, cpu_wall_s = cpu
+    return {
+        "name": name,
+        "steps": steps,
+        "samples_trained": samples,
+        "train_window_s": round(window_s, 2),
+        "samples_per_s": samples / window_s if window_s > 0 else float("nan"),
+        "cpu_s": round(cpu_s, 2),
+        "cores_used": cpu_s / cpu_wall_s if cpu_wall_s > 0 else float("nan"),
+        "samples_per_cpu_s": cpu_samples / cpu_s if cpu_s > 0 else float("nan"),
+        "setup_s": round(setup_s, 2),
+        "heldout_reward_after": after["mean_reward"],
+        "heldout_greedy_after": after["greedy"],
+        "gain_points": 100 * (after["mean_reward"] - before["mean_reward"]),
+        "step_cap_hit": cap_hit,
+        **extra,
+    }
+
+
+# -- leg 1: the embedded moerl loop ------------------------------------------------------------
+
+
+def wait_initial_policy(loop, timeout_s: float = 600.0) -> None:
+    """Block until the trainer has published policy v0 (it is then waiting for groups).
+
+    Raises:
+        RoleFailed: the trainer exited or published nothing within ``timeout_s``.
+    """
+    from app.embedded import RoleFailed
+    from app.storage import open_store
+    from app.storage.policy import latest_policy_version
+
+    store = open_store(loop.cfg.store_url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        loop.check_roles(restart_rollout=False)
+        trainer = loop.sup.procs["trainer"]
+        if not trainer.alive():
+            raise RoleFailed(f"trainer exited with {trainer.returncode()} before publishing v0:\n{trainer.tail(30)}")
+        if latest_policy_version(store, loop.cfg.run_id) is not None:
+            return
+        time.sleep(0.5)
+    raise RoleFailed(f"trainer published no policy v0 within {timeout_s:.0f}s")
+
+
+def run_moerl(loop, feeder, base: Path, seconds: float, before: dict) -> dict:
+    """Run the embedded loop for ``seconds`` of training wall-clock; returns its result row.
+
+    ``loop`` is an `EmbeddedLoop` whose redis-server runs; ``feeder`` (app/run.py `TaskFeeder`)
+    keeps its task queue topped up, as in `moerl run`.
+
+    Raises:
+        RoleFailed: a role failed (the message carries its log tail).
+    """
+    from app.embedded import RoleFailed
+    from app.run import held_out_reward, latest_local_policy
+
+    t_setup = time.monotonic()
+    loop.start_trainer()
+    wait_initial_policy(loop)
+    loop.start_rollout(base)
+    setup_s = time.monotonic() - t_setup
+    pids = [p.pid for p in loop.sup.procs.values() if p.alive()] + [loop.redis.proc.pid]
+    cpu0 = tree_cpu_s(pids)
+    t0 = time.time()
+    deadline = t0 + seconds
+    last_print = t0
+    records: list[dict] = []
+    # Until the deadline, and at least one step (the TRL leg always makes one too).
+    while not loop.trainer_done():
+        loop.check_roles()
+        feeder.top_up()
+        now = time.time()
+        if now >= deadline:
+            records = loop.metrics()
+            if records or now > deadline + loop.cfg.trainer.batch_timeout_s:
+                break
+        if now - last_print >= 15:
+            records = loop.metrics()
+            step = records[-1]["step"] if records else 0
+            console.print(f"  moerl: {now - t0:5.0f}s  step {step}")
+            last_print = now
+        time.sleep(0.5)
+    # CPU is measured up to the stop signal, over the steps recorded by then.
+    cpu_s, cpu_wall_s, records = tree_cpu_s(pids) - cpu0, time.time() - t0, loop.metrics()
+    cpu = (records[-1]["samples_total"] if records else 0, cpu_s, cpu_wall_s)
+    # SIGTERM: every rank finishes its step in flight, publishes it, and exits.
+    code = loop.sup.procs["trainer"].stop(grace_s=loop.cfg.trainer.batch_timeout_s)
+    loop.stop_rollout()
+    records = loop.metrics()
+    if not records:
+        raise RoleFailed(f"the trainer made no step (exit code {code}):\n{loop.sup.procs['trainer'].tail(30)}")
+    last = records[-1]
+    after = held_out_reward(loop.cfg, latest_local_policy(loop))
+    tail = [r["reward_mean"] for r in records[-10:] if r.get("reward_mean") is not None]
+    extra = {
+        "policy_version": last["policy_version"],
+        "train_reward_last10": sum(tail) / len(tail) if tail else float("nan"),
+        "staleness_mean": sum(r.get("staleness_mean", 0.0) for r in records) / len(records),
+        "overstale_dropped": last.get("overstale_dropped", 0),
+    }
+    return leg_figures("moerl", last["step"], last["samples_total"], last["time"] - t0, setup_s, after,
+                       before, last["step"] >= loop.cfg.trainer.steps, cpu, extra)
+
+
+# -- leg 2: TRL's GRPOTrainer ------------------------------------------------------------------
+
+
+def trl_reward_fn(eos_ids: list[int], truncated_reward: float | None):
+    """The TRL reward function of the recipe, scored as the rollout worker scores.
+
+    TRL calls it with lists (``reward_funcs`` signature): ``prompts``, ``completions`` (decoded
+    without special tokens), ``completion_ids`` (cut after the first EOS, which they keep), and
+    the dataset's extra columns (here ``spec``, the JSON a rollout Task carries). A completion
+    that never reached EOS was cut at max new tokens: like the worker (``finish_reason ==
+    "length"``) it gets ``rollout.truncated_reward`` instead of the verifier's partial credit
+    (unless that is None); every other one gets ``app.envs.rewards`` on its text.
+    """
+    from app.envs.rewards import score_answer_spec
+
+    stops = set(eos_ids)
+
+    def reward(prompts, completions, completion_ids, spec, **kwargs) -> list[float]:
+        out = []
+        for text, ids, answer in zip(completions, completion_ids, spec):
+            cut = not stops.intersection(ids)
+            out.append(truncated_reward if cut and truncated_reward is not None else score_answer_spec(answer, text))
+        return out
+
+    return reward
+
+
+def grpo_args(cfg, out_dir: Path, max_steps: int):
+    """``trl.GRPOConfig`` mirroring ``cfg``'s GRPO recipe (see the module docstring).
+
+    Raises:
+        ValueError: the recipe has no TRL equivalent (sequence-mean loss, KL, a PPO trainer).
+    """
+    from trl import GRPOConfig
+
+    t, r = cfg.trainer, cfg.rollout
+    if t.algorithm != "grpo" or t.kl_coef > 0 or t.loss_agg != "token-mean":
+        raise ValueError("bench loop compares the token-mean GRPO recipe without KL "
+                         f"(trainer.algorithm={t.algorithm}, kl_coef={t.kl_coef}, loss_agg={t.loss_agg})")
+    return GRPOConfig(
+        output_dir=str(out_dir),
+        per_device_train_batch_size=t.groups_per_step * r.group_size,
+        gradient_accumulation_steps=1,
+        num_generations=r.group_size,
+        num_iterations=1,
+        max_completion_length=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=0,
+        beta=0.0,
+        epsilon=t.clip_eps_low,
+        epsilon_high=t.clip_eps_high,
+        loss_type="dapo",
+        scale_rewards="group" if t.scale_by_std else "none",
+        router_aux_loss_coef=0.0,
+        learning_rate=t.lr,
+        max_grad_norm=t.grad_clip,
+        max_steps=max_steps,
+        use_vllm=False,
+        use_cpu=True,
+        bf16=cfg.model.dtype == "bfloat16",
+        gradient_checkpointing=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=cfg.task.seed,
+        dataloader_num_workers=0,
+    )
+
+
+def run_trl(cfg, base: Path, out_dir: Path, seconds: float, before: dict) -> dict:
+    """Train ``base`` with TRL's GRPOTrainer for ``seconds``; returns its result row.
+
+    The final model is saved to ``out_dir/final`` (HF checkpoint + tokenizer) and evaluated
+    from there with the same code as the moerl leg.
+    """
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
+    from trl import GRPOTrainer
+
+    from app.envs.tasks import make_splits
+    from app.envs.tokenizer import load_tokenizer, save_tokenizer
+    from app.run import held_out_reward
+
+    t = cfg.trainer
+    batch = t.groups_per_step * cfg.rollout.group_size
+
+    class Deadline(TrainerCallback):
+        """Stops training at the end of the first step that ends past the deadline."""
+
+        t0 = end = cpu0 = cpu = 0.0
+        last_print = 0.0
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.t0 = self.last_print = time.time()
+            self.cpu0 = time.process_time()  # every thread of this process
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.end = now = time.time()
+            self.cpu = time.process_time() - self.cpu0
+            if now - self.t0 >= seconds:
+                control.should_training_stop = True
+            if now - self.last_print >= 15:
+                console.print(f"  trl:   {now - self.t0:5.0f}s  step {state.global_step}")
+                self.last_print = now
+
+    t_setup = time.monotonic()
+    torch.set_num_threads(cores())
+    train, _ = make_splits(cfg.task)
+    dataset = Dataset.from_list([{"prompt": p.text, "spec": p.spec} for p in train])
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=getattr(torch, cfg.model.dtype))
+    tokenizer = load_tokenizer(base)
+    # The trainer's optimizer and lr schedule exactly (app/trainer/train.py: AdamW, step_lr).
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
+    warm = max(t.lr_warmup_steps, 1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    deadline = Deadline()
+    eos = model.generation_config.eos_token_id
+    eos_ids = [tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos] if eos is not None else [])]
+    reward = trl_reward_fn(eos_ids, cfg.rollout.truncated_reward)
+    reward.__name__ = "reward"  # TRL names its reward metrics after the function
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=grpo_args(cfg, out_dir, t.steps),
+                          train_dataset=dataset, processing_class=tokenizer, optimizers=(opt, sched),
+                          callbacks=[deadline])
+    trainer.remove_callback(PrinterCallback)  # one dict per step is too much on a terminal
+    setup_s = time.monotonic() - t_setup
+    trainer.train()
+    steps = trainer.state.global_step
+    final = out_dir / "final"
+    trainer.model.save_pretrained(str(final))
+    save_tokenizer(final, tokenizer)
+    after = held_out_reward(cfg, final)
+    logs = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    tail = logs[-10:]
+    extra = {"train_reward_last10": sum(tail) / len(tail) if tail else float("nan"), "threads": cores()}
+    window = deadline.end - deadline.t0
+    return leg_figures("trl", steps, steps * batch, window, setup_s, after, before, steps >= t.steps,
+                       (steps * batch, deadline.cpu, window), extra)
+
+
+# -- the benchmark -----------------------------------------------------------------------------
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def run(bench: LoopBench, out_dir: str | os.PathLike = "runs/bench") -> Path:
+    """Run both legs, print the comparison and write the result file; returns its path.
+
+    Raises:
+        ValueError: a bad flag or config (before any work starts).
+        RoleFailed: a moerl role failed.
+    """
+    from app.embedded import EmbeddedLoop
+    from app.run import TaskFeeder, held_out_reward, make_base_policy
+
+    from transformers.utils import logging as hf_logging
+
+    bench.validate()
+    cfg = load_config(bench)
+    hf_logging.disable_progress_bar()  # weight-loading bars of every evaluation
+    grpo_args(cfg, Path(out_dir) / "unused", 1)  # refuse a recipe TRL cannot mirror, before any work
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    work = Path(bench.work_dir or Path(out_dir) / f"loop-{stamp}").resolve()
+    if work.exists() and any(work.iterdir()):
+        raise ValueError(f"--work-dir: {work} is not empty")
+    notes = []
+    cfg.store_url = f"file://{work / 'moerl' / 'store'}"
+    cfg.rollout.policy_cache_dir = str(work / "moerl" / "policy-cache")
+
+    loop = EmbeddedLoop(cfg, work / "moerl", workers=bench.workers)
+    try:
+        loop.start_redis()
+        base = make_base_policy(loop, Path(bench.cache).resolve())
+        loop.cfg.model.path = str(base)
+        loop.write_config()
+        before = held_out_reward(loop.cfg, base)
+        console.print(f"held-out reward of the warm-up checkpoint: {before['mean_reward']:.3f} "
+                      f"(n={before['n']}, greedy {before['greedy']:.3f})")
+        feeder = TaskFeeder(loop, base)
+        feeder.top_up()
+        notes.append(f"load average before the moerl leg: {load_now():.2f} ({cores()} cores)")
+        console.print(f"moerl leg: {bench.seconds:g}s (EP={cfg.ep.size}, {bench.workers} workers)")
+        moerl = run_moerl(loop, feeder, base, bench.seconds, before)
+    finally:
+        loop.close()
+    cfg = loop.cfg  # model.path = the warm-up checkpoint
+    notes.append(f"load average before the trl leg: {load_now():.2f}")
+    console.print(f"trl leg: {bench.seconds:g}s (GRPOTrainer, {cores()} threads)")
+    trl = run_trl(cfg, base, work / "trl", bench.seconds, before)
+
+    ratios = {
+        "samples_per_s moerl/trl": ratio(moerl["samples_per_s"], trl["samples_per_s"]),
+        "samples_per_cpu_s moerl/trl": ratio(moerl["samples_per_cpu_s"], trl["samples_per_cpu_s"]),
+        "heldout_reward_after moerl/trl": ratio(moerl["heldout_reward_after"], trl["heldout_reward_after"]),
+        "gain_points moerl-trl": moerl["gain_points"] - trl["gain_points"],
+    }
+    notes += [
+        f"held-out reward of the warm-up checkpoint (both legs start there): {before['mean_reward']:.4f} "
+        f"sampled at T={cfg.rollout.temperature}, {before['greedy']:.4f} greedy, n={before['n']}",
+        "samples_per_s = samples trained in the window / window length; the window of each leg "
+        "ends with the step in flight at the deadline (see app/bench/loop.py)",
+        f"run directories under {work}",
+    ]
+    shape = {
+        **asdict(bench), "task": cfg.task.name, "base_checkpoint": str(base), "ep": cfg.ep.size,
+        "group_size": cfg.rollout.group_size, "groups_per_step": cfg.trainer.groups_per_step,
+        "lr": cfg.trainer.lr, "max_new_tokens": cfg.rollout.max_new_tokens,
+        "temperature": cfg.rollout.temperature, "heldout_prompts": before["n"],
+        "heldout_reward_before": before["mean_reward"], "heldout_greedy_before": before["greedy"],
+        "cores": cores(),
+    }
+    path = write_result("loop", shape, [moerl, trl], ratios, notes, out_dir=out_dir)
+    print_table(before, moerl, trl, ratios, path)
+    return path
+
+
+def print_table(before: dict, moerl: dict, trl: dict, ratios: dict, path: Path) -> None:
+    console.rule("moerl bench loop")
+    console.print(f"held-out mean reward at the start (warm-up checkpoint): {before['mean_reward']:.3f} "
+                  f"over {before['n']} prompts")
+    console.print(f"{'leg':<6} {'steps':>6} {'samples':>8} {'window s':>9} {'samples/s':>10} {'cores':>6} "
+                  f"{'samples/cpu-s':>14} {'held-out after':>15} {'gain pts':>9}")
+    for f in (moerl, trl):
+        console.print(f"{f['name']:<6} {f['steps']:>6} {f['samples_trained']:>8} {f['train_window_s']:>9.1f} "
+                      f"{f['samples_per_s']:>10.2f} {f['cores_used']:>6.2f} {f['samples_per_cpu_s']:>14.2f} "
+                      f"{f['heldout_reward_after']:>15.3f} {f['gain_points']:>+9.1f}")
+    for k, v in ratios.items():
+        console.print(f"{k}: {v:.2f}")
+    console.print(f"result: {path}")
+
