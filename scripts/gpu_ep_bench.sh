@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Issue 8 on one 8-GPU H200 machine, in one call: the EP equivalence tests on 2, 4 and 8 GPUs
+# (alltoall; deepep where `deep_ep` imports), then `moerl bench dispatch` (DeepSeek-V3 settings)
+# and `moerl bench ep-train-step` (policy `small`, EP 8), each under torchrun --nproc-per-node 8.
+#
+# On the lent machine (python3 3.12 with torch and transformers, no venv, no pip index), from the
+# repository root, carrying the pydantic wheels that scripts/gpu_bench.sh --fetch-wheels puts in .whl:
+#     run(command="bash scripts/gpu_ep_bench.sh", kind="nvidia-h200-x8", carry=[".whl"], timeout_s=600)
+# deep_ep is used when it imports; a site directory made by the (NOT yet tried) recipe in
+# BENCHMARKS.md, "Making deep_ep importable", is picked up from DEEPEP_SITE (default /tmp/deepep-site).
+# DRY_RUN=1 prints the commands instead of running them (tests/test_bench_ep.py uses it).
+#
+# Writes into $OUT (default runs/bench-gpu-ep): results.json (a JSON list of every result document,
+# rewritten after each step), gpu_ep_bench.log and the pytest output of the equivalence tests.
+# Each step gets a timeout; once BUDGET_S seconds have passed no further step starts.
+set -u -o pipefail
+
+PY="${PYTHON:-python3}"
+NPROC="${NPROC:-8}"
+OUT="${OUT:-runs/bench-gpu-ep}"
+BUDGET_S="${BUDGET_S:-540}"
+SCRATCH="${SCRATCH:-runs/gpu-ep-bench-scratch}"
+RESULTS="$SCRATCH/results"
+LOG="$OUT/gpu_ep_bench.log"
+DRY_RUN="${DRY_RUN:-0}"
+DEEPEP_SITE="${DEEPEP_SITE:-/tmp/deepep-site}"
+START=$(date +%s)
+STATUS=0
+
+# NVLink multicast stays off on these shared machines (the benchmarks refuse to start otherwise).
+MULTICAST_OFF="NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1"
+# shellcheck disable=SC2086
+export $MULTICAST_OFF
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+if [[ "$DRY_RUN" == 1 ]]; then
+    echo "export $MULTICAST_OFF"
+else
+    mkdir -p "$OUT"; rm -rf "$SCRATCH"; mkdir -p "$RESULTS"
+fi
+
+elapsed() { echo $(( $(date +%s) - START )); }
+say() { echo "[$(date -u +%H:%M:%S) +$(elapsed)s] $*" | tee -a "$LOG"; }
+
+collect() {
+    # Every result file so far -> $OUT/results.json (temporary name, then rename).
+    "$PY" - "$RESULTS" "$OUT/results.json" <<'EOF'
+import json, os, sys
+from pathlib import Path
+src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+docs = [json.loads(p.read_text()) for p in sorted(src.glob("*.json"))]
+tmp = dst.with_name(dst.name + ".tmp")
+tmp.write_text(json.dumps(docs, indent=1))
+os.replace(tmp, dst)
+EOF
+}
+
+# step CAP_S LABEL CMD...: run CMD under a timeout (whole process group), log it, collect results.
+step() {
+    local cap=$1 label=$2
+    shift 2
+    if [[ "$DRY_RUN" == 1 ]]; then
+        echo "$*"
+        return
+    fi
+    local left=$(( BUDGET_S - $(elapsed) ))
+    if (( left < 20 )); then
+        say "SKIP $label: budget of ${BUDGET_S}s spent"
+        STATUS=1
+        return
+    fi
+    local limit=$(( cap < left ? cap : left ))
+    say "START $label (timeout ${limit}s): $*"
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    if (( rc == 0 )); then say "DONE $label"; else say "FAILED $label (exit $rc)"; STATUS=1; fi
+    collect
+}
+
+if [[ "$DRY_RUN" != 1 ]]; then
+    say "gpu_ep_bench: OUT=$OUT budget ${BUDGET_S}s, $NPROC ranks; $MULTICAST_OFF"
+    nvidia-smi -L 2>&1 | tee -a "$LOG"
+    nvidia-smi topo -m 2>&1 | tee -a "$LOG"
+    # The image has no pydantic (app.config needs it): install the carried wheels, once per name.
+    if ! "$PY" -c "import pydantic" 2>/dev/null; then
+        wheels=$(find .whl -type f -name '*.whl' 2>/dev/null | awk -F/ '{split($NF, a, "-"); if (!seen[tolower(a[1])]++) print}')
+        if [[ -z "$wheels" ]]; then
+            say "ABORT: pydantic is missing and no wheels under .whl/ (carry .whl; see BENCHMARKS.md)"
+            exit 2
+        fi
+        # shellcheck disable=SC2086
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/moerl-site $wheels 2>&1 | tee -a "$LOG"
+        export PYTHONPATH="$PYTHONPATH:/tmp/moerl-site"
+    fi
+    # deep_ep from the recipe's site dir, with the newer NCCL it was built against preloaded.
+    if [[ -d "$DEEPEP_SITE" ]]; then
+        export PYTHONPATH="$DEEPEP_SITE:$PYTHONPATH"
+        nccl=$(find "$DEEPEP_SITE" -name 'libnccl.so.2' -type f 2>/dev/null | head -n 1)
+        [[ -n "$nccl" ]] && export LD_PRELOAD="$nccl${LD_PRELOAD:+:$LD_PRELOAD}"
+        say "using $DEEPEP_SITE (LD_PRELOAD=${LD_PRELOAD:-})"
+    fi
+    if ! "$PY" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, \
+'transformers', transformers.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), \
+'nccl', '.'.join(map(str, torch.cuda.nccl.version())))" 2>&1 | tee -a "$LOG"; then
+        say "ABORT: torch does not import or sees no CUDA device (see above)"
+        exit 2
+    fi
+    "$PY" -c "import deep_ep; print('deep_ep', getattr(deep_ep, '__file__', '?'), \
+'ElasticBuffer (V2)' if hasattr(deep_ep, 'ElasticBuffer') else 'Buffer (V1)')" 2>&1 | tee -a "$LOG" \
+        || say "deep_ep does not import: deepep figures and tests will be skipped (see above)"
+    if ! "$PY" -c "import app.cli, app.bench.cli, app.bench.dispatch, app.bench.ep_train_step, app.config, \
+app.model.policy, app.model.dispatch.alltoall, app.trainer.train" 2>&1 | tee -a "$LOG"; then
+        say "ABORT: the benchmark modules do not import here (see above)"
+        exit 2
+    fi
+fi
+
+TORCHRUN=("$PY" -m torch.distributed.run "--nproc-per-node=$NPROC" --standalone)
+[[ "$DRY_RUN" == 1 ]] && TORCHRUN=(python3 -m torch.distributed.run "--nproc-per-node=$NPROC" --standalone)
+
+# The two benchmarks first (the issue's figures), then the equivalence tests.
+step 200 "dispatch DeepSeek-V3 settings, $NPROC ranks" "${TORCHRUN[@]}" -m app.cli bench dispatch \
+    --hidden 7168 --topk 8 --experts 256 --tokens 4096 --dtype bfloat16 --backends auto --fp8 \
+    --iters 20 --warmup 5 --out-dir "$RESULTS"
+# 8 groups x 8 completions x (128 + 384) tokens per rank: 32768 tokens per rank per step.
+step 200 "ep-train-step small, EP $NPROC" "${TORCHRUN[@]}" -m app.cli bench ep-train-step \
+    --model small --groups 8 --group-size 8 --prompt-len 128 --completion-len 384 --dtype bfloat16 \
+    --backends auto --iters 5 --warmup 2 --out-dir "$RESULTS"
+# EP 2 (NCCL) is in test_ep_equivalence.py; EP 4 and 8 (NCCL) and deepep at 2, 4, 8 in test_bench_ep.py.
+# --noconftest: tests/conftest.py imports redis-py, which the image lacks; these tests need no fixture.
+step 240 "EP equivalence on 2, 4, 8 GPUs" "$PY" -m pytest -q -p no:cacheprovider --noconftest -rs \
+    tests/test_ep_equivalence.py::test_ep_matches_ep1_on_gpus_with_nccl \
+    tests/test_bench_ep.py::test_alltoall_matches_ep1_on_more_gpus \
+    tests/test_bench_ep.py::test_deepep_matches_ep1_on_gpus \
+    --junitxml "$OUT/ep_equivalence.xml"
+
+if [[ "$DRY_RUN" != 1 ]]; then
+    collect
+    rm -rf "$SCRATCH"
+    say "gpu_ep_bench finished in $(elapsed)s, status $STATUS; results in $OUT/results.json"
+fi
+exit $STATUS
