@@ -11,7 +11,9 @@ drive it.
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -51,6 +53,9 @@ class EmbeddedLoop:
         self.sup = Supervisor(self.run_dir / "logs")
         self.redis: LocalRedis | None = None
         self.engine_ports: dict[int, int] = {}
+        self._watchdog_stop = threading.Event()
+        self._watchdog: threading.Thread | None = None
+        self._answered: set[tuple[str, int]] = set()  # (engine name, start count) seen healthy
 
     # -- infrastructure -----------------------------------------------------------------------
 
@@ -101,6 +106,7 @@ class EmbeddedLoop:
                 raise RoleFailed(f"engine-{i} exited with {proc.returncode()}:\n{proc.tail()}")
             try:
                 if httpx.get(self.engine_url(i) + "/health_generate", timeout=10).status_code == 200:
+                    self._answered.add((proc.name, proc.starts))
                     return
             except httpx.HTTPError:
                 pass
@@ -128,13 +134,51 @@ class EmbeddedLoop:
         return self.sup.start("trainer", argv, ONE_THREAD_ENV)
 
     def start_rollout(self, model_path: Path) -> None:
-        """Start every engine, wait until each is healthy, then start the workers."""
+        """Start every engine, wait until each is healthy, then start the workers and the
+        engine watchdog (`watch_engines`)."""
         for i in range(self.workers):
             self.start_engine(i, model_path)
         for i in range(self.workers):
             self.wait_engine(i)
         for i in range(self.workers):
             self.start_worker(i)
+        self.watch_engines()
+
+    def watch_engines(self, period_s: float = 15.0, timeout_s: float = 30.0, strikes: int = 3) -> None:
+        """Kill hung engines, as a failed liveness probe does in the cluster (charts8s/rollout.py).
+
+        A daemon thread calls each engine's ``/health_generate`` every ``period_s`` seconds; an
+        engine that has answered once since it (re)started and then fails ``strikes`` probes
+        in a row (error, non-200 or no answer within ``timeout_s``) gets SIGKILL. `check_roles`
+        restarts it, and its worker brings it to the current policy before taking work again
+        (the worker releases the tasks it had in flight). Idempotent; stopped by `close`.
+        """
+        if self._watchdog is not None:
+            return
+        self._watchdog_stop.clear()
+
+        def run() -> None:
+            misses: dict[tuple[str, int], int] = {}  # failed probes in a row per (engine, start)
+            while not self._watchdog_stop.wait(period_s):
+                for name, proc in list(self.sup.procs.items()):
+                    if not name.startswith("engine-") or not proc.alive():
+                        continue
+                    key = (name, proc.starts)
+                    try:
+                        url = self.engine_url(int(name.split("-")[1])) + "/health_generate"
+                        ok = httpx.get(url, timeout=timeout_s).status_code == 200
+                    except httpx.HTTPError:
+                        ok = False
+                    if ok:
+                        self._answered.add(key)
+                        misses[key] = 0
+                    elif key in self._answered:  # liveness counts only after the first answer
+                        misses[key] = misses.get(key, 0) + 1
+                        if misses[key] >= strikes:
+                            proc.signal(signal.SIGKILL)
+
+        self._watchdog = threading.Thread(target=run, name="engine-watchdog", daemon=True)
+        self._watchdog.start()
 
     def check_roles(self, restart_rollout: bool = True) -> None:
         """Restart a rollout worker or engine that exited (the cluster's Deployment does this).
@@ -166,7 +210,11 @@ class EmbeddedLoop:
                 p.stop(10)
 
     def close(self) -> None:
-        """Stop every process and redis-server."""
+        """Stop the engine watchdog, every process and redis-server."""
+        self._watchdog_stop.set()
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=60)
+            self._watchdog = None
         self.sup.stop_all(grace_s=self.cfg.rollout.drain_grace_s + 5)
         if self.redis is not None:
             self.redis.stop()

@@ -85,3 +85,33 @@ def test_short_chaos_run_loses_nothing(tmp_path):
     assert d["issued"] >= d["completed"] >= 10
     assert (d["lost"], d["duplicated"], d["overstale"]) == (0, 0, 0), d
     assert s["ok"] and (tmp_path / "chaos" / "chaos.json").exists()
+
+
+def test_watchdog_kills_a_hung_engine_and_it_is_restarted(tmp_path):
+    """A hung engine (SIGSTOP: alive, answers nothing) is killed after failed liveness probes;
+    check_roles starts it again and it serves."""
+    import os
+    import signal
+    import time
+
+    from app.chaos import chaos_config, make_base_policy
+    from app.embedded import EmbeddedLoop
+
+    cfg = chaos_config(4, 0, tmp_path, group_size=2, groups_per_step=1, save_every=1, max_new_tokens=4, workers=1)
+    base = make_base_policy(cfg, tmp_path / "base")
+    loop = EmbeddedLoop(cfg, tmp_path / "run", workers=1)
+    try:
+        engine = loop.start_engine(0, base)
+        loop.wait_engine(0)
+        loop.watch_engines(period_s=0.5, timeout_s=2.0, strikes=2)
+        os.kill(engine.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+        while engine.alive():
+            assert time.monotonic() < deadline, "the hung engine was not killed"
+            time.sleep(0.2)
+        assert engine.returncode() == -signal.SIGKILL
+        loop.check_roles()
+        assert engine.alive() and engine.starts == 2
+        loop.wait_engine(0)
+    finally:
+        loop.close()
