@@ -90,3 +90,52 @@ def engine(
     except ValueError as e:
         typer.echo(f"moerl bench engine: error: {e}", err=True)
         raise SystemExit(2) from None
+
+
+@cli.command("dispatch")
+def dispatch(
+    hidden: int = typer.Option(7168, help="Hidden size H (DeepSeek-V3: 7168)."),
+    topk: int = typer.Option(8, help="Experts per token K."),
+    experts: int = typer.Option(256, help="Routed experts E over all ranks."),
+    tokens: int = typer.Option(4096, help="Tokens per rank."),
+    dtype: str = typer.Option("bfloat16", help="bfloat16 | float32 (deepep: bfloat16 only)."),
+    backends: str = typer.Option("auto", help="auto (alltoall + deepep where it runs) or a comma list."),
+    fp8: bool = typer.Option(True, help="Also FP8 dispatch on deepep (V1 Buffer) where it runs."),
+    iters: int = typer.Option(20, help="Timed iterations (median per rank)."),
+    warmup: int = typer.Option(5, help="Untimed warm-up iterations."),
+    out_dir: str = typer.Option("runs/bench", help="Where rank 0 writes the JSON result."),
+) -> None:
+    """EP dispatch+combine per-rank GB/s for each backend vs NVLink (start with torchrun, 2+ ranks)."""
+    from app.bench.dispatch import DispatchBench, run
+
+    try:
+        run(DispatchBench(hidden=hidden, topk=topk, experts=experts, tokens=tokens, dtype=dtype,
+                          backends=backends, fp8=fp8, iters=iters, warmup=warmup), out_dir=out_dir)
+    except ValueError as e:
+        typer.echo(f"moerl bench dispatch: error: {e}", err=True)
+        raise SystemExit(2) from None
+
+
+@cli.command("ep-train-step")
+def ep_train_step(
+    model: str = typer.Option("tiny", help="Policy preset: tiny (CPU) | small (~0.5 B params, GPU)."),
+    groups: int = typer.Option(2, help="GRPO groups per rank per step."),
+    group_size: int = typer.Option(4, help="Completions per group (G)."),
+    prompt_len: int = typer.Option(16, help="Prompt tokens per sample."),
+    completion_len: int = typer.Option(48, help="Completion tokens per sample."),
+    dtype: str = typer.Option("float32", help="float32 | bfloat16 (deepep: bfloat16 only)."),
+    backends: str = typer.Option("auto", help="auto (alltoall + deepep where it runs) or a comma list."),
+    iters: int = typer.Option(3, help="Timed steps."),
+    warmup: int = typer.Option(1, help="Untimed steps before them (at least one always runs)."),
+    out_dir: str = typer.Option("runs/bench", help="Where rank 0 writes the JSON result."),
+) -> None:
+    """Multi-rank GRPO train step, EP = world size: tokens/s and dispatch/combine share per backend."""
+    from app.bench.ep_train_step import EPTrainStepBench, run
+
+    try:
+        run(EPTrainStepBench(model=model, groups=groups, group_size=group_size, prompt_len=prompt_len,
+                             completion_len=completion_len, dtype=dtype, backends=backends, iters=iters,
+                             warmup=warmup), out_dir=out_dir)
+    except ValueError as e:
+        typer.echo(f"moerl bench ep-train-step: error: {e}", err=True)
+        raise SystemExit(2) from None
