@@ -25,7 +25,9 @@ class EnvPoolChart(cdk8s.Chart):
         probe = {"tcpSocket": {"port": e.port}, "periodSeconds": 10, "timeoutSeconds": 3, "failureThreshold": 3}
         container = {
             "name": "reward", "image": plan.images["env"], "imagePullPolicy": "IfNotPresent",
-            "command": ["moerl", "reward", "--config", CLUSTER_CONFIG, "--host", "0.0.0.0", "--port", str(e.port)],
+            # The verifier always: a learned reward model has its own GPU pods (charts8s/rewardmodel.py).
+            "command": ["moerl", "reward", "--config", CLUSTER_CONFIG, "--host", "0.0.0.0", "--port", str(e.port),
+                        "--mode", "verifier"],
             "ports": [{"name": "http", "containerPort": e.port}],
             "resources": {"requests": res, "limits": res},
             "securityContext": container_security(),

@@ -26,7 +26,7 @@ UID = 10001  # the moerl user of images/*.Dockerfile (high UID: no clash with ho
 def reward_command(port: int, max_batch: int) -> list[str]:
     """The container command (options of `moerl reward`)."""
     return ["moerl", "reward", "--config", CLUSTER_CONFIG, "--host", "0.0.0.0", "--port", str(port),
-            "--max-batch", str(max_batch)]
+            "--max-batch", str(max_batch), "--mode", "model"]
 
 
 class RewardModelChart(cdk8s.Chart):

@@ -204,6 +204,19 @@ def test_moerl_reward_serves_the_config_model_to_remote_reward(tmp_path, rm_dir,
         proc.wait(timeout=30)
 
 
+def test_mode_picks_or_refuses_the_scorer(rm_dir):
+    from app.envs.reward_server import ModelScorer, VerifierScorer, make_scorer
+
+    with_rm = RunConfig.model_validate({"task": {"reward_model": str(rm_dir)}})
+    assert isinstance(make_scorer(with_rm), ModelScorer)
+    assert isinstance(make_scorer(with_rm, mode="verifier"), VerifierScorer)
+    assert isinstance(make_scorer(RunConfig()), VerifierScorer)
+    with pytest.raises(ValueError, match="names no task.reward_model"):
+        make_scorer(RunConfig(), mode="model")
+    with pytest.raises(ValueError, match="--mode"):
+        make_scorer(RunConfig(), mode="gpu")
+
+
 def test_score_fn_for_uses_the_verifier_without_a_reward_model():
     from app.envs.reward_model import score_fn_for
     from app.envs.rewards import score

@@ -1,11 +1,13 @@
 """`moerl reward`: score completions over HTTP, with a learned reward model or the task's verifier.
 
-    moerl reward --config run.yaml --host 0.0.0.0 --port 8080 [--max-batch 64] [--max-wait-ms 5]
+    moerl reward --config run.yaml --host 0.0.0.0 --port 8080 [--max-batch 64] [--max-wait-ms 5] [--mode auto]
 
-Mode: with ``task.reward_model`` set, the server loads that Hugging Face sequence-classification
+Mode (``--mode auto``): with ``task.reward_model`` set, the server loads that Hugging Face sequence-classification
 checkpoint (``AutoModelForSequenceClassification`` with one label, and its tokenizer) and a
 sequence's reward is the model's scalar output. Without it, it serves the task's verifier
 (`app.envs.rewards.score_answer_spec`), which needs each sequence's ``Task.answer`` JSON.
+``--mode model`` / ``--mode verifier`` force one (the env pool's CPU pods serve the verifier even
+when a GPU reward-model server exists; ``model`` without ``task.reward_model`` is an error).
 
 API (JSON):
   ``POST /score``  ``{"input_ids": [[int, ...], ...]}`` or ``{"text": ["...", ...]}`` (exactly one;
@@ -288,9 +290,18 @@ def make_app(scorer, max_batch: int = 64, max_wait_ms: float = 5.0):
     return app
 
 
-def make_scorer(cfg, max_length: int = 512):
-    """`ModelScorer` of ``task.reward_model`` if set, else `VerifierScorer`."""
-    if cfg.task.reward_model:
+def make_scorer(cfg, max_length: int = 512, mode: str = "auto"):
+    """The scorer of ``mode``: ``auto`` = `ModelScorer` of ``task.reward_model`` if set, else
+    `VerifierScorer`; ``model`` / ``verifier`` force one.
+
+    Raises:
+        ValueError: unknown mode, or ``model`` without ``task.reward_model``.
+    """
+    if mode not in ("auto", "model", "verifier"):
+        raise ValueError(f"--mode must be auto, model or verifier, got {mode!r}")
+    if mode == "model" and not cfg.task.reward_model:
+        raise ValueError("--mode model: the run config names no task.reward_model")
+    if mode != "verifier" and cfg.task.reward_model:
         return ModelScorer(cfg.task.reward_model, max_length=max_length)
     return VerifierScorer()
 
@@ -307,6 +318,7 @@ def serve(
     max_wait_ms: float = typer.Option(5.0, "--max-wait-ms", min=0.0, help="How long a batch waits to fill."),
     max_length: int = typer.Option(512, "--max-length", min=1, help="Longest sequence, tokens."),
     threads: int = typer.Option(0, "--threads", min=0, help="torch CPU threads (0: leave torch's default)."),
+    mode: str = typer.Option("auto", "--mode", help="auto | model | verifier (see the module docstring)."),
 ) -> None:
     """Serve POST /score, GET /health, GET /stats (see the module docstring)."""
     import uvicorn
@@ -320,7 +332,7 @@ def serve(
             import torch
 
             torch.set_num_threads(threads)
-        scorer = make_scorer(cfg, max_length=max_length)
+        scorer = make_scorer(cfg, max_length=max_length, mode=mode)
     except (FileNotFoundError, ValueError) as e:
         typer.echo(f"moerl reward: {e}", err=True)
         raise SystemExit(2) from None
