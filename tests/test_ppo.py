@@ -465,3 +465,22 @@ def test_ppo_ep2_step_equals_full_batch_step(tmp_path):
                 torch.testing.assert_close(g, g_ref[off: off + g.shape[0]], **tol, msg=name)
     assert n_expert["policy"] > 0 and n_expert["critic"] > 0, n_expert
     assert ref["grads"]["critic.trunk.embed_tokens.weight"].abs().max() > 0
+
+
+def test_critic_from_a_separate_hf_model_by_path(tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from app.model.parallel import EPContext
+    from app.trainer.critic import build_critic
+
+    dense = Qwen3ForCausalLM(Qwen3Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    dense.save_pretrained(tmp_path / "dense")
+    cfg = RunConfig.model_validate({"trainer": {"algorithm": "ppo", "critic_path": str(tmp_path / "dense")}})
+    critic = build_critic(cfg, EPContext.local())
+    assert critic.value_head.in_features == 32  # the critic model's width, not the policy's (64)
+    torch.testing.assert_close(critic.trunk.embed_tokens.weight, dense.model.embed_tokens.weight)
+    assert critic(torch.tensor([[1, 5, 6, 7]])).shape == (1, 4)
+    cfg.trainer.critic_path = str(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="trainer.critic_path"):
+        build_critic(cfg, EPContext.local())
