@@ -15,10 +15,14 @@ Sources:
     "High-Dimensional Continuous Control Using Generalized Advantage Estimation"
     (arXiv:1506.02438), eq. 16: ``A_t = sum_l (gamma lambda)^l delta_{t+l}``,
     ``delta_t = r_t + gamma V(s_{t+1}) - V(s_t)``;
-  * clipped surrogate, advantage normalisation and the value loss: Schulman, Wolski, Dhariwal,
-    Radford, Klimov 2017, "Proximal Policy Optimization Algorithms" (arXiv:1707.06347), eq. 7 and
-    9; the clipped value loss ``max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2)`` is
-    the one of the authors' baselines ``ppo2`` implementation (openai/baselines).
+  * clipped surrogate and the squared-error value loss: Schulman, Wolski, Dhariwal, Radford,
+    Klimov 2017, "Proximal Policy Optimization Algorithms" (arXiv:1707.06347), eq. 7 and 9; the
+    clipped value loss ``max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2)`` and the
+    advantage whitening are those of the authors' implementation (openai/baselines ``ppo2``).
+
+With one optimizer step per batch (app/trainer/train.py) the "old" values are the critic's
+current ones, so the value clip, like the policy ratio clip, only binds if a batch is ever used
+for more than one update; both stay for that case and for parity with PPO as published.
 """
 
 from __future__ import annotations
@@ -106,8 +110,8 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: 
 
 def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, distributed: bool = True) -> Tensor:
     """Advantage whitening: ``(x - mean) / sqrt(var + eps)`` over the masked tokens of the WHOLE
-    batch, 0 outside the mask (PPO's advantage normalisation, Schulman et al. 2017 §6.1 /
-    baselines ppo2).
+    batch, 0 outside the mask (the advantage normalisation of the PPO authors' implementation,
+    openai/baselines ppo2, used with Schulman et al. 2017; verl and OpenRLHF do the same).
 
     With a process group of several ranks (each holding part of the batch) the mean and the
     (biased) variance are of every rank's tokens: the sums are all-reduced, so this is a
