@@ -4,10 +4,12 @@
 # and `moerl bench ep-train-step` (policy `small`, EP 8), each under torchrun --nproc-per-node 8.
 #
 # On the lent machine (python3 3.12 with torch and transformers, no venv, no pip index), from the
-# repository root, carrying the pydantic wheels that scripts/gpu_bench.sh --fetch-wheels puts in .whl:
-#     run(command="bash scripts/gpu_ep_bench.sh", kind="nvidia-h200-x8", carry=[".whl"], timeout_s=600)
-# deep_ep is used when it imports; a site directory made by the (NOT yet tried) recipe in
-# BENCHMARKS.md, "Making deep_ep importable", is picked up from DEEPEP_SITE (default /tmp/deepep-site).
+# repository root, carrying the pydantic wheels that scripts/gpu_bench.sh --fetch-wheels puts in .whl/bench:
+#     run(command="bash scripts/gpu_ep_bench.sh", kind="nvidia-h200-x8", carry=[".whl/bench"], timeout_s=600)
+# deep_ep is used when it imports. The (NOT yet tried) recipe in BENCHMARKS.md, "Making deep_ep
+# importable", leaves deep_ep in DEEPEP_SITE (default /tmp/deepep-site, put on PYTHONPATH) and a newer
+# NCCL in DEEPEP_NCCL (default /tmp/deepep-nccl; its libnccl.so.2 is preloaded, not put on PYTHONPATH,
+# so its `nvidia` package directory cannot shadow the image's).
 # DRY_RUN=1 prints the commands instead of running them (tests/test_bench_ep.py uses it).
 #
 # Writes into $OUT (default runs/bench-gpu-ep): results.json (a JSON list of every result document,
@@ -24,6 +26,7 @@ RESULTS="$SCRATCH/results"
 LOG="$OUT/gpu_ep_bench.log"
 DRY_RUN="${DRY_RUN:-0}"
 DEEPEP_SITE="${DEEPEP_SITE:-/tmp/deepep-site}"
+DEEPEP_NCCL="${DEEPEP_NCCL:-/tmp/deepep-nccl}"
 START=$(date +%s)
 STATUS=0
 
@@ -83,9 +86,9 @@ if [[ "$DRY_RUN" != 1 ]]; then
     nvidia-smi topo -m 2>&1 | tee -a "$LOG"
     # The image has no pydantic (app.config needs it): install the carried wheels, once per name.
     if ! "$PY" -c "import pydantic" 2>/dev/null; then
-        wheels=$(find .whl -type f -name '*.whl' 2>/dev/null | awk -F/ '{split($NF, a, "-"); if (!seen[tolower(a[1])]++) print}')
+        wheels=$(find .whl/bench -type f -name '*.whl' 2>/dev/null | awk -F/ '{split($NF, a, "-"); if (!seen[tolower(a[1])]++) print}')
         if [[ -z "$wheels" ]]; then
-            say "ABORT: pydantic is missing and no wheels under .whl/ (carry .whl; see BENCHMARKS.md)"
+            say "ABORT: pydantic is missing and no wheels under .whl/bench (carry .whl/bench; see BENCHMARKS.md)"
             exit 2
         fi
         # shellcheck disable=SC2086
@@ -96,9 +99,12 @@ if [[ "$DRY_RUN" != 1 ]]; then
     # deep_ep from the recipe's site dir, with the newer NCCL it was built against preloaded.
     if [[ -d "$DEEPEP_SITE" ]]; then
         export PYTHONPATH="$DEEPEP_SITE:$PYTHONPATH"
-        nccl=$(find "$DEEPEP_SITE" -name 'libnccl.so.2' -type f 2>/dev/null | head -n 1)
-        [[ -n "$nccl" ]] && export LD_PRELOAD="$nccl${LD_PRELOAD:+:$LD_PRELOAD}"
-        say "using $DEEPEP_SITE (LD_PRELOAD=${LD_PRELOAD:-})"
+        say "deep_ep from $DEEPEP_SITE"
+    fi
+    nccl=$(find "$DEEPEP_NCCL" -name 'libnccl.so.2' -type f 2>/dev/null | head -n 1)
+    if [[ -n "$nccl" ]]; then
+        export LD_PRELOAD="$nccl${LD_PRELOAD:+:$LD_PRELOAD}"
+        say "preloading $nccl"
     fi
     if ! "$PY" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, \
 'transformers', transformers.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), \
