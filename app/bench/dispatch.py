@@ -381,7 +381,7 @@ def run(bench: DispatchBench, out_dir: str = "runs/bench") -> dict | None:
             })
     ratios = {}
     for other in ("deepep", "deepep-fp8"):
-        if other in backends:
+        if other in backends and "alltoall" in backends:
             for op in ("dispatch", "combine"):
                 ratios[f"{other}/alltoall {op} GB/s"] = mean_gbps[(other, op)] / mean_gbps[("alltoall", op)]
     notes += [

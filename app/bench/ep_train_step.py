@@ -291,7 +291,7 @@ def run(bench: EPTrainStepBench, out_dir: str = "runs/bench") -> dict | None:
                              **{f"{k}_ms": r[k] * 1e3 for k in SPANS}} for j, (r, s) in enumerate(zip(ranks, shares))]}
         figures.append(fig)
     ratios = {}
-    if "deepep" in tps:
+    if {"deepep", "alltoall"} <= set(tps):
         ratios["deepep/alltoall tokens/s"] = tps["deepep"] / tps["alltoall"]
         a, b = figures[0]["first_loss"], figures[1]["first_loss"]
         notes.append(f"first-step loss alltoall {a:.6g}, deepep {b:.6g} (same weights and batch)")
