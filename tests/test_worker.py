@@ -300,7 +300,8 @@ def test_new_policy_version_is_loaded_and_stamped(tmp_path, redis_server, engine
 def test_task_the_engine_refuses_is_consumed_not_recycled(tmp_path, redis_server, engine):
     """A prompt longer than the context gets HTTP 400 on every worker: published as an all-error
     group with reward 0 instead of going back to the queue forever."""
-    cfg = make_config(tmp_path, redis_server, engine)
+    # Truncated completions scored like the others, so every good sample earns the scorer's 1.0.
+    cfg = make_config(tmp_path, redis_server, engine, truncated_reward=None)
     buf = ExperienceBuffer.from_config(cfg)
     long_task = Task(task_id="train-long", prompt_ids=[BOS_ID] + [40] * 119, prompt="x" * 119,
                      answer="{}", group_size=G)  # 120 + max_new_tokens 24 > 128 positions

@@ -15,7 +15,7 @@ kept for the check written beside the checkpoint (``reward_model.json``: MSE and
 reference answer outscores a corruption).
 
 Using one: set ``task.reward_model`` to the checkpoint, start ``moerl reward --config run.yaml``
-and point ``rollout.reward_url`` at it; `score_fn_for` then gives rollout workers a
+and point ``rollout.reward_url`` at it; `app.rollout.worker.score_fn_for` then gives rollout workers a
 `RemoteReward` instead of the verifier (``rollout.reward_fn``).
 """
 
@@ -64,21 +64,6 @@ class RemoteReward:
 
     def close(self) -> None:
         self._client.close()
-
-
-def score_fn_for(cfg: RunConfig):
-    """The reward function a rollout worker should use: a `RemoteReward` on
-    ``rollout.reward_url`` when ``task.reward_model`` names a reward model, else the verifier
-    of ``rollout.reward_fn``.
-
-    Raises:
-        ValueError: ``rollout.reward_fn`` cannot be imported (see `load_score_fn`).
-    """
-    if cfg.task.reward_model:
-        return RemoteReward(cfg.rollout.reward_url, timeout_s=cfg.rollout.reward_timeout_s)
-    from app.rollout.worker import load_score_fn
-
-    return load_score_fn(cfg.rollout.reward_fn)
 
 
 # --------------------------------------------------------------------------------------------

@@ -74,6 +74,20 @@ class WorkerStats:
     buffer_errors: int = 0
 
 
+def score_fn_for(cfg: RunConfig) -> ScoreFn:
+    """The worker's reward: the reward-model server (`moerl reward`) when ``task.reward_model``
+    is set, else the verifier ``rollout.reward_fn``.
+
+    Raises:
+        ValueError: ``rollout.reward_fn`` cannot be imported.
+    """
+    if cfg.task.reward_model:
+        from app.envs.reward_model import RemoteReward
+
+        return RemoteReward(cfg.rollout.reward_url, timeout_s=cfg.rollout.reward_timeout_s)
+    return load_score_fn(cfg.rollout.reward_fn)
+
+
 def load_score_fn(spec: str) -> ScoreFn:
     """Import ``"module:attr"``, a callable ``score(task: Task, completion: str) -> float``.
 
@@ -148,7 +162,7 @@ class RolloutWorker:
         self.buffer = buffer
         self.client = client
         self.worker_id = worker_id
-        self.score_fn = score_fn or load_score_fn(cfg.rollout.reward_fn)
+        self.score_fn = score_fn or score_fn_for(cfg)
         self.store = store
         self.max_groups = max_groups
         self.stats = WorkerStats()
@@ -460,7 +474,7 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
     """
     from app.buffer import ExperienceBuffer
 
-    score_fn = load_score_fn(cfg.rollout.reward_fn)
+    score_fn = score_fn_for(cfg)
     buffer = ExperienceBuffer.from_config(cfg)
     client = EngineClient(
         engine_url, timeout_s=cfg.rollout.request_timeout_s, retries=cfg.rollout.engine_retries,
