@@ -10,7 +10,6 @@ deep); 1e-5 is far below any real mismatch (a wrong expert or weight moves logit
 from __future__ import annotations
 
 import json
-import os
 import socket
 from pathlib import Path
 
