@@ -15,6 +15,8 @@ import json
 import random
 from pathlib import Path
 
+import pytest
+
 from app.chaos import make_schedule, run_chaos
 from app.ledger import audit, read_issued, read_lineage
 
@@ -73,6 +75,7 @@ def test_schedule_is_seeded_and_has_every_fault():
     assert all(1 <= e.at_step < 20 for e in a)
 
 
+@pytest.mark.slow
 def test_short_chaos_run_loses_nothing(tmp_path):
     s = run_chaos(steps=12, workers=2, seed=1, worker_kills=2, out=tmp_path / "chaos", baseline=False,
                   group_size=4, groups_per_step=2, save_every=2, timeout_s=420, say=lambda m: None)
@@ -87,6 +90,7 @@ def test_short_chaos_run_loses_nothing(tmp_path):
     assert s["ok"] and (tmp_path / "chaos" / "chaos.json").exists()
 
 
+@pytest.mark.slow
 def test_watchdog_kills_a_hung_engine_and_it_is_restarted(tmp_path):
     """A hung engine (SIGSTOP: alive, answers nothing) is killed after failed liveness probes;
     check_roles starts it again and it serves."""

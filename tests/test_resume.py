@@ -188,6 +188,7 @@ def _lineage_steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in read_lineage(run_dir / "trained.jsonl").steps]
 
 
+@pytest.mark.slow
 def test_killed_trainer_resumes_from_saved_state(tmp_path, redis_server):
     run_id, gps, G = "resume-test", 2, 2
     cfg = RunConfig.model_validate({
