@@ -13,6 +13,8 @@ export JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION := 1
 system-deps:
 	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server; }
 	@$(PY) -c 'import venv, ensurepip' 2>/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq python3-venv; }
+	@# aws-cdk-lib and cdk8s run their jsii kernels on Node.js (infra and charts tests).
+	@command -v node >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq nodejs; }
 
 $(STAMP): pyproject.toml
 	$(MAKE) system-deps
