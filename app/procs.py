@@ -1,8 +1,10 @@
 """Child processes of the embedded default: start, signal, restart and stop them.
 
 `moerl run` and `moerl chaos` start every role (engine, rollout worker, trainer) as its own
-process, each in its own process group so that a signal reaches a role and all of its children
-(torchrun and its ranks). Output goes to one log file per process under the run directory.
+process, each in its own process group. SIGTERM goes to the group (torchrun forwards it to its
+ranks, which start sessions of their own); SIGKILL goes to the whole process tree, found through
+/proc, since a group signal would miss those ranks. Output goes to one log file per process under
+the run directory.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class Proc:
         self.signal(signal.SIGTERM)
         code = self.wait(grace_s)
         if code is None:
-            self.signal(signal.SIGKILL)
+            self.kill_tree()
             code = self.wait(5.0)
         return code
 
@@ -125,7 +127,7 @@ class Supervisor:
             proc.wait(max(0.0, deadline - time.monotonic()))
         for proc in self.procs.values():
             if proc.alive():
-                proc.signal(signal.SIGKILL)
+                proc.kill_tree()
                 proc.wait(5.0)
 
     def __enter__(self) -> "Supervisor":
