@@ -92,6 +92,31 @@ def engine(
         raise SystemExit(2) from None
 
 
+@cli.command("loop")
+def loop(
+    seconds: float = typer.Option(180.0, help="Training wall-clock of each leg, seconds."),
+    workers: int = typer.Option(2, help="Rollout workers of the moerl leg (one engine each)."),
+    config: str = typer.Option("", help="Run config YAML (default: the embedded default of `moerl run`)."),
+    cache: str = typer.Option("runs/cache", help="Warm-up checkpoint cache (shared with `moerl run`)."),
+    work_dir: str = typer.Option("", help="Run directories of both legs (default <out-dir>/loop-<time>)."),
+    max_steps: int = typer.Option(0, help="Trainer step cap of both legs (0: max(20, 20 * seconds))."),
+    out_dir: str = typer.Option("runs/bench", help="Where the JSON result goes."),
+) -> None:
+    """The embedded loop vs TRL's GRPOTrainer, same model, task and recipe, equal wall-clock."""
+    from app.bench.loop import LoopBench, run
+    from app.embedded import RoleFailed
+
+    try:
+        run(LoopBench(seconds=seconds, workers=workers, config=config, cache=cache, work_dir=work_dir,
+                      max_steps=max_steps), out_dir=out_dir)
+    except ValueError as e:
+        typer.echo(f"moerl bench loop: error: {e}", err=True)
+        raise SystemExit(2) from None
+    except RoleFailed as e:
+        typer.echo(f"moerl bench loop: a moerl role failed: {e}", err=True)
+        raise SystemExit(1) from None
+
+
 @cli.command("dispatch")
 def dispatch(
     hidden: int = typer.Option(7168, help="Hidden size H (DeepSeek-V3: 7168)."),
