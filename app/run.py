@@ -89,9 +89,12 @@ def make_base_policy(loop: EmbeddedLoop, cache_root: Path) -> Path:
 def held_out_reward(cfg: RunConfig, model_dir: Path) -> dict:
     """Held-out mean reward of the policy in `model_dir`: one completion per held-out prompt
     sampled at the rollout temperature (the figure RL is judged by), and the greedy one."""
+    from transformers.utils import logging as hf_logging
+
     from app.envs.evaluate import evaluate_checkpoint
     from app.envs.tasks import make_splits
 
+    hf_logging.disable_progress_bar()  # the live bar and the summary are the run's output
     _, heldout = make_splits(cfg.task)
     r = evaluate_checkpoint(model_dir, heldout, temperature=cfg.rollout.temperature,
                             max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.task.seed)
