@@ -419,10 +419,10 @@ def run(bench: LoopBench, out_dir: str | os.PathLike = "runs/bench") -> Path:
         ValueError: a bad flag or config (before any work starts).
         RoleFailed: a moerl role failed.
     """
+    from transformers.utils import logging as hf_logging
+
     from app.embedded import EmbeddedLoop
     from app.run import TaskFeeder, held_out_reward, make_base_policy
-
-    from transformers.utils import logging as hf_logging
 
     bench.validate()
     cfg = load_config(bench)
