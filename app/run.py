@@ -177,7 +177,11 @@ def run(
     algorithm: str = typer.Option(None, "--algorithm", help="grpo | ppo (overrides trainer.algorithm)."),
 ) -> None:
     """Run the embedded loop end to end and print a summary; exit code 0 on success."""
-    cfg = RunConfig.load(config) if config else embedded_default()
+    try:
+        cfg = RunConfig.load(config) if config else embedded_default()
+    except ValueError as e:  # names the file and the field; a traceback would bury it
+        console.print(f"[red]moerl run:[/] {e}", soft_wrap=True)
+        raise typer.Exit(2)
     if steps:
         cfg.trainer.steps = steps
     if algorithm:
@@ -260,6 +264,7 @@ def summarize(loop: EmbeddedLoop, before: dict, after: dict, started: float) -> 
         "samples_trained": last.get("samples_total", 0),
         "samples_per_s": (last.get("samples_total", 0) - records[0].get("samples_total", 0)) / elapsed
         if len(records) > 1 else float("nan"),
+        "train_s": elapsed,
         "buffer": last.get("buffer", {}),
         "wall_s": time.time() - started,
         "plot": str(plot),
@@ -280,6 +285,8 @@ def print_summary(s: dict) -> None:
     )
     console.print(
         f"  {s['steps']} trainer steps, policy v{s['policy_version']}, {s['samples_trained']} samples "
-        f"trained, {s['samples_per_s']:.1f} samples/s, {s['wall_s'] / 60:.1f} min"
+        f"trained, {s['samples_per_s']:.1f} samples/s over {s['train_s'] / 60:.1f} min of training; "
+        f"{s['wall_s'] / 60:.1f} min in all (warm-up and evaluations included)", soft_wrap=True
     )
-    console.print(f"  run directory {s['run_dir']}  (metrics.jsonl, tensorboard/, plot.png, summary.json)")
+    console.print(f"  run directory {s['run_dir']}  (run.yaml, metrics.jsonl, tensorboard/, plot.png, "
+                  "summary.json, logs/)", soft_wrap=True)
