@@ -9,9 +9,11 @@ import math
 import pytest
 import torch
 
+from app.buffer.redis_server import free_port
 from app.config import RunConfig
 from app.trainer.grpo import grpo_loss
 from app.trainer.ppo import gae, ppo_policy_loss, ppo_targets, token_rewards, value_loss, whiten
+from helpers import assert_grads_match, fake_groups, fake_producer, single_rank_env, toy_rollout
 
 
 def two_rows():
@@ -204,20 +206,11 @@ def test_critic_checkpoint_round_trip(tmp_path):
 # PPO through the trainer's step: the loss has the right sign
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ppo_steps_raise_reward_on_toy_task(monkeypatch):
     """Reward = fraction of completion tokens equal to one target token; samples from the policy
     itself, 4 groups of 8 per step, the critic trained in the same step."""
     import torch.distributed as dist
 
-    from app.buffer.records import Group, Sample
     from app.model.config import tiny_config
     from app.model.parallel import init_ep
     from app.model.policy import build_policy
@@ -225,9 +218,7 @@ def test_ppo_steps_raise_reward_on_toy_task(monkeypatch):
     from app.trainer.critic import make_critic_parts
     from app.trainer.train import init_distributed, train_step
 
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(k, v)
+    single_rank_env(monkeypatch)
     torch.manual_seed(0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -242,26 +233,9 @@ def test_ppo_steps_raise_reward_on_toy_task(monkeypatch):
         gen = torch.Generator().manual_seed(0)
         target, G, n_new = 50, 8, 6
 
-        def rollout(task: str, prompt: list[int]) -> Group:
-            ids = torch.tensor([prompt] * G)
-            lps = []
-            with torch.no_grad():
-                for _ in range(n_new):
-                    lp = torch.log_softmax(model(input_ids=ids).logits[:, -1].float(), -1)
-                    tok = torch.multinomial(lp.exp(), 1, generator=gen)
-                    lps.append(lp.gather(1, tok))
-                    ids = torch.cat([ids, tok], 1)
-            comp, lps = ids[:, len(prompt):], torch.cat(lps, 1)
-            return Group(task_id=task, attempt=0, samples=[
-                Sample(sample_id=f"{task}/{i}", task_id=task, index=i, attempt=0, prompt_ids=prompt,
-                       completion_ids=comp[i].tolist(), logprobs=lps[i].tolist(),
-                       reward=float((comp[i] == target).float().mean()), policy_version=0,
-                       finish_reason="length")
-                for i in range(G)])
-
         rewards, value_errors = [], []
         for step in range(30):
-            groups = [rollout(f"s{step}-p{k}", [1, 5 + k]) for k in range(4)]
+            groups = [toy_rollout(model, gen, f"s{step}-p{k}", [1, 5 + k], G, n_new, target) for k in range(4)]
             rewards.append(sum(s.reward for g in groups for s in g.samples) / (4 * G))
             applied, stats = train_step(cfg, model, None, opt, collate_groups(groups), params, [], critic)
             assert applied and stats["tis"] == pytest.approx(1.0, abs=1e-3)
@@ -278,31 +252,6 @@ def test_ppo_steps_raise_reward_on_toy_task(monkeypatch):
 
 # ------------------------------------------------------------------------------------------
 # A short 2-rank PPO run (EP=2, gloo) against redis and a file:// store, then a resume
-
-
-def _produce(url: str, run_id: str, stop, group_size: int) -> None:
-    """A fake rollout worker: queues tasks, leases them, publishes groups stamped with the
-    announced policy version (reward = index parity)."""
-    from app.buffer import ExperienceBuffer
-    from app.buffer.records import Sample, Task
-
-    buf = ExperienceBuffer(url, run_id, capacity_groups=8, max_staleness=1)
-    i = 0
-    while not stop.is_set():
-        if not buf.wait_for_capacity(timeout_s=0.2):
-            continue
-        buf.put_tasks([Task(task_id=f"p{i}", prompt_ids=[1, 4 + i % 50, 9], prompt="", answer="{}",
-                            group_size=group_size)])
-        i += 1
-        for task in buf.lease("fake-worker", count=1, block_ms=200):
-            current = buf.current_policy()
-            version = current[0] if current else 0
-            buf.publish(task, [
-                Sample(sample_id=task.sample_id(run_id, k), task_id=task.task_id, index=k,
-                       attempt=task.attempt, prompt_ids=task.prompt_ids,
-                       completion_ids=[10 + k] * (1 + k), logprobs=[-4.6] * (1 + k),
-                       reward=float(k % 2), policy_version=version, finish_reason="stop")
-                for k in range(group_size)])
 
 
 @pytest.mark.slow
@@ -342,7 +291,7 @@ def test_ppo_two_rank_run_saves_and_resumes_the_critic(tmp_path, redis_server):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
     stop = threading.Event()
-    producer = threading.Thread(target=_produce, args=(redis_server, run_id, stop, 4), daemon=True)
+    producer = threading.Thread(target=fake_producer, args=(redis_server, run_id, stop, 4), daemon=True)
     producer.start()
     try:
         train(2)
@@ -373,25 +322,6 @@ def test_ppo_two_rank_run_saves_and_resumes_the_critic(tmp_path, redis_server):
 
 # ------------------------------------------------------------------------------------------
 # EP=2 PPO step == EP=1 full-batch step (policy and critic gradients, whitening over both ranks)
-
-
-def _fake_groups(n_groups: int, group_size: int = 4, seed: int = 0):
-    from app.buffer.records import Group, Sample
-
-    g = torch.Generator().manual_seed(seed)
-    groups = []
-    for t in range(n_groups):
-        prompt = torch.randint(4, 100, (2 + t % 3,), generator=g).tolist()
-        samples = []
-        for i in range(group_size):
-            n = 1 + int(torch.randint(0, 5, (1,), generator=g))
-            samples.append(Sample(
-                sample_id=f"r/t{t}/{i}/0", task_id=f"t{t}", index=i, attempt=0,
-                prompt_ids=[1] + prompt, completion_ids=torch.randint(4, 100, (n,), generator=g).tolist(),
-                logprobs=(torch.rand(n, generator=g) * -3 - 3).tolist(),
-                reward=float(torch.rand((), generator=g)), policy_version=0, finish_reason="stop"))
-        groups.append(Group(task_id=f"t{t}", attempt=0, samples=samples))
-    return groups
 
 
 def _ppo_grad_worker(rank: int, world: int, port: int, cfg_json: str, out_dir: str) -> None:
@@ -425,7 +355,7 @@ def _ppo_grad_worker(rank: int, world: int, port: int, cfg_json: str, out_dir: s
     critic.optimizer = torch.optim.SGD(list(critic.module.parameters()), lr=1.0)
     named = {"policy": model, "critic": critic.module}
     before = {f"{m}.{k}": v.detach().clone() for m, mod in named.items() for k, v in mod.named_parameters()}
-    batch = collate_groups(split_groups(_fake_groups(5), world)[rank])
+    batch = collate_groups(split_groups(fake_groups(5, binary_reward=False), world)[rank])
     applied, stats = train_step(cfg, model, None, opt, batch, [p for p in params if id(p) not in sharded_ids],
                                 [p for p in params if id(p) in sharded_ids], critic)
     grads = {f"{m}.{k}": before[f"{m}.{k}"] - v.detach() for m, mod in named.items() for k, v in mod.named_parameters()}
@@ -453,16 +383,7 @@ def test_ppo_ep2_step_equals_full_batch_step(tmp_path):
         assert parts[1]["stats"][key] == parts[0]["stats"][key], key
     assert ref["stats"]["critic_grad_norm"] > 0 and ref["stats"]["grad_norm"] > 0
     tol = dict(atol=2e-6, rtol=1e-4)
-    n_expert = {"policy": 0, "critic": 0}
-    for name, g_ref in ref["grads"].items():
-        for p in parts:
-            g = p["grads"][name]
-            if g.shape == g_ref.shape:
-                torch.testing.assert_close(g, g_ref, **tol, msg=name)
-            else:  # a local expert shard: compare with the reference's rows
-                n_expert[name.split(".")[0]] += 1
-                off = p["offset"][name.rsplit(".", 2)[0]]
-                torch.testing.assert_close(g, g_ref[off: off + g.shape[0]], **tol, msg=name)
+    n_expert = assert_grads_match(ref, parts, **tol)
     assert n_expert["policy"] > 0 and n_expert["critic"] > 0, n_expert
     assert ref["grads"]["critic.trunk.embed_tokens.weight"].abs().max() > 0
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -17,35 +16,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from app.buffer.records import Group, Sample, Task
+from app.buffer.redis_server import free_port
 from app.config import RunConfig
+from helpers import assert_grads_match, fake_groups, fake_producer, single_rank_env, toy_rollout
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def fake_groups(n_groups: int, group_size: int = 4, seed: int = 0) -> list[Group]:
-    """Groups with varied prompt/completion lengths and rewards (deterministic)."""
-    g = torch.Generator().manual_seed(seed)
-    groups = []
-    for t in range(n_groups):
-        prompt = torch.randint(4, 100, (2 + t % 3,), generator=g).tolist()
-        samples = []
-        for i in range(group_size):
-            n = 1 + int(torch.randint(0, 5, (1,), generator=g))
-            samples.append(Sample(
-                sample_id=f"r/t{t}/{i}/0", task_id=f"t{t}", index=i, attempt=0,
-                prompt_ids=[1] + prompt, completion_ids=torch.randint(4, 100, (n,), generator=g).tolist(),
-                logprobs=(torch.rand(n, generator=g) * -3 - 3).tolist(),
-                reward=float(torch.rand((), generator=g) > 0.5), policy_version=0, finish_reason="stop",
-            ))
-        groups.append(Group(task_id=f"t{t}", attempt=0, samples=samples))
-    return groups
 
 
 def test_usable_rejects_and_counts_bad_groups():
@@ -117,16 +92,7 @@ def test_ep2_step_equals_full_batch_step(tmp_path, loss_agg):
         assert parts[0]["stats"][key] == pytest.approx(ref["stats"][key], rel=1e-4, abs=1e-6), key
         assert parts[1]["stats"][key] == parts[0]["stats"][key], key
     assert ref["stats"]["grad_norm"] > 0 and math.isfinite(ref["stats"]["loss"])
-    n_expert = 0
-    for name, g_ref in ref["grads"].items():
-        for p in parts:
-            g = p["grads"][name]
-            if g.shape == g_ref.shape:
-                torch.testing.assert_close(g, g_ref, **tol, msg=name)
-            else:  # a local expert shard: compare with the reference's rows
-                n_expert += 1
-                off = p["offset"][name.rsplit(".", 2)[0]]  # the MoEBlock: ...mlp
-                torch.testing.assert_close(g, g_ref[off: off + g.shape[0]], **tol, msg=name)
+    n_expert = sum(assert_grads_match(ref, parts, **tol).values())
     assert n_expert > 0, "no expert shard compared"
     assert max(g.abs().max() for g in ref["grads"].values()) > 0
 
@@ -144,9 +110,7 @@ def test_grpo_steps_raise_reward_on_toy_task(monkeypatch):
     from app.trainer.batch import collate_groups
     from app.trainer.train import init_distributed, train_step
 
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(k, v)
+    single_rank_env(monkeypatch)
     torch.manual_seed(0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: more threads only contend on the shared cores
@@ -159,26 +123,9 @@ def test_grpo_steps_raise_reward_on_toy_task(monkeypatch):
         gen = torch.Generator().manual_seed(0)
         target, G, n_new = 50, 8, 6
 
-        def rollout(task: str, prompt: list[int]) -> Group:
-            ids = torch.tensor([prompt] * G)
-            lps = []
-            with torch.no_grad():
-                for _ in range(n_new):
-                    lp = torch.log_softmax(model(input_ids=ids).logits[:, -1].float(), -1)
-                    tok = torch.multinomial(lp.exp(), 1, generator=gen)
-                    lps.append(lp.gather(1, tok))
-                    ids = torch.cat([ids, tok], 1)
-            comp, lps = ids[:, len(prompt):], torch.cat(lps, 1)
-            return Group(task_id=task, attempt=0, samples=[
-                Sample(sample_id=f"{task}/{i}", task_id=task, index=i, attempt=0, prompt_ids=prompt,
-                       completion_ids=comp[i].tolist(), logprobs=lps[i].tolist(),
-                       reward=float((comp[i] == target).float().mean()), policy_version=0,
-                       finish_reason="length")
-                for i in range(G)])
-
         rewards = []
         for step in range(30):
-            groups = [rollout(f"s{step}-p{k}", [1, 5 + k]) for k in range(4)]
+            groups = [toy_rollout(model, gen, f"s{step}-p{k}", [1, 5 + k], G, n_new, target) for k in range(4)]
             rewards.append(sum(s.reward for g in groups for s in g.samples) / (4 * G))
             applied, stats = train_step(cfg, model, None, opt, collate_groups(groups), params, [])
             assert applied and stats["tis"] == pytest.approx(1.0, abs=1e-3)  # on-policy samples
@@ -191,32 +138,6 @@ def test_grpo_steps_raise_reward_on_toy_task(monkeypatch):
 
 # ------------------------------------------------------------------------------------------
 # A short 2-rank run against a real redis-server and a file:// store
-
-
-def _produce(url: str, run_id: str, stop: threading.Event, group_size: int) -> None:
-    """A fake rollout worker: keeps tasks queued, leases them and publishes groups stamped with
-    the announced policy version."""
-    from app.buffer import ExperienceBuffer
-
-    buf = ExperienceBuffer(url, run_id, capacity_groups=8, max_staleness=1)
-    i = 0
-    while not stop.is_set():
-        if not buf.wait_for_capacity(timeout_s=0.2):
-            continue
-        buf.put_tasks([Task(task_id=f"p{i}", prompt_ids=[1, 4 + i % 50, 9], prompt="", answer="{}",
-                            group_size=group_size)])
-        i += 1
-        for task in buf.lease("fake-worker", count=1, block_ms=200):
-            current = buf.current_policy()
-            version = current[0] if current else 0
-            samples = [
-                Sample(sample_id=task.sample_id(run_id, k), task_id=task.task_id, index=k,
-                       attempt=task.attempt, prompt_ids=task.prompt_ids,
-                       completion_ids=[10 + k] * (1 + k), logprobs=[-4.6] * (1 + k),
-                       reward=float(k % 2), policy_version=version, finish_reason="stop")
-                for k in range(group_size)
-            ]
-            buf.publish(task, samples)
 
 
 @pytest.mark.slow
@@ -238,7 +159,7 @@ def test_two_rank_run_publishes_versions(tmp_path, redis_server):
     cfg_path = tmp_path / "run.yaml"
     cfg.save(cfg_path)
     stop = threading.Event()
-    producer = threading.Thread(target=_produce, args=(redis_server, run_id, stop, 4), daemon=True)
+    producer = threading.Thread(target=fake_producer, args=(redis_server, run_id, stop, 4), daemon=True)
     producer.start()
     run_dir = tmp_path / "run"
     try:
@@ -297,11 +218,9 @@ def test_nan_losses_skip_then_stop(tmp_path, redis_server, monkeypatch):
     })
     real = train_mod.token_logprobs
     monkeypatch.setattr(train_mod, "token_logprobs", lambda *a, **k: real(*a, **k) * float("nan"))
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(k, v)
+    single_rank_env(monkeypatch)
     stop = threading.Event()
-    producer = threading.Thread(target=_produce, args=(redis_server, run_id, stop, 2), daemon=True)
+    producer = threading.Thread(target=fake_producer, args=(redis_server, run_id, stop, 2), daemon=True)
     producer.start()
     try:
         with pytest.raises(RuntimeError, match=r"3 steps in a row.*max_bad_steps=3"):

@@ -1,0 +1,109 @@
+"""Test helpers shared by the trainer tests (tests/test_trainer.py, tests/test_ppo.py).
+
+Imported as `helpers`: pytest puts this directory on sys.path (there is no tests/__init__.py),
+and spawned worker processes inherit that path.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import torch
+
+from app.buffer.records import Group, Sample, Task
+from app.buffer.redis_server import free_port
+
+
+def single_rank_env(monkeypatch) -> None:
+    """Environment of a 1-process torch.distributed world (rank 0, a free loopback port)."""
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(k, v)
+
+
+def fake_groups(n_groups: int, group_size: int = 4, seed: int = 0, binary_reward: bool = True) -> list[Group]:
+    """Groups with varied prompt/completion lengths, logprobs in [-6, -3) and rewards
+    (deterministic for a seed). binary_reward: reward 0/1 (uniform > 0.5), else the uniform draw."""
+    g = torch.Generator().manual_seed(seed)
+    groups = []
+    for t in range(n_groups):
+        prompt = torch.randint(4, 100, (2 + t % 3,), generator=g).tolist()
+        samples = []
+        for i in range(group_size):
+            n = 1 + int(torch.randint(0, 5, (1,), generator=g))
+            completion = torch.randint(4, 100, (n,), generator=g).tolist()
+            logprobs = (torch.rand(n, generator=g) * -3 - 3).tolist()
+            u = torch.rand((), generator=g)
+            samples.append(Sample(
+                sample_id=f"r/t{t}/{i}/0", task_id=f"t{t}", index=i, attempt=0,
+                prompt_ids=[1] + prompt, completion_ids=completion, logprobs=logprobs,
+                reward=float(u > 0.5) if binary_reward else float(u), policy_version=0,
+                finish_reason="stop",
+            ))
+        groups.append(Group(task_id=f"t{t}", attempt=0, samples=samples))
+    return groups
+
+
+def toy_rollout(model, gen: torch.Generator, task: str, prompt: list[int], group_size: int,
+                n_new: int, target: int) -> Group:
+    """One GRPO group sampled from `model` itself: `n_new` tokens per sample (multinomial with
+    `gen`), the sampling logprobs recorded, reward = fraction of completion tokens == `target`."""
+    ids = torch.tensor([prompt] * group_size)
+    lps = []
+    with torch.no_grad():
+        for _ in range(n_new):
+            lp = torch.log_softmax(model(input_ids=ids).logits[:, -1].float(), -1)
+            tok = torch.multinomial(lp.exp(), 1, generator=gen)
+            lps.append(lp.gather(1, tok))
+            ids = torch.cat([ids, tok], 1)
+    comp, lps = ids[:, len(prompt):], torch.cat(lps, 1)
+    return Group(task_id=task, attempt=0, samples=[
+        Sample(sample_id=f"{task}/{i}", task_id=task, index=i, attempt=0, prompt_ids=prompt,
+               completion_ids=comp[i].tolist(), logprobs=lps[i].tolist(),
+               reward=float((comp[i] == target).float().mean()), policy_version=0,
+               finish_reason="length")
+        for i in range(group_size)])
+
+
+def fake_producer(url: str, run_id: str, stop: threading.Event, group_size: int) -> None:
+    """A fake rollout worker (run in a thread until `stop`): keeps tasks queued, leases them and
+    publishes groups stamped with the announced policy version. Sample k has k+1 completion
+    tokens and reward k % 2."""
+    from app.buffer import ExperienceBuffer
+
+    buf = ExperienceBuffer(url, run_id, capacity_groups=8, max_staleness=1)
+    i = 0
+    while not stop.is_set():
+        if not buf.wait_for_capacity(timeout_s=0.2):
+            continue
+        buf.put_tasks([Task(task_id=f"p{i}", prompt_ids=[1, 4 + i % 50, 9], prompt="", answer="{}",
+                            group_size=group_size)])
+        i += 1
+        for task in buf.lease("fake-worker", count=1, block_ms=200):
+            current = buf.current_policy()
+            version = current[0] if current else 0
+            buf.publish(task, [
+                Sample(sample_id=task.sample_id(run_id, k), task_id=task.task_id, index=k,
+                       attempt=task.attempt, prompt_ids=task.prompt_ids,
+                       completion_ids=[10 + k] * (1 + k), logprobs=[-4.6] * (1 + k),
+                       reward=float(k % 2), policy_version=version, finish_reason="stop")
+                for k in range(group_size)])
+
+
+def assert_grads_match(ref: dict, parts: list[dict], **tol) -> Counter:
+    """Compare each EP rank's gradients (`parts[r]["grads"]`) with the full-batch reference's.
+    A tensor of the reference's shape must match it; a smaller one is a local expert shard and
+    must match the reference's rows from its module's `offset`. Returns the number of shard
+    comparisons per first name component (e.g. {"model": 4})."""
+    shards = Counter()
+    for name, g_ref in ref["grads"].items():
+        for p in parts:
+            g = p["grads"][name]
+            if g.shape == g_ref.shape:
+                torch.testing.assert_close(g, g_ref, **tol, msg=name)
+            else:  # a local expert shard: compare with the reference's rows
+                shards[name.split(".")[0]] += 1
+                off = p["offset"][name.rsplit(".", 2)[0]]  # the MoEBlock: ...mlp
+                torch.testing.assert_close(g, g_ref[off: off + g.shape[0]], **tol, msg=name)
+    return shards
