@@ -38,77 +38,34 @@ LOG="$OUT/gpu_bench.log"
 DRY_RUN="${DRY_RUN:-0}"
 START=$(date +%s)
 STATUS=0
+KILL_AFTER_S=5
 
 [[ "$DRY_RUN" == 1 ]] || { mkdir -p "$OUT"; rm -rf "$SCRATCH"; mkdir -p "$RESULTS"; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-elapsed() { echo $(( $(date +%s) - START )); }
-say() { echo "[$(date -u +%H:%M:%S) +$(elapsed)s] $*" | tee -a "$LOG"; }
-
-collect() {
-    # Every result file so far -> $OUT/results.json (temporary name, then rename).
-    "$PY" - "$RESULTS" "$OUT/results.json" <<'EOF'
-import json, os, sys
-from pathlib import Path
-src, dst = Path(sys.argv[1]), Path(sys.argv[2])
-docs = [json.loads(p.read_text()) for p in sorted(src.glob("*.json"))]
-tmp = dst.with_name(dst.name + ".tmp")
-tmp.write_text(json.dumps(docs, indent=1))
-os.replace(tmp, dst)
-EOF
-}
+# shellcheck source=scripts/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # step CAP_S LABEL ARGS...: run `python3 -m app.cli bench ARGS...` under a timeout.
 step() {
     local cap=$1 label=$2
     shift 2
-    local cmd=("$PY" -m app.cli bench "$@" --out-dir "$RESULTS")
-    if [[ "$DRY_RUN" == 1 ]]; then
-        echo "${cmd[*]}"
-        return
-    fi
-    local left=$(( BUDGET_S - $(elapsed) ))
-    if (( left < 20 )); then
-        say "SKIP $label: budget of ${BUDGET_S}s spent"
-        STATUS=1
-        return
-    fi
-    local limit=$(( cap < left ? cap : left ))
-    say "START $label (timeout ${limit}s): ${cmd[*]}"
-    timeout --kill-after=5 "$limit" "${cmd[@]}" 2>&1 | tee -a "$LOG"
-    local rc=${PIPESTATUS[0]}
-    if (( rc == 0 )); then say "DONE $label"; else say "FAILED $label (exit $rc)"; STATUS=1; fi
-    collect
+    run_step "$cap" "$label" "$PY" -m app.cli bench "$@" --out-dir "$RESULTS"
 }
 
 if [[ "$DRY_RUN" != 1 ]]; then
     say "gpu_bench: OUT=$OUT budget ${BUDGET_S}s scratch $SCRATCH"
     { nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw,memory.used \
         --format=csv; df -hT "$SCRATCH"; } 2>&1 | tee -a "$LOG"
-    # The image has no pydantic (app.config needs it): install the carried wheels, once per name.
-    if ! "$PY" -c "import pydantic" 2>/dev/null; then
-        wheels=$(find .whl -type f -name '*.whl' 2>/dev/null | awk -F/ '{split($NF, a, "-"); if (!seen[tolower(a[1])]++) print}')
-        if [[ -z "$wheels" ]]; then
-            say "ABORT: pydantic is missing and no wheels under .whl/ (carry .whl; see BENCHMARKS.md)"
-            exit 2
-        fi
-        # shellcheck disable=SC2086
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target /tmp/moerl-site $wheels 2>&1 | tee -a "$LOG"
-        export PYTHONPATH="$PYTHONPATH:/tmp/moerl-site"
-    fi
+    install_pydantic_wheels .whl
     if ! "$PY" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, \
 'transformers', transformers.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" 2>&1 | tee -a "$LOG"; then
         say "ABORT: no CUDA device visible to torch (see above)"
         exit 2
     fi
     # What the three benchmarks import when they run, so a missing package stops us here, in seconds.
-    if ! "$PY" -c "import app.cli, app.bench.cli, app.bench.moe, app.bench.train_step, app.bench.engine, \
-app.config, app.model.policy, app.model.checkpoint, app.trainer.train, app.storage.policy, app.rollout.sampler" \
-        2>&1 | tee -a "$LOG"; then
-        say "ABORT: the benchmark modules do not import here (see above)"
-        exit 2
-    fi
+    check_imports app.cli app.bench.cli app.bench.moe app.bench.train_step app.bench.engine app.config \
+        app.model.policy app.model.checkpoint app.trainer.train app.storage.policy app.rollout.sampler
 fi
 
 GPU=(--dtype bfloat16 --device cuda)

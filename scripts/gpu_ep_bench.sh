@@ -42,60 +42,17 @@ else
     mkdir -p "$OUT"; rm -rf "$SCRATCH"; mkdir -p "$RESULTS"
 fi
 
-elapsed() { echo $(( $(date +%s) - START )); }
-say() { echo "[$(date -u +%H:%M:%S) +$(elapsed)s] $*" | tee -a "$LOG"; }
-
-collect() {
-    # Every result file so far -> $OUT/results.json (temporary name, then rename).
-    "$PY" - "$RESULTS" "$OUT/results.json" <<'EOF'
-import json, os, sys
-from pathlib import Path
-src, dst = Path(sys.argv[1]), Path(sys.argv[2])
-docs = [json.loads(p.read_text()) for p in sorted(src.glob("*.json"))]
-tmp = dst.with_name(dst.name + ".tmp")
-tmp.write_text(json.dumps(docs, indent=1))
-os.replace(tmp, dst)
-EOF
-}
+# shellcheck source=scripts/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # step CAP_S LABEL CMD...: run CMD under a timeout (whole process group), log it, collect results.
-step() {
-    local cap=$1 label=$2
-    shift 2
-    if [[ "$DRY_RUN" == 1 ]]; then
-        echo "$*"
-        return
-    fi
-    local left=$(( BUDGET_S - $(elapsed) ))
-    if (( left < 20 )); then
-        say "SKIP $label: budget of ${BUDGET_S}s spent"
-        STATUS=1
-        return
-    fi
-    local limit=$(( cap < left ? cap : left ))
-    say "START $label (timeout ${limit}s): $*"
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
-    local rc=${PIPESTATUS[0]}
-    if (( rc == 0 )); then say "DONE $label"; else say "FAILED $label (exit $rc)"; STATUS=1; fi
-    collect
-}
+step() { run_step "$@"; }
 
 if [[ "$DRY_RUN" != 1 ]]; then
     say "gpu_ep_bench: OUT=$OUT budget ${BUDGET_S}s, $NPROC ranks; $MULTICAST_OFF"
     nvidia-smi -L 2>&1 | tee -a "$LOG"
     nvidia-smi topo -m 2>&1 | tee -a "$LOG"
-    # The image has no pydantic (app.config needs it): install the carried wheels, once per name.
-    if ! "$PY" -c "import pydantic" 2>/dev/null; then
-        wheels=$(find .whl/bench -type f -name '*.whl' 2>/dev/null | awk -F/ '{split($NF, a, "-"); if (!seen[tolower(a[1])]++) print}')
-        if [[ -z "$wheels" ]]; then
-            say "ABORT: pydantic is missing and no wheels under .whl/bench (carry .whl/bench; see BENCHMARKS.md)"
-            exit 2
-        fi
-        # shellcheck disable=SC2086
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target /tmp/moerl-site $wheels 2>&1 | tee -a "$LOG"
-        export PYTHONPATH="$PYTHONPATH:/tmp/moerl-site"
-    fi
+    install_pydantic_wheels .whl/bench
     # deep_ep from the recipe's site dir, with the newer NCCL it was built against preloaded.
     if [[ -d "$DEEPEP_SITE" ]]; then
         export PYTHONPATH="$DEEPEP_SITE:$PYTHONPATH"
@@ -115,11 +72,8 @@ if [[ "$DRY_RUN" != 1 ]]; then
     "$PY" -c "import deep_ep; print('deep_ep', getattr(deep_ep, '__file__', '?'), \
 'ElasticBuffer (V2)' if hasattr(deep_ep, 'ElasticBuffer') else 'Buffer (V1)')" 2>&1 | tee -a "$LOG" \
         || say "deep_ep does not import: deepep figures and tests will be skipped (see above)"
-    if ! "$PY" -c "import app.cli, app.bench.cli, app.bench.dispatch, app.bench.ep_train_step, app.config, \
-app.model.policy, app.model.dispatch.alltoall, app.trainer.train" 2>&1 | tee -a "$LOG"; then
-        say "ABORT: the benchmark modules do not import here (see above)"
-        exit 2
-    fi
+    check_imports app.cli app.bench.cli app.bench.dispatch app.bench.ep_train_step app.config \
+        app.model.policy app.model.dispatch.alltoall app.trainer.train
 fi
 
 TORCHRUN=("$PY" -m torch.distributed.run "--nproc-per-node=$NPROC" --standalone)

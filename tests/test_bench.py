@@ -225,8 +225,8 @@ def test_gpu_script_uses_cli_options_for_every_issue7_shape(tmp_path):
 
 
 def test_results_json_of_the_gpu_script_is_a_list_of_documents(tmp_path):
-    """collect() in gpu_bench.sh merges result files; run it on two real ones."""
-    script = (ROOT / "scripts" / "gpu_bench.sh").read_text()
+    """collect() in scripts/lib.sh (sourced by gpu_bench.sh) merges result files; run it on two real ones."""
+    script = (ROOT / "scripts" / "lib.sh").read_text()
     body = script.split("<<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
     src = tmp_path / "results"
     src.mkdir()
