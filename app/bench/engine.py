@@ -40,7 +40,8 @@ from types import SimpleNamespace
 import torch
 
 from app.bench.results import write_result
-from app.bench.train_step import DTYPES, MODELS, model_config
+from app.bench.train_step import (DTYPES, check_at_least_one, check_device, check_model_and_dtype, check_seq_len,
+                                  model_config)
 
 CHUNK = 16 << 20
 
@@ -129,25 +130,14 @@ class EngineBench:
 
     def check(self) -> None:
         """Raise ValueError naming the first bad flag (before anything is built)."""
-        if self.model not in MODELS:
-            raise ValueError(f"--model must be one of {sorted(MODELS)}, got {self.model!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        check_model_and_dtype(self.model, self.dtype)
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"--batch-sizes must be positive integers, got {list(self.batch_sizes)}")
-        if self.repeats < 1:
-            raise ValueError(f"--repeats must be at least 1, got {self.repeats}")
+        check_at_least_one(self, ("repeats",))
         if self.prompt_len < 1 or self.output_len < 2:
             raise ValueError("--prompt-len must be >= 1 and --output-len >= 2 (decode needs a second token)")
-        device = torch.device(self.device)
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda asked for but CUDA is not available")
-        limit = MODELS[self.model]["max_position_embeddings"]
-        if self.prompt_len + self.output_len > limit:
-            raise ValueError(f"--prompt-len + --output-len ({self.prompt_len + self.output_len}) exceeds "
-                             f"the model's max_position_embeddings ({limit})")
+        check_device(self.device)
+        check_seq_len(self.model, self.prompt_len + self.output_len, "--prompt-len + --output-len")
 
 
 def _sync(device: torch.device) -> None:

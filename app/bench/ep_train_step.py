@@ -35,7 +35,8 @@ from torch import Tensor
 
 from app.bench.dispatch import check_multicast_off, clock, seconds_between, world_size_from_env
 from app.bench.results import write_result
-from app.bench.train_step import DTYPES, MODELS, model_config, synthetic_groups
+from app.bench.train_step import (DTYPES, MODELS, check_at_least_one, check_model_and_dtype, check_seq_len,
+                                  model_config, synthetic_groups)
 
 SPANS = ("dispatch", "combine", "dispatch_backward", "combine_backward")
 
@@ -152,22 +153,14 @@ class EPTrainStepBench:
         if world < 2:
             raise ValueError(f"the EP train-step benchmark needs 2+ ranks (launch with torchrun "
                              f"--nproc-per-node N), WORLD_SIZE={world}")
-        if self.model not in MODELS:
-            raise ValueError(f"--model must be one of {sorted(MODELS)}, got {self.model!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("groups", "group_size", "prompt_len", "completion_len", "iters"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        check_model_and_dtype(self.model, self.dtype)
+        check_at_least_one(self, ("groups", "group_size", "prompt_len", "completion_len", "iters"))
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         experts = MODELS[self.model]["num_experts"]
         if experts % world:
             raise ValueError(f"--model {self.model} has {experts} experts, not divisible by the {world} ranks")
-        seq = self.prompt_len + self.completion_len
-        if seq > MODELS[self.model]["max_position_embeddings"]:
-            raise ValueError(f"--prompt-len + --completion-len ({seq}) exceeds the model's "
-                             f"max_position_embeddings ({MODELS[self.model]['max_position_embeddings']})")
+        check_seq_len(self.model, self.prompt_len + self.completion_len, "--prompt-len + --completion-len")
         names = [b.strip() for b in self.backends.split(",") if b.strip()]
         if not names or any(b not in ("auto", "alltoall", "deepep") for b in names):
             raise ValueError(f"--backends must be 'auto' or a comma list of alltoall, deepep; got {self.backends!r}")

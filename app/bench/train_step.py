@@ -63,6 +63,39 @@ def model_config(name: str):
     return tiny_config("tiny-qwen3-moe", **MODELS[name])
 
 
+def check_model_and_dtype(model: str, dtype: str) -> None:
+    """Raise ValueError unless --model names a MODELS preset and --dtype a DTYPES key."""
+    if model not in MODELS:
+        raise ValueError(f"--model must be one of {sorted(MODELS)}, got {model!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+
+
+def check_device(device: str) -> None:
+    """Raise ValueError unless --device is cpu, or cuda with CUDA available."""
+    kind = torch.device(device).type
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda asked for but CUDA is not available")
+
+
+def check_at_least_one(bench, names: tuple[str, ...]) -> None:
+    """Raise ValueError naming the first of the integer flags `names` (attributes of `bench`,
+    snake_case) that is below 1."""
+    for name in names:
+        if getattr(bench, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(bench, name)}")
+
+
+def check_seq_len(model: str, seq_len: int, flags: str) -> None:
+    """Raise ValueError if `seq_len` tokens (the sum of `flags`, e.g. "--prompt-len +
+    --completion-len") exceed preset `model`'s max_position_embeddings."""
+    limit = MODELS[model]["max_position_embeddings"]
+    if seq_len > limit:
+        raise ValueError(f"{flags} ({seq_len}) exceeds the model's max_position_embeddings ({limit})")
+
+
 def param_counts(model: torch.nn.Module) -> dict:
     """Parameter counts of a policy from `build_policy` (EP size 1).
 
@@ -197,20 +230,11 @@ class TrainStepBench:
 
     def check(self) -> None:
         """Raise ValueError naming the first bad flag (before anything is built)."""
-        if self.model not in MODELS:
-            raise ValueError(f"--model must be one of {sorted(MODELS)}, got {self.model!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("groups", "group_size", "prompt_len", "completion_len", "iters"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        check_model_and_dtype(self.model, self.dtype)
+        check_at_least_one(self, ("groups", "group_size", "prompt_len", "completion_len", "iters"))
         if self.warmup < 0 or self.dense_n < 0:
             raise ValueError("--warmup and --dense-n must be >= 0")
-        device = torch.device(self.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda asked for but CUDA is not available")
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        check_device(self.device)
 
 
 def _one_rank_group() -> bool:
@@ -250,9 +274,7 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
     dtype = DTYPES[bench.dtype]
     config = model_config(bench.model)
     seq_len = bench.prompt_len + bench.completion_len
-    if seq_len > config.max_position_embeddings:
-        raise ValueError(f"--prompt-len + --completion-len ({seq_len}) exceeds the model's "
-                         f"max_position_embeddings ({config.max_position_embeddings})")
+    check_seq_len(bench.model, seq_len, "--prompt-len + --completion-len")
     cfg = RunConfig()
     torch.manual_seed(bench.seed)
     created_group = _one_rank_group()
