@@ -11,6 +11,7 @@ is a ``typer.Typer`` (one command, or a group of sub-commands such as ``moerl be
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # name -> "module:attribute" of a typer.Typer. One line per role.
@@ -68,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the `moerl` console script: import the command's module, hand it the rest.
 
     Each role's typer app parses its own options, so typer's own click handles --help and errors.
+    A ValueError, OSError, ConnectionError or TimeoutError escaping a command is printed as one
+    line and exits 2 (set MOERL_TRACEBACK=1 for the traceback).
     """
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -77,7 +80,15 @@ def main(argv: list[str] | None = None) -> None:
     if name not in COMMANDS:
         print(f"moerl: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         sys.exit(2)
-    load(name)(args=rest, prog_name=f"moerl {name}")
+    try:
+        load(name)(args=rest, prog_name=f"moerl {name}")
+    except (ValueError, OSError, ConnectionError, TimeoutError) as e:
+        # Bad input (a config field, a file, an unreachable service): the roles raise errors
+        # that name the field or file, so one line says it; MOERL_TRACEBACK=1 shows the rest.
+        if os.environ.get("MOERL_TRACEBACK"):
+            raise
+        print(f"moerl {name}: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

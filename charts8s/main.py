@@ -35,9 +35,21 @@ def build(plan: Plan, outdir: str | Path) -> list[Path]:
 
     Synthesizes into a temporary directory beside `outdir` and swaps it in, so a failure leaves
     the previous output whole. Returns the written files.
+
+    Raises:
+        WorkloadError: `outdir` is a file, or a directory holding anything but ``*.k8s.yaml``.
     """
     k8s_module(plan.cfg.k8s_version)  # fail early when the version's generated classes are missing
     outdir = Path(outdir)
+    if outdir.exists() and not outdir.is_dir():
+        raise WorkloadError(f"--outdir: {outdir} exists and is not a directory")
+    if outdir.is_dir():
+        # The whole directory is replaced: refuse one that holds anything but earlier output.
+        foreign = sorted(p.name for p in outdir.iterdir() if not p.name.endswith(".k8s.yaml"))
+        if foreign:
+            raise WorkloadError(f"--outdir: {outdir} holds files that are not synthesized manifests "
+                                f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); "
+                                "choose an empty or a dist/ directory")
     outdir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=outdir.parent, prefix=f".{outdir.name}."))
     try:

@@ -521,3 +521,15 @@ def test_paired_roles_drain_the_worker_then_stop_the_engine(tmp_path):
         time.sleep(0.05)
     else:
         pytest.fail("the engine outlived the paired role")
+
+
+def test_synth_refuses_an_outdir_with_other_files(tmp_path, capsys):
+    from charts8s.main import main
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    assert main(["--env", "dev", "--outdir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "notes.txt" in err[0]
+    assert (out / "notes.txt").read_text() == "keep me"

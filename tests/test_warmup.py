@@ -98,3 +98,15 @@ def test_warmup_rejects_a_file_as_out(tmp_path):
     with pytest.raises(ValueError, match="--out"):
         run_warmup(small_config(), target, log=lambda msg: None)
     assert target.read_text() == "x"
+
+
+def test_warmup_refuses_a_non_empty_directory_that_is_not_a_checkpoint(tmp_path):
+    from app.config import RunConfig
+    from app.envs.warmup import run_warmup
+
+    out = tmp_path / "precious"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="not empty"):
+        run_warmup(RunConfig(), out)
+    assert (out / "notes.txt").read_text() == "keep me"

@@ -121,7 +121,8 @@ def run_warmup(cfg: RunConfig, out: Path, threads: int | None = 1, log=print) ->
         The summary written to warmup.json.
 
     Raises:
-        ValueError: bad task config (see `make_splits`); ``out`` exists and is not a directory.
+        ValueError: bad task config (see `make_splits`); ``out`` exists and is not a directory,
+            or is a non-empty directory that is not an earlier warm-up checkpoint.
     """
     from app.envs.evaluate import evaluate
     from app.model.checkpoint import save_policy
@@ -130,6 +131,9 @@ def run_warmup(cfg: RunConfig, out: Path, threads: int | None = 1, log=print) ->
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out: {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / "warmup.json").is_file():
+        # Only an earlier warm-up checkpoint may be replaced: anything else is the user's.
+        raise ValueError(f"--out: {out} is not empty and holds no earlier warm-up (warmup.json)")
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(cfg.task.seed)
