@@ -1,4 +1,5 @@
-"""Test helpers shared by the trainer tests (tests/test_trainer.py, tests/test_ppo.py).
+"""Test helpers shared by several test files (trainer: test_trainer.py, test_ppo.py; engine:
+test_engine.py, test_worker.py).
 
 Imported as `helpers`: pytest puts this directory on sys.path (there is no tests/__init__.py),
 and spawned worker processes inherit that path.
@@ -6,8 +7,10 @@ and spawned worker processes inherit that path.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import Counter
+from pathlib import Path
 
 import torch
 
@@ -107,3 +110,28 @@ def assert_grads_match(ref: dict, parts: list[dict], **tol) -> Counter:
                 off = p["offset"][name.rsplit(".", 2)[0]]  # the MoEBlock: ...mlp
                 torch.testing.assert_close(g, g_ref[off: off + g.shape[0]], **tol, msg=name)
     return shards
+
+
+def tiny_moe_checkpoint(out: Path, seed: int, max_position_embeddings: int) -> Path:
+    """A tiny random Qwen3-MoE (2 layers, hidden 32, 4 experts top-2, seeded with `seed`) saved
+    at `out` as an HF dir with the character tokenizer. Returns `out`."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from app.envs.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=max_position_embeddings,
+        pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+    )
+    Qwen3MoeForCausalLM(cfg).save_pretrained(out)
+    save_tokenizer(out)
+    return out
+
+
+def engine_argv(model_path: Path, port: int, *extra: str) -> list[str]:
+    """`moerl engine` serving `model_path` on 127.0.0.1:`port` with one torch thread, then `extra`."""
+    return [sys.executable, "-m", "app.cli", "engine", "--model-path", str(model_path), "--port", str(port),
+            "--threads", "1", *extra]

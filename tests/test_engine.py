@@ -17,33 +17,24 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM
 
 from app.buffer.redis_server import free_port
-from app.envs.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, load_tokenizer, save_tokenizer
+from app.envs.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, load_tokenizer
 from app.rollout.engine_client import EngineClient, EngineError, wait_until_healthy
 from app.rollout.sampler import DecodeBatch, SamplingParams, generate
+from helpers import engine_argv, tiny_moe_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_checkpoint(out: Path, seed: int) -> Path:
-    """A tiny random Qwen3-MoE (2 layers, hidden 32, 4 experts top-2) saved as an HF dir."""
-    torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-        pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
-    )
-    Qwen3MoeForCausalLM(cfg).save_pretrained(out)
-    save_tokenizer(out)
-    return out
+    """A tiny random Qwen3-MoE (see `helpers.tiny_moe_checkpoint`), 64 positions."""
+    return tiny_moe_checkpoint(out, seed, max_position_embeddings=64)
 
 
 def start_engine(model_path: Path, port: int, log_path: Path, *extra: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "app.cli", "engine", "--model-path", str(model_path),
-            "--port", str(port), "--threads", "1", *extra]
+    argv = engine_argv(model_path, port, *extra)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -21,15 +21,14 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from app.buffer import ExperienceBuffer, Task
 from app.buffer.redis_server import free_port
 from app.config import RunConfig
-from app.envs.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
+from app.envs.tokenizer import BOS_ID
 from app.rollout.engine_client import EngineClient, EngineError, wait_until_healthy
 from app.rollout.worker import RolloutWorker, score_with_timeout
+from helpers import engine_argv, tiny_moe_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 G = 4
@@ -42,17 +41,8 @@ def score(task, completion):
 
 
 def make_checkpoint(out: Path, seed: int) -> Path:
-    """A tiny random Qwen3-MoE saved as an HF dir with the character tokenizer."""
-    torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        num_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
-        pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
-    )
-    Qwen3MoeForCausalLM(cfg).save_pretrained(out)
-    save_tokenizer(out)
-    return out
+    """A tiny random Qwen3-MoE (see `helpers.tiny_moe_checkpoint`), 128 positions."""
+    return tiny_moe_checkpoint(out, seed, max_position_embeddings=128)
 
 
 def stop_process(proc: subprocess.Popen) -> None:
@@ -71,8 +61,7 @@ def ckpts(tmp_path_factory):
 def engine(ckpts, tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("wengine") / "engine.log"
-    argv = [sys.executable, "-m", "app.cli", "engine", "--model-path", str(ckpts[0]), "--port", str(port),
-            "--threads", "1", "--weight-version", "0"]
+    argv = engine_argv(ckpts[0], port, "--weight-version", "0")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -342,8 +331,7 @@ def test_unloadable_policy_keeps_the_engine_serving_and_is_retried(tmp_path, red
 
 
 def start_engine_process(model_path: Path, port: int, log_path: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "app.cli", "engine", "--model-path", str(model_path), "--port", str(port),
-            "--threads", "1", "--weight-version", "0"]
+    argv = engine_argv(model_path, port, "--weight-version", "0")
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     wait_until_healthy(f"http://127.0.0.1:{port}", timeout_s=90)
