@@ -398,6 +398,30 @@ def _plan_load(
     return copies
 
 
+def _check(path: Path, router: RouterConfig, ep: EPContext):
+    config = read_config(path)
+    try:
+        validate_config(config, ep.size)
+    except ValueError as e:
+        raise ValueError(f"{path / CONFIG_NAME}: {e}") from None
+    headers = _read_headers(path)
+    _plan_load(build_policy(config, router, ep, device="meta", init=False), ep, headers, path)
+    return config, headers
+
+
+def check_checkpoint(path: str | os.PathLike, ep: EPContext | None = None) -> PretrainedConfig:
+    """Every check `load_policy` makes before it reads a tensor, without loading anything:
+    config.json, EP divisibility, shards present, every tensor's name and shape.
+
+    Returns:
+        The checkpoint's config.
+
+    Raises:
+        FileNotFoundError, ValueError: as `load_policy` (file, field or tensor named).
+    """
+    return _check(Path(path), RouterConfig(), ep or EPContext.local())[0]
+
+
 def load_policy(
     path: str | os.PathLike,
     router: RouterConfig,
@@ -424,14 +448,7 @@ def load_policy(
             of the wrong shape (tensor and file named).
     """
     path = Path(path)
-    config = read_config(path)
-    try:
-        validate_config(config, ep.size)
-    except ValueError as e:
-        raise ValueError(f"{path / CONFIG_NAME}: {e}") from None
-    headers = _read_headers(path)
-    _plan_load(build_policy(config, router, ep, device="meta", init=False), ep, headers, path)
-
+    config, headers = _check(path, router, ep)
     model = build_policy(config, router, ep, device=device, dtype=dtype, init=False)
     copies = _plan_load(model, ep, headers, path)
     by_file: dict[Path, list[_Copy]] = defaultdict(list)

@@ -36,6 +36,7 @@ Logprobs are ``log_softmax(logits / temperature)`` at the sampled token (see sam
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -74,6 +75,10 @@ class LoadedModel:
     max_positions: int
 
 
+# config.json model_type values of the policies app/model builds (checked like the trainer does).
+POLICY_MODEL_TYPES = ("qwen3_moe", "deepseek_v3")
+
+
 def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
     """Load an HF checkpoint directory with stock transformers (and its tokenizer if present).
 
@@ -83,8 +88,9 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32
         dtype: "float32", "bfloat16" or "auto" (the checkpoint's own dtype).
 
     Raises:
-        FileNotFoundError: ``path`` is not a directory with a config.json.
-        ValueError / OSError: transformers cannot build the model from the files.
+        FileNotFoundError: ``path`` is not a directory with a config.json, or a shard is missing.
+        ValueError: the config is invalid, or a tensor is missing, unexpected or of the wrong
+            shape (named); OSError: transformers cannot read the files.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -92,7 +98,20 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model_path {str(path)!r}: no config.json (expected an HF checkpoint dir)")
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype).to(device).eval()
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    if model_type in POLICY_MODEL_TYPES:
+        # Our policy families: the trainer's own checks (config fields, shards, every tensor's
+        # name and shape) before anything is loaded, with the offending field or tensor named.
+        from app.model.checkpoint import check_checkpoint
+
+        check_checkpoint(path)
+    model, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, output_loading_info=True)
+    problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if problems:
+        # transformers would fill missing weights with random ones and serve nonsense.
+        detail = "; ".join(f"{k}: {sorted(map(str, v))[:3]}" for k, v in problems.items())
+        raise ValueError(f"model_path {str(path)!r}: weights do not match config.json ({detail})")
+    model = model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer.json").is_file() or (
         path / "tokenizer_config.json"
     ).is_file() else None

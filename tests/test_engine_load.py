@@ -1,0 +1,60 @@
+"""The engine's checkpoint loader refuses weights that do not fit the config, before serving."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.config import RouterConfig
+from app.model.checkpoint import save_policy
+from app.model.config import tiny_config
+from app.model.parallel import EPContext
+from app.model.policy import build_policy
+from app.rollout.engine_server import load_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ck") / "policy"
+    model = build_policy(tiny_config("tiny-qwen3-moe"), RouterConfig(), EPContext.local(), seed=0)
+    save_policy(model, out, EPContext.local())
+    return out
+
+
+def edited(src: Path, dst: Path, **config) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(config)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_loads_a_good_checkpoint(checkpoint):
+    loaded = load_checkpoint(checkpoint)
+    assert loaded.vocab_size == tiny_config("tiny-qwen3-moe").vocab_size
+    assert all(not torch.isnan(p).any() for p in loaded.model.parameters())
+
+
+def test_other_architecture_with_these_weights_is_refused(checkpoint, tmp_path):
+    # A dense llama config over MoE weights: transformers would fill the MLPs with random weights.
+    bad = edited(checkpoint, tmp_path / "arch", model_type="llama", architectures=["LlamaForCausalLM"],
+                 intermediate_size=64)
+    with pytest.raises(ValueError, match="weights do not match config.json.*missing_keys"):
+        load_checkpoint(bad)
+
+
+def test_invalid_policy_config_is_refused_with_the_field_named(checkpoint, tmp_path):
+    bad = edited(checkpoint, tmp_path / "topk", num_experts_per_tok=16)
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        load_checkpoint(bad)
+
+
+def test_wrong_shape_names_the_tensor(checkpoint, tmp_path):
+    bad = edited(checkpoint, tmp_path / "shape", hidden_size=128)
+    with pytest.raises(ValueError, match=r"tensor model\.\S+ has shape"):
+        load_checkpoint(bad)
