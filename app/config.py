@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class Section(BaseModel):
     """Base of every config section: unknown keys are rejected."""
 
-    model_config = ConfigDict(extra="forbid", frozen=False)
+    model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
 
 
 class EPConfig(Section):
@@ -101,6 +101,13 @@ class TrainerConfig(Section):
     lr: float = Field(1e-5, gt=0.0)
     lr_warmup_steps: int = Field(10, ge=0, description="Linear lr warm-up; early Adam steps are noisy.")
     adam_betas: tuple[float, float] = (0.9, 0.99)
+
+    @field_validator("adam_betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
+        return v
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float = Field(1.0, gt=0.0)
     clip_eps_low: float = Field(0.2, ge=0.0)
@@ -143,6 +150,12 @@ class TaskConfig(Section):
                                      "completions (`moerl reward`) instead of the task's verifier.")
 
 
+def _describe(e: ValidationError) -> str:
+    """A pydantic error as 'invalid run config' plus one line per field path."""
+    lines = [f"{'.'.join(map(str, err['loc'])) or '(run config)'}: {err['msg']}" for err in e.errors()]
+    return "invalid run config:\n  " + "\n  ".join(lines)
+
+
 class RunConfig(Section):
     """Everything one run needs, shared by the trainer, rollout workers and the buffer."""
 
@@ -156,6 +169,30 @@ class RunConfig(Section):
     trainer: TrainerConfig = TrainerConfig()
     task: TaskConfig = TaskConfig()
 
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> "RunConfig":
+        t = self.trainer
+        need = (t.save_every + 1) * t.groups_per_step
+        if self.buffer.capacity_groups < need:
+            raise ValueError(
+                f"buffer.capacity_groups={self.buffer.capacity_groups} must be >= (trainer.save_every + 1) "
+                f"* trainer.groups_per_step = {need}: taken groups stay in Redis until the next save"
+            )
+        if t.algorithm == "ppo" and t.loss_agg != "token-mean":
+            raise ValueError(f"trainer.loss_agg={t.loss_agg!r}: PPO's per-token advantages need 'token-mean'")
+        return self
+
+    def validated(self) -> "RunConfig":
+        """This config validated again (after fields were set in code).
+
+        Raises:
+            ValueError: a field or a cross-field rule is violated (field path named).
+        """
+        try:
+            return type(self).model_validate(self.model_dump())
+        except ValidationError as e:
+            raise ValueError(_describe(e)) from None
+
     @classmethod
     def load(cls, path: str | os.PathLike) -> "RunConfig":
         """Read a YAML run configuration.
@@ -166,7 +203,12 @@ class RunConfig(Section):
                 file and the field path (e.g. ``trainer.lr``).
         """
         path = Path(path)
-        text = path.read_text()
+        if path.is_dir():
+            raise ValueError(f"{path}: is a directory, not a run config file")
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not a text (UTF-8) YAML file") from None
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
@@ -174,8 +216,7 @@ class RunConfig(Section):
         try:
             return cls.model_validate(data)
         except ValidationError as e:
-            lines = [f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]
-            raise ValueError(f"{path}: invalid run config:\n  " + "\n  ".join(lines)) from None
+            raise ValueError(f"{path}: {_describe(e)}") from None
 
     def save(self, path: str | os.PathLike) -> None:
         """Write this configuration as YAML atomically (temporary name, then rename)."""

@@ -56,6 +56,27 @@ def embedded_default() -> RunConfig:
     return cfg
 
 
+def check_inputs(cfg: RunConfig) -> None:
+    """Fail before any process starts: the task's prompt sets can be built and the model
+    config is valid for the EP size.
+
+    Raises:
+        ValueError, FileNotFoundError: naming the field or file (see `make_splits`,
+            `validate_config`, `check_checkpoint`).
+    """
+    from app.envs.tasks import make_splits
+    from app.model.config import tiny_config, validate_config
+
+    make_splits(cfg.task)
+    if cfg.model.path:
+        from app.model.checkpoint import check_checkpoint
+
+        config = check_checkpoint(cfg.model.path)
+    else:
+        config = tiny_config(cfg.model.preset)
+    validate_config(config, cfg.ep.size)
+
+
 def _sigterm_as_interrupt(signum, frame) -> None:
     """SIGTERM (e.g. from a supervisor) ends the run the same way as Ctrl-C."""
     raise KeyboardInterrupt
@@ -139,6 +160,31 @@ class TaskFeeder:
         return added
 
 
+def start_from_base(loop: EmbeddedLoop, cache_root: Path, label: str,
+                    out: Console | None = None) -> tuple[Path, dict, TaskFeeder]:
+    """Start Redis, make (or reuse) the warm-up checkpoint under `cache_root` and make it the
+    run's policy (``model.path``, config file rewritten), print its held-out reward as
+    "held-out reward <label>: ..." on `out` (default: this module's console), then queue the
+    first tasks.
+
+    Returns:
+        (checkpoint dir, `held_out_reward` dict, the `TaskFeeder`).
+
+    Raises:
+        RoleFailed: the warm-up process failed.
+    """
+    loop.start_redis()
+    base = make_base_policy(loop, cache_root)
+    loop.cfg.model.path = str(base)
+    loop.write_config()
+    before = held_out_reward(loop.cfg, base)
+    (out or console).print(f"held-out reward {label}: {before['mean_reward']:.3f} (n={before['n']}, "
+                           f"greedy {before['greedy']:.3f})")
+    feeder = TaskFeeder(loop, base)
+    feeder.top_up()
+    return base, before, feeder
+
+
 def progress_loop(loop: EmbeddedLoop, feeder: TaskFeeder, steps: int) -> None:
     """Show step, reward, samples/s, staleness and policy version until the trainer is done."""
     columns = [
@@ -188,6 +234,12 @@ def run(
         if algorithm not in ("grpo", "ppo"):
             raise typer.BadParameter(f"{algorithm!r}: must be 'grpo' or 'ppo'", param_hint="--algorithm")
         cfg.trainer.algorithm = algorithm
+    try:
+        cfg = cfg.validated()
+        check_inputs(cfg)
+    except (ValueError, FileNotFoundError) as e:  # before anything is started or written
+        console.print(f"[red]moerl run:[/] {e}", soft_wrap=True)
+        raise typer.Exit(2)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     run_dir = (out or Path("runs") / f"{cfg.run_id}-{stamp}").resolve()
     if run_dir.exists() and any(run_dir.iterdir()):
@@ -200,15 +252,7 @@ def run(
     loop = EmbeddedLoop(cfg, run_dir, workers=workers)
     try:
         console.print(f"run directory: {run_dir}")
-        loop.start_redis()
-        base = make_base_policy(loop, cache.resolve())
-        loop.cfg.model.path = str(base)
-        loop.write_config()
-        before = held_out_reward(loop.cfg, base)
-        console.print(f"held-out reward before RL: {before['mean_reward']:.3f} (n={before['n']}, "
-                      f"greedy {before['greedy']:.3f})")
-        feeder = TaskFeeder(loop, base)
-        feeder.top_up()
+        base, before, feeder = start_from_base(loop, cache.resolve(), "before RL")
         loop.start_trainer()
         loop.start_rollout(base)
         progress_loop(loop, feeder, loop.cfg.trainer.steps)

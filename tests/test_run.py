@@ -126,3 +126,22 @@ def test_rolling_mean_skips_missing_values():
     out = rolling_mean([nan, 1.0, nan, 3.0, 5.0], window=2)
     assert out[0] != out[0]  # NaN before the first value
     assert out[1:] == [1.0, 1.0, 2.0, 4.0]
+
+
+@pytest.mark.parametrize("yaml_text, expected", [
+    ("buffer:\n  capacity_groups: 1\n", "buffer.capacity_groups=1"),
+    ("trainer:\n  adam_betas: [1.5, 0.9]\n", "trainer.adam_betas"),
+    ("trainer:\n  lr: .inf\n", "trainer.lr"),
+    ("task:\n  name: nope_task\n", "task.name"),
+    ("ep:\n  size: 3\n", "ep.size (3)"),
+])
+def test_bad_config_fails_before_anything_starts(tmp_path, yaml_text, expected):
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml_text)
+    out = tmp_path / "run"
+    proc = subprocess.run(moerl("run", "--config", str(config), "--out", str(out)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert expected in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not out.exists()  # no redis, no run directory: nothing was started or written
