@@ -22,7 +22,6 @@ and point ``rollout.reward_url`` at it; `app.rollout.worker.score_fn_for` then g
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import time
@@ -166,7 +165,8 @@ def fit_reward_model(cfg: RunConfig, base: str | os.PathLike, out: str | os.Path
         cfg: run config (``task`` gives the prompts and the verifier).
         base: an HF causal-LM checkpoint (the warm-up policy) whose trunk starts the model.
         out: checkpoint directory to write; must not exist yet.
-        steps, lr, batch_size: AdamW fit (linear warm-up over 10% of the steps, then cosine).
+        steps, lr, batch_size: AdamW fit (`app.envs.warmup.lr_at`: linear warm-up over 10% of the
+            steps, then cosine to lr / 10).
         threads: torch CPU threads (None leaves torch's default).
 
     Returns:
@@ -183,6 +183,7 @@ def fit_reward_model(cfg: RunConfig, base: str | os.PathLike, out: str | os.Path
 
     from app.envs.tasks import make_splits
     from app.envs.tokenizer import PAD_ID, build_tokenizer, save_tokenizer
+    from app.envs.warmup import lr_at
 
     base, out = Path(base), Path(out)
     if not (base / "config.json").is_file():
@@ -206,7 +207,7 @@ def fit_reward_model(cfg: RunConfig, base: str | os.PathLike, out: str | os.Path
     model.train()
     for step in range(steps):
         for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, (step + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+            g["lr"] = lr_at(step, steps, lr, warmup=warm)
         batch = rng.sample(examples, min(batch_size, len(examples)))
         ids, attn = encode([t for t, _ in batch], tokenizer, PAD_ID)
         target = torch.tensor([y for _, y in batch], dtype=torch.float32)
