@@ -12,36 +12,36 @@ from app.storage.store import ObjectStore, check_key, check_prefix
 TMP_MARK = ".moerl-tmp-"  # temporary names start with this; list() never shows them
 
 
-def atomic_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
-    """Copy `src` to `dst` through a temporary file in dst's directory, fsync, then os.replace."""
-    dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=TMP_MARK + dst.name + ".")
-    try:
-        with os.fdopen(fd, "wb") as out, open(src, "rb") as inp:
-            shutil.copyfileobj(inp, out, 1 << 20)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write(dst: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `dst` through a temporary file, fsync, then os.replace."""
+def _write_atomically(dst: str | os.PathLike, write) -> None:
+    """Call `write(f)` on a temporary file (binary, in dst's directory), fsync, then os.replace
+    it onto `dst`; on any failure the temporary file is removed and the error re-raised."""
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=TMP_MARK + dst.name + ".")
     try:
         with os.fdopen(fd, "wb") as out:
-            out.write(data)
+            write(out)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, dst)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Copy `src` to `dst` through a temporary file in dst's directory, fsync, then os.replace."""
+
+    def copy(out) -> None:
+        with open(src, "rb") as inp:
+            shutil.copyfileobj(inp, out, 1 << 20)
+
+    _write_atomically(dst, copy)
+
+
+def atomic_write(dst: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `dst` through a temporary file, fsync, then os.replace."""
+    _write_atomically(dst, lambda out: out.write(data))
 
 
 class FileStore(ObjectStore):
