@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from app.config import RunConfig
@@ -75,8 +74,8 @@ def build_critic(cfg: RunConfig, ep, device: torch.device | str = "cpu") -> Crit
         ValueError: the critic checkpoint's MoE layout does not fit ``ep.size``.
     """
     from app.model.checkpoint import load_policy
-    from app.model.config import tiny_config, validate_config
-    from app.model.policy import MODEL_CLASSES, build_policy
+    from app.model.policy import MODEL_CLASSES
+    from app.trainer.train import broadcast_replicated, policy_from_config
 
     dtype = getattr(torch, cfg.model.dtype)
     path = cfg.trainer.critic_path
@@ -91,22 +90,12 @@ def build_critic(cfg: RunConfig, ep, device: torch.device | str = "cpu") -> Crit
             from transformers import AutoModel
 
             model = AutoModel.from_pretrained(path, dtype=dtype).to(device)
-    elif cfg.model.path:
-        model = load_policy(cfg.model.path, cfg.router, ep, device=device, dtype=dtype)
     else:
-        config = tiny_config(cfg.model.preset)
-        validate_config(config, ep.size)
-        model = build_policy(config, cfg.router, ep, device=device, dtype=dtype, seed=cfg.task.seed)
+        model = policy_from_config(cfg, ep, device)
     trunk = _trunk_of(model)
     critic = Critic(trunk, trunk.config.hidden_size).to(device)
     del model  # drops the LM head
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        from app.trainer.train import expert_param_ids
-
-        expert = expert_param_ids(critic) if ep.size > 1 else set()
-        for p in critic.parameters():
-            if id(p) not in expert:
-                dist.broadcast(p.data, src=0)
+    broadcast_replicated(critic, ep)
     return critic
 
 

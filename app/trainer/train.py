@@ -134,24 +134,39 @@ def build_model(cfg: RunConfig, ep, device: torch.device) -> nn.Module:
 
     Replicated parameters are then broadcast from rank 0 so that every rank starts identical.
     """
+    model = policy_from_config(cfg, ep, device)
+    broadcast_replicated(model, ep)
+    return model
+
+
+def policy_from_config(cfg: RunConfig, ep, device: torch.device | str) -> nn.Module:
+    """This rank's policy of ``cfg.model`` (dtype ``model.dtype``): ``model.path`` loaded, else
+    the preset's random init seeded with ``task.seed``.
+
+    Raises:
+        ValueError: the preset's MoE layout does not fit ``ep.size`` (`validate_config`).
+    """
     from app.model.checkpoint import load_policy
     from app.model.config import tiny_config, validate_config
     from app.model.policy import build_policy
 
     dtype = getattr(torch, cfg.model.dtype)
     if cfg.model.path:
-        model = load_policy(cfg.model.path, cfg.router, ep, device=device, dtype=dtype)
-    else:
-        config = tiny_config(cfg.model.preset)
-        validate_config(config, ep.size)
-        # build_policy's init is EP-invariant: the same seed gives the same global model.
-        model = build_policy(config, cfg.router, ep, device=device, dtype=dtype, seed=cfg.task.seed)
-    if dist.get_world_size() > 1:
+        return load_policy(cfg.model.path, cfg.router, ep, device=device, dtype=dtype)
+    config = tiny_config(cfg.model.preset)
+    validate_config(config, ep.size)
+    # build_policy's init is EP-invariant: the same seed gives the same global model.
+    return build_policy(config, cfg.router, ep, device=device, dtype=dtype, seed=cfg.task.seed)
+
+
+def broadcast_replicated(model: nn.Module, ep) -> None:
+    """Copy rank 0's replicated parameters (all but the EP-sharded experts) to every rank, so
+    that all start identical; nothing to do without a process group of several ranks."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
         expert = expert_param_ids(model) if ep.size > 1 else set()
         for p in model.parameters():
             if id(p) not in expert:
                 dist.broadcast(p.data, src=0)
-    return model
 
 
 def expert_param_ids(model: nn.Module) -> set[int]:
