@@ -58,3 +58,28 @@ def test_wrong_shape_names_the_tensor(checkpoint, tmp_path):
     bad = edited(checkpoint, tmp_path / "shape", hidden_size=128)
     with pytest.raises(ValueError, match=r"tensor model\.\S+ has shape"):
         load_checkpoint(bad)
+
+
+@pytest.mark.parametrize("params, field", [
+    ({"ignore_eos": "false"}, "ignore_eos"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"max_new_tokens": True}, "max_new_tokens"),
+    ({"n": 10**9}, ".n"),
+    ({"stop_token_ids": [2, True]}, "stop_token_ids"),
+])
+def test_generate_params_are_type_checked_not_coerced(checkpoint, params, field):
+    from app.rollout.engine_server import BadRequest, parse_generate
+
+    loaded = load_checkpoint(checkpoint)
+    with pytest.raises(BadRequest, match=field):
+        parse_generate({"input_ids": [1, 20, 30], "sampling_params": params}, loaded)
+
+
+def test_return_logprob_must_be_a_boolean(checkpoint):
+    from app.rollout.engine_server import BadRequest, parse_generate
+
+    loaded = load_checkpoint(checkpoint)
+    with pytest.raises(BadRequest, match="return_logprob"):
+        parse_generate({"input_ids": [1, 20, 30], "return_logprob": "no"}, loaded)
+    *_, logprob = parse_generate({"input_ids": [1, 20, 30], "return_logprob": True}, loaded)
+    assert logprob is True

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from collections import deque
@@ -351,6 +352,12 @@ def _as_int_list(value: Any, name: str) -> list[int]:
     return value
 
 
+# Most completions one /generate input may ask for (SGLang's `n`); bounds one request's work.
+MAX_N = 256
+# Most sequences (inputs x n) one /generate request may ask for.
+MAX_SEQUENCES = 4096
+
+
 def _parse_params(raw: Any, name: str) -> tuple[SamplingParams, int]:
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
@@ -362,19 +369,30 @@ def _parse_params(raw: Any, name: str) -> tuple[SamplingParams, int]:
         raise BadRequest(f"{name}: unsupported field(s) {unknown}")
     if raw.get("top_k", -1) not in (-1, None) or raw.get("min_p", 0.0) not in (0, 0.0, None):
         raise BadRequest(f"{name}: top_k and min_p are not supported by the built-in engine")
+    # JSON types are checked, not coerced: bool("false") is True, and "hot" is no temperature.
     n = raw.get("n", 1)
-    if not isinstance(n, int) or n < 1:
-        raise BadRequest(f"{name}.n must be an integer >= 1, got {n!r}")
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise BadRequest(f"{name}.n must be an integer in [1, {MAX_N}], got {n!r}")
     stop = raw.get("stop_token_ids") or []
-    if not isinstance(stop, list) or not all(isinstance(t, int) for t in stop):
+    if not isinstance(stop, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
         raise BadRequest(f"{name}.stop_token_ids must be a list of integers")
+    for key in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+        if key in raw and not isinstance(raw[key], bool):
+            raise BadRequest(f"{name}.{key} must be true or false, got {raw[key]!r}")
+    max_new = raw.get("max_new_tokens", 128)
+    if not isinstance(max_new, int) or isinstance(max_new, bool):
+        raise BadRequest(f"{name}.max_new_tokens must be an integer, got {max_new!r}")
+    for key in ("temperature", "top_p"):
+        value = raw.get(key, 1.0)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise BadRequest(f"{name}.{key} must be a finite number, got {value!r}")
     try:
         p = SamplingParams(
-            max_new_tokens=raw.get("max_new_tokens", 128),
+            max_new_tokens=max_new,
             temperature=float(raw.get("temperature", 1.0)),
             top_p=float(raw.get("top_p", 1.0)),
             stop_token_ids=list(stop),
-            ignore_eos=bool(raw.get("ignore_eos", False)),
+            ignore_eos=raw.get("ignore_eos", False),
         )
         p.validate(name)
     except (TypeError, ValueError) as e:
@@ -432,8 +450,12 @@ def parse_generate(body: Any, loaded: LoadedModel) -> tuple[list[list[int]], lis
                 f"the model's context length {loaded.max_positions}"
             )
     return_logprob = body.get("return_logprob", False)
-    if isinstance(return_logprob, list):
-        return_logprob = any(return_logprob)
+    flags = return_logprob if isinstance(return_logprob, list) else [return_logprob]
+    if not all(isinstance(f, bool) for f in flags):
+        raise BadRequest(f"return_logprob must be true/false (or a list of them), got {return_logprob!r}")
+    return_logprob = any(flags)
+    if sum(n for _, n in parsed) > MAX_SEQUENCES:
+        raise BadRequest(f"inputs x n = {sum(n for _, n in parsed)} sequences; at most {MAX_SEQUENCES} per request")
     return prompts, [p for p, _ in parsed], single, [n for _, n in parsed], bool(return_logprob)
 
 
@@ -590,7 +612,7 @@ cli = typer.Typer(add_completion=False, help="Serve the built-in engine (SGLang 
 @cli.command()
 def serve(
     model_path: Path = typer.Option(..., "--model-path", help="HF checkpoint directory."),
-    port: int = typer.Option(30000, "--port", help="TCP port."),
+    port: int = typer.Option(30000, "--port", min=1, max=65535, help="TCP port."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
     weight_version: str = typer.Option("0", "--weight-version", help="Version reported for these weights."),
     max_batch: int = typer.Option(64, "--max-batch", min=1, help="Most sequences generated together."),
@@ -605,6 +627,10 @@ def serve(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if dtype not in ("float32", "bfloat16", "auto"):
         raise typer.BadParameter(f"--dtype must be float32, bfloat16 or auto, got {dtype!r}")
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise typer.BadParameter(f"--device {device!r}: not a torch device (cpu, cuda, cuda:N)") from None
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise typer.BadParameter(f"--device {device}: CUDA is not available on this machine")
     if threads:
