@@ -468,19 +468,22 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
     """Connect to the buffer and the engine, run a `RolloutWorker` until SIGTERM/SIGINT, drain.
 
     Raises:
-        ValueError: ``rollout.reward_fn`` cannot be imported.
+        ValueError: ``rollout.reward_fn`` cannot be imported, or ``store_url`` is invalid.
         ConnectionError (or the buffer's own error): Redis unreachable; names the URL.
         TimeoutError: the engine is not healthy within ``rollout.request_timeout_s``.
     """
     from app.buffer import ExperienceBuffer
+    from app.storage import open_store
 
     score_fn = score_fn_for(cfg)
+    # Open the store now: a bad store_url must fail at start, not at the first policy version.
+    store = open_store(cfg.store_url)
     buffer = ExperienceBuffer.from_config(cfg)
     client = EngineClient(
         engine_url, timeout_s=cfg.rollout.request_timeout_s, retries=cfg.rollout.engine_retries,
         backoff_s=cfg.rollout.retry_backoff_s,
     )
-    worker = RolloutWorker(cfg, buffer, client, worker_id, score_fn=score_fn, max_groups=max_groups)
+    worker = RolloutWorker(cfg, buffer, client, worker_id, score_fn=score_fn, store=store, max_groups=max_groups)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.request_stop)
