@@ -170,3 +170,20 @@ print(score_answer_spec(spec, "olleh"))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "1.0", res.stdout + res.stderr
+
+
+def test_jsonl_bom_non_utf8_and_nan_rows(tmp_path):
+    from app.envs.jsonl import load_jsonl
+
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(
+        "\ufeff".encode() + b'{"prompt": "1+1=", "answer": "2"}\n'  # BOM before the first row: fine
+        + b'{"prompt": "caf\xe9", "answer": "x"}\n'                   # latin-1 byte: malformed
+        + b'{"prompt": "p", "answer": NaN}\n'                          # NaN is not JSON: malformed
+        + b'{"prompt": "2+2=", "answer": 4}\n'
+    )
+    data = load_jsonl(path)
+    assert data.rows == [("1+1=", "2"), ("2+2=", "4")]
+    assert data.skipped == 2 and data.skipped_lines == [2, 3]
+    with pytest.raises(ValueError, match="is a directory"):
+        load_jsonl(tmp_path)

@@ -29,10 +29,15 @@ class JsonlRows:
     skipped_lines: list[int] = field(default_factory=list)
 
 
+def _reject_constant(name: str):
+    """NaN / Infinity are not JSON; Python's parser accepts them unless told otherwise."""
+    raise ValueError(f"{name} is not a valid JSON value")
+
+
 def _row(line: str) -> tuple[str, str] | None:
     try:
-        obj = json.loads(line)
-    except json.JSONDecodeError:
+        obj = json.loads(line, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, ValueError):
         return None
     if not isinstance(obj, dict):
         return None
@@ -47,19 +52,30 @@ def _row(line: str) -> tuple[str, str] | None:
 def load_jsonl(path: str | os.PathLike) -> JsonlRows:
     """Read ``{"prompt","answer"}`` rows; blank lines are ignored, malformed rows skipped and counted.
 
+    Rows that are not UTF-8 or hold NaN/Infinity count as malformed; a leading BOM is ignored.
+
     Raises:
         FileNotFoundError: ``path`` does not exist (message names it).
-        ValueError: the file holds no valid row (message names the file and the skip count).
+        ValueError: ``path`` is a directory, or the file holds no valid row (message names the
+            file and the skip count).
     """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"task.jsonl_path: {path} is a directory, not a JSONL file")
     if not path.is_file():
         raise FileNotFoundError(f"task.jsonl_path: {path} does not exist")
     out = JsonlRows()
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    # utf-8-sig: a byte-order mark is not part of the first row. A line that is not UTF-8 is a
+    # malformed row (skipped and counted), never silently altered.
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError:
+                line = None
+            if line is not None and not line.strip():
                 continue
-            row = _row(line)
+            row = _row(line) if line is not None else None
             if row is None:
                 out.skipped += 1
                 if len(out.skipped_lines) < 20:
