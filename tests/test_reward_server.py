@@ -152,9 +152,13 @@ def test_verifier_mode_needs_answers():
             good = await c.post("/score", json={"text": [p.answer, "zzz"], "answer": [p.spec, p.spec]})
             bad = await c.post("/score", json={"text": [p.answer]})
             ids = await c.post("/score", json={"input_ids": [[1, 5]], "answer": [p.spec]})
-            return good, bad, ids
+            notjson = await c.post("/score", json={"text": ["a", "b"], "answer": [p.spec, "not json"]})
+            source = await c.post("/score", json={"text": ["a"], "answer": ['{"source": "nope"}']})
+            return good, bad, ids, notjson, source
 
-    good, bad, ids = asyncio.run(go())
+    good, bad, ids, notjson, source = asyncio.run(go())
+    assert notjson.status_code == 400 and "answer[1]: not a JSON answer spec" in notjson.json()["error"]
+    assert source.status_code == 400 and "answer[0]: 'source'" in source.json()["error"]
     assert good.status_code == 200 and good.json()["rewards"][0] == 1.0 and good.json()["rewards"][1] < 1.0
     assert bad.status_code == 400 and "one answer per text" in bad.json()["error"]
     assert ids.status_code == 400 and "scores text" in ids.json()["error"]

@@ -32,6 +32,7 @@ Rollout workers score the G completions of a group concurrently, so their reques
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import threading
@@ -150,13 +151,25 @@ class VerifierScorer:
         """``(answer JSON, text)`` pairs of ``req``.
 
         Raises:
-            BadRequest: token ids given, or ``answer`` missing / of a different length.
+            BadRequest: token ids given, ``answer`` missing / of a different length, or an
+                answer that is not a JSON answer spec with a known ``source``.
         """
         if req.input_ids is not None:
             raise BadRequest("input_ids: the verifier scores text; send text and answer")
         if req.answer is None or len(req.answer) != len(req.text):
             n = "none" if req.answer is None else len(req.answer)
             raise BadRequest(f"answer: the verifier needs one answer per text ({len(req.text)}), got {n}")
+        from app.envs.rewards import SCORERS
+
+        for i, answer in enumerate(req.answer):
+            # The answer spec written by app/envs/tasks.py or jsonl.py; anything else would
+            # silently score 0.
+            try:
+                spec = json.loads(answer)
+            except (TypeError, json.JSONDecodeError):
+                raise BadRequest(f"answer[{i}]: not a JSON answer spec") from None
+            if not isinstance(spec, dict) or spec.get("source") not in SCORERS:
+                raise BadRequest(f"answer[{i}]: 'source' must be one of {sorted(SCORERS)}")
         return list(zip(req.answer, req.text))
 
     def __call__(self, items: list[tuple[str, str]]) -> list[float]:
