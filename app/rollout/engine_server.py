@@ -523,16 +523,19 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
+        def refuse(message: str) -> JSONResponse:
+            return JSONResponse({"success": False, "message": message, "num_paused_requests": 0}, status_code=400)
+
         try:
             body = await request.json()
         except ValueError:
-            body = None
+            return refuse("request body is not valid JSON")
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
-            return JSONResponse(
-                {"success": False, "message": "model_path (string) is required", "num_paused_requests": 0},
-                status_code=400,
-            )
+            return refuse("model_path (string) is required")
         version = body.get("weight_version")
+        # SGLang's weight_version is a string; we also take an integer policy version.
+        if version is not None and (isinstance(version, bool) or not isinstance(version, (str, int))):
+            return refuse(f"weight_version must be a string or an integer, got {version!r}")
         ok, message = await engine.update_weights(body["model_path"], None if version is None else str(version))
         return JSONResponse(
             {"success": ok, "message": message, "num_paused_requests": 0}, status_code=200 if ok else 400
