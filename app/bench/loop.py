@@ -422,7 +422,7 @@ def run(bench: LoopBench, out_dir: str | os.PathLike = "runs/bench") -> Path:
     from transformers.utils import logging as hf_logging
 
     from app.embedded import EmbeddedLoop
-    from app.run import TaskFeeder, held_out_reward, make_base_policy
+    from app.run import start_from_base
 
     bench.validate()
     cfg = load_config(bench)
@@ -438,15 +438,8 @@ def run(bench: LoopBench, out_dir: str | os.PathLike = "runs/bench") -> Path:
 
     loop = EmbeddedLoop(cfg, work / "moerl", workers=bench.workers)
     try:
-        loop.start_redis()
-        base = make_base_policy(loop, Path(bench.cache).resolve())
-        loop.cfg.model.path = str(base)
-        loop.write_config()
-        before = held_out_reward(loop.cfg, base)
-        console.print(f"held-out reward of the warm-up checkpoint: {before['mean_reward']:.3f} "
-                      f"(n={before['n']}, greedy {before['greedy']:.3f})")
-        feeder = TaskFeeder(loop, base)
-        feeder.top_up()
+        base, before, feeder = start_from_base(loop, Path(bench.cache).resolve(), "of the warm-up checkpoint",
+                                               out=console)
         notes.append(f"load average before the moerl leg: {load_now():.2f} ({cores()} cores)")
         console.print(f"moerl leg: {bench.seconds:g}s (EP={cfg.ep.size}, {bench.workers} workers)")
         moerl = run_moerl(loop, feeder, base, bench.seconds, before)
