@@ -197,20 +197,28 @@ class FailingClient(EngineClient):
         raise EngineError("POST /generate failed: HTTP 500")
 
 
+def run_until(make_worker, done):
+    """Run the worker `make_worker()` builds (inside the event loop) until `done(worker.stats)`,
+    then ask it to stop; returns its stats once it has drained (10 s at most)."""
+
+    async def go():
+        worker = make_worker()
+        runner = asyncio.create_task(worker.run())
+        while not done(worker.stats):
+            await asyncio.sleep(0.05)
+        worker.request_stop()
+        return await asyncio.wait_for(runner, 10)
+
+    return asyncio.run(go())
+
+
 def test_drain_past_grace_releases_unfinished_tasks(tmp_path, redis_server, engine):
     cfg = make_config(tmp_path, redis_server, engine, drain_grace_s=0.5, max_inflight_tasks=2)
     buf = ExperienceBuffer.from_config(cfg)
     buf.put_tasks(make_tasks(3))
 
-    async def go():
-        worker = RolloutWorker(cfg, buf, SlowClient(engine), "w1", score_fn=lambda t, c: 1.0)
-        runner = asyncio.create_task(worker.run())
-        while worker.stats.tasks_leased < 2:
-            await asyncio.sleep(0.05)
-        worker.request_stop()
-        return await asyncio.wait_for(runner, 10)
-
-    stats = asyncio.run(go())
+    stats = run_until(lambda: RolloutWorker(cfg, buf, SlowClient(engine), "w1", score_fn=lambda t, c: 1.0),
+                      lambda st: st.tasks_leased >= 2)
     assert stats.tasks_released == 2 and stats.groups_published == 0
     s = buf.stats()
     assert s["leased"] == 0 and s["queued"] == 3
@@ -221,15 +229,8 @@ def test_engine_errors_send_the_task_back(tmp_path, redis_server, engine):
     buf = ExperienceBuffer.from_config(cfg)
     buf.put_tasks(make_tasks(1))
 
-    async def go():
-        worker = RolloutWorker(cfg, buf, FailingClient(engine), "w2", score_fn=lambda t, c: 1.0)
-        runner = asyncio.create_task(worker.run())
-        while worker.stats.engine_errors < 1:
-            await asyncio.sleep(0.05)
-        worker.request_stop()
-        return await asyncio.wait_for(runner, 10)
-
-    stats = asyncio.run(go())
+    stats = run_until(lambda: RolloutWorker(cfg, buf, FailingClient(engine), "w2", score_fn=lambda t, c: 1.0),
+                      lambda st: st.engine_errors >= 1)
     assert stats.engine_errors >= 1 and stats.tasks_released >= 1 and stats.groups_published == 0
     s = buf.stats()
     assert s["leased"] == 0 and s["queued"] == 1 and s["finished"] == 0
