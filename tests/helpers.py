@@ -135,3 +135,39 @@ def engine_argv(model_path: Path, port: int, *extra: str) -> list[str]:
     """`moerl engine` serving `model_path` on 127.0.0.1:`port` with one torch thread, then `extra`."""
     return [sys.executable, "-m", "app.cli", "engine", "--model-path", str(model_path), "--port", str(port),
             "--threads", "1", *extra]
+
+
+def join_rank(rank: int, world: int, port: int, cfg_json: str):
+    """In a spawned rank of an EP-equivalence test: the torch.distributed environment of `rank`
+    of `world` on 127.0.0.1:`port`, one torch thread, the process group, and the preset policy
+    (seed 0) with this rank's EP shard. Returns (RunConfig, EPContext, model)."""
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from app.config import RunConfig
+    from app.model.config import tiny_config
+    from app.model.parallel import init_ep
+    from app.model.policy import build_policy
+    from app.trainer.train import init_distributed
+
+    cfg = RunConfig.model_validate_json(cfg_json)
+    init_distributed(timeout_s=120)
+    ep = init_ep(cfg.ep)
+    return cfg, ep, build_policy(tiny_config(cfg.model.preset), cfg.router, ep, seed=0)
+
+
+def run_ep1_and_ep2(worker, base: dict, out_dir: Path) -> tuple[dict, list[dict]]:
+    """Spawn `worker(rank, world, port, cfg_json, out_dir)` on 1 then 2 ranks (config `base`
+    with ``ep.size`` = world); each rank saves ``ep{world}-rank{rank}.pt`` in `out_dir`.
+    Returns (the EP 1 result, [the EP 2 rank 0 and rank 1 results])."""
+    import torch.multiprocessing as mp
+
+    from app.config import RunConfig
+
+    for world in (1, 2):
+        cfg = RunConfig.model_validate({**base, "ep": {"size": world, "backend": "auto"}})
+        mp.start_processes(worker, args=(world, free_port(), cfg.model_dump_json(), str(out_dir)),
+                           nprocs=world, start_method="spawn", join=True)
+    return torch.load(out_dir / "ep1-rank0.pt"), [torch.load(out_dir / f"ep2-rank{r}.pt") for r in range(2)]

@@ -13,7 +13,8 @@ from app.buffer.redis_server import free_port
 from app.config import RunConfig
 from app.trainer.grpo import grpo_loss
 from app.trainer.ppo import gae, ppo_policy_loss, ppo_targets, token_rewards, value_loss, whiten
-from helpers import assert_grads_match, fake_groups, fake_producer, single_rank_env, toy_rollout
+from helpers import (assert_grads_match, fake_groups, fake_producer, join_rank, run_ep1_and_ep2, single_rank_env,
+                     toy_rollout)
 
 
 def two_rows():
@@ -325,25 +326,15 @@ def test_ppo_two_rank_run_saves_and_resumes_the_critic(tmp_path, redis_server):
 
 
 def _ppo_grad_worker(rank: int, world: int, port: int, cfg_json: str, out_dir: str) -> None:
-    import os
     from pathlib import Path
 
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    from app.model.config import tiny_config
-    from app.model.parallel import init_ep
-    from app.model.policy import build_policy
+    cfg, ep, model = join_rank(rank, world, port, cfg_json)
     from app.trainer.batch import collate_groups, split_groups
     from app.trainer.critic import make_critic_parts
-    from app.trainer.train import expert_param_ids, init_distributed, train_step
+    from app.trainer.train import expert_param_ids, train_step
 
-    cfg = RunConfig.model_validate_json(cfg_json)
-    init_distributed(timeout_s=120)
-    ep = init_ep(cfg.ep)
-    model = build_policy(tiny_config(cfg.model.preset), cfg.router, ep, seed=0)
     critic = make_critic_parts(cfg, ep)
     with torch.no_grad():  # a non-zero head, the same on every rank, so the trunk gets gradient too
         critic.module.value_head.weight.copy_(torch.randn(critic.module.value_head.weight.shape,
@@ -367,16 +358,9 @@ def _ppo_grad_worker(rank: int, world: int, port: int, cfg_json: str, out_dir: s
 
 @pytest.mark.slow
 def test_ppo_ep2_step_equals_full_batch_step(tmp_path):
-    import torch.multiprocessing as mp
-
     base = dict(model={"preset": "tiny-qwen3-moe"},
                 trainer={"algorithm": "ppo", "grad_clip": 1e9, "tis_cap": 2.0, "gae_lambda": 0.9, "gamma": 0.99})
-    for world in (1, 2):
-        cfg = RunConfig.model_validate({**base, "ep": {"size": world, "backend": "auto"}})
-        mp.start_processes(_ppo_grad_worker, args=(world, free_port(), cfg.model_dump_json(), str(tmp_path)),
-                           nprocs=world, start_method="spawn", join=True)
-    ref = torch.load(tmp_path / "ep1-rank0.pt")
-    parts = [torch.load(tmp_path / f"ep2-rank{r}.pt") for r in range(2)]
+    ref, parts = run_ep1_and_ep2(_ppo_grad_worker, base, tmp_path)
     assert ref["applied"] and all(p["applied"] for p in parts)
     for key in ("loss", "vf_loss", "value", "return", "grad_norm", "critic_grad_norm", "tokens", "clip_frac"):
         assert parts[0]["stats"][key] == pytest.approx(ref["stats"][key], rel=1e-4, abs=1e-6), key

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from app.buffer.redis_server import free_port
 from app.config import RunConfig
-from helpers import assert_grads_match, fake_groups, fake_producer, single_rank_env, toy_rollout
+from helpers import (assert_grads_match, fake_groups, fake_producer, join_rank, run_ep1_and_ep2, single_rank_env,
+                     toy_rollout)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,19 +45,10 @@ def test_usable_rejects_and_counts_bad_groups():
 
 
 def _grad_worker(rank: int, world: int, port: int, cfg_json: str, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    from app.model.config import tiny_config
-    from app.model.parallel import init_ep
-    from app.model.policy import build_policy
+    cfg, ep, model = join_rank(rank, world, port, cfg_json)
     from app.trainer.batch import collate_groups, split_groups
-    from app.trainer.train import expert_param_ids, init_distributed, train_step
+    from app.trainer.train import expert_param_ids, train_step
 
-    cfg = RunConfig.model_validate_json(cfg_json)
-    init_distributed(timeout_s=120)
-    ep = init_ep(cfg.ep)
-    model = build_policy(tiny_config(cfg.model.preset), cfg.router, ep, seed=0)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     sharded_ids = expert_param_ids(model) if ep.size > 1 else set()
     params = list(model.parameters())
@@ -79,12 +70,7 @@ def _grad_worker(rank: int, world: int, port: int, cfg_json: str, out_dir: str) 
 def test_ep2_step_equals_full_batch_step(tmp_path, loss_agg):
     base = dict(model={"preset": "tiny-qwen3-moe"},
                 trainer={"grad_clip": 1e9, "tis_cap": 2.0, "loss_agg": loss_agg, "log_entropy": True})
-    for world in (1, 2):
-        cfg = RunConfig.model_validate({**base, "ep": {"size": world, "backend": "auto"}})
-        mp.start_processes(_grad_worker, args=(world, free_port(), cfg.model_dump_json(), str(tmp_path)),
-                           nprocs=world, start_method="spawn", join=True)
-    ref = torch.load(tmp_path / "ep1-rank0.pt")
-    parts = [torch.load(tmp_path / f"ep2-rank{r}.pt") for r in range(2)]
+    ref, parts = run_ep1_and_ep2(_grad_worker, base, tmp_path)
     assert ref["applied"] and all(p["applied"] for p in parts)
     # fp32, reduction order differs (rank split, all-reduce): tolerance well above 1e-7 noise.
     tol = dict(atol=2e-6, rtol=1e-4)
