@@ -44,6 +44,18 @@ def test_bench_moe_rejects_bad_flags(tmp_path) -> None:
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--hidden", "0"], "--hidden must be at least 1"),
+    (["--intermediate", "-1"], "--intermediate must be at least 1"),
+    (["--warmup", "-1"], "--warmup must be at least 0"),
+    (["--device", "tpu"], "--device 'tpu': not a torch device"),
+])
+def test_bench_moe_rejects_bad_shapes_before_building(tmp_path, args, message) -> None:
+    result = CliRunner().invoke(cli, ["moe", *args, "--out-dir", str(tmp_path)])
+    assert result.exit_code != 0 and message in result.output
+    assert not list(tmp_path.iterdir())
+
+
 def test_write_result_requires_named_figures(tmp_path) -> None:
     with pytest.raises(ValueError, match="figure without a 'name'"):
         write_result("moe", {}, [{"tokens_per_s": 1.0}], out_dir=tmp_path)

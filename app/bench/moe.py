@@ -164,9 +164,15 @@ def run(shape: Shape, out_dir: str = "runs/bench") -> dict:
     """
     if shape.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {shape.dtype!r}")
-    if shape.iters < 1 or shape.tokens < 1:
-        raise ValueError("--iters and --tokens must be at least 1")
-    device = torch.device(shape.device)
+    for flag, value, least in (("--iters", shape.iters, 1), ("--tokens", shape.tokens, 1),
+                               ("--hidden", shape.hidden, 1), ("--intermediate", shape.intermediate, 1),
+                               ("--warmup", shape.warmup, 0)):
+        if value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
+    try:
+        device = torch.device(shape.device)
+    except RuntimeError:
+        raise ValueError(f"--device {shape.device!r}: not a torch device (cpu, cuda, cuda:N)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda asked for but CUDA is not available")
     dtype = DTYPES[shape.dtype]
