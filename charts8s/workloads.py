@@ -8,6 +8,8 @@ they share, and the images. `load_workloads` applies every rule of issue 6 part 
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 from typing import Literal
 
@@ -155,7 +157,20 @@ def _node_gpus(pool: NodePool) -> int:
     return min(s.gpus for s in pool.specs)
 
 
+# OCI distribution-spec reference: lower-case repository path components, then a tag
+# ([A-Za-z0-9_][A-Za-z0-9._-]{0,127}) or a digest; an optional registry host[:port] first.
+_IMAGE_REF = re.compile(
+    r"^(?:[a-zA-Z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+    r"(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
+    r"(?::[A-Za-z0-9_][A-Za-z0-9._-]{0,127})?(?:@sha256:[a-f0-9]{64})?$"
+)
+# Kubernetes object names (Secrets included): a DNS-1123 subdomain.
+_DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
 def _check_tag(role: str, ref: str) -> None:
+    if not _IMAGE_REF.match(ref):
+        raise WorkloadError(f"images.{role}: {ref!r} is not a valid image reference (registry/repository:tag)")
     # A reference without ":tag" or "@sha256:" after the last "/" would pull "latest" (mutable).
     last = ref.rsplit("/", 1)[-1]
     if "@" in ref:
@@ -179,6 +194,9 @@ def check(plan: Plan) -> Plan:
     for role, ref in plan.images.items():
         _check_tag(role, ref)
     _check_tag("buffer", wl.buffer.image)
+    if not _DNS1123.match(wl.buffer.password_secret) or len(wl.buffer.password_secret) > 253:
+        raise WorkloadError(f"buffer.password_secret: {wl.buffer.password_secret!r} is not a valid Secret name "
+                            "(lower-case DNS-1123 subdomain)")
     if plan.trainer_nodes > train.max_size:
         raise WorkloadError(
             f"trainer.nodes={plan.trainer_nodes} exceeds pools.train-gpu.max_size={train.max_size}"

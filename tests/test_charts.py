@@ -392,6 +392,8 @@ def _workloads(tmp_path: Path, text: str, run: str | None = None) -> Path:
     ("images: {env: 'registry:5000/moerl/env'}", None, "has no tag"),
     ("images: {trainer: 'moerl/trainer:latest'}", None, "mutable tag 'latest'"),
     ("trainer: {nodez: 1}", None, "trainer.nodez: Extra inputs are not permitted"),
+    ("images: {trainer: 'my repo/TRAINER:1.0 extra'}", None, "images.trainer: 'my repo/TRAINER:1.0 extra' is not a valid"),
+    ("buffer: {password_secret: 'Not_A_Valid Name!'}", None, "buffer.password_secret"),
 ])
 def test_bad_input_fails_before_synth_with_one_message(tmp_path, text, run, message):
     cfg = load_config("dev")
