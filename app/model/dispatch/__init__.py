@@ -58,7 +58,8 @@ def at_least_fp32(t: Tensor) -> Tensor:
 
 
 def unpermute(rows: Tensor, slot_of_row: Tensor, num_tokens: int, top_k: int) -> Tensor:
-    """Sum rows back into their tokens. Deterministic and accumulated in fp32 (or float64).
+    """Sum rows back into their tokens. Deterministic; accumulated in fp32 (or float64): torch's
+    sum accumulates bf16/fp16 in fp32 and writes the result in the input dtype.
 
     Args:
         rows: [N, H] weighted expert outputs.
@@ -70,8 +71,7 @@ def unpermute(rows: Tensor, slot_of_row: Tensor, num_tokens: int, top_k: int) ->
         [T, H] in rows' dtype; slots without a row contribute 0.
     """
     slots = rows.new_zeros(num_tokens * top_k, rows.shape[-1]).index_copy(0, slot_of_row, rows)
-    acc = torch.promote_types(rows.dtype, torch.float32)
-    return slots.view(num_tokens, top_k, rows.shape[-1]).sum(dim=1, dtype=acc).to(rows.dtype)
+    return slots.view(num_tokens, top_k, rows.shape[-1]).sum(dim=1)
 
 
 def make_dispatcher(ep: EPContext, num_experts: int) -> Dispatcher:
