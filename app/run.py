@@ -261,6 +261,10 @@ def run(
         after = held_out_reward(loop.cfg, final)
         summary = summarize(loop, before, after, started)
     except KeyboardInterrupt:
+        # A second Ctrl-C (or `timeout` forwarding the same signal) must not abort the clean-up
+        # half-way: that would orphan the workers and engines.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         console.print("[yellow]interrupted: stopping every process[/]")
         loop.close()
         raise typer.Exit(130)

@@ -108,6 +108,8 @@ def test_run_ctrl_c_stops_every_process(tmp_path):
         children = descendants(proc.pid)
         assert len(children) >= 6  # redis, 2 engines, 2 workers, torchrun + 2 ranks
         proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)  # an impatient second Ctrl-C must not orphan anything
         code = proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
