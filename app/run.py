@@ -141,7 +141,6 @@ class TaskFeeder:
         self.loop = loop
         self.low_water = 4 * cfg.trainer.groups_per_step
         self.next = 0  # index into the endless sequence of epochs
-        self.issued = 0
 
     def top_up(self) -> int:
         """Queue tasks until at least ``2 * low_water`` wait; returns how many were added."""
@@ -155,9 +154,7 @@ class TaskFeeder:
                 task = self.tasks[i]
                 batch.append(dataclasses.replace(task, task_id=f"e{epoch}-{task.task_id}"))
                 self.next += 1
-            added = buf.put_tasks(batch)
-        self.issued += added
-        return added
+            return buf.put_tasks(batch)
 
 
 def start_from_base(loop: EmbeddedLoop, cache_root: Path, label: str,
@@ -222,24 +219,20 @@ def run(
     cache: Path = typer.Option(Path("runs/cache"), "--cache", help="Warm-up checkpoint cache."),
     algorithm: str = typer.Option(None, "--algorithm", help="grpo | ppo (overrides trainer.algorithm)."),
 ) -> None:
-    """Run the embedded loop end to end and print a summary; exit code 0 on success."""
-    try:
-        cfg = RunConfig.load(config) if config else embedded_default()
-    except ValueError as e:  # names the file and the field; a traceback would bury it
-        console.print(f"[red]moerl run:[/] {e}", soft_wrap=True)
-        raise typer.Exit(2)
+    """Run the embedded loop end to end and print a summary; exit code 0 on success.
+
+    Bad input (config, task, model) raises before anything starts; app/cli.py prints it as one
+    line with exit code 2.
+    """
+    cfg = RunConfig.load(config) if config else embedded_default()
     if steps:
         cfg.trainer.steps = steps
     if algorithm:
         if algorithm not in ("grpo", "ppo"):
             raise typer.BadParameter(f"{algorithm!r}: must be 'grpo' or 'ppo'", param_hint="--algorithm")
         cfg.trainer.algorithm = algorithm
-    try:
-        cfg = cfg.validated()
-        check_inputs(cfg)
-    except (ValueError, FileNotFoundError) as e:  # before anything is started or written
-        console.print(f"[red]moerl run:[/] {e}", soft_wrap=True)
-        raise typer.Exit(2)
+    cfg = cfg.validated()
+    check_inputs(cfg)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     run_dir = (out or Path("runs") / f"{cfg.run_id}-{stamp}").resolve()
     if run_dir.exists() and any(run_dir.iterdir()):

@@ -506,15 +506,10 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
     from app.trainer.state import (drop_committed, latest_state, load_rank_payload, newer_entry,
                                    rank_payload, restore, save_state)
 
+    # The cross-field rules (capacity vs save_every, PPO's loss aggregation) live in RunConfig;
+    # validate again in case fields were set in code after loading.
+    cfg = cfg.validated()
     t = cfg.trainer
-    if t.algorithm == "ppo" and t.loss_agg != "token-mean":
-        raise ValueError(f"trainer.loss_agg={t.loss_agg!r}: PPO's per-token advantages need 'token-mean'")
-    need = (t.save_every + 1) * t.groups_per_step
-    if cfg.buffer.capacity_groups < need:
-        raise ValueError(
-            f"buffer.capacity_groups={cfg.buffer.capacity_groups} must be >= (trainer.save_every + 1) "
-            f"* trainer.groups_per_step = {need}: taken groups stay in Redis until the next save"
-        )
     rank, world, device = init_distributed(timeout_s=t.batch_timeout_s + 600)
     if cfg.ep.size not in (1, world):
         raise ValueError(
