@@ -5,6 +5,9 @@
 - `local_redis`: the same, but yields the `LocalRedis` object (for `restart()`, `kill()`, `client()`).
 - `moto_s3`: endpoint URL (http://127.0.0.1:<port>) of moto's server mode, one per test session,
   with fake credentials in the environment. Create a uniquely named bucket per test.
+
+Without CUDA, Triton kernels (app/model/kernels.py) run through Triton's interpreter: triton reads
+TRITON_INTERPRET when it is first imported, so it is set here, before any test module imports it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,10 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from app.buffer.redis_server import LocalRedis
 

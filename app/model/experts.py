@@ -3,6 +3,13 @@
 Weights use transformers 5's fused layout (`Qwen3MoeExperts`, `DeepseekV3Experts`):
 `gate_up_proj` [E_local, 2*I, H] (gate rows first, then up rows) and `down_proj` [E_local, H, I];
 expert e computes ``down_e(act(gate_e x) * up_e x)`` (SwiGLU for `hidden_act="silu"`).
+
+A row's gate weight w is applied to the [N, I] activation before the down projection:
+``down_e(w * h) = w * down_e(h)`` because the projection is linear, and the multiply (and its
+backward) then touches I instead of H columns (I/H = 0.375 for Qwen3-30B-A3B, 0.29 for
+DeepSeek-V3).
+On CUDA with triton, SiLU experts run that activation and its backward as one fused kernel each
+(`kernels.swiglu_forward/backward`); elsewhere, plain torch ops.
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
+
+from app.model import kernels
 
 IMPLEMENTATIONS = ("auto", "grouped_mm", "loop")
 
@@ -45,46 +54,74 @@ class GroupedExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_local_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_local_experts, hidden_size, intermediate_size))
+        self.hidden_act = hidden_act
         self.act_fn = ACT2FN[hidden_act]
         self.implementation = implementation
 
-    def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
+    def forward(self, x: Tensor, tokens_per_expert: Tensor, row_weights: Tensor | None = None) -> Tensor:
         """Run every local expert on its rows.
 
         Args:
             x: [N, H] rows grouped contiguously by local expert (expert 0's rows first).
             tokens_per_expert: [E_local] int64 row counts, summing to N; stays on x's device.
+            row_weights: optional [N] gate weight of each row (any float dtype; applied in the
+                weights' dtype); the output of row n is scaled by it.
 
         Returns:
-            [N, H] expert outputs in x's dtype, same row order.
+            [N, H] expert outputs in the weights' dtype, same row order.
         """
         impl = self.implementation
         if impl == "auto":
             impl = "grouped_mm" if grouped_mm_supported(self.gate_up_proj) else "loop"
         if impl == "grouped_mm":
-            return self._grouped_mm(x, tokens_per_expert)
-        return self._loop(x, tokens_per_expert)
+            return self._grouped_mm(x, tokens_per_expert, row_weights)
+        return self._loop(x, tokens_per_expert, row_weights)
 
-    def _grouped_mm(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
+    def _activation(self, gate_up: Tensor, row_weights: Tensor | None) -> Tensor:
+        """[N, 2I] gate_up -> [N, I] act(gate) * up (* row weight)."""
+        if row_weights is not None and self.hidden_act == "silu" and kernels.usable(gate_up):
+            return _WeightedSwiGLU.apply(gate_up, row_weights)
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = self.act_fn(gate) * up
+        if row_weights is not None:
+            h = h * row_weights.to(h.dtype).unsqueeze(-1)
+        return h
+
+    def _grouped_mm(self, x: Tensor, tokens_per_expert: Tensor, row_weights: Tensor | None) -> Tensor:
         # Offsets stay on the device: no host sync (torch._grouped_mm takes cumulative int32 ends).
         offs = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
         x = x.to(self.gate_up_proj.dtype)
         gate_up = torch._grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offs)
-        gate, up = gate_up.chunk(2, dim=-1)
-        h = self.act_fn(gate) * up
+        h = self._activation(gate_up, row_weights)
         return torch._grouped_mm(h, self.down_proj.transpose(-2, -1), offs=offs)
 
-    def _loop(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
+    def _loop(self, x: Tensor, tokens_per_expert: Tensor, row_weights: Tensor | None) -> Tensor:
         # One host sync for the counts; every expert runs (an empty slice costs nothing) so that
         # each local expert's weights take part in the graph and get a zero, not a missing, grad.
         # unbind (not w[e]) so the backward stacks E gradients once instead of adding E full-size ones.
         counts = tokens_per_expert.tolist()
         x = x.to(self.gate_up_proj.dtype)
         gate_up_w, down_w = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        weights = torch.split(row_weights, counts) if row_weights is not None else [None] * len(counts)
         outs = []
         for e, rows in enumerate(torch.split(x, counts, dim=0)):
-            gate, up = F.linear(rows, gate_up_w[e]).chunk(2, dim=-1)
-            outs.append(F.linear(self.act_fn(gate) * up, down_w[e]))
+            h = self._activation(F.linear(rows, gate_up_w[e]), weights[e])
+            outs.append(F.linear(h, down_w[e]))
         if not outs:
             return x.new_zeros(0, self.down_proj.shape[1])
         return torch.cat(outs, dim=0)
+
+
+class _WeightedSwiGLU(torch.autograd.Function):
+    """silu(gate) * up * w with fused Triton forward and backward (see app/model/kernels.py)."""
+
+    @staticmethod
+    def forward(ctx, gate_up: Tensor, w: Tensor) -> Tensor:
+        ctx.save_for_backward(gate_up, w)
+        return kernels.swiglu_forward(gate_up, w)
+
+    @staticmethod
+    def backward(ctx, dh: Tensor):
+        gate_up, w = ctx.saved_tensors
+        dgate_up, dw = kernels.swiglu_backward(dh, gate_up, w)
+        return dgate_up, dw.to(w.dtype)

@@ -186,11 +186,10 @@ class MoEBlock(nn.Module):
             self.expert_load.scatter_add_(0, idx.clamp(min=0), (idx >= 0).float())
 
         d = self.dispatcher.dispatch(x, routing.topk_idx, routing.topk_weights)
-        y = self.experts(d.x, d.tokens_per_expert)
-        # Weight in the activations' dtype: an fp32 round trip of [N, H] cost three extra memory
-        # passes each way on GPU (profile in BENCHMARKS.md); fp32 and float64 runs are unchanged.
-        y = y.to(x.dtype) * d.weights.to(x.dtype).unsqueeze(-1)
-        out = self.dispatcher.combine(y, d.handle)
+        # The experts scale each row by its gate weight on the [N, I] activation, in the weights'
+        # dtype (no fp32 round trip of [N, H]; profile in BENCHMARKS.md).
+        y = self.experts(d.x, d.tokens_per_expert, d.weights)
+        out = self.dispatcher.combine(y.to(x.dtype), d.handle)
         self.last_tokens_per_expert = d.tokens_per_expert.detach()
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -4,6 +4,8 @@
 the rows its local experts must process, grouped contiguously by local expert (expert 0 first),
 with their gate weights and the row count of every local expert; ``combine(y[N,H], handle) ->
 [T,H]`` sends the (already weighted) expert outputs back and sums each token's contributions.
+The local token moves of every backend are `permute.permute` / `permute.unpermute` (gathers both
+ways, no atomics).
 Both are differentiable: the backward of dispatch is a combine and the backward of combine is a
 dispatch. A ``-1`` in topk_idx means "no expert" for that slot.
 
@@ -29,8 +31,8 @@ class Dispatched:
 
     Attributes:
         x: [N, H] rows in the input's dtype, grouped by local expert.
-        weights: [N] fp32 gate weight of each row (differentiable; multiply the expert output by it
-            before `combine`).
+        weights: [N] fp32 gate weight of each row (differentiable). The expert output must be
+            scaled by it before `combine`; `GroupedExperts` does so on its [N, I] activation.
         tokens_per_expert: [E_local] int64 rows per local expert, on x's device; sums to N.
         handle: backend state that `combine` needs.
     """
@@ -55,23 +57,6 @@ class Dispatcher(Protocol):
 def at_least_fp32(t: Tensor) -> Tensor:
     """Gate weights travel in fp32 (float64 stays float64, e.g. for gradcheck)."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-def unpermute(rows: Tensor, slot_of_row: Tensor, num_tokens: int, top_k: int) -> Tensor:
-    """Sum rows back into their tokens. Deterministic; accumulated in fp32 (or float64): torch's
-    sum accumulates bf16/fp16 in fp32 and writes the result in the input dtype.
-
-    Args:
-        rows: [N, H] weighted expert outputs.
-        slot_of_row: [N] int64 flat (token * K + k) slot each row came from; unique.
-        num_tokens: T.
-        top_k: K.
-
-    Returns:
-        [T, H] in rows' dtype; slots without a row contribute 0.
-    """
-    slots = rows.new_zeros(num_tokens * top_k, rows.shape[-1]).index_copy(0, slot_of_row, rows)
-    return slots.view(num_tokens, top_k, rows.shape[-1]).sum(dim=1)
 
 
 def make_dispatcher(ep: EPContext, num_experts: int) -> Dispatcher:

@@ -5,8 +5,9 @@ In the style of Megatron-LM's `MoEAlltoAllTokenDispatcher`:
             exchange per-expert counts, exchange the rows and their gate weights, then regroup the
             received blocks from (source rank, local expert) order into (local expert, source rank).
   combine:  the same steps in reverse, then sum each token's rows (fp32, deterministic).
-The only custom autograd piece is the all-to-all, whose backward is the all-to-all with the
-splits swapped; so the backward of dispatch is exactly combine and vice versa.
+The custom autograd pieces are the all-to-all, whose backward is the all-to-all with the splits
+swapped, and the local permute/unpermute (permute.py); so the backward of dispatch is exactly
+combine and vice versa.
 
 Host syncs: one per dispatch (the split sizes all_to_all_single needs as Python lists).
 `-1` slots are dropped before sending.
@@ -20,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from app.model.dispatch import Dispatched, at_least_fp32, unpermute
+from app.model.dispatch import Dispatched, at_least_fp32
+from app.model.dispatch.permute import RowMap, permute, row_map, unpermute
 from app.model.parallel import EPContext
 
 
@@ -56,12 +58,10 @@ def _regroup(x: Tensor, sizes: list[int], rows: int, cols: int) -> Tensor:
 
 @dataclass
 class AllToAllHandle:
-    slot_of_row: Tensor  # [n_send] flat slots sent, in send order
+    rmap: RowMap  # the tokens of the rows sent, in send order (for the local permute / unpermute)
     send_splits: list[int]  # rows sent to each rank
     recv_splits: list[int]  # rows received from each rank
     recv_sizes: list[int]  # [size * E_local] rows from (source rank, local expert), row-major
-    num_tokens: int
-    top_k: int
 
 
 class AllToAllDispatcher:
@@ -92,7 +92,8 @@ class AllToAllDispatcher:
         recv_splits = both[1].view(size, e_local).sum(1).tolist()
 
         slot_of_row = slot_of_row[: sum(send_splits)]
-        send_x = x.index_select(0, torch.div(slot_of_row, top_k, rounding_mode="floor"))
+        rmap = row_map(slot_of_row, num_tokens, top_k)
+        send_x = permute(x, rmap)
         send_w = at_least_fp32(topk_weights.reshape(-1)).index_select(0, slot_of_row)
         recv_x = all_to_all(send_x, recv_splits, send_splits, self.ep.group)
         recv_w = all_to_all(send_w, recv_splits, send_splits, self.ep.group)
@@ -101,7 +102,7 @@ class AllToAllDispatcher:
             x=_regroup(recv_x, recv_sizes, size, e_local),
             weights=_regroup(recv_w, recv_sizes, size, e_local),
             tokens_per_expert=tokens_per_expert,
-            handle=AllToAllHandle(slot_of_row, send_splits, recv_splits, recv_sizes, num_tokens, top_k),
+            handle=AllToAllHandle(rmap, send_splits, recv_splits, recv_sizes),
         )
 
     def combine(self, y: Tensor, handle: AllToAllHandle) -> Tensor:
@@ -111,4 +112,4 @@ class AllToAllDispatcher:
         sizes_by_expert = [handle.recv_sizes[s * e_local + e] for e in range(e_local) for s in range(size)]
         y = _regroup(y, sizes_by_expert, e_local, size)
         back = all_to_all(y, handle.send_splits, handle.recv_splits, self.ep.group)
-        return unpermute(back, handle.slot_of_row, handle.num_tokens, handle.top_k)
+        return unpermute(back, handle.rmap)

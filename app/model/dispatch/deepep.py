@@ -8,8 +8,8 @@ in autograd the way Megatron-LM's `megatron/core/transformer/moe/fused_a2a.py` d
   combine forward   = Buffer.combine (sums the rows of a token coming back from every rank),
   combine backward  = cached Buffer.dispatch with the handle.
 After the DeepEP dispatch, the received tokens are expanded to one row per (token, local expert)
-and sorted by local expert with plain differentiable indexing; combine first sums a token's local
-rows, then calls DeepEP combine.
+and sorted by local expert with `permute` (permute.py); combine first sums a token's local rows
+with `unpermute`, then calls DeepEP combine.
 
 `deep_ep` is imported only when this dispatcher is built. It needs bf16 hidden states on CUDA and
 an NCCL group. Where the installed package has `ElasticBuffer` (DeepEP V2) it is used, else `Buffer`.
@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from app.model.dispatch import Dispatched, unpermute
+from app.model.dispatch import Dispatched
+from app.model.dispatch.permute import RowMap, permute, row_map, unpermute
 from app.model.parallel import EPContext
 
 # One communication buffer per process, reused by every MoE layer and grown when too small
@@ -123,9 +124,7 @@ class _Combine(torch.autograd.Function):
 @dataclass
 class DeepEPHandle:
     deepep_handle: Any
-    slot_of_row: Tensor  # [N] flat (received token * K + k) slot of each expert row
-    num_recv_tokens: int
-    top_k: int
+    rmap: RowMap  # rows of each received token (slot = received token * K + k)
     buffer: Any
 
 
@@ -163,14 +162,15 @@ class DeepEPDispatcher:
         key = torch.where(flat >= 0, flat, torch.full_like(flat, self.num_local_experts))
         slot_of_row = torch.sort(key, stable=True).indices[: sum(counts)]
         tokens_per_expert = torch.tensor(counts, dtype=torch.int64, device=x.device)
+        rmap = row_map(slot_of_row, n_recv, top_k)
         return Dispatched(
-            x=recv_x.index_select(0, torch.div(slot_of_row, top_k, rounding_mode="floor")),
+            x=permute(recv_x, rmap),
             weights=recv_w.reshape(-1).index_select(0, slot_of_row),
             tokens_per_expert=tokens_per_expert,
-            handle=DeepEPHandle(handle, slot_of_row, n_recv, top_k, buffer),
+            handle=DeepEPHandle(handle, rmap, buffer),
         )
 
     def combine(self, y: Tensor, handle: DeepEPHandle) -> Tensor:
         """y [N, H] weighted expert outputs -> [T, H] bf16."""
-        per_token = unpermute(y, handle.slot_of_row, handle.num_recv_tokens, handle.top_k)
+        per_token = unpermute(y, handle.rmap)
         return _Combine.apply(per_token, handle.buffer, handle.deepep_handle)

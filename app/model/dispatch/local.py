@@ -1,7 +1,7 @@
-"""EP size 1: every expert is local, so dispatch is a sort by expert and combine a scatter-sum.
+"""EP size 1: every expert is local, so dispatch is a sort by expert and combine a per-token sum.
 
-Plain differentiable indexing gives the required autograd pairing for free: the backward of the
-row gather (dispatch) is a scatter-add into tokens (a combine), and vice versa.
+The rows move with `permute` / `unpermute` (gathers both ways, see permute.py), so the backward
+of dispatch is a combine and vice versa without any scatter-add.
 
 A `-1` slot is routed to expert 0 with weight 0: its contribution and its gradients are exactly
 zero, and the shapes stay static (no host sync, no uninitialized tail rows for grouped GEMMs).
@@ -9,19 +9,11 @@ zero, and the shapes stay static (no host sync, no uninitialized tail rows for g
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from app.model.dispatch import Dispatched, at_least_fp32, unpermute
-
-
-@dataclass
-class LocalHandle:
-    slot_of_row: Tensor  # [T*K] int64, the flat slot of every dispatched row
-    num_tokens: int
-    top_k: int
+from app.model.dispatch import Dispatched, at_least_fp32
+from app.model.dispatch.permute import RowMap, permute, row_map, unpermute
 
 
 class LocalDispatcher:
@@ -42,14 +34,14 @@ class LocalDispatcher:
         slot_of_row = torch.sort(expert, stable=True).indices
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, expert, torch.ones_like(expert))
-        rows = x.index_select(0, torch.div(slot_of_row, top_k, rounding_mode="floor"))
+        rmap = row_map(slot_of_row, num_tokens, top_k)
         return Dispatched(
-            x=rows,
+            x=permute(x, rmap),
             weights=weights.index_select(0, slot_of_row),
             tokens_per_expert=counts,
-            handle=LocalHandle(slot_of_row, num_tokens, top_k),
+            handle=rmap,
         )
 
-    def combine(self, y: Tensor, handle: LocalHandle) -> Tensor:
+    def combine(self, y: Tensor, handle: RowMap) -> Tensor:
         """y [T*K, H] weighted expert outputs -> [T, H]."""
-        return unpermute(y, handle.slot_of_row, handle.num_tokens, handle.top_k)
+        return unpermute(y, handle)
