@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import DeepseekV3Config, Qwen3MoeConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
@@ -120,3 +121,25 @@ def test_expert_bias_update_moves_load_toward_balance() -> None:
     default(x)
     default.update_expert_bias()
     assert torch.all(default.gate.e_score_correction_bias == 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the bf16 tensor-core logits path is taken on CUDA only")
+def test_bf16_logits_on_cuda_match_the_fp32_gemm() -> None:
+    """bf16 x and weight on CUDA: fp32 logits equal the fp32 GEMM of the same values up to summation
+    order; gradients equal the fp32 path's to bf16 precision."""
+    from app.model.router import router_logits
+
+    torch.manual_seed(0)
+    x = torch.randn(512, 1024, device="cuda").bfloat16().requires_grad_(True)
+    w = (0.02 * torch.randn(64, 1024, device="cuda")).bfloat16().requires_grad_(True)
+    logits = router_logits(x, w)
+    assert logits.dtype == torch.float32
+    reference = torch.nn.functional.linear(x.float(), w.float())
+    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
+
+    grad = torch.randn_like(logits)
+    gx, gw = torch.autograd.grad(logits, (x, w), grad)
+    rx, rw = torch.autograd.grad(reference, (x, w), grad)
+    assert gx.dtype == torch.bfloat16 and gw.dtype == torch.bfloat16
+    torch.testing.assert_close(gx.float(), rx.float(), rtol=2e-2, atol=2e-2 * float(rx.abs().max()))
+    torch.testing.assert_close(gw.float(), rw.float(), rtol=2e-2, atol=2e-2 * float(rw.abs().max()))

@@ -111,13 +111,13 @@ class Router(nn.Module):
         """Route T tokens.
 
         Args:
-            x: [T, H] hidden states (any float dtype; cast to fp32 here).
+            x: [T, H] hidden states (any float dtype; logits in fp32, see `router_logits`).
             replay_topk_idx: optional [T, K] int64 global expert ids to route by (-1 = none).
 
         Returns:
             Routing with fp32 logits/scores/weights and int64 indices.
         """
-        logits = F.linear(x.float(), self.weight.float())
+        logits = router_logits(x, self.weight)
         if self.family == "qwen3_moe":
             if replay_topk_idx is None:
                 scores, idx, weights = softmax_topk(logits, self.top_k, self.norm_topk_prob)
@@ -154,6 +154,51 @@ class Router(nn.Module):
             raise ValueError("router.bias_update_rate > 0 needs a DeepSeek-V3 style router (e_score_correction_bias)")
         load = tokens_per_expert.float()
         self.e_score_correction_bias -= rate * torch.sign(load - load.mean())
+
+
+def router_logits(x: Tensor, weight: Tensor) -> Tensor:
+    """Router logits in fp32: x [T, H] (any float dtype) @ weight [E, H]^T -> [T, E] fp32.
+
+    bf16 inputs on CUDA use a bf16 tensor-core GEMM that writes fp32 (`torch.mm(..., out_dtype=
+    torch.float32)`): bf16 products are exact and accumulate in fp32, so the logits are those of
+    the fp32 GEMM up to summation order, without its SIMT fp32 kernels (about 7 % of the MoE
+    layer's time at Qwen3-30B-A3B shapes on an H200; BENCHMARKS.md). The backward rounds the
+    logit gradient to bf16 once before its two GEMMs, whose results are bf16 anyway. Everything
+    else (CPU, fp32, float64, a torch without `out_dtype`) upcasts to fp32 as before.
+    """
+    if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and _mm_out_dtype_works(x):
+        return _Bf16LogitsFp32.apply(x, weight)
+    return F.linear(x.float(), weight.float())
+
+
+_MM_OUT_DTYPE: bool | None = None
+
+
+def _mm_out_dtype_works(x: Tensor) -> bool:
+    """Whether this torch has `torch.mm(..., out_dtype=)` for bf16 -> fp32 (probed once)."""
+    global _MM_OUT_DTYPE
+    if _MM_OUT_DTYPE is None:
+        try:
+            probe = torch.ones(16, 16, dtype=torch.bfloat16, device=x.device)
+            _MM_OUT_DTYPE = torch.mm(probe, probe, out_dtype=torch.float32).dtype == torch.float32
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MM_OUT_DTYPE = False
+    return _MM_OUT_DTYPE
+
+
+class _Bf16LogitsFp32(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        grad = grad.to(torch.bfloat16)
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad.t() @ x if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
 
 
 def _gather_weights(scores: Tensor, idx: Tensor) -> Tensor:
