@@ -8,6 +8,7 @@
 # Here, once, to fetch those wheels into .whl/bench (git-ignored):
 #     bash scripts/gpu_bench.sh --fetch-wheels
 # DRY_RUN=1 prints the benchmark commands instead of running them (tests/test_bench.py uses it).
+# STEPS="moe train-step engine" (the default) picks which benchmarks run, by their first word.
 #
 # Writes into $OUT (default runs/bench-gpu): results.json (a JSON list of every result document,
 # rewritten after each step, so a cut-short run still returns what finished) and gpu_bench.log.
@@ -46,10 +47,13 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # shellcheck source=scripts/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-# step CAP_S LABEL ARGS...: run `python3 -m app.cli bench ARGS...` under a timeout.
+STEPS="${STEPS:-moe train-step engine}"
+
+# step CAP_S LABEL ARGS...: run `python3 -m app.cli bench ARGS...` under a timeout (if in STEPS).
 step() {
     local cap=$1 label=$2
     shift 2
+    [[ " $STEPS " == *" ${label%% *} "* ]] || return 0
     run_step "$cap" "$label" "$PY" -m app.cli bench "$@" --out-dir "$RESULTS"
 }
 
@@ -75,9 +79,9 @@ QWEN3=(--family qwen3 --hidden 2048 --intermediate 768 --experts 128 --topk 8)
 
 # The 4096-token MoE shapes first, then the two other benchmarks, then the 16384-token shapes:
 # if the budget runs out, every benchmark has figures.
-step 75 "moe deepseek-v3 E=32 T=4096" "${MOE[@]}" "${DSV3[@]}" --experts 32 --tokens 4096
+step 75 "moe deepseek-v3 E=32 T=4096" "${MOE[@]}" "${DSV3[@]}" --experts 32 --tokens 4096 --profile
 step 60 "moe deepseek-v3 E=8 T=4096" "${MOE[@]}" "${DSV3[@]}" --experts 8 --tokens 4096
-step 60 "moe qwen3-30b-a3b E=128 T=4096" "${MOE[@]}" "${QWEN3[@]}" --tokens 4096
+step 60 "moe qwen3-30b-a3b E=128 T=4096" "${MOE[@]}" "${QWEN3[@]}" --tokens 4096 --profile
 # 64 rollouts of 128 + 384 tokens = 32768 tokens per step (logits alone: 2.1 GB bf16, 4.3 GB fp32).
 step 120 "train-step small" train-step --model small --groups 8 --group-size 8 --prompt-len 128 \
     --completion-len 384 --iters 5 --warmup 2 --profile "${GPU[@]}"
@@ -85,7 +89,7 @@ step 120 "engine small" engine --model small --batch-sizes 1,8,64 --prompt-len 1
     --work-dir "$SCRATCH/engine" "${GPU[@]}"
 step 75 "moe deepseek-v3 E=32 T=16384" "${MOE[@]}" "${DSV3[@]}" --experts 32 --tokens 16384
 step 60 "moe deepseek-v3 E=8 T=16384" "${MOE[@]}" "${DSV3[@]}" --experts 8 --tokens 16384
-step 60 "moe qwen3-30b-a3b E=128 T=16384" "${MOE[@]}" "${QWEN3[@]}" --tokens 16384
+step 60 "moe qwen3-30b-a3b E=128 T=16384" "${MOE[@]}" "${QWEN3[@]}" --tokens 16384 --profile
 
 if [[ "$DRY_RUN" != 1 ]]; then
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$LOG"

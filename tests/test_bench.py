@@ -53,7 +53,7 @@ def test_moe_bench_writes_result(tmp_path):
     assert r.exit_code == 0, r.output
     doc = only_result(tmp_path, "moe")
     names = {f["name"] for f in doc["figures"]}
-    assert {"ours", "dense"} <= names
+    assert {"ours", "dense-mlp", "dense_matmul"} <= names
     assert all(positive(f["tflops"]) for f in doc["figures"])
 
 

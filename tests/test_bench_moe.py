@@ -24,8 +24,14 @@ def test_bench_moe_cli_writes_result(tmp_path) -> None:
     assert len(files) == 1 and not list(tmp_path.glob(".*"))
     doc = json.loads(files[0].read_text())
     names = [f["name"] for f in doc["figures"]]
-    assert names[0] == "ours" and "transformers-eager" in names and "dense" in names
+    assert names[0] == "ours" and "transformers-eager" in names and "dense-mlp" in names
+    matmul = next(f for f in doc["figures"] if f["name"] == "dense_matmul")
+    assert matmul["n"] == 512 and matmul["tflops"] > 0
+    assert doc["ratios"]["ours TFLOP/s / dense_matmul TFLOP/s"] == pytest.approx(
+        doc["figures"][0]["tflops"] / matmul["tflops"])
     for f in doc["figures"]:
+        if f["name"] == "dense_matmul":
+            continue
         assert f["tokens_per_s"] > 0 and f["tflops"] > 0
         assert f["tokens_per_s"] == pytest.approx(24 / (f["ms_per_iter"] / 1e3))
     ours = doc["figures"][0]["tokens_per_s"]
@@ -36,6 +42,21 @@ def test_bench_moe_cli_writes_result(tmp_path) -> None:
     assert len(errors) == 4 and max(errors) < 1e-5  # fp32: same routing, same math
     assert doc["shape"]["hidden"] == 32 and doc["versions"]["torch"] and doc["machine"]["cpu_count"]
     assert "ratio ours/transformers-eager" in result.output
+
+
+def test_bench_moe_profile_adds_top_ops_without_changing_ratios(tmp_path) -> None:
+    args = ["moe", "--hidden", "32", "--intermediate", "16", "--experts", "4", "--topk", "2", "--tokens", "16",
+            "--iters", "1", "--warmup", "0", "--profile", "--out-dir", str(tmp_path)]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(next(tmp_path.glob("moe-*.json")).read_text())
+    profiled = [f for f in doc["figures"] if f["name"].startswith("profile:")]
+    assert 0 < len(profiled) <= 20 and all(f["calls"] >= 1 and 0 <= f["share"] <= 1 for f in profiled)
+    assert [f["self_ms"] for f in profiled] == sorted((f["self_ms"] for f in profiled), reverse=True)
+    # ratios come from the timed variants only
+    assert all(not k.startswith("ours/profile:") for k in doc["ratios"])
+    assert set(doc["ratios"]) == {f"ours/{n} tokens_per_s" for n in ("transformers-eager", "transformers-grouped_mm", "dense-mlp")} | {
+        "ours TFLOP/s / dense_matmul TFLOP/s"}
 
 
 def test_bench_moe_rejects_bad_flags(tmp_path) -> None:

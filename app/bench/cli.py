@@ -24,6 +24,7 @@ def moe(
     device: str = typer.Option("cpu", help="cpu | cuda"),
     iters: int = typer.Option(5, help="Timed iterations."),
     warmup: int = typer.Option(2, help="Untimed warm-up iterations."),
+    profile: bool = typer.Option(False, help="Profile one more fwd+bwd of ours (torch.profiler): top kernels."),
     out_dir: str = typer.Option("runs/bench", help="Where the JSON result goes."),
 ) -> None:
     """One MoE layer forward+backward: ours vs transformers' sparse MoE block vs a dense GEMM baseline."""
@@ -31,7 +32,8 @@ def moe(
 
     try:
         run(Shape(family=family, hidden=hidden, intermediate=intermediate, experts=experts, topk=topk,
-                  tokens=tokens, dtype=dtype, device=device, iters=iters, warmup=warmup), out_dir=out_dir)
+                  tokens=tokens, dtype=dtype, device=device, iters=iters, warmup=warmup, profile=profile),
+            out_dir=out_dir)
     except ValueError as e:
         # A plain exit: the outer `moerl` group is click's, which does not know typer's exceptions.
         typer.echo(f"moerl bench moe: error: {e}", err=True)

@@ -6,8 +6,10 @@ Measured in the same run, on the same device, dtype, weights and tokens:
   - transformers' own block (`Qwen3MoeSparseMoeBlock` / `DeepseekV3MoE`) with every experts
     implementation that runs here, chosen through `config._experts_implementation`
     (transformers 5 `ExpertsInterface`: "eager" loop, "grouped_mm");
-  - dense: the same expert GEMMs on the same number of rows without routing (one SwiGLU MLP of
-    width I over T*K rows, plus the shared experts for DeepSeek-V3): the device's GEMM ceiling.
+  - dense-mlp: the same expert GEMMs on the same number of rows without routing (one SwiGLU MLP
+    of width I over T*K rows, plus the shared experts for DeepSeek-V3), in plain torch;
+  - dense_matmul: one large n x n x n matmul (n = 8192 on CUDA, 512 on CPU) in the run's dtype,
+    the device's GEMM ceiling (issue 7's "dense figure").
 
 FLOPs counted (the expert GEMMs only; the router's T*E*H GEMM and elementwise work are not):
     per forward  = 3 GEMMs x 2 flops x T x (K + n_shared) x H x I
@@ -15,6 +17,8 @@ FLOPs counted (the expert GEMMs only; the router's T*E*H GEMM and elementwise wo
     TFLOP/s = 3 x forward FLOPs x iterations / seconds / 1e12
 Timing: `torch.cuda.Event` pairs around the timed iterations on CUDA (after warm-up, one
 synchronize at the end), `time.perf_counter` on CPU.
+With `--profile`, one more forward+backward of ours runs under `torch.profiler`; its top 20
+kernels (ops on CPU) by self time go into the result as `profile:<name>` figures.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class Shape:
     iters: int = 5
     warmup: int = 2
     seed: int = 0
+    profile: bool = False  # one more fwd+bwd of ours under torch.profiler: top kernels by self time
 
 
 def make_config(shape: Shape):
@@ -192,7 +197,7 @@ def run(shape: Shape, out_dir: str = "runs/bench") -> dict:
         stock.load_state_dict({k: v.float() for k, v in ours.state_dict().items()}, strict=True)
         stock.to(device=device, dtype=dtype)
         variants.append((f"transformers-{impl}", stock))
-    variants.append(("dense", dense))
+    variants.append(("dense-mlp", dense))
 
     x = torch.randn(1, shape.tokens, shape.hidden, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
@@ -210,14 +215,32 @@ def run(shape: Shape, out_dir: str = "runs/bench") -> dict:
             "tokens_per_s": shape.tokens / seconds,
             "tflops": 3 * fwd_flops / seconds / 1e12,
         })
+    if shape.profile:
+        from app.bench.train_step import profile_top
+
+        def one_step():
+            for p in ours.parameters():
+                p.grad = None
+            x.grad = None
+            ours(x).backward(grad)
+
+        figures.extend(profile_top(one_step, device, top=20))
     agreement = compare_outputs(variants[0][1], variants[1][1], x, grad)
     notes.append("ours vs transformers-eager on the same input: " + ", ".join(f"{k}={v:.3g}" for k, v in agreement.items()))
-    by_name = {f["name"]: f for f in figures}
+    timed = [f for f in figures if not f["name"].startswith("profile:")]
+    by_name = {f["name"]: f for f in timed}
     ratios = {}
     if "ours" in by_name:
-        for f in figures:
+        for f in timed:
             if f["name"] != "ours":
                 ratios[f"ours/{f['name']} tokens_per_s"] = by_name["ours"]["tokens_per_s"] / f["tokens_per_s"]
+    from app.bench.train_step import dense_matmul_tflops
+
+    matmul_n = 8192 if device.type == "cuda" else 512
+    matmul = {"name": "dense_matmul", "n": matmul_n, "tflops": dense_matmul_tflops(device, dtype, matmul_n)}
+    figures.append(matmul)
+    if "ours" in by_name:
+        ratios["ours TFLOP/s / dense_matmul TFLOP/s"] = by_name["ours"]["tflops"] / matmul["tflops"]
     notes.append("FLOPs = 3 (fwd+2x bwd) x 3 GEMMs x 2 x T x (K + n_shared) x H x I; router GEMM not counted")
     notes.append(f"ours experts implementation: {ours.experts.implementation} "
                  f"(auto -> grouped_mm on CUDA sm90+ bf16, else loop)")
@@ -226,8 +249,12 @@ def run(shape: Shape, out_dir: str = "runs/bench") -> dict:
           f"E={shape.experts} K={shape.topk} T={shape.tokens} {shape.dtype} on {device} "
           f"({shape.iters} iters after {shape.warmup} warm-up)")
     print(f"{'variant':<26}{'ms/iter':>12}{'tokens/s':>14}{'TFLOP/s':>10}")
-    for f in figures:
+    for f in timed:
         print(f"{f['name']:<26}{f['ms_per_iter']:>12.2f}{f['tokens_per_s']:>14.0f}{f['tflops']:>10.3f}")
+    print(f"{'dense_matmul ' + str(matmul_n) + '^3':<26}{'':>12}{'':>14}{matmul['tflops']:>10.3f}")
+    for f in figures:
+        if f["name"].startswith("profile:"):
+            print(f"{f['share']:>6.1%} {f['self_ms']:>9.3f} ms {f['calls']:>4}x  {f['name'][8:]}")
     for k, v in ratios.items():
         print(f"ratio {k}: {v:.2f}x")
     for n in notes:

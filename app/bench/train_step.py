@@ -169,8 +169,9 @@ def dense_matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, iters:
 def profile_top(fn, device: torch.device, top: int = 15) -> list[dict]:
     """Run ``fn`` once under `torch.profiler` and return its ``top`` entries by self time.
 
-    Self time is device (kernel) time on CUDA and CPU time on CPU; each row has ``name``
-    (``profile:<op or kernel>``), ``self_ms``, ``calls`` and ``share`` of the total self time.
+    Self time is device time of kernels and copies on CUDA (operator rows, which repeat their
+    kernels' time, are left out so nothing is counted twice) and CPU time of ops on CPU; each row
+    has ``name`` (``profile:<op or kernel>``), ``self_ms``, ``calls`` and ``share`` of the total.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -181,6 +182,8 @@ def profile_top(fn, device: torch.device, top: int = 15) -> list[dict]:
             torch.cuda.synchronize(device)
     attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     events = prof.key_averages()
+    if device.type == "cuda":
+        events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(getattr(e, attr) for e in events) or 1.0
     rows = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:top]
     return [{"name": f"profile:{e.key[:120]}", "self_ms": getattr(e, attr) / 1e3, "calls": e.count,
