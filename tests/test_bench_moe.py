@@ -81,3 +81,22 @@ def test_write_result_requires_named_figures(tmp_path) -> None:
     with pytest.raises(ValueError, match="figure without a 'name'"):
         write_result("moe", {}, [{"tokens_per_s": 1.0}], out_dir=tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+def test_write_result_never_replaces_a_result_of_the_same_second(tmp_path) -> None:
+    paths = [write_result("moe", {"run": i}, [{"name": "x"}], out_dir=tmp_path) for i in range(3)]
+    assert len(set(paths)) == 3
+    assert sorted(json.loads(p.read_text())["shape"]["run"] for p in paths) == [0, 1, 2]
+    assert all(p.stat().st_mode & 0o777 == 0o644 for p in paths)
+    assert not list(tmp_path.glob(".*"))
+
+
+def test_write_result_leaves_no_temporary_file_when_a_figure_is_not_json(tmp_path) -> None:
+    with pytest.raises(TypeError):
+        write_result("moe", {}, [{"name": "x", "value": object()}], out_dir=tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+def test_bench_moe_rejects_devices_it_does_not_measure(tmp_path) -> None:
+    result = CliRunner().invoke(cli, ["moe", "--device", "meta", "--out-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "only cpu and cuda are measured" in result.output

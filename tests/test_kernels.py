@@ -125,3 +125,33 @@ def test_moe_block_fused_path_matches_torch_path_on_cuda(monkeypatch) -> None:
     plain = run()
     for a, b in zip(fused, plain):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * float(b.abs().max()))
+
+
+def test_kernels_reject_bad_shapes_before_launching() -> None:
+    rows, idx, offsets = torch.randn(4, 8), torch.arange(4), torch.tensor([0, 2, 4])
+    with pytest.raises(ValueError, match="rows_by_token"):
+        kernels.gather_sum(rows, idx.view(2, 2), offsets, 2)
+    with pytest.raises(ValueError, match="max_rows"):
+        kernels.gather_sum(rows, idx, offsets, 0)
+    with pytest.raises(ValueError, match=r"row weights must be \[N\] = \[6\]"):
+        kernels.swiglu_forward(torch.randn(6, 8), torch.rand(2))
+    with pytest.raises(ValueError, match=r"gate_up must be \[N, 2I\]"):
+        kernels.swiglu_forward(torch.randn(4, 7), torch.rand(4))
+    with pytest.raises(ValueError, match="dh must be"):
+        kernels.swiglu_backward(torch.randn(4, 3), torch.randn(4, 8), torch.rand(4))
+
+
+def test_gather_sum_reads_strided_index_tensors() -> None:
+    rmap = bags(3, 4, 1.0, seed=5)
+    rows = torch.randn(12, 16, device=DEVICE)
+    strided = torch.stack([rmap.rows_by_token, torch.zeros_like(rmap.rows_by_token)], 1)[:, 0]
+    assert not strided.is_contiguous()
+    out = kernels.gather_sum(rows, strided, rmap.bag_offsets, 4)
+    torch.testing.assert_close(out, kernels.gather_sum(rows, rmap.rows_by_token, rmap.bag_offsets, 4))
+
+
+@pytest.mark.skipif(not CUDA, reason="usable() is True only for CUDA tensors")
+def test_float64_on_cuda_takes_the_torch_paths() -> None:
+    """The kernels compute in fp32: float64 (gradcheck) must not lose its precision to them."""
+    assert kernels.usable(torch.zeros(1, device="cuda", dtype=torch.bfloat16))
+    assert not kernels.usable(torch.zeros(1, device="cuda", dtype=torch.float64))

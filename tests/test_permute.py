@@ -76,3 +76,16 @@ def test_row_weights_scale_each_expert_output() -> None:
     w = torch.rand(7, dtype=torch.float64, requires_grad=True)
     torch.testing.assert_close(experts(x, counts, w), experts(x, counts) * w.unsqueeze(-1))
     torch.autograd.gradcheck(lambda ww: experts(x, counts, ww), (w,))
+
+
+def test_row_weights_of_the_wrong_shape_or_dtype_name_the_argument() -> None:
+    experts = GroupedExperts(2, 8, 6, implementation="loop")
+    x, counts = torch.randn(5, 8), torch.tensor([2, 3])
+    for bad in (torch.rand(4), torch.rand(5, 1), torch.ones(5, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="row_weights must be a float tensor of shape"):
+            experts(x, counts, bad)
+
+
+def test_unpermute_of_zero_width_rows_is_zero_width() -> None:
+    rmap = row_map(slots(3, 2, 1.0, seed=4), 3, 2)
+    assert unpermute(torch.randn(6, 0), rmap).shape == (3, 0)

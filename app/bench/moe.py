@@ -178,6 +178,8 @@ def run(shape: Shape, out_dir: str = "runs/bench") -> dict:
         device = torch.device(shape.device)
     except RuntimeError:
         raise ValueError(f"--device {shape.device!r}: not a torch device (cpu, cuda, cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {shape.device!r}: only cpu and cuda are measured")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda asked for but CUDA is not available")
     dtype = DTYPES[shape.dtype]

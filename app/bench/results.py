@@ -97,12 +97,23 @@ def write_result(benchmark: str, shape: dict, figures: list[dict], ratios: dict 
     }
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{benchmark}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=2)
-    os.replace(tmp, path)
-    return path
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{benchmark}-{stamp}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=2)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a result file is for everyone to read
+        # Two results in the same second get -1, -2, ...: link() never replaces an existing file.
+        for n in range(1000):
+            path = out_dir / f"{benchmark}-{stamp}{f'-{n}' if n else ''}.json"
+            try:
+                os.link(tmp, path)
+                return path
+            except FileExistsError:
+                continue
+        raise OSError(f"{out_dir}: 1000 result files named {benchmark}-{stamp}*.json already exist")
+    finally:
+        os.unlink(tmp)
 
 
 def read_result(path: str | os.PathLike) -> dict:

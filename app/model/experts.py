@@ -69,7 +69,13 @@ class GroupedExperts(nn.Module):
 
         Returns:
             [N, H] expert outputs in the weights' dtype, same row order.
+
+        Raises:
+            ValueError: row_weights is not a float tensor of shape [N].
         """
+        if row_weights is not None and (row_weights.shape != (x.shape[0],) or not row_weights.is_floating_point()):
+            raise ValueError(f"row_weights must be a float tensor of shape [N] = [{x.shape[0]}], "
+                             f"got {row_weights.dtype} {tuple(row_weights.shape)}")
         impl = self.implementation
         if impl == "auto":
             impl = "grouped_mm" if grouped_mm_supported(self.gate_up_proj) else "loop"

@@ -38,9 +38,13 @@ except ImportError:  # CPU-only installs: the torch paths are used
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def usable(t: Tensor) -> bool:
-    """True when `t` lives where these kernels run compiled (CUDA) and triton imports."""
-    return AVAILABLE and t.is_cuda
+    """True when `t` lives where these kernels run compiled (CUDA), triton imports and t's dtype is
+    one they compute exactly enough (fp32 inside): bf16, fp16 or fp32, never float64."""
+    return AVAILABLE and t.is_cuda and t.dtype in DTYPES
 
 
 def _next_pow2(n: int) -> int:
@@ -118,13 +122,21 @@ def gather_sum(rows: Tensor, rows_by_token: Tensor, bag_offsets: Tensor, max_row
 
     Returns:
         [T, H] in rows' dtype (a token without rows gets 0).
+
+    Raises:
+        ValueError: rows not 2-D, rows_by_token or bag_offsets not 1-D, or max_rows < 1.
     """
+    if rows.dim() != 2 or rows_by_token.dim() != 1 or bag_offsets.dim() != 1 or bag_offsets.numel() < 1:
+        raise ValueError(f"gather_sum: rows must be [N, H], rows_by_token [M] and bag_offsets [T + 1]; got "
+                         f"{tuple(rows.shape)}, {tuple(rows_by_token.shape)}, {tuple(bag_offsets.shape)}")
+    if max_rows < 1:
+        raise ValueError(f"gather_sum: max_rows must be at least 1, got {max_rows}")
     num_tokens, hidden = bag_offsets.numel() - 1, rows.shape[1]
-    rows = rows.contiguous()
+    rows, rows_by_token, bag_offsets = rows.contiguous(), rows_by_token.contiguous(), bag_offsets.contiguous()
     out = rows.new_empty(num_tokens, hidden)
     if num_tokens == 0 or hidden == 0:
         return out
-    max_k = _next_pow2(max(max_rows, 1))
+    max_k = _next_pow2(max_rows)  # a bag longer than max_rows would lose rows: callers pass top-k
     if INTERPRETED:
         block_h = min(_next_pow2(hidden), 512)
         _gather_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
@@ -145,8 +157,20 @@ def _swiglu_block(intermediate: int) -> tuple[int, int]:
     return block, 4 if block <= 1024 else 8
 
 
+def _check_swiglu(gate_up: Tensor, w: Tensor) -> None:
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"swiglu: gate_up must be [N, 2I], got {tuple(gate_up.shape)}")
+    if w.shape != (gate_up.shape[0],):
+        raise ValueError(f"swiglu: row weights must be [N] = [{gate_up.shape[0]}], got {tuple(w.shape)}")
+
+
 def swiglu_forward(gate_up: Tensor, w: Tensor) -> Tensor:
-    """h = silu(gate) * up * w for gate_up [N, 2I] (gate columns first) and w [N] -> [N, I] in gate_up's dtype."""
+    """h = silu(gate) * up * w for gate_up [N, 2I] (gate columns first) and w [N] -> [N, I] in gate_up's dtype.
+
+    Raises:
+        ValueError: gate_up not [N, 2I] or w not [N].
+    """
+    _check_swiglu(gate_up, w)
     n, two_i = gate_up.shape
     intermediate = two_i // 2
     gate_up, w = gate_up.contiguous(), w.contiguous()
@@ -159,7 +183,14 @@ def swiglu_forward(gate_up: Tensor, w: Tensor) -> Tensor:
 
 
 def swiglu_backward(dh: Tensor, gate_up: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-    """Gradients of `swiglu_forward`: dh [N, I] -> (d gate_up [N, 2I] in gate_up's dtype, dw [N] fp32)."""
+    """Gradients of `swiglu_forward`: dh [N, I] -> (d gate_up [N, 2I] in gate_up's dtype, dw [N] fp32).
+
+    Raises:
+        ValueError: gate_up not [N, 2I], w not [N] or dh not [N, I].
+    """
+    _check_swiglu(gate_up, w)
+    if dh.shape != (gate_up.shape[0], gate_up.shape[1] // 2):
+        raise ValueError(f"swiglu: dh must be [N, I] = {(gate_up.shape[0], gate_up.shape[1] // 2)}, got {tuple(dh.shape)}")
     n, two_i = gate_up.shape
     intermediate = two_i // 2
     dh, gate_up, w = dh.contiguous(), gate_up.contiguous(), w.contiguous()

@@ -74,7 +74,7 @@ def row_map(slot_of_row: Tensor, num_tokens: int, top_k: int) -> RowMap:
 
 def _sum_rows(rows: Tensor, rmap: RowMap) -> Tensor:
     """[N, H] -> [T, H]: each token's rows summed (0 for a token without rows)."""
-    if rows.shape[0] == 0:  # embedding_bag wants a non-empty table
+    if rows.shape[0] == 0 or rows.shape[1] == 0:  # embedding_bag wants a non-empty table
         return rows.new_zeros(rmap.num_tokens, rows.shape[1])
     if kernels.usable(rows):
         return kernels.gather_sum(rows, rmap.rows_by_token, rmap.bag_offsets, rmap.top_k)
