@@ -28,6 +28,7 @@ from app.buffer import ExperienceBuffer, Sample, Task
 from app.buffer.redis_server import free_port
 from app.config import RunConfig
 from app.ledger import read_lineage
+from app.procs import descendants
 from app.storage import open_store
 from app.storage.policy import download_policy, latest_policy_version, policy_versions
 from app.trainer.state import latest_state, load_rank_payload, restore, state_steps
@@ -188,11 +189,24 @@ def _lineage_steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in read_lineage(run_dir / "trained.jsonl").steps]
 
 
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a trainer and every descendant: torchrun starts each rank in a session of its own."""
+    for pid in [proc.pid, *descendants(proc.pid)]:  # parent first: a dead torchrun starts no new rank
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(10)
+
+
 @pytest.mark.slow
-def test_killed_trainer_resumes_from_saved_state(tmp_path, redis_server):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_killed_trainer_resumes_from_saved_state(tmp_path, redis_server, ranks):
+    """One rank started directly, or two EP ranks under torchrun (as `make run` starts them): each
+    rank saves and restores its own expert shard and optimizer state."""
     run_id, gps, G = "resume-test", 2, 2
     cfg = RunConfig.model_validate({
-        "run_id": run_id, "store_url": f"file://{tmp_path}/store",
+        "run_id": run_id, "store_url": f"file://{tmp_path}/store", "ep": {"size": ranks},
         "buffer": {"redis_url": redis_server, "max_staleness": 1, "capacity_groups": 16,
                    "stale_policy": "requeue"},
         "rollout": {"group_size": G},
@@ -203,6 +217,9 @@ def test_killed_trainer_resumes_from_saved_state(tmp_path, redis_server):
     cfg.save(cfg_path)
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "app.cli", "train", "--config", str(cfg_path), "--run-dir", str(run_dir)]
+    if ranks > 1:
+        argv[1:2] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                     "--max-restarts=0", "-m"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
 
     # Only 3 steps' worth of prompts: the trainer saves at step 2, trains step 3, then waits.
@@ -220,15 +237,17 @@ def test_killed_trainer_resumes_from_saved_state(tmp_path, redis_server):
             time.sleep(0.1)
         time.sleep(1.0)  # step 3's publish; no save (save_every=2)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        _kill_tree(proc)
     store = open_store(cfg.store_url)
     assert latest_state(store, run_id)["step"] == 2
+    assert latest_state(store, run_id)["world_size"] == ranks
     assert latest_policy_version(store, run_id) == 3  # v0 + steps 1..3
 
     # Without --resume the run is refused (its versions exist already).
     refused = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 1 and "--resume" in refused.stderr, refused.stderr[-2000:]
+    if ranks > 1:  # every rank refuses, not only rank 0
+        assert all(f"moerl train (rank {r})" in refused.stderr for r in range(ranks)), refused.stderr[-2000:]
 
     _put(redis_server, run_id, range(100, 100 + 2 * gps), G)
     try:
@@ -237,7 +256,7 @@ def test_killed_trainer_resumes_from_saved_state(tmp_path, redis_server):
         stop.set()
         producer.join(30)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    final = json.loads(done.stdout.strip().splitlines()[-1])
+    final = json.loads(next(x for x in reversed(done.stdout.strip().splitlines()) if x.startswith('{"done"')))
     assert (final["step"], final["resumed_from"]) == (5, 2)
 
     lineage = read_lineage(run_dir / "trained.jsonl")
