@@ -20,10 +20,10 @@ imported) and on the GPU compiled.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
-
-import os
 
 try:
     import triton
