@@ -64,11 +64,12 @@ class GroupedExperts(nn.Module):
         Args:
             x: [N, H] rows grouped contiguously by local expert (expert 0's rows first).
             tokens_per_expert: [E_local] int64 row counts, summing to N; stays on x's device.
-            row_weights: optional [N] gate weight of each row (any float dtype; applied in the
-                weights' dtype); the output of row n is scaled by it.
+            row_weights: optional [N] gate weight of each row (any float dtype; the multiply runs
+                in the activations' dtype, fp32 inside the fused CUDA kernel); the output of row n
+                is scaled by it.
 
         Returns:
-            [N, H] expert outputs in the weights' dtype, same row order.
+            [N, H] expert outputs in the expert parameters' dtype, same row order.
 
         Raises:
             ValueError: row_weights is not a float tensor of shape [N].
