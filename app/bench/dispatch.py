@@ -41,16 +41,15 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from app.bench.common import DTYPES, clock, seconds_between
 from app.bench.results import write_result
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NVLINK_GBPS = 450.0  # H200 NVLink 4: 18 links x 25 GB/s per direction
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 FP8_BLOCK = 128  # channels per FP8 scale (DeepSeek-V3's per-token 1x128 blocks)
@@ -167,20 +166,6 @@ class DispatchBench:
         if not names or bad:
             raise ValueError(f"--backends must be 'auto' or a comma list of alltoall, deepep; got {self.backends!r}")
         return names
-
-
-def clock(cuda: bool):
-    """A timestamp on the device timeline: a recorded CUDA event, or the host clock."""
-    if cuda:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-    return time.perf_counter()
-
-
-def seconds_between(a, b, cuda: bool) -> float:
-    """Seconds from timestamp a to b (both from `clock`; CUDA events must have completed)."""
-    return a.elapsed_time(b) / 1e3 if cuda else b - a
 
 
 class _Fp8DeepEP:

@@ -40,8 +40,8 @@ from types import SimpleNamespace
 import torch
 
 from app.bench.results import write_result
-from app.bench.train_step import (DTYPES, check_at_least_one, check_device, check_model_and_dtype, check_seq_len,
-                                  model_config)
+from app.bench.common import DTYPES, check_at_least_one, check_device
+from app.bench.train_step import check_model_and_dtype, check_seq_len, model_config
 
 CHUNK = 16 << 20
 

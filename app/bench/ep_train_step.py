@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from app.bench.dispatch import check_multicast_off, clock, seconds_between, world_size_from_env
+from app.bench.common import DTYPES, check_at_least_one, clock, seconds_between
+from app.bench.dispatch import check_multicast_off, world_size_from_env
 from app.bench.results import write_result
-from app.bench.train_step import (DTYPES, MODELS, check_at_least_one, check_model_and_dtype, check_seq_len,
-                                  model_config, synthetic_groups)
+from app.bench.train_step import MODELS, check_model_and_dtype, check_seq_len, model_config, synthetic_groups
 
 SPANS = ("dispatch", "combine", "dispatch_backward", "combine_backward")
 

@@ -24,19 +24,17 @@ kernels (ops on CPU) by self time go into the result as `profile:<name>` figures
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from app.bench.common import DTYPES, Marks, check_at_least_one, check_device, dense_matmul_tflops, profile_top
 from app.bench.results import write_result
 from app.config import RouterConfig
 from app.model.moe import MoEBlock
 from app.model.parallel import EPContext
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -119,17 +117,12 @@ def time_fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, iters: 
         step()
     if x.is_cuda:
         torch.cuda.synchronize(x.device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            step()
-        end.record()
-        torch.cuda.synchronize(x.device)
-        return start.elapsed_time(end) / 1e3 / iters
-    t0 = time.perf_counter()
+    marks = Marks(x.device)
+    marks.mark()
     for _ in range(iters):
         step()
-    return (time.perf_counter() - t0) / iters
+    marks.mark()
+    return marks.intervals()[0] / iters
 
 
 def compare_outputs(ours: nn.Module, stock: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> dict:
@@ -169,19 +162,11 @@ def run(shape: Shape, out_dir: str = "runs/bench") -> dict:
     """
     if shape.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {shape.dtype!r}")
-    for flag, value, least in (("--iters", shape.iters, 1), ("--tokens", shape.tokens, 1),
-                               ("--hidden", shape.hidden, 1), ("--intermediate", shape.intermediate, 1),
-                               ("--warmup", shape.warmup, 0)):
-        if value < least:
-            raise ValueError(f"{flag} must be at least {least}, got {value}")
-    try:
-        device = torch.device(shape.device)
-    except RuntimeError:
-        raise ValueError(f"--device {shape.device!r}: not a torch device (cpu, cuda, cuda:N)") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {shape.device!r}: only cpu and cuda are measured")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda asked for but CUDA is not available")
+    check_at_least_one(shape, ("iters", "tokens", "hidden", "intermediate"))
+    if shape.warmup < 0:
+        raise ValueError(f"--warmup must be at least 0, got {shape.warmup}")
+    check_device(shape.device)
+    device = torch.device(shape.device)
     dtype = DTYPES[shape.dtype]
     config = make_config(shape)
     torch.manual_seed(shape.seed)
@@ -218,8 +203,6 @@ def run(shape: Shape, out_dir: str = "runs/bench") -> dict:
             "tflops": 3 * fwd_flops / seconds / 1e12,
         })
     if shape.profile:
-        from app.bench.train_step import profile_top
-
         def one_step():
             for p in ours.parameters():
                 p.grad = None
@@ -236,8 +219,6 @@ def run(shape: Shape, out_dir: str = "runs/bench") -> dict:
         for f in timed:
             if f["name"] != "ours":
                 ratios[f"ours/{f['name']} tokens_per_s"] = by_name["ours"]["tokens_per_s"] / f["tokens_per_s"]
-    from app.bench.train_step import dense_matmul_tflops
-
     matmul_n = 8192 if device.type == "cuda" else 512
     matmul = {"name": "dense_matmul", "n": matmul_n, "tflops": dense_matmul_tflops(device, dtype, matmul_n)}
     figures.append(matmul)

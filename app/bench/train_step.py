@@ -28,15 +28,14 @@ synchronize before the timers are read (CUDA); `time.perf_counter` on CPU. Peak 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
 import torch
 
+from app.bench.common import (DTYPES, Marks, check_at_least_one, check_device, dense_matmul_tflops,
+                              profile_top)
 from app.bench.results import write_result
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Qwen3-MoE-style policies built in code. "small" (~0.49 B parameters, ~0.1 B active) is the GPU
 # benchmark model: Qwen3-30B-A3B's shape ratios (GQA 4:1, 8 of many narrow experts) scaled down.
@@ -69,23 +68,6 @@ def check_model_and_dtype(model: str, dtype: str) -> None:
         raise ValueError(f"--model must be one of {sorted(MODELS)}, got {model!r}")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-
-
-def check_device(device: str) -> None:
-    """Raise ValueError unless --device is cpu, or cuda with CUDA available."""
-    kind = torch.device(device).type
-    if kind not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be cpu or cuda, got {device!r}")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda asked for but CUDA is not available")
-
-
-def check_at_least_one(bench, names: tuple[str, ...]) -> None:
-    """Raise ValueError naming the first of the integer flags `names` (attributes of `bench`,
-    snake_case) that is below 1."""
-    for name in names:
-        if getattr(bench, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(bench, name)}")
 
 
 def check_seq_len(model: str, seq_len: int, flags: str) -> None:
@@ -127,67 +109,6 @@ def step_flops(config, active_params: int, batch: int, seq_len: int) -> float:
     tokens = batch * seq_len
     d_attn = config.num_attention_heads * config.head_dim
     return 6.0 * active_params * tokens + 12.0 * config.num_hidden_layers * d_attn * seq_len * tokens
-
-
-class Marks:
-    """Timestamps on the device's timeline: CUDA events (read after one synchronize) or the host clock."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.points: list = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.points.append(event)
-        else:
-            self.points.append(time.perf_counter())
-
-    def intervals(self) -> list[float]:
-        """Seconds between consecutive marks."""
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.points, self.points[1:])]
-        return [b - a for a, b in zip(self.points, self.points[1:])]
-
-
-def dense_matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, iters: int = 10, warmup: int = 3) -> float:
-    """TFLOP/s of ``torch.matmul`` on two random n x n matrices (2 n^3 FLOPs each)."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(warmup):
-        torch.matmul(a, b)
-    marks = Marks(device)
-    marks.mark()
-    for _ in range(iters):
-        torch.matmul(a, b)
-    marks.mark()
-    return 2.0 * n**3 * iters / marks.intervals()[0] / 1e12
-
-
-def profile_top(fn, device: torch.device, top: int = 15) -> list[dict]:
-    """Run ``fn`` once under `torch.profiler` and return its ``top`` entries by self time.
-
-    Self time is device time of kernels and copies on CUDA (operator rows, which repeat their
-    kernels' time, are left out so nothing is counted twice) and CPU time of ops on CPU; each row
-    has ``name`` (``profile:<op or kernel>``), ``self_ms``, ``calls`` and ``share`` of the total.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    events = prof.key_averages()
-    if device.type == "cuda":
-        events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(getattr(e, attr) for e in events) or 1.0
-    rows = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:top]
-    return [{"name": f"profile:{e.key[:120]}", "self_ms": getattr(e, attr) / 1e3, "calls": e.count,
-             "share": getattr(e, attr) / total} for e in rows]
 
 
 def synthetic_groups(groups: int, group_size: int, prompt_len: int, completion_len: int, vocab: int,
