@@ -16,17 +16,14 @@ import shutil
 import uuid
 from pathlib import Path
 
-from app.storage.store import ObjectStore, check_key
+from app.storage.store import ObjectStore, run_area
 
 MANIFEST = "moerl-manifest.json"
 _VERSION_DIR = re.compile(r"^v(\d+)/")
 
 
 def _root(run_id: str) -> str:
-    check_key(run_id, "run_id")
-    if "/" in run_id:
-        raise ValueError(f"run_id {run_id!r} must not contain '/'")
-    return f"{run_id}/policy/"
+    return run_area(run_id, "policy")
 
 
 def version_prefix(run_id: str, version: int) -> str:

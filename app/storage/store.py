@@ -24,6 +24,18 @@ def check_key(key: str, what: str = "key") -> str:
     return key
 
 
+def run_area(run_id: str, area: str) -> str:
+    """Key prefix of one area of a run, '<run_id>/<area>/' (e.g. 'policy', 'train').
+
+    Raises:
+        ValueError: run_id is not a clean key or contains '/'.
+    """
+    check_key(run_id, "run_id")
+    if "/" in run_id:
+        raise ValueError(f"run_id {run_id!r} must not contain '/'")
+    return f"{run_id}/{area}/"
+
+
 def check_prefix(prefix: str) -> str:
     """A list/delete prefix: '' (everything) or a key, optionally ending with '/'."""
     if prefix:

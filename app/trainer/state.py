@@ -33,17 +33,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from app.storage.store import ObjectStore, check_key
+from app.storage.store import ObjectStore, run_area
 
 MANIFEST = "moerl-state.json"
 _STEP_DIR = re.compile(r"^s(\d{8})/")
 
 
 def _root(run_id: str) -> str:
-    check_key(run_id, "run_id")
-    if "/" in run_id:
-        raise ValueError(f"run_id {run_id!r} must not contain '/'")
-    return f"{run_id}/train/"
+    return run_area(run_id, "train")
 
 
 def step_prefix(run_id: str, step: int) -> str:
