@@ -7,7 +7,7 @@ from constructs import Construct
 
 from app.torchx_component import CLUSTER_CONFIG
 from charts8s.cluster import run_config_volume
-from charts8s.kube import api_object, k8s_module
+from charts8s.kube import api_object, k8s_module, rollout_facing_service
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 
 NAME = "moerl-env"
@@ -49,12 +49,4 @@ class EnvPoolChart(cdk8s.Chart):
                                                "labelSelector": {"matchLabels": lab}}],
             }},
         })
-        api_object(self, k8s.KubeService, NAME, ns, labels=lab, spec={
-            "selector": lab, "ports": [{"name": "http", "port": 80, "targetPort": e.port}]})
-        api_object(self, k8s.KubePodDisruptionBudget, NAME, ns, labels=lab, spec={
-            "maxUnavailable": 1, "selector": {"matchLabels": lab}})
-        api_object(self, k8s.KubeNetworkPolicy, NAME, ns, labels=lab, spec={
-            "podSelector": {"matchLabels": lab}, "policyTypes": ["Ingress"],
-            "ingress": [{"from": [{"podSelector": {"matchLabels": labels("moerl-rollout")}}],
-                         "ports": [{"protocol": "TCP", "port": e.port}]}],
-        })
+        rollout_facing_service(self, k8s, NAME, ns, lab, e.port)

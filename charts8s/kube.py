@@ -47,3 +47,20 @@ def api_object(
     for key, value in body.items():
         obj.add_json_patch(cdk8s.JsonPatch.add(f"/{key}", value))
     return obj
+
+
+def rollout_facing_service(scope: Construct, k8s: ModuleType, name: str, namespace: str, lab: dict, port: int) -> None:
+    """The Service (port 80 -> `port`), PodDisruptionBudget (one pod down at a time) and
+    NetworkPolicy (ingress from rollout workers only) of an HTTP server that rollout workers call
+    (the env pool, the reward model)."""
+    from charts8s.placement import labels
+
+    api_object(scope, k8s.KubeService, name, namespace, labels=lab, spec={
+        "selector": lab, "ports": [{"name": "http", "port": 80, "targetPort": port}]})
+    api_object(scope, k8s.KubePodDisruptionBudget, name, namespace, labels=lab, spec={
+        "maxUnavailable": 1, "selector": {"matchLabels": lab}})
+    api_object(scope, k8s.KubeNetworkPolicy, name, namespace, labels=lab, spec={
+        "podSelector": {"matchLabels": lab}, "policyTypes": ["Ingress"],
+        "ingress": [{"from": [{"podSelector": {"matchLabels": labels("moerl-rollout")}}],
+                     "ports": [{"protocol": "TCP", "port": port}]}],
+    })

@@ -15,7 +15,7 @@ from constructs import Construct
 
 from app.torchx_component import CLUSTER_CONFIG
 from charts8s.cluster import REWARD_MODEL_SERVICE, run_config_volume
-from charts8s.kube import api_object, k8s_module
+from charts8s.kube import api_object, k8s_module, rollout_facing_service
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 from charts8s.workloads import Plan
 
@@ -71,12 +71,4 @@ class RewardModelChart(cdk8s.Chart):
                             {"name": "tmp", "emptyDir": {"sizeLimit": "4Gi"}}],
             }},
         })
-        api_object(self, k8s.KubeService, NAME, ns, labels=lab, spec={
-            "selector": lab, "ports": [{"name": "http", "port": 80, "targetPort": rm.port}]})
-        api_object(self, k8s.KubePodDisruptionBudget, NAME, ns, labels=lab, spec={
-            "maxUnavailable": 1, "selector": {"matchLabels": lab}})
-        api_object(self, k8s.KubeNetworkPolicy, NAME, ns, labels=lab, spec={
-            "podSelector": {"matchLabels": lab}, "policyTypes": ["Ingress"],
-            "ingress": [{"from": [{"podSelector": {"matchLabels": labels("moerl-rollout")}}],
-                         "ports": [{"protocol": "TCP", "port": rm.port}]}],
-        })
+        rollout_facing_service(self, k8s, NAME, ns, lab, rm.port)
