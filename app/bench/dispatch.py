@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from app.bench.common import DTYPES, clock, seconds_between
-from app.bench.results import write_result
+from app.bench.results import print_notes_and_write
 
 NVLINK_GBPS = 450.0  # H200 NVLink 4: 18 links x 25 GB/s per direction
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -395,8 +395,4 @@ def run(bench: DispatchBench, out_dir: str = "runs/bench") -> dict | None:
               f"{f['gbps_per_rank_min']:>9.3g}{f['vs_nvlink']:>11.1%}")
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
-    for n in notes:
-        print(f"note: {n}")
-    path = write_result("dispatch", shape, figures, ratios, notes, out_dir)
-    print(f"wrote {path}")
-    return {"figures": figures, "ratios": ratios, "notes": notes, "path": str(path)}
+    return print_notes_and_write("dispatch", shape, figures, ratios, notes, out_dir)

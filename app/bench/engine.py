@@ -39,7 +39,7 @@ from types import SimpleNamespace
 
 import torch
 
-from app.bench.results import write_result
+from app.bench.results import print_notes_and_write
 from app.bench.common import DTYPES, check_at_least_one, check_device
 from app.bench.train_step import check_model_and_dtype, check_seq_len, model_config
 
@@ -288,8 +288,4 @@ def run(bench: EngineBench, out_dir: str = "runs/bench") -> dict:
               f"{f['ms_per_decode_step']:>10.2f}")
     for k, v in ratios.items():
         print(f"ratio {k}: {v:.2f}")
-    for n in notes:
-        print(f"note: {n}")
-    path = write_result("engine", shape, figures, ratios, notes, out_dir)
-    print(f"wrote {path}")
-    return {"figures": figures, "ratios": ratios, "notes": notes, "path": str(path)}
+    return print_notes_and_write("engine", shape, figures, ratios, notes, out_dir)

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from app.bench.common import DTYPES, check_at_least_one, clock, seconds_between
 from app.bench.dispatch import check_multicast_off, world_size_from_env
-from app.bench.results import write_result
+from app.bench.results import print_notes_and_write
 from app.bench.train_step import MODELS, check_model_and_dtype, check_seq_len, model_config, synthetic_groups
 
 SPANS = ("dispatch", "combine", "dispatch_backward", "combine_backward")
@@ -312,8 +312,4 @@ def run(bench: EPTrainStepBench, out_dir: str = "runs/bench") -> dict | None:
               + "".join(f"{f[f'{k}_ms']:>{9 if k in ('dispatch', 'combine') else 10}.2f}" for k in SPANS))
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
-    for n in notes:
-        print(f"note: {n}")
-    path = write_result("ep_train_step", shape, figures, ratios, notes, out_dir)
-    print(f"wrote {path}")
-    return {"figures": figures, "ratios": ratios, "notes": notes, "path": str(path)}
+    return print_notes_and_write("ep_train_step", shape, figures, ratios, notes, out_dir)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.bench.common import DTYPES, Marks, check_at_least_one, check_device, dense_matmul_tflops, profile_top
-from app.bench.results import write_result
+from app.bench.results import print_notes_and_write
 from app.config import RouterConfig
 from app.model.moe import MoEBlock
 from app.model.parallel import EPContext
@@ -240,8 +240,4 @@ def run(shape: Shape, out_dir: str = "runs/bench") -> dict:
             print(f"{f['share']:>6.1%} {f['self_ms']:>9.3f} ms {f['calls']:>4}x  {f['name'][8:]}")
     for k, v in ratios.items():
         print(f"ratio {k}: {v:.2f}x")
-    for n in notes:
-        print(f"note: {n}")
-    path = write_result("moe", shape.__dict__.copy(), figures, ratios, notes, out_dir)
-    print(f"wrote {path}")
-    return {"figures": figures, "ratios": ratios, "notes": notes, "path": str(path)}
+    return print_notes_and_write("moe", shape.__dict__.copy(), figures, ratios, notes, out_dir)

@@ -116,6 +116,17 @@ def write_result(benchmark: str, shape: dict, figures: list[dict], ratios: dict 
         os.unlink(tmp)
 
 
+def print_notes_and_write(benchmark: str, shape: dict, figures: list[dict], ratios: dict, notes: list[str],
+                          out_dir: str | os.PathLike = DEFAULT_DIR) -> dict:
+    """The common end of every bench command: print the notes, write the result file (`write_result`)
+    and say where. Returns {"figures", "ratios", "notes", "path"}."""
+    for n in notes:
+        print(f"note: {n}")
+    path = write_result(benchmark, shape, figures, ratios, notes, out_dir)
+    print(f"wrote {path}")
+    return {"figures": figures, "ratios": ratios, "notes": notes, "path": str(path)}
+
+
 def read_result(path: str | os.PathLike) -> dict:
     """Load a result file written by `write_result`."""
     return json.loads(Path(path).read_text())

@@ -35,7 +35,7 @@ import torch
 
 from app.bench.common import (DTYPES, Marks, check_at_least_one, check_device, dense_matmul_tflops,
                               profile_top)
-from app.bench.results import write_result
+from app.bench.results import print_notes_and_write
 
 # Qwen3-MoE-style policies built in code. "small" (~0.49 B parameters, ~0.1 B active) is the GPU
 # benchmark model: Qwen3-30B-A3B's shape ratios (GQA 4:1, 8 of many narrow experts) scaled down.
@@ -325,8 +325,4 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
             print(f"  {f['self_ms']:>10.2f} ms {f['share']:>6.1%} {f['calls']:>6}x  {f['name'][len('profile:'):]}")
     if not math.isfinite(stats.get("loss", float("nan"))):
         notes.append("the loss was not finite")
-    for n in notes:
-        print(f"note: {n}")
-    path = write_result("train_step", shape, figures, ratios, notes, out_dir)
-    print(f"wrote {path}")
-    return {"figures": figures, "ratios": ratios, "notes": notes, "path": str(path)}
+    return print_notes_and_write("train_step", shape, figures, ratios, notes, out_dir)
