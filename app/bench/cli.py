@@ -12,6 +12,17 @@ def _group() -> None:
     """Benchmarks: each prints a table with ratios against a baseline and writes a JSON result."""
 
 
+def close_group() -> None:
+    """End a multi-rank bench cleanly: wait until every rank is done (rank 0 writes the result
+    last), then destroy the process group. Without it a rank that finished first exited with gloo
+    still connected to a busy peer, and the C++ runtime sometimes aborted it at exit."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 @cli.command("moe")
 def moe(
     family: str = typer.Option("qwen3", help="qwen3 | deepseek-v3"),
@@ -141,6 +152,7 @@ def dispatch(
     except ValueError as e:
         typer.echo(f"moerl bench dispatch: error: {e}", err=True)
         raise SystemExit(2) from None
+    close_group()
 
 
 @cli.command("ep-train-step")
@@ -166,3 +178,4 @@ def ep_train_step(
     except ValueError as e:
         typer.echo(f"moerl bench ep-train-step: error: {e}", err=True)
         raise SystemExit(2) from None
+    close_group()
