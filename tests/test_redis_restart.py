@@ -90,3 +90,19 @@ def test_embedded_loop_redis_uses_the_requested_fsync(tmp_path):
         client.close()
     finally:
         loop.close()
+
+
+def test_server_restarted_from_a_worker_thread_outlives_the_thread(tmp_path):
+    """PR_SET_PDEATHSIG follows the forking *thread*: a restart from a pool thread (as the worker
+    test does through asyncio.to_thread) must not shut the server down when that thread ends."""
+    import threading
+
+    server = LocalRedis(tmp_path / "redis").start()
+    try:
+        t = threading.Thread(target=server.restart)
+        t.start()
+        t.join()
+        time.sleep(1.0)  # a SIGTERM'd server would have shut down by now
+        assert server.alive() and server.client().ping()
+    finally:
+        server.stop()

@@ -17,7 +17,9 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -41,6 +43,14 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def _on_exit_of_starter() -> Callable[[], None] | None:
+    """`_die_with_parent` when called from the main thread, else None. PR_SET_PDEATHSIG fires when
+    the *thread* that forked the child exits (prctl(2)), so a server started from a worker thread
+    (e.g. `asyncio.to_thread(r.restart)`) was shut down as soon as that pool thread ended; such a
+    server is only stopped by `stop()` / `shutdown()` / `kill()`."""
+    return _die_with_parent if threading.current_thread() is threading.main_thread() else None
 
 
 class LocalRedis:
@@ -134,7 +144,7 @@ class LocalRedis:
                 self.port = free_port()
             self.proc = subprocess.Popen(
                 self._argv(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
+                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_on_exit_of_starter(),
             )
             if self._wait_ready():
                 return self
