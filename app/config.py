@@ -24,11 +24,25 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
 
 
-class EPConfig(Section):
-    """Expert parallelism of the trainer's MoE layers."""
+class ParallelConfig(Section):
+    """The trainer's parallel layout (the rule: app/layout.py; torchtitan's ParallelDims).
 
-    backend: Literal["auto", "local", "alltoall", "deepep"] = "auto"
-    size: int = Field(1, ge=1, description="EP ranks; experts are split evenly over them.")
+    World = dp_replicate x dp_shard ranks. Non-expert parameters are FSDP2-sharded over
+    dp_shard; experts are split over ``ep`` ranks and FSDP2-sharded over dp_shard / ep.
+    """
+
+    ep: int = Field(1, ge=1, description="Expert-parallel degree; must divide dp_shard and the experts.")
+    ep_backend: Literal["auto", "local", "alltoall", "deepep"] = Field(
+        "auto", description="Token dispatcher of the MoE layers (app/model/dispatch/).")
+    dp_shard: int = Field(-1, ge=-1, description="FSDP shard degree; -1: world / dp_replicate.")
+    dp_replicate: int = Field(1, ge=1, description="HSDP replicas of the sharded model.")
+
+    @field_validator("dp_shard")
+    @classmethod
+    def _shard_not_zero(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("must be >= 1, or -1 for world / dp_replicate")
+        return v
 
 
 class RouterConfig(Section):
@@ -43,8 +57,11 @@ class ModelConfig(Section):
     """The policy: a preset built in code or a Hugging Face checkpoint directory."""
 
     preset: Literal["tiny-qwen3-moe", "tiny-deepseek-v3"] = "tiny-qwen3-moe"
-    path: str | None = Field(None, description="HF checkpoint dir; overrides preset.")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    path: str | None = Field(None, description="Base checkpoint: a local HF directory, an s3:// "
+                             "prefix or a Hugging Face Hub id (owner/name); overrides preset.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Compute and published dtype. Master weights and optimizer state "
+        "are always float32; bfloat16 computes in bf16 and reduces gradients in fp32.")
 
 
 class BufferConfig(Section):
@@ -88,6 +105,16 @@ class TrainerConfig(Section):
     """GRPO or PPO trainer (app/trainer/)."""
 
     algorithm: Literal["grpo", "ppo"] = "grpo"
+    parallel: ParallelConfig = ParallelConfig()
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, description="Padded tokens per micro-batch (whole sequences, packed by length; "
+        "gradient accumulation). None: one micro-batch per rank and step.")
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none", description="Per decoder layer: none, full (recompute everything) or selective "
+        "(keep the dispatch/combine outputs, recompute the rest).")
+    logprob_chunk_tokens: int = Field(
+        4096, ge=1, description="Completion tokens per chunk of the LM head + log-softmax; no "
+        "[B, L, V] fp32 tensor is ever built.")
     # PPO (algorithm: ppo): critic, GAE and value loss (app/trainer/ppo.py, critic.py).
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="PPO discount per token.")
     gae_lambda: float = Field(0.95, ge=0.0, le=1.0, description="PPO GAE lambda.")
@@ -161,13 +188,20 @@ class RunConfig(Section):
 
     run_id: str = Field("dev", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
     store_url: str = Field("file://runs/store", description="file:// or s3:// root of artifacts.")
-    ep: EPConfig = EPConfig()
     router: RouterConfig = RouterConfig()
     model: ModelConfig = ModelConfig()
     buffer: BufferConfig = BufferConfig()
     rollout: RolloutConfig = RolloutConfig()
     trainer: TrainerConfig = TrainerConfig()
     task: TaskConfig = TaskConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "ep" in data:
+            raise ValueError("ep: the trainer's EP settings moved to trainer.parallel "
+                             "(ep.size -> trainer.parallel.ep, ep.backend -> trainer.parallel.ep_backend)")
+        return data
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> "RunConfig":

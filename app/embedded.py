@@ -22,6 +22,7 @@ import httpx
 from app.buffer import ExperienceBuffer
 from app.buffer.redis_server import LocalRedis, free_port
 from app.config import RunConfig
+from app.layout import default_world
 from app.procs import Proc, Supervisor, moerl_argv
 
 # Each role process uses one thread: the 2-core machine runs engines, workers and trainer ranks
@@ -122,8 +123,8 @@ class EmbeddedLoop:
         return self.sup.start(f"worker-{i}", argv, ONE_THREAD_ENV)
 
     def start_trainer(self, resume: bool = False) -> Proc:
-        """Start the trainer gang: torchrun with one rank per EP rank (gloo on CPU)."""
-        nproc = self.cfg.ep.size
+        """Start the trainer gang: torchrun with `default_world(trainer.parallel)` ranks (gloo on CPU)."""
+        nproc = default_world(self.cfg.trainer.parallel)
         argv = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", "--max-restarts=0",

@@ -44,7 +44,7 @@ def embedded_default() -> RunConfig:
     finished groups stops the workers from running further ahead.
     """
     cfg = RunConfig()
-    cfg.ep.size = 2
+    cfg.trainer.parallel.ep = 2  # two trainer ranks (dp_shard -1 -> one FSDP shard per EP rank)
     cfg.trainer.steps = 400
     cfg.trainer.groups_per_step = 8
     cfg.trainer.lr = 4e-4
@@ -74,7 +74,7 @@ def check_inputs(cfg: RunConfig) -> None:
         config = check_checkpoint(cfg.model.path)
     else:
         config = tiny_config(cfg.model.preset)
-    validate_config(config, cfg.ep.size)
+    validate_config(config, cfg.trainer.parallel.ep)
 
 
 def _sigterm_as_interrupt(signum, frame) -> None:
@@ -84,7 +84,7 @@ def _sigterm_as_interrupt(signum, frame) -> None:
 
 def warmup_dir(cfg: RunConfig, cache_root: Path) -> Path:
     """Where the warm-up checkpoint for this recipe is cached (key: model, task and seed)."""
-    recipe = {"model": cfg.model.model_dump(), "task": cfg.task.model_dump(), "ep": cfg.ep.size}
+    recipe = {"model": cfg.model.model_dump(), "task": cfg.task.model_dump(), "ep": cfg.trainer.parallel.ep}
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     return cache_root / f"warmup-{key}"
 

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.config import RunConfig
+from app.layout import resolve_layout
 from infra.config import DeploymentConfig, NodePool
 
 Role = Literal["trainer", "rollout", "env"]
@@ -184,8 +185,8 @@ def _check_tag(role: str, ref: str) -> None:
 def check(plan: Plan) -> Plan:
     """Apply the capacity, EP and image rules; return `plan` or raise one WorkloadError.
 
-    Rules: trainer nodes <= train-gpu max_size; ep.size divides the trainer's GPUs (nodes x GPUs per
-    node); rollout replicas <= rollout-gpu max_size (one pod per node); env replicas fit the env-cpu
+    Rules: trainer nodes <= train-gpu max_size; trainer.parallel fits the trainer's GPUs (nodes x
+    GPUs per node; app/layout.py); rollout replicas <= rollout-gpu max_size (one pod per node); env replicas fit the env-cpu
     pool's vCPUs at max_size; every image has a tag or digest; a GPU pool has GPUs; with a reward
     model, its pods fit a rollout-gpu node and their nodes fit the pool beside the rollout pods.
     """
@@ -201,12 +202,12 @@ def check(plan: Plan) -> Plan:
         raise WorkloadError(
             f"trainer.nodes={plan.trainer_nodes} exceeds pools.train-gpu.max_size={train.max_size}"
         )
-    ep = plan.run.ep.size
-    if plan.trainer_world_size % ep:
+    try:  # the trainer applies the same rule at start (app/layout.py)
+        resolve_layout(plan.run.trainer.parallel, plan.trainer_world_size)
+    except ValueError as e:
         raise WorkloadError(
-            f"run config ep.size={ep} does not divide the trainer's {plan.trainer_world_size} GPUs "
-            f"({plan.trainer_nodes} nodes x {plan.gpus_per_trainer} GPUs)"
-        )
+            f"run config {e} ({plan.trainer_nodes} trainer nodes x {plan.gpus_per_trainer} GPUs)"
+        ) from None
     if not roll.gpu:
         raise WorkloadError("pools.rollout-gpu has no GPU instance types")
     if plan.rollout_replicas > roll.max_size:

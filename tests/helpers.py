@@ -165,7 +165,7 @@ def join_rank(rank: int, world: int, port: int, cfg_json: str):
 
     cfg = RunConfig.model_validate_json(cfg_json)
     init_distributed(timeout_s=120)
-    ep = init_ep(cfg.ep)
+    ep = init_ep(cfg.trainer.parallel)
     return cfg, ep, build_policy(tiny_config(cfg.model.preset), cfg.router, ep, seed=0)
 
 
@@ -178,7 +178,8 @@ def run_ep1_and_ep2(worker, base: dict, out_dir: Path) -> tuple[dict, list[dict]
     from app.config import RunConfig
 
     for world in (1, 2):
-        cfg = RunConfig.model_validate({**base, "ep": {"size": world, "backend": "auto"}})
+        trainer = {**base.get("trainer", {}), "parallel": {"ep": world, "ep_backend": "auto"}}
+        cfg = RunConfig.model_validate({**base, "trainer": trainer})
         mp.start_processes(worker, args=(world, free_port(), cfg.model_dump_json(), str(out_dir)),
                            nprocs=world, start_method="spawn", join=True)
     return torch.load(out_dir / "ep1-rank0.pt"), [torch.load(out_dir / f"ep2-rank{r}.pt") for r in range(2)]

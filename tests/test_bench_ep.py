@@ -195,7 +195,7 @@ BF16_REL = 2e-2  # bf16 keeps 8 mantissa bits; expert GEMMs see the rows in anot
 
 
 def _deepep_worker(rank: int, size: int, port: int) -> None:
-    from app.config import EPConfig
+    from app.config import ParallelConfig
     from app.model.parallel import EPContext, init_ep
 
     eq = _equivalence()
@@ -203,7 +203,7 @@ def _deepep_worker(rank: int, size: int, port: int) -> None:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
-        ep = init_ep(EPConfig(size=size, backend="deepep"))
+        ep = init_ep(ParallelConfig(ep=size, ep_backend="deepep"))
         assert ep.backend == "deepep"
         for name, (make_config, tokens, mode) in eq.CASES.items():
             config = make_config()

@@ -24,7 +24,7 @@ GROUP, GROUPS_PER_STEP = 4, 2
 def tiny_config(path: Path) -> Path:
     """A recipe small enough for CI: EP 1, batch of 2 groups x 4, 20 held-out prompts, 5 warm-up steps."""
     cfg = RunConfig()
-    cfg.ep.size = 1
+    cfg.trainer.parallel.ep = 1
     cfg.trainer.groups_per_step = GROUPS_PER_STEP
     cfg.trainer.lr = 4e-4
     cfg.trainer.lr_warmup_steps = 2

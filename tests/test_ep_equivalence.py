@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import DeepseekV3Config, Qwen3MoeConfig
 
-from app.config import EPConfig, RouterConfig
+from app.config import ParallelConfig, RouterConfig
 from app.model.moe import MoEBlock
 from app.model.parallel import EPContext, init_ep
 
@@ -104,13 +104,13 @@ def _worker(rank: int, size: int, port: int, backend: str = "gloo") -> None:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
-        ep = init_ep(EPConfig(size=size, backend="auto" if backend == "gloo" else "alltoall"))
+        ep = init_ep(ParallelConfig(ep=size, ep_backend="auto" if backend == "gloo" else "alltoall"))
         assert (ep.backend, ep.rank, ep.size) == ("alltoall", rank, size), ep
         try:
-            init_ep(EPConfig(size=size + 1))
+            init_ep(ParallelConfig(ep=size + 1))
             raise AssertionError("init_ep accepted ep.size different from the group size")
         except ValueError as e:
-            assert f"ep.size={size + 1} but the EP process group has {size} ranks" in str(e)
+            assert f"trainer.parallel.ep={size + 1} but the EP process group has {size} ranks" in str(e)
         for name, (make_config, tokens, mode) in CASES.items():
             config = make_config()
             tokens = tokens[:size]

@@ -37,8 +37,8 @@ def _with(preset: str, **fields):
 @pytest.mark.parametrize(
     "preset, fields, ep_size, message",
     [
-        ("tiny-qwen3-moe", {}, 3, r"config\.num_experts \(8\) is not divisible by ep\.size \(3\)"),
-        ("tiny-deepseek-v3", {}, 3, r"config\.n_routed_experts \(8\) is not divisible by ep\.size \(3\)"),
+        ("tiny-qwen3-moe", {}, 3, r"config\.num_experts \(8\) is not divisible by trainer\.parallel\.ep \(3\)"),
+        ("tiny-deepseek-v3", {}, 3, r"config\.n_routed_experts \(8\) is not divisible by trainer\.parallel\.ep \(3\)"),
         ("tiny-qwen3-moe", {"num_experts_per_tok": 9}, 1, r"config\.num_experts_per_tok \(9\)"),
         ("tiny-deepseek-v3", {"num_experts_per_tok": 9}, 1, r"config\.num_experts_per_tok \(9\)"),
         ("tiny-deepseek-v3", {"n_group": 3}, 1, r"config\.n_group \(3\) does not divide"),
@@ -47,7 +47,7 @@ def _with(preset: str, **fields):
         ("tiny-deepseek-v3", {"topk_group": 1, "num_experts_per_tok": 3}, 1, r"config\.num_experts_per_tok \(3\) exceeds"),
         ("tiny-deepseek-v3", {"first_k_dense_replace": 4}, 1, r"config\.first_k_dense_replace \(4\)"),
         ("tiny-qwen3-moe", {"num_key_value_heads": 3}, 1, r"config\.num_key_value_heads \(3\)"),
-        ("tiny-qwen3-moe", {}, 0, r"ep\.size"),
+        ("tiny-qwen3-moe", {}, 0, r"trainer\.parallel\.ep"),
     ],
 )
 def test_validate_config_names_the_field(preset, fields, ep_size, message):
@@ -67,7 +67,7 @@ def test_unknown_preset_and_model_type():
 
 def test_build_policy_rejects_bad_ep_before_building():
     ep3 = EPContext(group=None, rank=0, size=3, backend="alltoall")  # never reaches torch.distributed
-    with pytest.raises(ValueError, match=r"num_experts \(8\) is not divisible by ep\.size \(3\)"):
+    with pytest.raises(ValueError, match=r"num_experts \(8\) is not divisible by trainer\.parallel\.ep \(3\)"):
         build_policy(tiny_config("tiny-qwen3-moe"), RouterConfig(), ep3)
 
 
@@ -158,7 +158,7 @@ def test_extra_tensor_is_rejected(ckpt_copy):
 
 def test_checkpoint_experts_not_divisible_by_ep(saved):
     ep3 = EPContext(group=None, rank=0, size=3, backend="alltoall")
-    with pytest.raises(ValueError, match=r"config\.json: config\.num_experts \(8\) is not divisible by ep\.size \(3\)"):
+    with pytest.raises(ValueError, match=r"config\.json: config\.num_experts \(8\) is not divisible by trainer\.parallel\.ep \(3\)"):
         load_policy(saved, RouterConfig(), ep3)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, LlamaConfig, Qwen3MoeConfig
 
-from app.config import EPConfig, RouterConfig
+from app.config import ParallelConfig, RouterConfig
 from app.model.moe import MoEBlock
 from app.model.parallel import EPContext, deepep_unavailable_reason, init_ep
 
@@ -32,8 +32,8 @@ def make(cls, base, **overrides):
 @pytest.mark.parametrize(
     "cls, base, overrides, ep_size, match",
     [
-        (Qwen3MoeConfig, QWEN, {}, 3, r"config\.num_experts=8 is not divisible by ep\.size=3"),
-        (DeepseekV3Config, DEEPSEEK, {}, 3, r"config\.n_routed_experts=8 is not divisible by ep\.size=3"),
+        (Qwen3MoeConfig, QWEN, {}, 3, r"config\.num_experts=8 is not divisible by trainer\.parallel\.ep=3"),
+        (DeepseekV3Config, DEEPSEEK, {}, 3, r"config\.n_routed_experts=8 is not divisible by trainer\.parallel\.ep=3"),
         (Qwen3MoeConfig, QWEN, {"num_experts_per_tok": 9}, 1, r"config\.num_experts_per_tok=9 is larger than config\.num_experts=8"),
         (DeepseekV3Config, DEEPSEEK, {"n_group": 3}, 1, r"config\.n_group=3 does not divide config\.n_routed_experts=8"),
         (DeepseekV3Config, DEEPSEEK, {"topk_group": 5}, 1, r"config\.topk_group=5 must be between 1 and config\.n_group=4"),
@@ -72,12 +72,12 @@ def test_bad_replay_indices_name_the_tensor() -> None:
 
 
 def test_init_ep_errors_and_local_default() -> None:
-    assert init_ep(EPConfig(size=1)).backend == "local"
-    assert init_ep(EPConfig(size=1, backend="alltoall")).backend == "local"
-    with pytest.raises(ValueError, match=r"ep\.backend='local' needs ep\.size=1"):
-        init_ep(EPConfig(size=2, backend="local"))
-    with pytest.raises(RuntimeError, match=r"ep\.size=2 needs torch\.distributed initialized"):
-        init_ep(EPConfig(size=2, backend="auto"))
+    assert init_ep(ParallelConfig(ep=1)).backend == "local"
+    assert init_ep(ParallelConfig(ep=1, ep_backend="alltoall")).backend == "local"
+    with pytest.raises(ValueError, match=r"trainer\.parallel\.ep_backend='local' needs trainer\.parallel\.ep=1"):
+        init_ep(ParallelConfig(ep=2, ep_backend="local"))
+    with pytest.raises(RuntimeError, match=r"trainer\.parallel\.ep=2 needs torch\.distributed initialized"):
+        init_ep(ParallelConfig(ep=2, ep_backend="auto"))
 
 
 def test_deepep_reason_is_given_where_it_cannot_run() -> None:

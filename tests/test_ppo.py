@@ -223,10 +223,10 @@ def test_ppo_steps_raise_reward_on_toy_task(monkeypatch):
     torch.manual_seed(0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    cfg = RunConfig.model_validate({"ep": {"size": 1}, "trainer": {"algorithm": "ppo", "lr": 3e-3}})
+    cfg = RunConfig.model_validate({"trainer": {"algorithm": "ppo", "lr": 3e-3}})
     init_distributed(timeout_s=60)
     try:
-        ep = init_ep(cfg.ep)
+        ep = init_ep(cfg.trainer.parallel)
         model = build_policy(tiny_config("tiny-qwen3-moe"), cfg.router, ep, seed=0)
         critic = make_critic_parts(cfg, ep)
         params = list(model.parameters())
@@ -271,10 +271,10 @@ def test_ppo_two_rank_run_saves_and_resumes_the_critic(tmp_path, redis_server):
     run_id = "ppo-test"
     cfg = RunConfig.model_validate({
         "run_id": run_id, "store_url": f"file://{tmp_path}/store",
-        "ep": {"size": 2}, "model": {"preset": "tiny-qwen3-moe"},
+        "model": {"preset": "tiny-qwen3-moe"},
         "buffer": {"redis_url": redis_server, "max_staleness": 1, "capacity_groups": 8},
         "rollout": {"group_size": 4},
-        "trainer": {"algorithm": "ppo", "steps": 2, "groups_per_step": 2, "lr": 1e-3, "critic_lr": 1e-2,
+        "trainer": {"parallel": {"ep": 2}, "algorithm": "ppo", "steps": 2, "groups_per_step": 2, "lr": 1e-3, "critic_lr": 1e-2,
                     "lr_warmup_steps": 0, "batch_timeout_s": 120, "save_every": 1},
     })
     cfg_path = tmp_path / "run.yaml"

@@ -206,11 +206,11 @@ def test_killed_trainer_resumes_from_saved_state(tmp_path, redis_server, ranks):
     rank saves and restores its own expert shard and optimizer state."""
     run_id, gps, G = "resume-test", 2, 2
     cfg = RunConfig.model_validate({
-        "run_id": run_id, "store_url": f"file://{tmp_path}/store", "ep": {"size": ranks},
+        "run_id": run_id, "store_url": f"file://{tmp_path}/store", 
         "buffer": {"redis_url": redis_server, "max_staleness": 1, "capacity_groups": 16,
                    "stale_policy": "requeue"},
         "rollout": {"group_size": G},
-        "trainer": {"steps": 5, "groups_per_step": gps, "lr": 1e-3, "save_every": 2,
+        "trainer": {"parallel": {"ep": ranks}, "steps": 5, "groups_per_step": gps, "lr": 1e-3, "save_every": 2,
                     "keep_versions": 20, "batch_timeout_s": 120, "log_entropy": False},
     })
     cfg_path = tmp_path / "run.yaml"

@@ -135,7 +135,8 @@ def test_rolling_mean_skips_missing_values():
     ("trainer:\n  adam_betas: [1.5, 0.9]\n", "trainer.adam_betas"),
     ("trainer:\n  lr: .inf\n", "trainer.lr"),
     ("task:\n  name: nope_task\n", "task.name"),
-    ("ep:\n  size: 3\n", "ep.size (3)"),
+    ("trainer:\n  parallel:\n    ep: 3\n", "trainer.parallel.ep (3)"),
+    ("ep:\n  size: 2\n", "moved to trainer.parallel"),
 ])
 def test_bad_config_fails_before_anything_starts(tmp_path, yaml_text, expected):
     config = tmp_path / "bad.yaml"

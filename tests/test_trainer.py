@@ -100,10 +100,10 @@ def test_grpo_steps_raise_reward_on_toy_task(monkeypatch):
     torch.manual_seed(0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: more threads only contend on the shared cores
-    cfg = RunConfig.model_validate({"ep": {"size": 1}, "trainer": {"lr": 3e-3}})
+    cfg = RunConfig.model_validate({"trainer": {"lr": 3e-3}})
     init_distributed(timeout_s=60)
     try:
-        model = build_policy(tiny_config("tiny-qwen3-moe"), cfg.router, init_ep(cfg.ep), seed=0)
+        model = build_policy(tiny_config("tiny-qwen3-moe"), cfg.router, init_ep(cfg.trainer.parallel), seed=0)
         params = list(model.parameters())
         opt = torch.optim.AdamW(params, lr=cfg.trainer.lr)
         gen = torch.Generator().manual_seed(0)
@@ -136,10 +136,10 @@ def test_two_rank_run_publishes_versions(tmp_path, redis_server):
     steps = 3
     cfg = RunConfig.model_validate({
         "run_id": run_id, "store_url": f"file://{tmp_path}/store",
-        "ep": {"size": 2}, "model": {"preset": "tiny-qwen3-moe"},
+        "model": {"preset": "tiny-qwen3-moe"},
         "buffer": {"redis_url": redis_server, "max_staleness": 1},
         "rollout": {"group_size": 4},
-        "trainer": {"steps": steps, "groups_per_step": 3, "lr": 1e-3, "publish_every": 1,
+        "trainer": {"parallel": {"ep": 2}, "steps": steps, "groups_per_step": 3, "lr": 1e-3, "publish_every": 1,
                     "keep_versions": 2, "batch_timeout_s": 120},
     })
     cfg_path = tmp_path / "run.yaml"
@@ -198,7 +198,7 @@ def test_nan_losses_skip_then_stop(tmp_path, redis_server, monkeypatch):
 
     run_id = "nan-test"
     cfg = RunConfig.model_validate({
-        "run_id": run_id, "store_url": f"file://{tmp_path}/store", "ep": {"size": 1},
+        "run_id": run_id, "store_url": f"file://{tmp_path}/store",
         "buffer": {"redis_url": redis_server}, "rollout": {"group_size": 2},
         "trainer": {"steps": 10, "groups_per_step": 1, "max_bad_steps": 3, "batch_timeout_s": 60},
     })
@@ -225,8 +225,8 @@ def test_unreachable_redis_fails_fast_on_both_ranks(tmp_path):
     """Bad input: one clear line naming the URL, exit code 1, no rank left hanging."""
     port = free_port()  # nothing listens there
     cfg = RunConfig.model_validate({
-        "run_id": "no-redis", "store_url": f"file://{tmp_path}/store", "ep": {"size": 2},
-        "buffer": {"redis_url": f"redis://127.0.0.1:{port}/0"},
+        "run_id": "no-redis", "store_url": f"file://{tmp_path}/store",
+        "buffer": {"redis_url": f"redis://127.0.0.1:{port}/0"}, "trainer": {"parallel": {"ep": 2}},
     })
     cfg.save(tmp_path / "run.yaml")
     proc = subprocess.run(

@@ -169,7 +169,7 @@ class EPTrainStepBench:
 
 def _time_backend(backend: str, bench: EPTrainStepBench, rank: int, world: int, device: torch.device) -> dict:
     """Build the policy for one backend and time its steps on this rank (collective)."""
-    from app.config import EPConfig, RouterConfig, RunConfig
+    from app.config import ParallelConfig, RouterConfig, RunConfig
     from app.model.parallel import init_ep
     from app.model.policy import build_policy, moe_blocks
     from app.trainer.batch import collate_groups
@@ -178,7 +178,7 @@ def _time_backend(backend: str, bench: EPTrainStepBench, rank: int, world: int, 
     cuda = device.type == "cuda"
     cfg = RunConfig()
     config = model_config(bench.model)
-    ep = init_ep(EPConfig(size=world, backend=backend))
+    ep = init_ep(ParallelConfig(ep=world, ep_backend=backend))
     model = build_policy(config, RouterConfig(), ep, device=device, dtype=DTYPES[bench.dtype], seed=bench.seed)
     timer = CommTimer(cuda)
     for _, block in moe_blocks(model):

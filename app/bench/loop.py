@@ -444,7 +444,7 @@ def run(bench: LoopBench, out_dir: str | os.PathLike = "runs/bench") -> Path:
         base, before, feeder = start_from_base(loop, Path(bench.cache).resolve(), "of the warm-up checkpoint",
                                                out=console)
         notes.append(f"load average before the moerl leg: {load_now():.2f} ({cores()} cores)")
-        console.print(f"moerl leg: {bench.seconds:g}s (EP={cfg.ep.size}, {bench.workers} workers)")
+        console.print(f"moerl leg: {bench.seconds:g}s (EP={cfg.trainer.parallel.ep}, {bench.workers} workers)")
         moerl = run_moerl(loop, feeder, base, bench.seconds, before)
     finally:
         loop.close()
@@ -467,7 +467,7 @@ def run(bench: LoopBench, out_dir: str | os.PathLike = "runs/bench") -> Path:
         f"run directories under {work}",
     ]
     shape = {
-        **asdict(bench), "task": cfg.task.name, "base_checkpoint": str(base), "ep": cfg.ep.size,
+        **asdict(bench), "task": cfg.task.name, "base_checkpoint": str(base), "ep": cfg.trainer.parallel.ep,
         "group_size": cfg.rollout.group_size, "groups_per_step": cfg.trainer.groups_per_step,
         "lr": cfg.trainer.lr, "max_new_tokens": cfg.rollout.max_new_tokens,
         "temperature": cfg.rollout.temperature, "heldout_prompts": before["n"],

@@ -136,7 +136,7 @@ def validate_config(config: PretrainedConfig, ep_size: int) -> None:
 
     Raises:
         ValueError: one message naming the first offending field, e.g.
-            ``config.num_experts (8) is not divisible by ep.size (3)``. Checked: model_type is
+            ``config.num_experts (8) is not divisible by trainer.parallel.ep (3)``. Checked: model_type is
             supported; ep.size >= 1; experts divisible by ep.size; 1 <= num_experts_per_tok <=
             experts; attention heads divisible by kv heads; for DeepSeek-V3 also n_group divides
             n_routed_experts with >= 2 experts per group (the group score is the sum of the top 2),
@@ -149,13 +149,13 @@ def validate_config(config: PretrainedConfig, ep_size: int) -> None:
             f"config.model_type: {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
         )
     if not isinstance(ep_size, int) or ep_size < 1:
-        raise ValueError(f"ep.size: must be a positive integer, got {ep_size!r}")
+        raise ValueError(f"trainer.parallel.ep: must be a positive integer, got {ep_size!r}")
     experts_field = "num_experts" if model_type == "qwen3_moe" else "n_routed_experts"
     experts = num_routed_experts(config)
     if experts < 1:
         raise ValueError(f"config.{experts_field}: must be >= 1, got {experts}")
     if experts % ep_size:
-        raise ValueError(f"config.{experts_field} ({experts}) is not divisible by ep.size ({ep_size})")
+        raise ValueError(f"config.{experts_field} ({experts}) is not divisible by trainer.parallel.ep ({ep_size})")
     top_k = config.num_experts_per_tok
     if not 1 <= top_k <= experts:
         raise ValueError(

@@ -99,7 +99,7 @@ class MoEBlock(nn.Module):
             raise ValueError(f"ep.backend must be resolved to one of {BACKENDS} (use init_ep), got {ep.backend!r}")
         if s["num_experts"] % ep.size:
             raise ValueError(
-                f"config.{s['experts_field']}={s['num_experts']} is not divisible by ep.size={ep.size}"
+                f"config.{s['experts_field']}={s['num_experts']} is not divisible by trainer.parallel.ep={ep.size}"
             )
         if router.bias_update_rate > 0 and s["family"] != "deepseek_v3":
             raise ValueError("router.bias_update_rate > 0 needs a DeepSeek-V3 router (e_score_correction_bias)")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from app.config import EPConfig
+from app.config import ParallelConfig
 
 log = logging.getLogger(__name__)
 
@@ -65,49 +65,50 @@ def deepep_unavailable_reason(group: dist.ProcessGroup | None = None) -> str | N
 _logged_auto = False
 
 
-def init_ep(cfg: EPConfig, group: dist.ProcessGroup | None = None) -> EPContext:
-    """Resolve the EP configuration into an EPContext.
+def init_ep(cfg: ParallelConfig, group: dist.ProcessGroup | None = None) -> EPContext:
+    """Resolve the EP part of ``trainer.parallel`` into an EPContext.
 
     Args:
-        cfg: `ep` section of the run config. `size` 1 always gives the `local` backend.
-        group: EP process group; defaults to the default (world) group when `cfg.size` > 1.
+        cfg: ``trainer.parallel`` (``ep``, ``ep_backend``). ``ep`` 1 always gives the `local` backend.
+        group: EP process group (the ``ep`` dimension of the trainer's device mesh,
+            app/trainer/parallel.py); defaults to the default (world) group when ``ep`` > 1.
 
     Returns:
         The EPContext; `backend` is never "auto". For `auto`: `deepep` if DeepEP can run here,
         else `alltoall` (the reason is logged once per process).
 
     Raises:
-        RuntimeError: `ep.size` > 1 but torch.distributed is not initialized.
-        ValueError: the group size differs from `ep.size`, `ep.backend` is "local" with
-            `ep.size` > 1, or `ep.backend` is "deepep" where DeepEP cannot run (reason given).
+        RuntimeError: ``ep`` > 1 but torch.distributed is not initialized.
+        ValueError: the group size differs from ``ep``, ``ep_backend`` is "local" with
+            ``ep`` > 1, or ``ep_backend`` is "deepep" where DeepEP cannot run (reason given).
     """
     global _logged_auto
-    if cfg.size == 1:
-        if cfg.backend not in ("auto", "local"):
-            log.info("ep.size=1: using the local dispatcher instead of %r", cfg.backend)
+    if cfg.ep == 1:
+        if cfg.ep_backend not in ("auto", "local"):
+            log.info("trainer.parallel.ep=1: using the local dispatcher instead of %r", cfg.ep_backend)
         return EPContext.local()
-    if cfg.backend == "local":
-        raise ValueError(f"ep.backend='local' needs ep.size=1, got ep.size={cfg.size}")
+    if cfg.ep_backend == "local":
+        raise ValueError(f"trainer.parallel.ep_backend='local' needs trainer.parallel.ep=1, got ep={cfg.ep}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
-            f"ep.size={cfg.size} needs torch.distributed initialized (start the trainer with torchrun)"
+            f"trainer.parallel.ep={cfg.ep} needs torch.distributed initialized (start the trainer with torchrun)"
         )
     group = group if group is not None else dist.group.WORLD
     size = dist.get_world_size(group)
-    if size != cfg.size:
-        raise ValueError(f"ep.size={cfg.size} but the EP process group has {size} ranks")
+    if size != cfg.ep:
+        raise ValueError(f"trainer.parallel.ep={cfg.ep} but the EP process group has {size} ranks")
     rank = dist.get_rank(group)
-    backend = cfg.backend
+    backend = cfg.ep_backend
     if backend in ("auto", "deepep"):
         reason = deepep_unavailable_reason(group)
         if backend == "deepep" and reason:
-            raise ValueError(f"ep.backend='deepep' cannot run here: {reason}")
+            raise ValueError(f"trainer.parallel.ep_backend='deepep' cannot run here: {reason}")
         if backend == "auto":
             backend = "alltoall" if reason else "deepep"
             if not _logged_auto:
                 _logged_auto = True
                 if reason:
-                    log.warning("ep.backend=auto: using alltoall because %s", reason)
+                    log.warning("trainer.parallel.ep_backend=auto: using alltoall because %s", reason)
                 else:
-                    log.info("ep.backend=auto: using deepep")
+                    log.info("trainer.parallel.ep_backend=auto: using deepep")
     return EPContext(group=group, rank=rank, size=size, backend=backend)

@@ -511,13 +511,13 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
     cfg = cfg.validated()
     t = cfg.trainer
     rank, world, device = init_distributed(timeout_s=t.batch_timeout_s + 600)
-    if cfg.ep.size not in (1, world):
+    if cfg.trainer.parallel.ep not in (1, world):
         raise ValueError(
-            f"ep.size={cfg.ep.size} must be 1 or the number of trainer ranks ({world}): EP ranks "
+            f"trainer.parallel.ep={cfg.trainer.parallel.ep} must be 1 or the number of trainer ranks ({world}): EP ranks "
             "are the data-parallel ranks"
         )
     torch.manual_seed(cfg.task.seed)
-    ep = init_ep(cfg.ep)
+    ep = init_ep(cfg.trainer.parallel)
     store = open_store(cfg.store_url)
 
     def connect_and_check():
