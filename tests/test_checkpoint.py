@@ -168,6 +168,9 @@ class _ReadLog:
                     def get_shape(self):
                         return s.get_shape()
 
+                    def get_dtype(self):
+                        return s.get_dtype()
+
                     def __getitem__(self, item):
                         log.append(key)
                         return s[item]
@@ -178,7 +181,7 @@ class _ReadLog:
 
 
 def _ep_worker(rank: int, world: int, port: int, root: str) -> None:
-    import app.model.checkpoint as ckpt
+    import app.model.reader as ckpt  # load_policy reads through app.model.reader's safe_open
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

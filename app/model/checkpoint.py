@@ -15,8 +15,10 @@ rank ever holds more than its own experts (the whole point of EP: DeepSeek-V3's 
 fit one host) and the ranks write in parallel. The directory must be visible to every EP rank
 (one host, or a shared filesystem); the trainer uploads the finished directory to the store.
 
-Loading: all shard headers are read and checked against the config first (names, shapes, missing
-shards), then each rank reads only the non-expert tensors and its local experts' tensors. The
+Loading (`app.model.reader.CheckpointReader`): all shard headers are read and checked against the
+config first (names, shapes, missing shards, FP8 scales), then each rank reads only the non-expert
+tensors and its local experts' tensors, block-scaled FP8 weights (the official DeepSeek-V3
+checkpoint) dequantized on read into the model's dtype. The
 fused layout that transformers 5 writes with ``save_pretrained(save_original_format=False)``
 (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``) is accepted too;
 a rank then reads only its rows of those tensors.
@@ -36,7 +38,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
@@ -44,10 +45,8 @@ from app.config import RouterConfig
 from app.model.config import validate_config
 from app.model.parallel import EPContext
 from app.model.policy import build_policy, moe_blocks
+from app.model.reader import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, CheckpointReader  # noqa: F401 - re-exported
 
-CONFIG_NAME = "config.json"
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 _PER_EXPERT = ("gate_proj", "up_proj", "down_proj")
 
@@ -296,41 +295,6 @@ def read_config(path: str | os.PathLike) -> PretrainedConfig:
         raise ValueError(f"{file}: cannot read config: {e}") from None
 
 
-def _read_headers(path: Path) -> dict[str, tuple[tuple[int, ...], Path]]:
-    """Tensor name -> (shape, shard file) from the index (or the single file) and shard headers.
-
-    Raises:
-        FileNotFoundError: no weights file, or a shard named in the index is missing.
-        ValueError: the index does not parse, or names a tensor its shard does not hold.
-    """
-    index_file, single = path / INDEX_NAME, path / SINGLE_NAME
-    if index_file.is_file():
-        try:
-            weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{index_file}: not a valid safetensors index ({e})") from None
-        files = sorted(set(weight_map.values()))
-    elif single.is_file():
-        weight_map, files = {}, [SINGLE_NAME]
-    else:
-        raise FileNotFoundError(f"{path}: no {INDEX_NAME} and no {SINGLE_NAME}")
-    for name in files:
-        if not (path / name).is_file():
-            raise FileNotFoundError(f"{path / name}: shard listed in {INDEX_NAME} is missing")
-    headers: dict[str, tuple[tuple[int, ...], Path]] = {}
-    for name in files:
-        try:
-            with safe_open(path / name, framework="pt") as f:
-                for key in f.keys():
-                    headers[key] = (tuple(f.get_slice(key).get_shape()), path / name)
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
-            raise ValueError(f"{path / name}: not a readable safetensors file ({e})") from None
-    for key, name in weight_map.items():
-        if key not in headers or headers[key][1].name != name:
-            raise ValueError(f"{path / name}: tensor {key} is listed in {INDEX_NAME} but not in this shard")
-    return headers
-
-
 @dataclass
 class _Copy:
     """Read ``rows`` (None: all) of checkpoint tensor ``key`` into ``dst``."""
@@ -340,9 +304,7 @@ class _Copy:
     rows: tuple[int, int] | None = None
 
 
-def _plan_load(
-    model: PreTrainedModel, ep: EPContext, headers: dict[str, tuple[tuple[int, ...], Path]], path: Path
-) -> list[_Copy]:
+def _plan_load(model: PreTrainedModel, ep: EPContext, reader: CheckpointReader) -> list[_Copy]:
     """Match checkpoint tensors to the model's parameters, checking names and shapes of the full
     checkpoint (all experts). Returns the copies this rank needs (works on a meta model too).
 
@@ -355,11 +317,13 @@ def _plan_load(
     used: set[str] = set()
 
     def expect(key: str, shape: tuple[int, ...]) -> None:
-        if key not in headers:
-            raise ValueError(f"{path}: tensor {key} is missing from the checkpoint (config expects shape {list(shape)})")
-        got, file = headers[key]
+        if key not in reader:
+            raise ValueError(
+                f"{reader.path}: tensor {key} is missing from the checkpoint (config expects shape {list(shape)})"
+            )
+        got = reader.shape(key)
         if got != shape:
-            raise ValueError(f"{file}: tensor {key} has shape {list(got)}, config expects {list(shape)}")
+            raise ValueError(f"{reader.file(key)}: tensor {key} has shape {list(got)}, config expects {list(shape)}")
         used.add(key)
 
     for key, dst in others.items():
@@ -368,7 +332,7 @@ def _plan_load(
     for ep_param in experts:
         p, lo, hi = ep_param.param, ep_param.offset, ep_param.offset + ep_param.n_local
         fused_key = f"{ep_param.prefix}.{'gate_up_proj' if ep_param.kind == 'gate_up' else 'down_proj'}"
-        if fused_key in headers:  # transformers 5 fused layout
+        if fused_key in reader:  # transformers 5 fused layout
             expect(fused_key, (ep_param.n_total, *p.shape[1:]))
             copies.append(_Copy(fused_key, p, (lo, hi)))
             continue
@@ -389,37 +353,46 @@ def _plan_load(
     n_layers = config.num_hidden_layers
     n_mtp = getattr(config, "num_nextn_predict_layers", 0) or 0
     mtp = re.compile(rf"^model\.layers\.({'|'.join(str(n_layers + i) for i in range(n_mtp)) or '-'})\.")
-    for key in sorted(set(headers) - used):
+    for key in sorted(set(reader.keys()) - used):
         if key.endswith("rotary_emb.inv_freq") or mtp.match(key):
             continue
         if key == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        raise ValueError(f"{headers[key][1]}: tensor {key} does not belong to a {config.model_type} model with this config")
+        raise ValueError(f"{reader.file(key)}: tensor {key} does not belong to a {config.model_type} model with this config")
     return copies
 
 
-def _check(path: Path, router: RouterConfig, ep: EPContext):
+def _model_config(path: Path, ep: EPContext) -> PretrainedConfig:
+    """config.json, checked for ``ep``, as the config of the model `load_policy` builds."""
     config = read_config(path)
     try:
         validate_config(config, ep.size)
     except ValueError as e:
         raise ValueError(f"{path / CONFIG_NAME}: {e}") from None
-    headers = _read_headers(path)
-    _plan_load(build_policy(config, router, ep, device="meta", init=False), ep, headers, path)
-    return config, headers
+    # The model holds dequantized weights: a quantization_config would make its saved versions
+    # claim an FP8 layout their tensors no longer have.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
 
 
 def check_checkpoint(path: str | os.PathLike, ep: EPContext | None = None) -> PretrainedConfig:
     """Every check `load_policy` makes before it reads a tensor, without loading anything:
-    config.json, EP divisibility, shards present, every tensor's name and shape.
+    config.json, EP divisibility, router settings, quantization format, shards present, every
+    tensor's name and shape (FP8 scales included).
 
     Returns:
-        The checkpoint's config.
+        The checkpoint's config (without ``quantization_config``: it describes what
+        `load_policy` builds, dequantized weights).
 
     Raises:
         FileNotFoundError, ValueError: as `load_policy` (file, field or tensor named).
     """
-    return _check(Path(path), RouterConfig(), ep or EPContext.local())[0]
+    path, ep = Path(path), ep or EPContext.local()
+    config = _model_config(path, ep)
+    with CheckpointReader(path) as reader:
+        _plan_load(build_policy(config, RouterConfig(), ep, device="meta", init=False), ep, reader)
+    return config
 
 
 def load_policy(
@@ -433,35 +406,35 @@ def load_policy(
 
     Every check (config, EP divisibility, shards present, every tensor's name and shape) runs
     on headers and a shape-only (meta) model before any memory is allocated or tensor read.
+    Tensors are read through `app.model.reader.CheckpointReader` straight into the parameters,
+    converted to their dtype; block-scaled FP8 weights (the official DeepSeek-V3 checkpoint) are
+    dequantized on read.
 
     Args:
         path: directory with config.json and ``model.safetensors`` or an index plus shards;
-            per-expert (Hub) or fused (transformers 5) expert layout.
+            per-expert (Hub) or fused (transformers 5) expert layout; unquantized or
+            block-scaled FP8 (``quantization_config.quant_method == "fp8"``).
         router, ep, device, dtype: as for `build_policy`.
 
     Returns:
-        The policy (see `build_policy`), in eval mode like ``from_pretrained``.
+        The policy (see `build_policy`), in eval mode like ``from_pretrained``; its config has no
+        ``quantization_config`` (its weights are ``dtype``).
 
     Raises:
         FileNotFoundError: missing config.json, weights or a shard (named).
-        ValueError: bad config for ``ep.size`` (field named) or a tensor missing, unexpected or
-            of the wrong shape (tensor and file named).
+        ValueError: bad config for ``ep.size`` or an unsupported router or quantization setting
+            (field named), or a tensor missing, unexpected or of the wrong shape (tensor and
+            file named).
     """
     path = Path(path)
-    config, headers = _check(path, router, ep)
-    model = build_policy(config, router, ep, device=device, dtype=dtype, init=False)
-    copies = _plan_load(model, ep, headers, path)
-    by_file: dict[Path, list[_Copy]] = defaultdict(list)
-    for c in copies:
-        by_file[headers[c.key][1]].append(c)
-    with torch.no_grad():
-        for file, file_copies in by_file.items():
-            with safe_open(file, framework="pt", device="cpu") as f:
-                for c in file_copies:
-                    if c.rows is None:
-                        c.dst.copy_(f.get_tensor(c.key))
-                    else:
-                        c.dst.copy_(f.get_slice(c.key)[c.rows[0] : c.rows[1]])
+    config = _model_config(path, ep)
+    with CheckpointReader(path) as reader:
+        _plan_load(build_policy(config, router, ep, device="meta", init=False), ep, reader)
+        model = build_policy(config, router, ep, device=device, dtype=dtype, init=False)
+        copies = _plan_load(model, ep, reader)
+        with torch.no_grad():
+            for c in sorted(copies, key=lambda c: str(reader.file(c.key))):  # one shard after another
+                reader.read(c.key, () if c.rows is None else (slice(*c.rows),), out=c.dst)
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.eval()

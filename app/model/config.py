@@ -129,6 +129,24 @@ def moe_layer_ids(config: PretrainedConfig) -> list[int]:
     return [i for i in range(config.num_hidden_layers) if is_moe_layer(config, i)]
 
 
+# Router settings a config.json may carry and the only values app/model/router.py implements.
+# transformers' config classes do not declare these fields but keep every key of config.json as
+# an attribute, and their own routers ignore them; absent means the family's own routing.
+# DeepSeek-V3's config.json has scoring_func "sigmoid" and topk_method "noaux_tc" (DeepSeek's
+# modeling_deepseek.py also knows "softmax", "greedy" and "group_limited_greedy", DeepSeek-V2's
+# routing). Qwen3-MoE routes by softmax top-k over all experts: no groups, no scaling.
+ROUTER_SETTINGS: dict[str, dict[str, tuple[Any, ...]]] = {
+    "deepseek_v3": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
+    "qwen3_moe": {
+        "scoring_func": ("softmax",),
+        "topk_method": ("greedy",),
+        "n_group": (None, 1),
+        "topk_group": (None, 1),
+        "routed_scaling_factor": (None, 1.0),
+    },
+}
+
+
 def validate_config(config: PretrainedConfig, ep_size: int) -> None:
     """Check that a config can be built with ``ep_size`` expert-parallel ranks.
 
@@ -141,7 +159,10 @@ def validate_config(config: PretrainedConfig, ep_size: int) -> None:
             experts; attention heads divisible by kv heads; for DeepSeek-V3 also n_group divides
             n_routed_experts with >= 2 experts per group (the group score is the sum of the top 2),
             1 <= topk_group <= n_group, the selected groups hold >= num_experts_per_tok experts,
-            0 <= first_k_dense_replace <= num_hidden_layers, routed_scaling_factor > 0.
+            0 <= first_k_dense_replace <= num_hidden_layers, routed_scaling_factor > 0; and every
+            router setting in `ROUTER_SETTINGS` that the config carries has a value the router
+            implements (e.g. ``config.scoring_func: 'softmax' is not implemented ...``), so a
+            config is refused rather than routed another way than it says.
     """
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -150,6 +171,13 @@ def validate_config(config: PretrainedConfig, ep_size: int) -> None:
         )
     if not isinstance(ep_size, int) or ep_size < 1:
         raise ValueError(f"trainer.parallel.ep: must be a positive integer, got {ep_size!r}")
+    for field, implemented in ROUTER_SETTINGS[model_type].items():
+        value = getattr(config, field, implemented[0])
+        if value not in implemented:
+            raise ValueError(
+                f"config.{field}: {value!r} is not implemented by the {model_type} router "
+                f"(app/model/router.py); it implements {' or '.join(repr(v) for v in implemented)}"
+            )
     experts_field = "num_experts" if model_type == "qwen3_moe" else "n_routed_experts"
     experts = num_routed_experts(config)
     if experts < 1:
