@@ -48,12 +48,41 @@ def _with(preset: str, **fields):
         ("tiny-deepseek-v3", {"first_k_dense_replace": 4}, 1, r"config\.first_k_dense_replace \(4\)"),
         ("tiny-qwen3-moe", {"num_key_value_heads": 3}, 1, r"config\.num_key_value_heads \(3\)"),
         ("tiny-qwen3-moe", {}, 0, r"trainer\.parallel\.ep"),
+        # Router settings the router does not implement (DeepSeek-V2's softmax / greedy routing).
+        ("tiny-deepseek-v3", {"scoring_func": "softmax"}, 1, r"config\.scoring_func: 'softmax' is not implemented by the deepseek_v3 router .* 'sigmoid'"),
+        ("tiny-deepseek-v3", {"topk_method": "group_limited_greedy"}, 1, r"config\.topk_method: 'group_limited_greedy' is not implemented .* 'noaux_tc'"),
+        ("tiny-deepseek-v3", {"topk_method": "greedy"}, 1, r"config\.topk_method: 'greedy'"),
+        ("tiny-qwen3-moe", {"scoring_func": "sigmoid"}, 1, r"config\.scoring_func: 'sigmoid' is not implemented by the qwen3_moe router"),
+        ("tiny-qwen3-moe", {"topk_method": "noaux_tc"}, 1, r"config\.topk_method: 'noaux_tc'"),
+        ("tiny-qwen3-moe", {"n_group": 4}, 1, r"config\.n_group: 4 is not implemented by the qwen3_moe router"),
+        ("tiny-qwen3-moe", {"topk_group": 2}, 1, r"config\.topk_group: 2"),
+        ("tiny-qwen3-moe", {"routed_scaling_factor": 2.5}, 1, r"config\.routed_scaling_factor: 2\.5"),
     ],
 )
 def test_validate_config_names_the_field(preset, fields, ep_size, message):
     config = _with(preset, **fields)
     with pytest.raises(ValueError, match=message):
         validate_config(config, ep_size)
+
+
+def test_router_settings_the_router_implements_pass():
+    validate_config(_with("tiny-deepseek-v3", scoring_func="sigmoid", topk_method="noaux_tc"), 1)  # DeepSeek-V3's own
+    validate_config(_with("tiny-qwen3-moe", scoring_func="softmax", n_group=1, routed_scaling_factor=1.0), 1)
+
+
+@pytest.mark.parametrize("preset, field, value", [("tiny-deepseek-v3", "scoring_func", "softmax"),
+                                                  ("tiny-qwen3-moe", "n_group", 8)])
+def test_router_setting_in_config_json_is_refused(tmp_path, preset, field, value):
+    """transformers' config classes do not declare these fields but keep them from config.json."""
+    model = build_policy(tiny_config(preset), RouterConfig(), LOCAL)
+    out = save_policy(model, tmp_path / "c", LOCAL)
+    config = json.loads((out / "config.json").read_text())
+    config[field] = value
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"config\.json: config\.{field}: {value!r} is not implemented"):
+        ckpt.check_checkpoint(out)
+    with pytest.raises(ValueError, match=rf"config\.{field}"):
+        load_policy(out, RouterConfig(), LOCAL)
 
 
 def test_unknown_preset_and_model_type():
@@ -143,6 +172,14 @@ def test_missing_and_unexpected_tensor_names(ckpt_copy):
     index["weight_map"][bad] = index["weight_map"].pop(key)
     (ckpt_copy / INDEX_NAME).write_text(json.dumps(index))
     with pytest.raises(ValueError, match=rf"tensor {key} is missing from the checkpoint"):
+        load_policy(ckpt_copy, RouterConfig(), LOCAL)
+
+
+def test_unknown_quantization_method_is_refused(ckpt_copy):
+    config = json.loads((ckpt_copy / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (ckpt_copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json: quantization_config\.quant_method 'gptq' is not supported"):
         load_policy(ckpt_copy, RouterConfig(), LOCAL)
 
 
