@@ -1,0 +1,175 @@
+"""Where the base model comes from: ``model.path`` as a local directory, an ``s3://`` prefix or a
+Hugging Face Hub id, resolved to a local Hugging Face checkpoint directory.
+
+- A local directory is used as it is.
+- ``s3://bucket/prefix``: the Hugging Face files directly under the prefix (`MODEL_FILES`) are
+  downloaded through `app.storage` (the same S3 client, endpoint and credentials as the rest of
+  moerl) into ``<cache_dir>/s3/<bucket%2Fprefix>``: into a temporary directory first, renamed
+  into place once every file is there, so the directory either is complete or does not exist,
+  and a second call downloads nothing.
+- ``owner/name``: ``huggingface_hub.snapshot_download`` with ``allow_patterns=MODEL_FILES`` into
+  the Hub cache ``<cache_dir>/hub`` (the library's own cache layout, resumable downloads and
+  ``HF_HUB_OFFLINE`` / ``HF_TOKEN`` handling).
+
+One process per host downloads: every process takes a file lock (`lock_path`) in the cache dir
+first, so the others wait for it and then find the finished directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import uuid
+from fnmatch import fnmatch
+from pathlib import Path
+from urllib.parse import quote
+
+from filelock import FileLock, Timeout
+
+log = logging.getLogger(__name__)
+
+# The files of a Hugging Face model directory the trainer and the engines read: configs,
+# weights and index, tokenizer. Only top-level files: repositories also keep other formats in
+# subfolders (e.g. original/ with consolidated .pth files).
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+# owner/name as the Hub spells repository ids (huggingface_hub validate_repo_id checks the rest).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def resolve_model_path(path: str, cache_dir: str | os.PathLike) -> Path:
+    """The local Hugging Face directory of ``model.path``, downloaded first if it is remote.
+
+    Args:
+        path: ``model.path``: an existing local directory, ``s3://bucket/prefix`` or a Hub id
+            ``owner/name`` (a local directory of that name wins, as in transformers).
+        cache_dir: where remote models are kept (one per host, shared by its processes).
+
+    Returns:
+        A directory holding config.json and the weights (for the Hub: the snapshot directory
+        inside the Hub cache).
+
+    Raises:
+        FileNotFoundError: the directory, prefix or repository does not exist or holds no
+            config.json / weights, or the Hub cannot be reached and nothing is cached (message
+            names ``model.path``).
+        PermissionError, ConnectionError, OSError: the store refused or could not be reached
+            (``model.path`` named).
+    """
+    if path.startswith("s3://"):
+        return _from_store(path, Path(cache_dir))
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise FileNotFoundError(f"model.path {path!r}: {local} has no config.json (expected an HF checkpoint directory)")
+        return local
+    if _HUB_ID.fullmatch(path) and not path.startswith((".", "~")):
+        return _from_hub(path, Path(cache_dir))
+    raise FileNotFoundError(
+        f"model.path {path!r}: not a local directory, an s3://bucket/prefix or a Hugging Face Hub id (owner/name)"
+    )
+
+
+def lock_path(path: str, cache_dir: str | os.PathLike) -> Path:
+    """The file whose lock serializes the download of remote ``model.path`` on this host."""
+    return Path(cache_dir) / ".locks" / (quote(path, safe="") + ".lock")
+
+
+class _HostLock:
+    """`lock_path`'s lock, held for a download; logs when another process holds it."""
+
+    def __init__(self, path: str, cache_dir: Path):
+        file = lock_path(path, cache_dir)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        self.lock, self.path = FileLock(str(file)), path
+
+    def __enter__(self):
+        try:
+            self.lock.acquire(timeout=0)
+        except Timeout:
+            log.info("model.path %s: waiting for another process on this host to fetch it", self.path)
+            self.lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+
+def _wanted(name: str) -> bool:
+    return "/" not in name and any(fnmatch(name, p) for p in MODEL_FILES)
+
+
+def _check_files(path: str, names: set[str], where: str) -> None:
+    if "config.json" not in names:
+        raise FileNotFoundError(f"model.path {path!r}: no config.json in {where}")
+    if "model.safetensors.index.json" not in names and "model.safetensors" not in names:
+        raise FileNotFoundError(
+            f"model.path {path!r}: no model.safetensors or model.safetensors.index.json in {where}"
+        )
+
+
+def _from_store(url: str, cache_dir: Path) -> Path:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from app.storage import open_store
+
+    url = url.rstrip("/")
+    bucket_and_prefix = url[len("s3://"):]
+    dest = cache_dir / "s3" / quote(bucket_and_prefix, safe="")
+    with _HostLock(url, cache_dir):
+        if dest.is_dir():  # only a finished download is ever renamed to dest
+            return dest
+        try:
+            store = open_store(url)
+            keys = [k for k in store.list() if _wanted(k)]
+            _check_files(url, set(keys), "that prefix")
+            for stale in dest.parent.glob(f".{dest.name}.tmp-*"):  # left by a process killed mid-download
+                shutil.rmtree(stale, ignore_errors=True)
+            log.info("model.path %s: downloading %d files into %s", url, len(keys), dest)
+            tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
+            try:
+                for key in keys:
+                    store.get_file(key, tmp / key)
+                os.rename(tmp, dest)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except (FileNotFoundError, PermissionError, ConnectionError, ValueError) as e:
+            if str(e).startswith("model.path"):
+                raise
+            raise type(e)(f"model.path {url!r}: {e}") from None
+        except (BotoCoreError, ClientError) as e:  # e.g. ListObjectsV2 denied
+            raise OSError(f"model.path {url!r}: {type(e).__name__}: {e}") from None
+    return dest
+
+
+def _from_hub(repo_id: str, cache_dir: Path) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError
+
+    with _HostLock(repo_id, cache_dir):
+        try:
+            snapshot = Path(snapshot_download(
+                repo_id, cache_dir=cache_dir / "hub", allow_patterns=list(MODEL_FILES), ignore_patterns=["*/*"]))
+        except (LocalEntryNotFoundError, HfHubHTTPError, HFValidationError) as e:
+            detail = " ".join(str(e).split())
+            raise FileNotFoundError(
+                f"model.path {repo_id!r}: no local directory of that name, and Hugging Face Hub repo {repo_id} "
+                f"could not be fetched: {type(e).__name__}: {detail}"
+            ) from None
+    _check_files(repo_id, {p.name for p in snapshot.iterdir()}, f"Hub snapshot {snapshot}")
+    return snapshot
