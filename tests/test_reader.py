@@ -288,25 +288,36 @@ def _fp8_variant(tmp_path, fp8_dir, config=..., drop=(), extra=None, scale=None)
     return directory
 
 
-@pytest.mark.parametrize(
-    "variant, message",
-    [
-        (dict(drop=["layer.weight_scale_inv"]), r"model\.safetensors: tensor layer\.weight is float8_e4m3fn but layer\.weight_scale_inv is missing"),
-        (dict(scale=torch.ones(2, 2)), r"tensor layer\.weight_scale_inv has shape \[2, 2\]; weight layer\.weight \[300, 200\] in 128x128 blocks needs \[3, 2\]"),
-        (dict(scale=torch.ones(3, 2, dtype=torch.bfloat16)), r"tensor layer\.weight_scale_inv is torch\.bfloat16; FP8 block scales must be float32"),
-        (dict(extra={"norm.weight_scale_inv": torch.ones(2)}), r"tensor norm\.weight_scale_inv is a block scale but norm\.weight is not a float8_e4m3fn weight"),
-        (dict(config={"model_type": "deepseek_v3"}), r"tensor layer\.weight is float8_e4m3fn but .*config\.json declares no quantization_config"),
-        (dict(config=None), r"declares no quantization_config"),
-        (dict(config={"quantization_config": {"quant_method": "awq", "bits": 4}}), r"config\.json: quantization_config\.quant_method 'awq' is not supported"),
-        (dict(config={"quantization_config": {**FP8_CONFIG, "fmt": "e5m2"}}), r"config\.json: quantization_config\.fmt 'e5m2' is not supported"),
-        (dict(config={"quantization_config": {**FP8_CONFIG, "activation_scheme": "static"}}), r"quantization_config\.activation_scheme 'static' is not supported"),
-        (dict(config={"quantization_config": {**FP8_CONFIG, "weight_block_size": None}}), r"quantization_config\.weight_block_size must be \[rows, cols\]"),
-        (dict(extra={"e5.weight": torch.ones(2, 2).to(torch.float8_e5m2)}), r"tensor e5\.weight is torch\.float8_e5m2; only float8_e4m3fn"),
-        (dict(extra={"x.weight": torch.ones(2, 2, 2).to(torch.float8_e4m3fn), "x.weight_scale_inv": torch.ones(1, 1, 1)}), r"tensor x\.weight is float8_e4m3fn with shape \[2, 2, 2\]; only 2-D"),
-    ],
-    ids=["no-scale", "scale-shape", "scale-dtype", "orphan-scale", "no-quant-config", "no-config-json",
-         "awq", "e5m2-fmt", "static", "no-block", "e5m2-tensor", "3d"],
-)
+QUANT = "quantization_config"
+BAD_FP8 = {
+    "no-scale": (dict(drop=["layer.weight_scale_inv"]),
+                 r"model\.safetensors: tensor layer\.weight is float8_e4m3fn but layer\.weight_scale_inv is missing"),
+    "scale-shape": (dict(scale=torch.ones(2, 2)),
+                    r"tensor layer\.weight_scale_inv has shape \[2, 2\]; weight layer\.weight \[300, 200\] in "
+                    r"128x128 blocks needs \[3, 2\]"),
+    "scale-dtype": (dict(scale=torch.ones(3, 2, dtype=torch.bfloat16)),
+                    r"tensor layer\.weight_scale_inv is torch\.bfloat16; FP8 block scales must be float32"),
+    "orphan-scale": (dict(extra={"norm.weight_scale_inv": torch.ones(2)}),
+                     r"tensor norm\.weight_scale_inv is a block scale but norm\.weight is not a float8_e4m3fn weight"),
+    "no-quant-config": (dict(config={"model_type": "deepseek_v3"}),
+                        r"tensor layer\.weight is float8_e4m3fn but .*config\.json declares no quantization_config"),
+    "no-config-json": (dict(config=None), r"declares no quantization_config"),
+    "awq": (dict(config={QUANT: {"quant_method": "awq", "bits": 4}}),
+            r"config\.json: quantization_config\.quant_method 'awq' is not supported"),
+    "e5m2-fmt": (dict(config={QUANT: {**FP8_CONFIG, "fmt": "e5m2"}}),
+                 r"config\.json: quantization_config\.fmt 'e5m2' is not supported"),
+    "static": (dict(config={QUANT: {**FP8_CONFIG, "activation_scheme": "static"}}),
+               r"quantization_config\.activation_scheme 'static' is not supported"),
+    "no-block": (dict(config={QUANT: {**FP8_CONFIG, "weight_block_size": None}}),
+                 r"quantization_config\.weight_block_size must be \[rows, cols\]"),
+    "e5m2-tensor": (dict(extra={"e5.weight": torch.ones(2, 2).to(torch.float8_e5m2)}),
+                    r"tensor e5\.weight is torch\.float8_e5m2; only float8_e4m3fn"),
+    "3d": (dict(extra={"x.weight": torch.ones(2, 2, 2).to(torch.float8_e4m3fn), "x.weight_scale_inv": torch.ones(1, 1, 1)}),
+           r"tensor x\.weight is float8_e4m3fn with shape \[2, 2, 2\]; only 2-D"),
+}
+
+
+@pytest.mark.parametrize("variant, message", BAD_FP8.values(), ids=BAD_FP8.keys())
 def test_fp8_bad_input_names_file_and_tensor(tmp_path, fp8_dir, variant, message):
     with pytest.raises(ValueError, match=message):
         CheckpointReader(_fp8_variant(tmp_path, fp8_dir, **variant))

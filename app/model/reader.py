@@ -18,8 +18,11 @@ definition of DeepSeek's ``inference/kernel.py`` ``weight_dequant`` (its Triton 
 fp8 block as float32 and multiplies by the block's scale, masking the partial edge blocks) and of
 transformers' FP8 integration (``integrations/finegrained_fp8.py``: ``_dequantize_fp8_weight``
 repeats the scales over 128-row blocks, crops them to M rows and multiplies column blocks,
-the remainder block included; ``Fp8Dequantize`` does the same for ``dequantize=True`` loads).
-The reader applies it transparently: ``read`` returns dequantized values, ``keys`` hides the
+the remainder block included). transformers' load-time ``Fp8Dequantize`` (``dequantize=True``)
+derives the block from the scale grid instead (rows // scale rows), which agrees only where each
+dim is a multiple of the block or within one block: in transformers 5.24 it refuses a [576, 256]
+weight with its [5, 2] scales, and dequantizes [24, 64] in 16 x 16 blocks with 12-row blocks.
+The reader applies the definition transparently: ``read`` returns dequantized values, ``keys`` hides the
 ``*_scale_inv`` companions, and a slice read touches only the scale rows and columns of the
 blocks it overlaps.
 """

@@ -6,7 +6,8 @@ Hugging Face Hub id, resolved to a local Hugging Face checkpoint directory.
   downloaded through `app.storage` (the same S3 client, endpoint and credentials as the rest of
   moerl) into ``<cache_dir>/s3/<bucket%2Fprefix>``: into a temporary directory first, renamed
   into place once every file is there, so the directory either is complete or does not exist,
-  and a second call downloads nothing.
+  and a second call downloads nothing (a prefix is fetched once: new weights go under a new
+  prefix, as published policy versions do).
 - ``owner/name``: ``huggingface_hub.snapshot_download`` with ``allow_patterns=MODEL_FILES`` into
   the Hub cache ``<cache_dir>/hub`` (the library's own cache layout, resumable downloads and
   ``HF_HUB_OFFLINE`` / ``HF_TOKEN`` handling).
@@ -76,7 +77,9 @@ def resolve_model_path(path: str, cache_dir: str | os.PathLike) -> Path:
     local = Path(path).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
-            raise FileNotFoundError(f"model.path {path!r}: {local} has no config.json (expected an HF checkpoint directory)")
+            raise FileNotFoundError(
+                f"model.path {path!r}: {local} has no config.json (expected an HF checkpoint directory)"
+            )
         return local
     if _HUB_ID.fullmatch(path) and not path.startswith((".", "~")):
         return _from_hub(path, Path(cache_dir))
