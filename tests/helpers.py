@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -94,35 +93,6 @@ def fake_producer(url: str, run_id: str, stop: threading.Event, group_size: int)
                 for k in range(group_size)])
 
 
-def assert_grads_match(ref: dict, parts: list[dict], atol: float, rtol: float) -> Counter:
-    """Compare each EP rank's gradients (`parts[r]["grads"]`) with the full-batch reference's.
-    A tensor of the reference's shape must match it; a smaller one is a local expert shard and
-    must match the reference's rows from its module's `offset`. Returns the number of shard
-    comparisons per first name component (e.g. {"model": 4}).
-
-    The absolute tolerance of a tensor is `atol`, or 1e-6 x its largest reference entry if that
-    is larger: summing the same terms in another order (per rank, then all-reduce) moves an fp32
-    result by about eps x the sum of its terms' magnitudes, so an entry that cancels to near zero in
-    a tensor of scale 100 differs by ~1e-5 between two correct orders.
-    """
-    shards = Counter()
-
-    def check(g, g_ref, name):
-        tol = dict(rtol=rtol, atol=max(atol, 1e-6 * float(g_ref.abs().max())))
-        torch.testing.assert_close(g, g_ref, **tol, msg=lambda m: f"{name}: {m}")
-
-    for name, g_ref in ref["grads"].items():
-        for p in parts:
-            g = p["grads"][name]
-            if g.shape == g_ref.shape:
-                check(g, g_ref, name)
-            else:  # a local expert shard: compare with the reference's rows
-                shards[name.split(".")[0]] += 1
-                off = p["offset"][name.rsplit(".", 2)[0]]  # the MoEBlock: ...mlp
-                check(g, g_ref[off: off + g.shape[0]], name)
-    return shards
-
-
 def tiny_moe_checkpoint(out: Path, seed: int, max_position_embeddings: int) -> Path:
     """A tiny random Qwen3-MoE (2 layers, hidden 32, 4 experts top-2, seeded with `seed`) saved
     at `out` as an HF dir with the character tokenizer. Returns `out`."""
@@ -148,38 +118,60 @@ def engine_argv(model_path: Path, port: int, *extra: str) -> list[str]:
             "--threads", "1", *extra]
 
 
-def join_rank(rank: int, world: int, port: int, cfg_json: str):
-    """In a spawned rank of an EP-equivalence test: the torch.distributed environment of `rank`
-    of `world` on 127.0.0.1:`port`, one torch thread, the process group, and the preset policy
-    (seed 0) with this rank's EP shard. Returns (RunConfig, EPContext, model)."""
+def join_world(rank: int, world: int, port: int) -> None:
+    """In a spawned rank: the torch.distributed environment of `rank` of `world` on
+    127.0.0.1:`port`, one torch thread, and the (gloo) process group."""
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from app.config import RunConfig
-    from app.model.config import tiny_config
-    from app.model.parallel import init_ep
-    from app.model.policy import build_policy
     from app.trainer.train import init_distributed
 
-    cfg = RunConfig.model_validate_json(cfg_json)
     init_distributed(timeout_s=120)
-    ep = init_ep(cfg.trainer.parallel)
-    return cfg, ep, build_policy(tiny_config(cfg.model.preset), cfg.router, ep, seed=0)
 
 
-def run_ep1_and_ep2(worker, base: dict, out_dir: Path) -> tuple[dict, list[dict]]:
-    """Spawn `worker(rank, world, port, cfg_json, out_dir)` on 1 then 2 ranks (config `base`
-    with ``ep.size`` = world); each rank saves ``ep{world}-rank{rank}.pt`` in `out_dir`.
-    Returns (the EP 1 result, [the EP 2 rank 0 and rank 1 results])."""
+def sharded_trainer(cfg):
+    """The sharded policy of a preset run config on the current process group (as the trainer
+    builds it: layout, mesh, EP context, FSDP2) and its mesh. Returns (model, mesh, ep)."""
+    import torch.distributed as dist
+
+    from app.layout import resolve_layout
+    from app.model.config import num_routed_experts
+    from app.model.parallel import init_ep
+    from app.trainer.models import build_policy_model, policy_config
+    from app.trainer.parallel import build_mesh
+
+    config = policy_config(cfg, None)
+    layout = resolve_layout(cfg.trainer.parallel, dist.get_world_size(), num_routed_experts(config))
+    mesh = build_mesh(layout, "cpu")
+    ep = mesh.ep_context(init_ep(cfg.trainer.parallel, group=mesh.ep.get_group()).backend)
+    return build_policy_model(cfg, None, ep, mesh, torch.device("cpu")), mesh, ep
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    """Every parameter of a (possibly sharded) model as a full tensor (collective for DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.named_parameters()}
+
+
+def spawn(worker, world: int, *args) -> None:
+    """Run `worker(rank, world, port, *args)` on `world` spawned processes and wait for them."""
     import torch.multiprocessing as mp
 
-    from app.config import RunConfig
+    mp.start_processes(worker, args=(world, free_port(), *args), nprocs=world, start_method="spawn", join=True)
 
-    for world in (1, 2):
-        trainer = {**base.get("trainer", {}), "parallel": {"ep": world, "ep_backend": "auto"}}
-        cfg = RunConfig.model_validate({**base, "trainer": trainer})
-        mp.start_processes(worker, args=(world, free_port(), cfg.model_dump_json(), str(out_dir)),
-                           nprocs=world, start_method="spawn", join=True)
-    return torch.load(out_dir / "ep1-rank0.pt"), [torch.load(out_dir / f"ep2-rank{r}.pt") for r in range(2)]
+
+def assert_params_match(got: dict, ref: dict, atol: float, rtol: float) -> None:
+    """Every tensor of `got` equals the same-named one of `ref`. The absolute tolerance of a
+    tensor is `atol`, or 1e-6 x its largest reference entry if that is larger: summing the same
+    terms in another order (per rank, then reduce-scatter) moves an fp32 result by about eps x the
+    sum of its terms' magnitudes, so an entry that cancels to near zero in a tensor of scale 100
+    differs by ~1e-5 between two correct orders; a missing token or expert moves entries by far
+    more."""
+    assert set(got) == set(ref), sorted(set(got) ^ set(ref))[:5]
+    for name, g_ref in ref.items():
+        tol = dict(rtol=rtol, atol=max(atol, 1e-6 * float(g_ref.abs().max())))
+        torch.testing.assert_close(got[name], g_ref, **tol, msg=lambda m, n=name: f"{n}: {m}")

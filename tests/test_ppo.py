@@ -1,9 +1,9 @@
 """PPO pieces: GAE against a hand-computed example, value clipping, whitening, the per-token
-policy loss, the critic's alignment and its checkpoint round trip."""
+policy loss, the critic's alignment and its checkpoint round trip (the sharded PPO step against
+the single-process one: tests/test_sharded_trainer.py)."""
 
 from __future__ import annotations
 
-import io
 import math
 
 import pytest
@@ -13,8 +13,7 @@ from app.buffer.redis_server import free_port
 from app.config import RunConfig
 from app.trainer.grpo import grpo_loss
 from app.trainer.ppo import gae, ppo_policy_loss, ppo_targets, token_rewards, value_loss, whiten
-from helpers import (assert_grads_match, fake_groups, fake_producer, join_rank, run_ep1_and_ep2, single_rank_env,
-                     toy_rollout)
+from helpers import fake_producer, single_rank_env, toy_rollout
 
 
 def two_rows():
@@ -129,11 +128,15 @@ def test_ppo_targets_whiten_over_the_batch():
 
 
 def _tiny_critic(seed_cfg: dict | None = None):
+    """The default critic, unsharded: a zero value head on a copy of the preset policy's trunk."""
+    from app.model.config import tiny_config
     from app.model.parallel import EPContext
-    from app.trainer.critic import build_critic
+    from app.model.policy import build_policy
+    from app.trainer.critic import Critic
 
     cfg = RunConfig.model_validate(seed_cfg or {})
-    return build_critic(cfg, EPContext.local())
+    config = tiny_config(cfg.model.preset)
+    return Critic(build_policy(config, cfg.router, EPContext.local(), seed=cfg.task.seed).model, config.hidden_size)
 
 
 def test_critic_values_are_aligned_and_causal():
@@ -166,7 +169,9 @@ def test_critic_starts_at_zero_and_copies_the_policy_trunk():
 
 
 def test_critic_checkpoint_round_trip(tmp_path):
-    from app.trainer.critic import critic_payload, restore_critic
+    """The critic and its AdamW state go through the training state (DCP) and come back exactly."""
+    from app.storage import open_store
+    from app.trainer.state import latest_state, load_state, save_state
 
     torch.manual_seed(0)
     ids = torch.tensor([[1, 10, 11, 12, 13], [1, 20, 21, 0, 0]])
@@ -185,22 +190,22 @@ def test_critic_checkpoint_round_trip(tmp_path):
     opt = torch.optim.AdamW(critic.parameters(), lr=1e-2)
     for _ in range(3):
         step(critic, opt)
-    path = tmp_path / "rank0.pt"
-    torch.save({"extra": {"critic": critic_payload(critic, opt)}}, path)  # as in the training state
+    store = open_store(f"file://{tmp_path}/store")
+    save_state(store, "r", 3, {"critic": (critic, opt)}, {"train_state": {}}, lineage=[], work_dir=tmp_path / "w")
     before = critic(ids, attn).detach()
     assert before.abs().sum() > 0
 
     fresh = _tiny_critic()
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-    restore_critic(fresh, fresh_opt, torch.load(io.BytesIO(path.read_bytes()), weights_only=False)["extra"]["critic"])
+    load_state(store, "r", latest_state(store, "r"), {"critic": (fresh, fresh_opt)})
     torch.testing.assert_close(fresh(ids, attn).detach(), before, rtol=0, atol=0)
     # The optimizer state came back too: one more step gives identical weights.
     step(critic, opt)
     step(fresh, fresh_opt)
     torch.testing.assert_close(fresh(ids, attn).detach(), critic(ids, attn).detach(), rtol=0, atol=0)
 
-    with pytest.raises(ValueError, match="no critic"):
-        restore_critic(fresh, fresh_opt, {})
+    with pytest.raises(ValueError, match="another trainer.algorithm"):
+        load_state(store, "r", latest_state(store, "r"), {"policy": (fresh, fresh_opt)})
 
 
 # ------------------------------------------------------------------------------------------
@@ -216,8 +221,9 @@ def test_ppo_steps_raise_reward_on_toy_task(monkeypatch):
     from app.model.parallel import init_ep
     from app.model.policy import build_policy
     from app.trainer.batch import collate_groups
-    from app.trainer.critic import make_critic_parts
-    from app.trainer.train import init_distributed, train_step
+    from app.trainer.critic import CriticParts
+    from app.trainer.step import train_step
+    from app.trainer.train import init_distributed
 
     single_rank_env(monkeypatch)
     torch.manual_seed(0)
@@ -228,9 +234,9 @@ def test_ppo_steps_raise_reward_on_toy_task(monkeypatch):
     try:
         ep = init_ep(cfg.trainer.parallel)
         model = build_policy(tiny_config("tiny-qwen3-moe"), cfg.router, ep, seed=0)
-        critic = make_critic_parts(cfg, ep)
-        params = list(model.parameters())
-        opt = torch.optim.AdamW(params, lr=cfg.trainer.lr)
+        critic_module = _tiny_critic({"trainer": {"algorithm": "ppo"}})
+        critic = CriticParts(critic_module, torch.optim.AdamW(critic_module.parameters(), lr=cfg.trainer.lr))
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr)
         gen = torch.Generator().manual_seed(0)
         target, G, n_new = 50, 8, 6
 
@@ -238,7 +244,7 @@ def test_ppo_steps_raise_reward_on_toy_task(monkeypatch):
         for step in range(30):
             groups = [toy_rollout(model, gen, f"s{step}-p{k}", [1, 5 + k], G, n_new, target) for k in range(4)]
             rewards.append(sum(s.reward for g in groups for s in g.samples) / (4 * G))
-            applied, stats = train_step(cfg, model, None, opt, collate_groups(groups), params, [], critic)
+            applied, stats = train_step(cfg, model, opt, collate_groups(groups), pad_id=0, critic=critic)
             assert applied and stats["tis"] == pytest.approx(1.0, abs=1e-3)
             assert math.isfinite(stats["vf_loss"]) and math.isfinite(stats["critic_grad_norm"])
             value_errors.append(stats["value_error"])
@@ -298,15 +304,18 @@ def test_ppo_two_rank_run_saves_and_resumes_the_critic(tmp_path, redis_server):
         train(2)
         store = open_store(cfg.store_url)
         manifest = latest_state(store, run_id)
-        assert manifest["step"] == 2
-        heads = []
-        for rank in range(2):
-            data = store.get_bytes(step_prefix(run_id, 2) + f"rank{rank}.pt")
-            critic = torch.load(io.BytesIO(data), weights_only=False)["extra"]["critic"]
-            heads.append(critic["model"]["value_head.weight"])
-            assert critic["optimizer"]["state"], "critic optimizer state not saved"
-        assert heads[0].abs().sum() > 0  # trained away from its zero init
-        torch.testing.assert_close(heads[0], heads[1])  # replicated: identical on both ranks
+        assert manifest["step"] == 2 and manifest["modules"] == ["critic", "policy"]
+        # Read the saved state back with torch's own converter (DCP -> one torch.save file).
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_dir = tmp_path / "dcp"
+        for name in manifest["files"]:
+            if name.startswith("dcp/"):
+                store.get_file(step_prefix(run_id, 2) + name, dcp_dir / name[len("dcp/"):])
+        dcp_to_torch_save(dcp_dir, tmp_path / "state.pt")
+        saved = torch.load(tmp_path / "state.pt", weights_only=False)
+        assert saved["critic"]["model"]["value_head.weight"].abs().sum() > 0  # trained away from zero
+        assert saved["critic"]["optim"]["state"], "critic optimizer state not saved"
         train(3, "--resume")
     finally:
         stop.set()
@@ -321,71 +330,30 @@ def test_ppo_two_rank_run_saves_and_resumes_the_critic(tmp_path, redis_server):
     assert lines[2]["value"] != 0.0
 
 
-# ------------------------------------------------------------------------------------------
-# EP=2 PPO step == EP=1 full-batch step (policy and critic gradients, whitening over both ranks)
-
-
-def _ppo_grad_worker(rank: int, world: int, port: int, cfg_json: str, out_dir: str) -> None:
-    from pathlib import Path
-
+def test_critic_from_a_separate_hf_model_by_path(tmp_path, monkeypatch):
+    """A dense critic checkpoint (not one of the MoE families) is loaded whole and then sharded."""
     import torch.distributed as dist
-
-    cfg, ep, model = join_rank(rank, world, port, cfg_json)
-    from app.trainer.batch import collate_groups, split_groups
-    from app.trainer.critic import make_critic_parts
-    from app.trainer.train import expert_param_ids, train_step
-
-    critic = make_critic_parts(cfg, ep)
-    with torch.no_grad():  # a non-zero head, the same on every rank, so the trunk gets gradient too
-        critic.module.value_head.weight.copy_(torch.randn(critic.module.value_head.weight.shape,
-                                                          generator=torch.Generator().manual_seed(1)))
-    sharded_ids = expert_param_ids(model) if ep.size > 1 else set()
-    params = list(model.parameters())
-    # SGD with lr 1 makes each update equal to minus the gradient.
-    opt = torch.optim.SGD(params, lr=1.0)
-    critic.optimizer = torch.optim.SGD(list(critic.module.parameters()), lr=1.0)
-    named = {"policy": model, "critic": critic.module}
-    before = {f"{m}.{k}": v.detach().clone() for m, mod in named.items() for k, v in mod.named_parameters()}
-    batch = collate_groups(split_groups(fake_groups(5, binary_reward=False), world)[rank])
-    applied, stats = train_step(cfg, model, None, opt, batch, [p for p in params if id(p) not in sharded_ids],
-                                [p for p in params if id(p) in sharded_ids], critic)
-    grads = {f"{m}.{k}": before[f"{m}.{k}"] - v.detach() for m, mod in named.items() for k, v in mod.named_parameters()}
-    offsets = {f"{m}.{k}": getattr(x, "local_expert_offset", 0) for m, mod in named.items() for k, x in mod.named_modules()}
-    torch.save({"applied": applied, "stats": stats, "grads": grads, "offset": offsets},
-               Path(out_dir) / f"ep{world}-rank{rank}.pt")
-    dist.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_ppo_ep2_step_equals_full_batch_step(tmp_path):
-    base = dict(model={"preset": "tiny-qwen3-moe"},
-                trainer={"algorithm": "ppo", "grad_clip": 1e9, "tis_cap": 2.0, "gae_lambda": 0.9, "gamma": 0.99})
-    ref, parts = run_ep1_and_ep2(_ppo_grad_worker, base, tmp_path)
-    assert ref["applied"] and all(p["applied"] for p in parts)
-    for key in ("loss", "vf_loss", "value", "return", "grad_norm", "critic_grad_norm", "tokens", "clip_frac"):
-        assert parts[0]["stats"][key] == pytest.approx(ref["stats"][key], rel=1e-4, abs=1e-6), key
-        assert parts[1]["stats"][key] == parts[0]["stats"][key], key
-    assert ref["stats"]["critic_grad_norm"] > 0 and ref["stats"]["grad_norm"] > 0
-    tol = dict(atol=2e-6, rtol=1e-4)
-    n_expert = assert_grads_match(ref, parts, **tol)
-    assert n_expert["policy"] > 0 and n_expert["critic"] > 0, n_expert
-    assert ref["grads"]["critic.trunk.embed_tokens.weight"].abs().max() > 0
-
-
-def test_critic_from_a_separate_hf_model_by_path(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from app.model.parallel import EPContext
-    from app.trainer.critic import build_critic
+    from app.trainer.models import build_critic_parts
+    from app.trainer.train import init_distributed
+    from helpers import sharded_trainer
 
     dense = Qwen3ForCausalLM(Qwen3Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16))
     dense.save_pretrained(tmp_path / "dense")
     cfg = RunConfig.model_validate({"trainer": {"algorithm": "ppo", "critic_path": str(tmp_path / "dense")}})
-    critic = build_critic(cfg, EPContext.local())
-    assert critic.value_head.in_features == 32  # the critic model's width, not the policy's (64)
-    torch.testing.assert_close(critic.trunk.embed_tokens.weight, dense.model.embed_tokens.weight)
-    assert critic(torch.tensor([[1, 5, 6, 7]])).shape == (1, 4)
-    cfg.trainer.critic_path = str(tmp_path / "missing")
-    with pytest.raises(FileNotFoundError, match="trainer.critic_path"):
-        build_critic(cfg, EPContext.local())
+    single_rank_env(monkeypatch)
+    init_distributed(timeout_s=60)
+    try:
+        _, mesh, _ = sharded_trainer(RunConfig())
+        critic = build_critic_parts(cfg, None, EPContext.local(), mesh, torch.device("cpu")).module
+        assert critic.value_head.in_features == 32  # the critic model's width, not the policy's (64)
+        torch.testing.assert_close(critic.trunk.embed_tokens.weight.full_tensor(), dense.model.embed_tokens.weight)
+        assert critic(torch.tensor([[1, 5, 6, 7]])).shape == (1, 4)
+        cfg.trainer.critic_path = str(tmp_path / "missing")
+        with pytest.raises(FileNotFoundError, match="trainer.critic_path"):
+            build_critic_parts(cfg, None, EPContext.local(), mesh, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()

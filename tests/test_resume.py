@@ -31,7 +31,7 @@ from app.ledger import read_lineage
 from app.procs import descendants
 from app.storage import open_store
 from app.storage.policy import download_policy, latest_policy_version, policy_versions
-from app.trainer.state import latest_state, load_rank_payload, restore, state_steps
+from app.trainer.state import latest_state, load_state, state_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +47,7 @@ _KILL_CHILD = textwrap.dedent('''
     from app.model.policy import build_policy
     from app.storage import open_store
     from app.storage.policy import publish_policy
-    from app.trainer.state import rank_payload, save_state
+    from app.trainer.state import save_state
 
     root, what = Path(sys.argv[1]), sys.argv[2]
     store = open_store(f"file://{root}/store")
@@ -73,16 +73,17 @@ _KILL_CHILD = textwrap.dedent('''
             self._tick(); return self.inner.put_bytes(*a)
 
     if what == "state":
-        save_state(store, "r", 1, rank_payload(model, opt, {"trained": ["a/0"]}),
+        save_state(store, "r", 1, {"policy": (model, opt)},
                    {"train_state": {"step": 1}, "policy_version": 1, "commit_point": "1-0"},
-                   work_dir=root / "work")
+                   lineage=["a/0"], work_dir=root / "work")
         torch.save(model.state_dict(), root / "expected.pt")
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
-        # write 1: rank0.pt of step 2 (stored), write 2: its manifest -> killed before it.
-        save_state(DiesOnWrite(store, 2), "r", 2, rank_payload(model, opt), {"train_state": {"step": 2}},
-                   work_dir=root / "work")
+        # writes 1-4: the DCP file, DCP's metadata, the RNG state, the lineage of step 2 (stored);
+        # write 5: its manifest -> killed before it.
+        save_state(DiesOnWrite(store, 5), "r", 2, {"policy": (model, opt)}, {"train_state": {"step": 2}},
+                   lineage=["a/0", "b/0"], work_dir=root / "work")
     else:
         for v in (0, 1):
             out = root / f"hf{v}"
@@ -123,8 +124,7 @@ def test_kill_during_state_save_keeps_previous_state(tmp_path):
 
     model = build_policy(tiny_config("tiny-qwen3-moe"), RouterConfig(), EPContext.local(), seed=5)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    extra = restore(model, opt, load_rank_payload(store, "r", manifest))
-    assert extra == {"trained": ["a/0"]}
+    assert load_state(store, "r", manifest, {"policy": (model, opt)}) == ["a/0"]
     expected = torch.load(tmp_path / "expected.pt")
     got = model.state_dict()
     assert expected.keys() == got.keys()
@@ -200,17 +200,18 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks", [1, 4])
 def test_killed_trainer_resumes_from_saved_state(tmp_path, redis_server, ranks):
-    """One rank started directly, or two EP ranks under torchrun (as `make run` starts them): each
-    rank saves and restores its own expert shard and optimizer state."""
+    """One rank started directly, or a 4-rank gang under torchrun (dp_shard 4 x EP 2: FSDP shards
+    of everything, each EP rank half the experts): each rank saves and restores its own shards of
+    the weights and the optimizer state (DCP)."""
     run_id, gps, G = "resume-test", 2, 2
     cfg = RunConfig.model_validate({
         "run_id": run_id, "store_url": f"file://{tmp_path}/store", 
         "buffer": {"redis_url": redis_server, "max_staleness": 1, "capacity_groups": 16,
                    "stale_policy": "requeue"},
         "rollout": {"group_size": G},
-        "trainer": {"parallel": {"ep": ranks}, "steps": 5, "groups_per_step": gps, "lr": 1e-3, "save_every": 2,
+        "trainer": {"parallel": {"ep": min(ranks, 2)}, "steps": 5, "groups_per_step": gps, "lr": 1e-3, "save_every": 2,
                     "keep_versions": 20, "batch_timeout_s": 120, "log_entropy": False},
     })
     cfg_path = tmp_path / "run.yaml"

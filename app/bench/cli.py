@@ -53,26 +53,34 @@ def moe(
 
 @cli.command("train-step")
 def train_step(
-    model: str = typer.Option("tiny", help="Policy preset: tiny (CPU) | small (~0.5 B params, GPU)."),
+    model: str = typer.Option("tiny", help="tiny | small (built in code) | qwen3-30b-a3b | deepseek-v3 (real widths)."),
+    layers: int = typer.Option(0, help="Decoder layers of a real-width model (0: all)."),
+    experts: int = typer.Option(0, help="Routed experts per layer of a real-width model (0: all)."),
     groups: int = typer.Option(2, help="GRPO groups per step."),
     group_size: int = typer.Option(4, help="Completions per group (G)."),
     prompt_len: int = typer.Option(16, help="Prompt tokens per sample."),
     completion_len: int = typer.Option(48, help="Completion tokens per sample."),
-    dtype: str = typer.Option("float32", help="float32 | bfloat16"),
+    micro_batch_tokens: int = typer.Option(0, help="trainer.micro_batch_tokens (0: one micro-batch)."),
+    activation_checkpointing: str = typer.Option("none", help="none | full | selective."),
+    logprob_chunk_tokens: int = typer.Option(4096, help="trainer.logprob_chunk_tokens."),
+    dtype: str = typer.Option("float32", help="Compute dtype: float32 | bfloat16 (master weights stay fp32)."),
     device: str = typer.Option("cpu", help="cpu | cuda"),
     iters: int = typer.Option(3, help="Timed steps."),
     warmup: int = typer.Option(1, help="Untimed warm-up steps."),
     dense_n: int = typer.Option(0, help="Dense matmul baseline size n (0: 8192 on CUDA, 512 on CPU)."),
+    peer: bool = typer.Option(True, help="Also time stock transformers' step (the peer)."),
     profile: bool = typer.Option(False, help="Profile one more step (torch.profiler): top ops by self time."),
     out_dir: str = typer.Option("runs/bench", help="Where the JSON result goes."),
 ) -> None:
-    """One GRPO trainer step of a small MoE policy: tokens/s, MFU vs a dense matmul, memory, split."""
+    """One GRPO trainer step (the trainer's layout) vs stock transformers: tokens/s, MFU, memory."""
     from app.bench.train_step import TrainStepBench, run
 
     try:
-        run(TrainStepBench(model=model, groups=groups, group_size=group_size, prompt_len=prompt_len,
-                           completion_len=completion_len, dtype=dtype, device=device, iters=iters,
-                           warmup=warmup, dense_n=dense_n, profile=profile), out_dir=out_dir)
+        run(TrainStepBench(model=model, layers=layers, experts=experts, groups=groups, group_size=group_size,
+                           prompt_len=prompt_len, completion_len=completion_len,
+                           micro_batch_tokens=micro_batch_tokens, activation_checkpointing=activation_checkpointing,
+                           logprob_chunk_tokens=logprob_chunk_tokens, dtype=dtype, device=device, iters=iters,
+                           warmup=warmup, dense_n=dense_n, peer=peer, profile=profile), out_dir=out_dir)
     except ValueError as e:
         typer.echo(f"moerl bench train-step: error: {e}", err=True)
         raise SystemExit(2) from None
@@ -164,15 +172,16 @@ def ep_train_step(
     completion_len: int = typer.Option(48, help="Completion tokens per sample."),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 (deepep: bfloat16 only)."),
     backends: str = typer.Option("auto", help="auto (alltoall + deepep where it runs) or a comma list."),
+    ep: int = typer.Option(0, help="EP degree (0: the world size); FSDP2 shards over every rank."),
     iters: int = typer.Option(3, help="Timed steps."),
     warmup: int = typer.Option(1, help="Untimed steps before them (at least one always runs)."),
     out_dir: str = typer.Option("runs/bench", help="Where rank 0 writes the JSON result."),
 ) -> None:
-    """Multi-rank GRPO train step, EP = world size: tokens/s and dispatch/combine share per backend."""
+    """Multi-rank GRPO train step on the trainer's layout: tokens/s and dispatch/combine share per backend."""
     from app.bench.ep_train_step import EPTrainStepBench, run
 
     try:
-        run(EPTrainStepBench(model=model, groups=groups, group_size=group_size, prompt_len=prompt_len,
+        run(EPTrainStepBench(model=model, groups=groups, group_size=group_size, prompt_len=prompt_len, ep=ep,
                              completion_len=completion_len, dtype=dtype, backends=backends, iters=iters,
                              warmup=warmup), out_dir=out_dir)
     except ValueError as e:

@@ -1,17 +1,17 @@
-"""`moerl bench ep-train-step`: a multi-rank GRPO trainer step with EP = world size, per backend.
+"""`moerl bench ep-train-step`: a multi-rank GRPO trainer step on the trainer's layout, per backend.
 
 Launched by torchrun (one rank per GPU, NCCL; gloo ranks on CPU for tests). For each backend
 (`alltoall`, and `deepep` where `deepep_unavailable_reason()` is None) in the same run, every rank:
 
   - builds the policy preset of `app.bench.train_step.MODELS` with `app.model.policy.build_policy`
-    and this rank's experts (the init is seeded per global tensor and expert, so all ranks hold the
-    same replicated weights without the broadcast `app.trainer.train.build_model` does; that
-    function only builds `model.preset`/`model.path` policies, not the benchmark presets);
+    and this rank's experts (the init is seeded per global tensor and expert, so every layout holds
+    the same global weights), then shards it as the trainer does (app/trainer/parallel.py: FSDP2
+    over every rank, experts over ``--ep`` ranks, fp32 master weights);
   - collates its own synthetic GRPO groups (`app.bench.train_step.synthetic_groups`, seeded by
-    rank: the EP ranks are the data-parallel ranks, as in the trainer);
-  - runs `app.trainer.train.train_step` (forward, GRPO loss, backward, all-reduce of the
-    replicated gradients, global-norm clipping over the sharded model, AdamW; `RunConfig()`
-    defaults) for `warmup` untimed and `iters` timed steps.
+    rank: every rank is a data-parallel rank, as in the trainer);
+  - runs `app.trainer.step.train_step` (micro-batched forward, GRPO loss, backward with FSDP's
+    reduce-scatter, global-norm clipping, AdamW; `RunConfig()` defaults) for `warmup` untimed and
+    `iters` timed steps.
 
 Figures: tokens/s = world x rows x seq_len per rank (every token is forwarded and backpropagated)
 / the ranks' mean step time; and the share of step time spent in dispatch/combine. That share
@@ -140,6 +140,7 @@ class EPTrainStepBench:
     completion_len: int = 48
     dtype: str = "float32"
     backends: str = "auto"  # comma list of alltoall, deepep; auto: alltoall + deepep where it runs
+    ep: int = 0  # EP degree; 0: the world size (FSDP then shards only the dense part over the ranks)
     iters: int = 3
     warmup: int = 1
     seed: int = 0
@@ -158,8 +159,9 @@ class EPTrainStepBench:
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         experts = MODELS[self.model]["num_experts"]
-        if experts % world:
-            raise ValueError(f"--model {self.model} has {experts} experts, not divisible by the {world} ranks")
+        ep = self.ep or world
+        if world % ep or experts % ep:
+            raise ValueError(f"--ep {ep} must divide the {world} ranks and --model {self.model}'s {experts} experts")
         check_seq_len(self.model, self.prompt_len + self.completion_len, "--prompt-len + --completion-len")
         names = [b.strip() for b in self.backends.split(",") if b.strip()]
         if not names or any(b not in ("auto", "alltoall", "deepep") for b in names):
@@ -168,34 +170,37 @@ class EPTrainStepBench:
 
 
 def _time_backend(backend: str, bench: EPTrainStepBench, rank: int, world: int, device: torch.device) -> dict:
-    """Build the policy for one backend and time its steps on this rank (collective)."""
-    from app.config import ParallelConfig, RouterConfig, RunConfig
-    from app.model.parallel import init_ep
+    """Build the sharded policy for one backend and time its steps on this rank (collective)."""
+    from app.config import ParallelConfig, RunConfig
+    from app.layout import resolve_layout
+    from app.model.config import num_routed_experts
     from app.model.policy import build_policy, moe_blocks
     from app.trainer.batch import collate_groups
-    from app.trainer.train import expert_param_ids, train_step
+    from app.trainer.parallel import build_mesh, parallelize
+    from app.trainer.step import train_step
 
     cuda = device.type == "cuda"
     cfg = RunConfig()
+    cfg.model.dtype = bench.dtype
     config = model_config(bench.model)
-    ep = init_ep(ParallelConfig(ep=world, ep_backend=backend))
-    model = build_policy(config, RouterConfig(), ep, device=device, dtype=DTYPES[bench.dtype], seed=bench.seed)
+    layout = resolve_layout(ParallelConfig(ep=bench.ep or world), world, num_routed_experts(config))
+    mesh = build_mesh(layout, device.type)
+    ep = mesh.ep_context(backend)
+    # fp32 master weights, the trainer's FSDP2 x EP layout (app/trainer/parallel.py).
+    model = build_policy(config, cfg.router, ep, device=device, dtype=torch.float32, seed=bench.seed)
     timer = CommTimer(cuda)
     for _, block in moe_blocks(model):
         block.dispatcher = TimedDispatcher(block.dispatcher, timer)
-    sharded_ids = expert_param_ids(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    replicated = [p for p in params if id(p) not in sharded_ids]
-    sharded = [p for p in params if id(p) in sharded_ids]
+    parallelize(model, mesh, DTYPES[bench.dtype])
     # lr tiny: the weights barely move, so every timed step does the same work.
-    optimizer = torch.optim.AdamW(params, lr=1e-7, weight_decay=cfg.trainer.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7, weight_decay=cfg.trainer.weight_decay)
     groups = synthetic_groups(bench.groups, bench.group_size, bench.prompt_len, bench.completion_len,
                               config.vocab_size, bench.seed * 1000 + rank)
-    batch = collate_groups(groups, pad_id=config.pad_token_id, scale_by_std=cfg.trainer.scale_by_std).to(device)
+    batch = collate_groups(groups, pad_id=config.pad_token_id, scale_by_std=cfg.trainer.scale_by_std)
     tokens = batch.input_ids.numel()
 
     def step():
-        return train_step(cfg, model, None, optimizer, batch, replicated, sharded)
+        return train_step(cfg, model, optimizer, batch, pad_id=config.pad_token_id or 0, device=device)
 
     applied, stats = step()  # the first step: its loss is the cross-backend check
     first_loss = stats["loss"]
@@ -290,7 +295,8 @@ def run(bench: EPTrainStepBench, out_dir: str = "runs/bench") -> dict | None:
         notes.append(f"first-step loss alltoall {a:.6g}, deepep {b:.6g} (same weights and batch)")
     config = model_config(bench.model)
     notes += [
-        "step = app.trainer.train.train_step with RunConfig() defaults; EP size = world size = DP size",
+        f"step = app.trainer.step.train_step on the trainer's layout (FSDP2 over all {world} ranks, EP "
+        f"{bench.ep or world}, fp32 master weights, {bench.dtype} compute) with RunConfig() defaults",
         "tokens/s = world x rows x seq_len per rank / mean step time over ranks",
         "dispatch_combine_share = (dispatch + combine forward + their backward spans) / step time, per "
         "rank, mean over ranks; spans from " + ("CUDA events" if device.type == "cuda" else "the host clock"),

@@ -1,33 +1,43 @@
-"""`moerl bench train-step`: one GRPO trainer step of a small MoE policy on one device.
+"""`moerl bench train-step`: one GRPO trainer step on one device, at real model widths, against a
+stock transformers step measured in the same run.
 
-The step is the trainer's own: the policy from `app.model.policy.build_policy` (transformers'
-Qwen3-MoE with our MoE blocks), a batch collated by `app.trainer.batch.collate_groups` from
-synthetic GRPO groups (random prompt and completion ids, 0/1 rewards, random engine logprobs),
-and `app.trainer.train.train_step` (forward, `token_logprobs`, `grpo_loss` with TIS, entropy,
-backward, global-norm clipping, AdamW) with the `RunConfig` defaults. Measured in the same run:
+Ours is the trainer's own step (app/trainer/step.py) on the trainer's own layout: a one-rank
+process group, app/trainer/parallel.py (FSDP2 with fp32 master weights, ``model.dtype`` compute,
+fp32 gradient reduction, the router in fp32, activation checkpointing per decoder layer), AdamW
+on the fp32 master weights, micro-batches on a token budget and chunked logprobs through the LM
+head (no [B, L, V] tensor). The batch is synthetic GRPO groups (random prompt and completion ids,
+0/1 rewards, random engine logprobs) collated by `app.trainer.batch.collate_groups`.
 
-  - step: `train_step` end to end -> ms/step, tokens/s (rows x (prompt + completion) tokens, all
-    of which the forward and backward process), model TFLOP/s, MFU, peak memory;
-  - split: the same work done piece by piece with device timestamps between the pieces:
-    forward (+ logprobs, loss, entropy) | backward | optimizer (clip + AdamW + zero_grad);
-  - dense: an n x n x n matmul in the run's dtype (`torch.matmul`), the device's GEMM ceiling.
+The peer (``--peer``) is stock transformers: its own ``Qwen3MoeForCausalLM`` /
+``DeepseekV3ForCausalLM`` with its ``grouped_mm`` experts (``config._experts_implementation``),
+parameters and AdamW in the compute dtype (as a plain bf16 fine-tuning loop holds them), the same
+micro-batches, the same activation checkpointing (transformers' own), and the simplest GRPO
+loss on its full logits (``log_softmax`` in fp32, gather, advantage-weighted token mean). It
+does less than ours (no fp32 master copy, no TIS, no entropy, no clipping) on purpose: the
+figure is ours against what a user would write with the stock model.
+
+Models (``--model``): ``tiny``/``small`` built in code; ``qwen3-30b-a3b`` and ``deepseek-v3`` are
+the published configs (app/model/config.real_config) with ``--layers`` decoder layers;
+``--experts`` keeps fewer routed experts, e.g. DeepSeek-V3's 32 = what one GPU holds at EP 8 (a
+full 256-expert layer's fp32 training state, 181 GB, does not fit one H200).
 
 FLOPs of one step (PaLM's model-FLOPs count, Chowdhery et al. 2022, "PaLM", appendix B):
     6 x N_active x tokens  +  12 x n_layers x n_heads x head_dim x seq_len x tokens
 N_active: every parameter a token's matmuls use: attention projections, routers, the top-k of the
 E routed experts (expert tensors x K / E), shared experts and the LM head; not the input embedding
-(a lookup) and not norms. The second term is attention's QK^T and AV, counted for the full
-(non-causal) L x L square as PaLM does. The entropy pass, softmaxes and optimizer are not counted.
-MFU here = model TFLOP/s / dense matmul TFLOP/s of the same run (not the datasheet peak).
+(a lookup) and not norms. Recomputation (activation checkpointing, the chunked LM head's
+backward) is not counted. MFU = model TFLOP/s / dense matmul TFLOP/s of the same run.
 
-Timing: after warm-up steps, `torch.cuda.Event` pairs around the timed region and one
-synchronize before the timers are read (CUDA); `time.perf_counter` on CPU. Peak memory is
-`torch.cuda.max_memory_allocated` over the timed steps (CUDA only).
+Timing: after warm-up steps, `torch.cuda.Event` pairs around the timed steps and one synchronize
+(CUDA); `time.perf_counter` on CPU. Peak memory is `torch.cuda.max_memory_allocated` of the timed
+steps (CUDA only), printed beside `moerl plan`'s prediction for the same layout.
 """
 
 from __future__ import annotations
 
+import gc
 import math
+import os
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
@@ -37,8 +47,7 @@ from app.bench.common import (DTYPES, Marks, check_at_least_one, check_device, d
                               profile_top)
 from app.bench.results import print_notes_and_write
 
-# Qwen3-MoE-style policies built in code. "small" (~0.49 B parameters, ~0.1 B active) is the GPU
-# benchmark model: Qwen3-30B-A3B's shape ratios (GQA 4:1, 8 of many narrow experts) scaled down.
+# Qwen3-MoE-style policies built in code (tests and quick runs).
 MODELS: dict[str, dict] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -47,34 +56,61 @@ MODELS: dict[str, dict] = {
                   head_dim=64, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256,
                   vocab_size=32768, max_position_embeddings=4096),
 }
+REAL = ("qwen3-30b-a3b", "deepseek-v3")
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def model_config(name: str):
-    """A `Qwen3MoeConfig` for preset ``name`` (see MODELS), built with `app.model.config.tiny_config`.
+def model_config(name: str, layers: int | None = None, experts: int | None = None):
+    """The transformers config of ``--model`` (see MODELS and REAL).
+
+    Args:
+        name: a MODELS preset or a REAL model.
+        layers: decoder layers for a REAL model (None: all); for DeepSeek-V3 the first layer stays
+            dense (``first_k_dense_replace`` = 1) so that the rest are MoE layers.
+        experts: routed experts per layer for a REAL model (None: all); DeepSeek-V3 keeps its
+            8 groups when they divide the count, else one group.
 
     Raises:
-        ValueError: unknown preset name.
+        ValueError: unknown name, or counts the config rejects.
     """
-    from app.model.config import tiny_config
+    from app.model.config import tiny_config, validate_config
 
-    if name not in MODELS:
-        raise ValueError(f"--model must be one of {sorted(MODELS)}, got {name!r}")
-    return tiny_config("tiny-qwen3-moe", **MODELS[name])
+    if name in MODELS:
+        return tiny_config("tiny-qwen3-moe", **MODELS[name])
+    if name not in REAL:
+        raise ValueError(f"--model must be one of {sorted(MODELS) + list(REAL)}, got {name!r}")
+    from app.model.config import real_config
+
+    config = real_config(name, num_hidden_layers=layers)
+    if name == "deepseek-v3" and layers is not None:
+        config.first_k_dense_replace = min(1, layers)
+    if experts is not None:
+        if config.model_type == "qwen3_moe":
+            config.num_experts = experts
+        else:
+            config.n_routed_experts = experts
+            if experts % config.n_group or experts // config.n_group < 2:
+                config.n_group = config.topk_group = 1
+            config.topk_group = min(config.topk_group, config.n_group)
+    validate_config(config, 1)
+    return config
 
 
-def check_model_and_dtype(model: str, dtype: str) -> None:
-    """Raise ValueError unless --model names a MODELS preset and --dtype a DTYPES key."""
-    if model not in MODELS:
-        raise ValueError(f"--model must be one of {sorted(MODELS)}, got {model!r}")
+def check_model_and_dtype(model: str, dtype: str, real: bool = False) -> None:
+    """Raise ValueError unless --model names a MODELS preset (or, with ``real``, a REAL model)
+    and --dtype a DTYPES key."""
+    names = sorted(MODELS) + (list(REAL) if real else [])
+    if model not in names:
+        raise ValueError(f"--model must be one of {names}, got {model!r}")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
 
 
 def check_seq_len(model: str, seq_len: int, flags: str) -> None:
     """Raise ValueError if `seq_len` tokens (the sum of `flags`, e.g. "--prompt-len +
-    --completion-len") exceed preset `model`'s max_position_embeddings."""
-    limit = MODELS[model]["max_position_embeddings"]
-    if seq_len > limit:
+    --completion-len") exceed MODELS preset `model`'s max_position_embeddings."""
+    limit = MODELS[model]["max_position_embeddings"] if model in MODELS else None
+    if limit is not None and seq_len > limit:
         raise ValueError(f"{flags} ({seq_len}) exceeds the model's max_position_embeddings ({limit})")
 
 
@@ -107,7 +143,12 @@ def param_counts(model: torch.nn.Module) -> dict:
 def step_flops(config, active_params: int, batch: int, seq_len: int) -> float:
     """Model FLOPs of one training step (forward + backward), PaLM appendix B (module docstring)."""
     tokens = batch * seq_len
-    d_attn = config.num_attention_heads * config.head_dim
+    if config.model_type == "deepseek_v3":
+        d_qk = config.num_attention_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim)
+        d_v = config.num_attention_heads * config.v_head_dim
+        d_attn = (d_qk + d_v) / 2  # QK^T over the qk width, AV over the v width
+    else:
+        d_attn = config.num_attention_heads * config.head_dim
     return 6.0 * active_params * tokens + 12.0 * config.num_hidden_layers * d_attn * seq_len * tokens
 
 
@@ -140,40 +181,155 @@ class TrainStepBench:
     """Inputs of the train-step benchmark (the CLI's flags)."""
 
     model: str = "tiny"
+    layers: int = 0  # 0: the model's own count
+    experts: int = 0  # 0: the model's own count
     groups: int = 2
     group_size: int = 4
     prompt_len: int = 16
     completion_len: int = 48
+    micro_batch_tokens: int = 0  # 0: one micro-batch
+    activation_checkpointing: str = "none"
+    logprob_chunk_tokens: int = 4096
     dtype: str = "float32"
     device: str = "cpu"
     iters: int = 3
     warmup: int = 1
     dense_n: int = 0  # 0: 8192 on CUDA, 512 on CPU
+    peer: bool = True
     profile: bool = False  # one more step under torch.profiler: top kernels/ops by self time
     seed: int = 0
 
     def check(self) -> None:
         """Raise ValueError naming the first bad flag (before anything is built)."""
-        check_model_and_dtype(self.model, self.dtype)
-        check_at_least_one(self, ("groups", "group_size", "prompt_len", "completion_len", "iters"))
-        if self.warmup < 0 or self.dense_n < 0:
-            raise ValueError("--warmup and --dense-n must be >= 0")
+        check_model_and_dtype(self.model, self.dtype, real=True)
+        if self.activation_checkpointing not in ("none", "full", "selective"):
+            raise ValueError(f"--activation-checkpointing must be none, full or selective, got "
+                             f"{self.activation_checkpointing!r}")
+        check_at_least_one(self, ("groups", "group_size", "prompt_len", "completion_len", "iters",
+                                  "logprob_chunk_tokens"))
+        for name in ("warmup", "dense_n", "layers", "experts", "micro_batch_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        if (self.layers or self.experts) and self.model in MODELS:
+            raise ValueError("--layers and --experts apply to qwen3-30b-a3b and deepseek-v3 only")
+        check_seq_len(self.model, self.prompt_len + self.completion_len, "--prompt-len + --completion-len")
         check_device(self.device)
 
+    def run_config(self):
+        """The RunConfig of our step: defaults plus the flags that shape the step."""
+        from app.config import RunConfig
 
-def _one_rank_group() -> bool:
-    """`train_step` asks torch.distributed for the world size: give it a group of one (gloo,
-    in-memory store; no collective runs with one rank). Returns True if we created it."""
-    import torch.distributed as dist
+        cfg = RunConfig()
+        t = cfg.trainer
+        t.micro_batch_tokens = self.micro_batch_tokens or None
+        t.activation_checkpointing = self.activation_checkpointing
+        t.logprob_chunk_tokens = self.logprob_chunk_tokens
+        cfg.model.dtype = self.dtype
+        return cfg
 
-    if dist.is_initialized():
-        return False
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return True
+
+def _ours(bench: TrainStepBench, config, device: torch.device):
+    """The trainer's model and optimizer on a one-rank layout; returns (step(), model)."""
+    from app.layout import resolve_layout
+    from app.model.parallel import EPContext
+    from app.model.policy import build_policy
+    from app.trainer.parallel import build_mesh, parallelize
+    from app.trainer.step import train_step
+
+    cfg = bench.run_config()
+    mesh = build_mesh(resolve_layout(cfg.trainer.parallel, 1), device.type)
+    model = build_policy(config, cfg.router, EPContext.local(), device=device, dtype=torch.float32, seed=bench.seed)
+    parallelize(model, mesh, DTYPES[bench.dtype], bench.activation_checkpointing)
+    # lr tiny: the weights barely move, so every timed step does the same work.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
+    batch = _batch(bench, config, cfg)
+
+    def step():
+        return train_step(cfg, model, optimizer, batch, pad_id=config.pad_token_id or 0, device=device)
+
+    return step, model
+
+
+def _batch(bench: TrainStepBench, config, cfg):
+    from app.trainer.batch import collate_groups
+
+    groups = synthetic_groups(bench.groups, bench.group_size, bench.prompt_len, bench.completion_len,
+                              config.vocab_size, bench.seed)
+    return collate_groups(groups, pad_id=config.pad_token_id or 0, scale_by_std=cfg.trainer.scale_by_std)
+
+
+def _peer(bench: TrainStepBench, config, device: torch.device):
+    """Stock transformers' model and a plain GRPO step (module docstring); returns step()."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from app.trainer.batch import plan_micro_batches, select_rows
+
+    cfg = bench.run_config()
+    config = copy.deepcopy(config)
+    config._experts_implementation = "grouped_mm" if device.type == "cuda" else "eager"
+    dtype = DTYPES[bench.dtype]
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if bench.activation_checkpointing != "none":
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
+    batch = _batch(bench, config, cfg)
+    plan = plan_micro_batches(batch, cfg.trainer.micro_batch_tokens)
+    tokens = batch.completion_mask.sum()
+
+    def step():
+        for rows, length in plan:
+            mb = select_rows(batch, rows, length).to(device)
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
+            logp = torch.log_softmax(logits.float(), -1).gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
+            mask = mb.completion_mask[:, 1:]
+            loss = -(logp * mb.advantages[:, None] * mask).sum() / tokens
+            loss.backward()
+            del logits, logp, loss
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _time(step, bench: TrainStepBench, device: torch.device) -> tuple[float, float | None, object]:
+    """(seconds per step, peak GB or None, the last step's result) after ``bench.warmup`` steps."""
+    out = None
+    for _ in range(bench.warmup):
+        out = step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    marks = Marks(device)
+    marks.mark()
+    for _ in range(bench.iters):
+        out = step()
+    marks.mark()
+    seconds = marks.intervals()[0] / bench.iters
+    peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    return seconds, peak, out
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _predicted_gb(bench: TrainStepBench, config) -> float | None:
+    """`moerl plan`'s per-GPU prediction for this step's layout (one GPU), or None without it."""
+    try:
+        from app.plan.memory import predict_step_memory
+    except ImportError:
+        return None
+    return predict_step_memory(config, bench)
 
 
 def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
-    """Build the policy and batch, time the step and its parts, print a table, write the result.
+    """Build both steps, time them, print a table, write the result.
 
     Returns:
         dict with ``figures``, ``ratios``, ``notes`` and ``path`` (the JSON result file).
@@ -183,146 +339,107 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
     """
     import torch.distributed as dist
 
-    from app.config import RouterConfig, RunConfig
-    from app.model.parallel import EPContext
     from app.model.experts import grouped_mm_supported
-    from app.model.policy import build_policy, moe_blocks
-    from app.trainer.batch import collate_groups
-    from app.trainer.grpo import grpo_loss, token_entropy, token_logprobs
-    from app.trainer.train import clip_grad_norm, train_step
+    from app.model.policy import moe_blocks
+    from app.trainer.train import init_distributed
 
     bench.check()
     device = torch.device(bench.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     dtype = DTYPES[bench.dtype]
-    config = model_config(bench.model)
+    config = model_config(bench.model, bench.layers or None, bench.experts or None)
     seq_len = bench.prompt_len + bench.completion_len
-    check_seq_len(bench.model, seq_len, "--prompt-len + --completion-len")
-    cfg = RunConfig()
+    if seq_len > config.max_position_embeddings:
+        raise ValueError(f"--prompt-len + --completion-len ({seq_len}) exceeds the model's "
+                         f"max_position_embeddings ({config.max_position_embeddings})")
     torch.manual_seed(bench.seed)
-    created_group = _one_rank_group()
+    created = not dist.is_initialized()
+    saved_env = {k: os.environ.get(k) for k in _DIST_ENV}
+    if created:
+        init_distributed(timeout_s=600)  # a group of one: the layout and FSDP2 need one
     try:
-        model = build_policy(config, RouterConfig(), EPContext.local(), device=device, dtype=dtype, seed=bench.seed)
-        params = [p for p in model.parameters() if p.requires_grad]
-        # lr tiny: the weights barely move, so every timed step does the same work.
-        optimizer = torch.optim.AdamW(params, lr=1e-7, weight_decay=cfg.trainer.weight_decay)
-        groups = synthetic_groups(bench.groups, bench.group_size, bench.prompt_len, bench.completion_len,
-                                  config.vocab_size, bench.seed)
-        batch = collate_groups(groups, pad_id=config.pad_token_id, scale_by_std=cfg.trainer.scale_by_std).to(device)
-        n_rows = batch.input_ids.shape[0]
+        step, model = _ours(bench, config, device)
+        n_rows = bench.groups * bench.group_size
         counts = param_counts(model)
-        first = moe_blocks(model)[0][1].experts
-        experts_impl = first.implementation
-        if experts_impl == "auto":
-            experts_impl = "grouped_mm" if grouped_mm_supported(first.gate_up_proj) else "loop"
-        flops = step_flops(config, counts["active"], n_rows, seq_len)
-        tokens = n_rows * seq_len
+        blocks = moe_blocks(model)
+        from app.model.experts import local
 
-        # 1) the trainer's step, end to end.
-        for _ in range(bench.warmup):
-            train_step(cfg, model, None, optimizer, batch, params, [])
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        marks = Marks(device)
-        marks.mark()
-        for _ in range(bench.iters):
-            applied, stats = train_step(cfg, model, None, optimizer, batch, params, [])
-        marks.mark()
-        step_s = marks.intervals()[0] / bench.iters
-        peak_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-
-        # 2) the same work piece by piece, a timestamp between the pieces.
-        t = cfg.trainer
-        temp = cfg.rollout.temperature
-        denominator = batch.completion_mask.sum()
-        marks = Marks(device)
-        for _ in range(bench.iters):
-            marks.mark()
-            model.train()
-            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-            logp = token_logprobs(logits, batch.input_ids, temp)
-            out = grpo_loss(logp, logp.detach(), batch.advantages, batch.completion_mask,
-                            clip_eps_low=t.clip_eps_low, clip_eps_high=t.clip_eps_high, loss_agg=t.loss_agg,
-                            denominator=denominator, rollout_logprobs=batch.rollout_logprobs, tis_cap=t.tis_cap)
-            if t.log_entropy:
-                (token_entropy(logits.detach(), temp) * batch.completion_mask).sum()
-            marks.mark()
-            out.loss.backward()
-            marks.mark()
-            clip_grad_norm(params, [], t.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            marks.mark()
-            del logits, logp, out
-        iv = marks.intervals()
-        # marks: [s0, f0, b0, o0, s1, ...]; the gap o_i -> s_{i+1} is host time between iterations.
-        parts = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
-        for i in range(bench.iters):
-            base = 4 * i
-            parts["forward"] += iv[base]
-            parts["backward"] += iv[base + 1]
-            parts["optimizer"] += iv[base + 2]
-        parts = {k: v / bench.iters for k, v in parts.items()}
-        split_s = sum(parts.values())
-
-        # 3) optionally, where one more step spends its time.
-        profiled = []
-        if bench.profile:
-            profiled = profile_top(lambda: train_step(cfg, model, None, optimizer, batch, params, []), device)
-
-        # 4) the dense GEMM ceiling.
+        experts_impl = "grouped_mm" if blocks and grouped_mm_supported(local(blocks[0][1].experts.gate_up_proj).to(dtype)) else "loop"
+        ours_s, ours_peak, (applied, stats) = _time(step, bench, device)
+        profiled = profile_top(step, device) if bench.profile else []
+        del step, model
+        _free(device)
+        peer_s = peer_peak = None
+        if bench.peer:
+            peer_step = _peer(bench, config, device)
+            peer_s, peer_peak, _ = _time(peer_step, bench, device)
+            del peer_step
+            _free(device)
         dense_n = bench.dense_n or (8192 if device.type == "cuda" else 512)
         dense_tflops = dense_matmul_tflops(device, dtype, dense_n)
     finally:
-        if created_group:
+        if created:
             dist.destroy_process_group()
+            for k, v in saved_env.items():  # leave the caller's environment as it was
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
-    model_tflops = flops / step_s / 1e12
+    flops = step_flops(config, counts["active"], n_rows, seq_len)
+    tokens = n_rows * seq_len
+    ours_tflops = flops / ours_s / 1e12
+    predicted = _predicted_gb(bench, config)
     figures = [
-        {"name": "train_step", "ms_per_step": step_s * 1e3, "tokens_per_s": tokens / step_s,
-         "model_tflops": model_tflops, "mfu_vs_dense": model_tflops / dense_tflops,
-         "peak_memory_gb": peak_gb, "applied": bool(applied), "loss": stats.get("loss")},
-        *({"name": f"split:{k}", "ms_per_step": v * 1e3, "share": v / split_s} for k, v in parts.items()),
-        {"name": "split:total", "ms_per_step": split_s * 1e3, "share": 1.0},
+        {"name": "ours", "ms_per_step": ours_s * 1e3, "tokens_per_s": tokens / ours_s, "model_tflops": ours_tflops,
+         "mfu_vs_dense": ours_tflops / dense_tflops, "peak_memory_gb": ours_peak, "predicted_memory_gb": predicted,
+         "applied": bool(applied), "loss": stats.get("loss"), "micro_batches": stats.get("micro_batches")},
         {"name": "dense_matmul", "n": dense_n, "tflops": dense_tflops},
         *profiled,
     ]
-    ratios = {
-        "train_step model TFLOP/s / dense matmul TFLOP/s (MFU)": model_tflops / dense_tflops,
-        "split total / train_step time": split_s / step_s,
-    }
+    ratios = {"ours model TFLOP/s / dense matmul TFLOP/s (MFU)": ours_tflops / dense_tflops}
+    if peer_s is not None:
+        peer_tflops = flops / peer_s / 1e12
+        figures.insert(1, {"name": "stock_transformers", "ms_per_step": peer_s * 1e3, "tokens_per_s": tokens / peer_s,
+                           "model_tflops": peer_tflops, "mfu_vs_dense": peer_tflops / dense_tflops,
+                           "peak_memory_gb": peer_peak})
+        ratios["ours tokens/s / stock transformers tokens/s"] = peer_s / ours_s
+    if ours_peak is not None and predicted is not None:
+        ratios["moerl plan predicted / measured peak memory"] = predicted / ours_peak
     notes = [
         "FLOPs/step = 6 x N_active x tokens + 12 x layers x heads x head_dim x seq_len x tokens "
-        "(PaLM app. B; N_active excludes the input embedding and norms, routed experts x K/E)",
-        "train_step = app.trainer.train.train_step with RunConfig() defaults (TIS cap, entropy on, AdamW)",
-        "split = the same calls run piece by piece; forward includes logprobs, GRPO loss and entropy",
-        f"attention implementation: {getattr(model.config, '_attn_implementation', None)}; experts: {experts_impl}",
+        "(PaLM app. B; N_active excludes the input embedding and norms, routed experts x K/E; recompute not counted)",
+        "ours = app.trainer.step.train_step on the trainer's layout (FSDP2, fp32 master weights, "
+        f"{bench.dtype} compute, AdamW on fp32, chunked logprobs, TIS, entropy)",
+        "stock = transformers' model (grouped_mm experts on CUDA), parameters and AdamW in the compute dtype, "
+        "full-vocabulary log_softmax, the same micro-batches and activation checkpointing",
+        f"experts: {experts_impl}; routed experts {config.num_experts if config.model_type == 'qwen3_moe' else config.n_routed_experts}"
+        f" top-{config.num_experts_per_tok}",
     ]
-    if peak_gb is None:
+    if ours_peak is None:
         notes.append("peak memory: not measured on CPU")
+    if not math.isfinite(stats.get("loss", float("nan"))):
+        notes.append("the loss was not finite")
     shape = asdict(bench)
     shape.update(params_total=counts["total"], params_active=counts["active"], rows=n_rows, seq_len=seq_len,
                  tokens_per_step=tokens, flops_per_step=flops, hidden=config.hidden_size,
-                 layers=config.num_hidden_layers, experts=config.num_experts, topk=config.num_experts_per_tok,
-                 moe_intermediate=config.moe_intermediate_size, vocab=config.vocab_size)
+                 layers=config.num_hidden_layers, vocab=config.vocab_size)
 
-    print(f"GRPO train step  model={bench.model} ({counts['total'] / 1e6:.1f} M params, "
-          f"{counts['active'] / 1e6:.1f} M active) batch={n_rows}x{seq_len} {bench.dtype} on {device} "
-          f"({bench.iters} steps after {bench.warmup} warm-up)")
-    print(f"{'part':<20}{'ms/step':>12}{'share':>8}")
-    for k, v in parts.items():
-        print(f"{k:<20}{v * 1e3:>12.2f}{v / split_s:>8.1%}")
-    print(f"{'split total':<20}{split_s * 1e3:>12.2f}")
-    print(f"{'train_step':<20}{step_s * 1e3:>12.2f}   tokens/s {tokens / step_s:,.0f}   "
-          f"model TFLOP/s {model_tflops:.3f}")
-    print(f"dense matmul {dense_n}^3 {bench.dtype}: {dense_tflops:.3f} TFLOP/s")
-    print(f"MFU vs dense: {model_tflops / dense_tflops:.1%}" + (f"   peak memory {peak_gb:.2f} GB" if peak_gb else ""))
+    print(f"GRPO train step  model={bench.model} ({counts['total'] / 1e9:.2f} B params, "
+          f"{counts['active'] / 1e9:.2f} B active, {config.num_hidden_layers} layers) batch={n_rows}x{seq_len} "
+          f"{bench.dtype} on {device}, micro-batch tokens {bench.micro_batch_tokens or 'all'}, AC "
+          f"{bench.activation_checkpointing} ({bench.iters} steps after {bench.warmup} warm-up)")
+    print(f"{'':<20}{'ms/step':>10}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'peak GB':>10}")
+    for f in figures[: 2 if peer_s is not None else 1]:
+        peak = f"{f['peak_memory_gb']:.1f}" if f["peak_memory_gb"] is not None else "-"
+        print(f"{f['name']:<20}{f['ms_per_step']:>10.1f}{f['tokens_per_s']:>12,.0f}{f['model_tflops']:>10.1f}"
+              f"{f['mfu_vs_dense']:>8.1%}{peak:>10}")
+    print(f"dense matmul {dense_n}^3 {bench.dtype}: {dense_tflops:.1f} TFLOP/s")
+    if predicted is not None:
+        print(f"moerl plan predicts {predicted:.1f} GB for this step")
     if profiled:
-        print(f"profile of one train_step, top {len(profiled)} by self {'device' if device.type == 'cuda' else 'CPU'} time:")
+        print(f"profile of one step of ours, top {len(profiled)} by self {'device' if device.type == 'cuda' else 'CPU'} time:")
         for f in profiled:
             print(f"  {f['self_ms']:>10.2f} ms {f['share']:>6.1%} {f['calls']:>6}x  {f['name'][len('profile:'):]}")
-    if not math.isfinite(stats.get("loss", float("nan"))):
-        notes.append("the loss was not finite")
     return print_notes_and_write("train_step", shape, figures, ratios, notes, out_dir)

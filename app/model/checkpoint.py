@@ -39,12 +39,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
+from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from app.config import RouterConfig
 from app.model.config import validate_config
 from app.model.parallel import EPContext
-from app.model.policy import build_policy, moe_blocks
+from app.model.policy import build_policy, moe_blocks, stock_architecture
 from app.model.reader import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, CheckpointReader  # noqa: F401 - re-exported
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
@@ -261,19 +262,25 @@ def _write_metadata(model: PreTrainedModel, tmp: Path, shards: list[list[_HFTens
     total = sum(t.nbytes for shard in shards for t in shard)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    write_metadata(model, tmp, model.get_input_embeddings().weight.dtype)
+    for f in tmp.iterdir():
+        _fsync(f)
+
+
+def write_metadata(model: PreTrainedModel, out_dir: Path, dtype: torch.dtype) -> None:
+    """config.json (naming the stock transformers class and ``dtype``, the dtype the weights are
+    saved in) and generation_config.json of ``model`` into ``out_dir``."""
     config = copy.deepcopy(model.config)
-    config.architectures = [type(model).__name__]
-    config.dtype = model.get_input_embeddings().weight.dtype
+    config.architectures = [stock_architecture(model)]
+    config.dtype = dtype
     data = json.loads(config.to_json_string())
     # transformers < 5 (as pinned by some SGLang releases) reads rope_theta at the top level.
     rope = data.get("rope_parameters") or {}
     if "rope_theta" in rope:
         data.setdefault("rope_theta", rope["rope_theta"])
-    (tmp / CONFIG_NAME).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    (out_dir / CONFIG_NAME).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(tmp)
-    for f in tmp.iterdir():
-        _fsync(f)
+        model.generation_config.save_pretrained(out_dir)
 
 
 # ---------------------------------------------------------------- load
@@ -438,3 +445,120 @@ def load_policy(
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.eval()
+
+
+# ---------------------------------------------------------------- the sharded trainer's view
+
+
+def local_block(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """``(local tensor, global offset, local shape)`` of a parameter: for a DTensor (FSDP2 shard,
+    experts also sharded over EP) its block of the global tensor; a plain tensor is all of itself."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if isinstance(t, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return t.to_local(), tuple(offset), tuple(shape)
+    return t, (0,) * t.dim(), tuple(t.shape)
+
+
+_FUSED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def hf_pieces(name: str, shape: tuple[int, ...], offset: tuple[int, ...], block: tuple[int, ...],
+              fused_in_checkpoint: bool = False) -> list[tuple[str, tuple[slice, ...], tuple[slice, ...]]]:
+    """Where a block of one of our tensors lives in a Hugging Face checkpoint.
+
+    Our expert tensors are fused (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H,
+    I]``); the Hub stores one tensor per expert and projection (``experts.{e}.gate_proj.weight
+    [I, H]``, ``up_proj [I, H]``, ``down_proj [H, I]``). Everything else maps one to one.
+
+    Args:
+        name: our parameter (or buffer) name, e.g. ``model.layers.3.mlp.experts.gate_up_proj``.
+        shape: its global shape.
+        offset, block: the block's global offset and shape (`local_block`).
+        fused_in_checkpoint: the checkpoint stores the fused expert tensors (transformers 5's
+            ``save_original_format=False``) instead of per-expert ones.
+
+    Returns:
+        ``[(hf_name, slices into the HF tensor, slices into the block)]`` covering the block.
+    """
+    m = _FUSED_EXPERT.match(name)
+    full = tuple(slice(o, o + b) for o, b in zip(offset, block))
+    if m is None or fused_in_checkpoint:
+        return [(name, full, tuple(slice(0, b) for b in block))]
+    prefix, kind = m.groups()
+    (e0, r0, c0), (ne, nr, nc) = offset, block
+    cols, dst_cols = slice(c0, c0 + nc), slice(0, nc)
+    out = []
+    for i in range(ne):
+        e = e0 + i
+        if kind == "down_proj":
+            out.append((f"{prefix}.{e}.down_proj.weight", (slice(r0, r0 + nr), cols), (i, slice(0, nr), dst_cols)))
+            continue
+        inter = shape[1] // 2
+        for j, proj in enumerate(("gate_proj", "up_proj")):
+            lo, hi = max(r0, j * inter), min(r0 + nr, (j + 1) * inter)
+            if lo < hi:
+                out.append((f"{prefix}.{e}.{proj}.weight", (slice(lo - j * inter, hi - j * inter), cols),
+                            (i, slice(lo - r0, hi - r0), dst_cols)))
+    return out
+
+
+@torch.no_grad()
+def load_policy_shards(model: nn.Module, path: str | os.PathLike, rename: tuple[str, str] | None = None,
+                       skip: tuple[str, ...] = ()) -> None:
+    """Fill a sharded policy (parameters and persistent buffers materialised, e.g. after
+    ``to_empty``) from a Hugging Face checkpoint directory; each rank reads only its blocks.
+
+    Names and shapes are checked against the checkpoint headers first (all of them, before any
+    tensor is read); per-expert (Hub) and fused (transformers 5) expert layouts are accepted.
+
+    Args:
+        model: the module to fill (a policy, or a critic whose ``trunk.`` is the checkpoint's ``model.``).
+        path: the checkpoint directory.
+        rename: ``(ours, theirs)``: a name prefix of ours that is another in the checkpoint.
+        skip: name prefixes of ours that the checkpoint does not hold (left as they are).
+
+    Raises:
+        FileNotFoundError: missing weights or shard (named).
+        ValueError: a tensor missing or of the wrong shape (tensor and file named).
+    """
+    path = Path(path)
+    state = model.state_dict()
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    if tied:
+        state.pop("lm_head.weight", None)
+    with CheckpointReader(path) as reader:
+        plan = []
+        for ours, t in state.items():
+            if skip and ours.startswith(skip):
+                continue
+            name = ours
+            if rename and ours.startswith(rename[0]):
+                name = rename[1] + ours[len(rename[0]):]
+            local, offset, block = local_block(t)
+            fused = name in reader and _FUSED_EXPERT.match(name) is not None
+            for key, src, dst in hf_pieces(name, tuple(t.shape), offset, block, fused):
+                if key not in reader:
+                    raise ValueError(f"{path}: tensor {key} is missing from the checkpoint")
+                want = _hf_shape(name, key, tuple(t.shape), fused)
+                if reader.shape(key) != want:
+                    raise ValueError(f"{reader.file(key)}: tensor {key} has shape {list(reader.shape(key))}, "
+                                     f"config expects {list(want)}")
+                plan.append((key, src, local, dst))
+        # Every check passed: now read, each block straight into its place (FP8 dequantised on read).
+        for key, src, local, dst in plan:
+            reader.read(key, src, dtype=local.dtype, out=local[dst])
+    if tied:
+        model.tie_weights()
+
+
+def _hf_shape(name: str, key: str, shape: tuple[int, ...], fused: bool) -> tuple[int, ...]:
+    """Shape of checkpoint tensor ``key`` that holds (part of) our tensor ``name`` of ``shape``."""
+    m = _FUSED_EXPERT.match(name)
+    if m is None or fused:
+        return shape
+    if m.group(2) == "down_proj":
+        return tuple(shape[1:])
+    return (shape[1] // 2, shape[2])

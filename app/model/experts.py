@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from transformers.activations import ACT2FN
 
 from app.model import kernels
@@ -37,12 +38,19 @@ def grouped_mm_supported(weight: Tensor) -> bool:
     )
 
 
+def local(p: Tensor) -> Tensor:
+    """This rank's block of a parameter: under the sharded trainer (app/trainer/parallel.py) the
+    expert weights are DTensors sharded over the EP mesh (global [E, ...]); inside forward FSDP has
+    gathered the expert-data-parallel shards, so the local tensor is this EP rank's [E_local, ...]."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
 class GroupedExperts(nn.Module):
     """E_local SwiGLU experts.
 
     Parameters:
-        gate_up_proj: [E_local, 2*I, H]
-        down_proj: [E_local, H, I]
+        gate_up_proj: [E_local, 2*I, H] (a DTensor of global shape [E, 2*I, H] under the sharded trainer)
+        down_proj: [E_local, H, I] (likewise [E, H, I])
     """
 
     def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int,
@@ -77,12 +85,13 @@ class GroupedExperts(nn.Module):
         if row_weights is not None and (row_weights.shape != (x.shape[0],) or not row_weights.is_floating_point()):
             raise ValueError(f"row_weights must be a float tensor of shape [N] = [{x.shape[0]}], "
                              f"got {row_weights.dtype} {tuple(row_weights.shape)}")
+        gate_up_w, down_w = local(self.gate_up_proj), local(self.down_proj)
         impl = self.implementation
         if impl == "auto":
-            impl = "grouped_mm" if grouped_mm_supported(self.gate_up_proj) else "loop"
+            impl = "grouped_mm" if grouped_mm_supported(gate_up_w) else "loop"
         if impl == "grouped_mm":
-            return self._grouped_mm(x, tokens_per_expert, row_weights)
-        return self._loop(x, tokens_per_expert, row_weights)
+            return self._grouped_mm(x, tokens_per_expert, row_weights, gate_up_w, down_w)
+        return self._loop(x, tokens_per_expert, row_weights, gate_up_w, down_w)
 
     def _activation(self, gate_up: Tensor, row_weights: Tensor | None) -> Tensor:
         """[N, 2I] gate_up -> [N, I] act(gate) * up (* row weight)."""
@@ -94,28 +103,30 @@ class GroupedExperts(nn.Module):
             h = h * row_weights.to(h.dtype).unsqueeze(-1)
         return h
 
-    def _grouped_mm(self, x: Tensor, tokens_per_expert: Tensor, row_weights: Tensor | None) -> Tensor:
+    def _grouped_mm(self, x: Tensor, tokens_per_expert: Tensor, row_weights: Tensor | None,
+                    gate_up_w: Tensor, down_w: Tensor) -> Tensor:
         # Offsets stay on the device: no host sync (torch._grouped_mm takes cumulative int32 ends).
         offs = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
-        x = x.to(self.gate_up_proj.dtype)
-        gate_up = torch._grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offs)
+        x = x.to(gate_up_w.dtype)
+        gate_up = torch._grouped_mm(x, gate_up_w.transpose(-2, -1), offs=offs)
         h = self._activation(gate_up, row_weights)
-        return torch._grouped_mm(h, self.down_proj.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(h, down_w.transpose(-2, -1), offs=offs)
 
-    def _loop(self, x: Tensor, tokens_per_expert: Tensor, row_weights: Tensor | None) -> Tensor:
+    def _loop(self, x: Tensor, tokens_per_expert: Tensor, row_weights: Tensor | None,
+              gate_up_w: Tensor, down_w: Tensor) -> Tensor:
         # One host sync for the counts; every expert runs (an empty slice costs nothing) so that
         # each local expert's weights take part in the graph and get a zero, not a missing, grad.
         # unbind (not w[e]) so the backward stacks E gradients once instead of adding E full-size ones.
         counts = tokens_per_expert.tolist()
-        x = x.to(self.gate_up_proj.dtype)
-        gate_up_w, down_w = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        x = x.to(gate_up_w.dtype)
+        gate_up_w, down_w = gate_up_w.unbind(0), down_w.unbind(0)
         weights = torch.split(row_weights, counts) if row_weights is not None else [None] * len(counts)
         outs = []
         for e, rows in enumerate(torch.split(x, counts, dim=0)):
             h = self._activation(F.linear(rows, gate_up_w[e]), weights[e])
             outs.append(F.linear(h, down_w[e]))
         if not outs:
-            return x.new_zeros(0, self.down_proj.shape[1])
+            return x.new_zeros(0, down_w[0].shape[0] if down_w else 0)
         return torch.cat(outs, dim=0)
 
 

@@ -18,18 +18,47 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from transformers import DeepseekV3ForCausalLM, PretrainedConfig, PreTrainedModel, Qwen3MoeForCausalLM
 
 from app.config import RouterConfig
+from app.model.logprobs import sequence_logprobs
 from app.model.config import moe_layer_ids, num_routed_experts, validate_config
 from app.model.moe import MoEBlock
 from app.model.parallel import EPContext
 
+class _ScoresTokens:
+    """The trainer's forward, as a method of the root module so that FSDP2 can wrap it
+    (`torch.distributed.fsdp.register_fsdp_forward_method`): it reads the LM-head weight directly,
+    which FSDP has gathered only inside a forward of the root."""
+
+    def sequence_logprobs(self, input_ids: Tensor, attention_mask: Tensor, mask: Tensor,
+                          temperature: float = 1.0, chunk: int = 4096, with_entropy: bool = False):
+        """`app.model.logprobs.sequence_logprobs` of this model (see there for shapes)."""
+        return sequence_logprobs(self, input_ids, attention_mask, mask, temperature, chunk, with_entropy)
+
+
+class Qwen3MoePolicy(_ScoresTokens, Qwen3MoeForCausalLM):
+    """transformers' Qwen3MoeForCausalLM plus `sequence_logprobs`; saved as the stock class."""
+
+
+class DeepseekV3Policy(_ScoresTokens, DeepseekV3ForCausalLM):
+    """transformers' DeepseekV3ForCausalLM plus `sequence_logprobs`; saved as the stock class."""
+
+
 MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
-    "qwen3_moe": Qwen3MoeForCausalLM,
-    "deepseek_v3": DeepseekV3ForCausalLM,
+    "qwen3_moe": Qwen3MoePolicy,
+    "deepseek_v3": DeepseekV3Policy,
 }
+
+
+def stock_architecture(model: nn.Module | type) -> str:
+    """The transformers class name a saved config.json must name (stock transformers and SGLang
+    load it): the first class in the policy's MRO that transformers defines."""
+    for cls in (model if isinstance(model, type) else type(model)).__mro__:
+        if cls.__module__.startswith("transformers."):
+            return cls.__name__
+    raise ValueError(f"{model!r} has no transformers base class")
 
 
 def build_policy(
@@ -70,7 +99,7 @@ def build_policy(
     validate_config(config, ep.size)
     config = copy.deepcopy(config)
     cls = MODEL_CLASSES[config.model_type]
-    config.architectures = [cls.__name__]
+    config.architectures = [stock_architecture(cls)]
     with torch.device("meta"):
         model = cls(config)
         for idx in moe_layer_ids(config):

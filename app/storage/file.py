@@ -7,7 +7,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from app.storage.store import ObjectStore, check_key, check_prefix
+from app.storage.store import check_range, ObjectStore, check_key, check_prefix
 
 TMP_MARK = ".moerl-tmp-"  # temporary names start with this; list() never shows them
 
@@ -80,6 +80,18 @@ class FileStore(ObjectStore):
             return path.read_bytes()
         except (FileNotFoundError, IsADirectoryError):
             raise FileNotFoundError(f"{self.uri(key)}: no such object") from None
+
+    def get_range(self, key, offset, length):
+        if offset < 0 or length < 0:
+            raise ValueError(f"{self.uri(key)}: bad range {offset}+{length}")
+        try:
+            with open(self._path(key), "rb") as f:
+                f.seek(offset)
+                data = f.read(length)
+        except (FileNotFoundError, IsADirectoryError):
+            raise FileNotFoundError(f"{self.uri(key)}: no such object") from None
+        check_range(self.uri(key), offset, length, len(data))
+        return data
 
     def exists(self, key):
         return self._path(key).is_file()

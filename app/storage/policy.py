@@ -63,7 +63,20 @@ def publish_policy(store: ObjectStore, run_id: str, version: int, local_dir: str
         rel = path.relative_to(src).as_posix()
         store.put_file(path, prefix + rel)
         sizes[rel] = path.stat().st_size
-    manifest = {"run_id": run_id, "version": version, "files": sizes}
+    return finish_version(store, run_id, version, sizes)
+
+
+def finish_version(store: ObjectStore, run_id: str, version: int, files: dict[str, int]) -> str:
+    """Make policy `version` visible once every one of its `files` (name -> size) is uploaded:
+    write its manifest, then point `latest` at it. Returns the version's URI.
+
+    Raises:
+        ValueError: bad version or run_id, or `files` lacks config.json or a *.safetensors file.
+    """
+    if "config.json" not in files or not any(f.endswith(".safetensors") for f in files):
+        raise ValueError(f"policy v{version}: files {sorted(files)[:5]}... lack config.json or *.safetensors")
+    prefix = version_prefix(run_id, version)
+    manifest = {"run_id": run_id, "version": version, "files": dict(sorted(files.items()))}
     store.put_bytes(prefix + MANIFEST, json.dumps(manifest, indent=1).encode())
     store.put_bytes(latest_key(run_id), str(version).encode())
     return store.uri(prefix.rstrip("/"))

@@ -18,7 +18,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import ClientError, EndpointConnectionError
 
 from app.storage.file import TMP_MARK
-from app.storage.store import ObjectStore, check_key, check_prefix
+from app.storage.store import check_range, ObjectStore, check_key, check_prefix
 
 MiB = 1 << 20
 SSE_CHOICES = (None, "AES256", "aws:kms")
@@ -138,6 +138,21 @@ class S3Store(ObjectStore):
             if _not_found(e):
                 raise FileNotFoundError(f"{self.uri(key)}: no such object") from None
             raise
+
+    def get_range(self, key, offset, length):
+        if offset < 0 or length < 0:
+            raise ValueError(f"{self.uri(key)}: bad range {offset}+{length}")
+        if length == 0:
+            return b""
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self._key(key),
+                                          Range=f"bytes={offset}-{offset + length - 1}")["Body"].read()
+        except ClientError as e:
+            if _not_found(e):
+                raise FileNotFoundError(f"{self.uri(key)}: no such object") from None
+            raise
+        check_range(self.uri(key), offset, length, len(body))
+        return body
 
     def exists(self, key):
         try:

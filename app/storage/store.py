@@ -36,6 +36,12 @@ def run_area(run_id: str, area: str) -> str:
     return f"{run_id}/{area}/"
 
 
+def check_range(key: str, offset: int, length: int, got: int) -> None:
+    """Raise ValueError unless ``got`` == ``length`` bytes were read at ``offset`` of `key`."""
+    if got != length:
+        raise ValueError(f"{key}: range {offset}+{length} is past the end of the object ({got} bytes read)")
+
+
 def check_prefix(prefix: str) -> str:
     """A list/delete prefix: '' (everything) or a key, optionally ending with '/'."""
     if prefix:
@@ -66,6 +72,15 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def get_bytes(self, key: str) -> bytes:
         """Read the whole object at `key`."""
+
+    @abc.abstractmethod
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """Read ``length`` bytes of `key` from byte ``offset`` (an HTTP Range GET on S3).
+
+        Raises:
+            FileNotFoundError: no object at `key`.
+            ValueError: a negative offset or length, or a range past the object's end.
+        """
 
     @abc.abstractmethod
     def exists(self, key: str) -> bool:

@@ -153,3 +153,51 @@ def split_groups(groups: list, n_ranks: int) -> list[list]:
         assigned[r].append(i)
         load[r] += tokens(groups[i])
     return [[groups[i] for i in sorted(idx)] for idx in assigned]
+
+
+def select_rows(batch: TrainBatch, rows: Tensor, length: int) -> TrainBatch:
+    """The sub-batch of ``rows`` (int64 ``[b]`` indices) cut to the first ``length`` positions
+    (rows are right-padded, so a cut at the longest selected row drops only padding).
+    ``group_ids`` keep their batch-wide values; advantages were computed over whole groups."""
+    token = ("input_ids", "attention_mask", "completion_mask", "rollout_logprobs")
+    fields = {}
+    for k, v in vars(batch).items():
+        if k in token:
+            fields[k] = v[rows, :length]
+        elif isinstance(v, Tensor):
+            fields[k] = v[rows]
+        else:
+            fields[k] = [v[i] for i in rows.tolist()]
+    return TrainBatch(**fields)
+
+
+def plan_micro_batches(batch: TrainBatch, max_tokens: int | None) -> list[tuple[Tensor, int]]:
+    """Pack whole rows into micro-batches of at most ``max_tokens`` padded tokens.
+
+    Rows are sorted by length, longest first, and cut into runs: a micro-batch whose longest row
+    has ``n`` tokens takes up to ``max_tokens // n`` rows (its padded size is rows x n). A row
+    longer than ``max_tokens`` gets a micro-batch of its own. Sorting by length keeps padding
+    low, as verl's sequence-length balancing does (``verl/utils/seqlen_balancing.py``).
+
+    Args:
+        batch: this rank's rows.
+        max_tokens: ``trainer.micro_batch_tokens``; None: one micro-batch of every row.
+
+    Returns:
+        ``[(rows [b] int64, length)]`` in processing order; empty for an empty batch.
+    """
+    n = batch.input_ids.shape[0]
+    if n == 0:
+        return []
+    lengths = batch.attention_mask.sum(-1)
+    if max_tokens is None:
+        return [(torch.arange(n), int(lengths.max()))]
+    order = torch.argsort(lengths, descending=True, stable=True)
+    plan = []
+    i = 0
+    while i < n:
+        longest = int(lengths[order[i]])
+        take = max(1, max_tokens // max(longest, 1))
+        plan.append((order[i : i + take], longest))
+        i += take
+    return plan

@@ -1,19 +1,26 @@
 """Training state in the object store: saved every ``trainer.save_every`` steps, resumed from the
-newest complete one (issue 4).
+newest complete one (issue 4; sharded through torch.distributed.checkpoint since issue 13).
 
 Layout (DESIGN.md §3: training state lives apart from the policy weights):
 
-    <run>/train/s{step:08d}/rank{r}.pt         rank r: its model shard (EP: its local experts),
-                                                optimizer state, torch RNG state(s)
-    <run>/train/s{step:08d}/moerl-state.json   manifest, written by rank 0 LAST, after every rank's
-                                                file is stored: step, policy version, world size,
-                                                files and sizes, buffer commit point, counters
+    <run>/train/s{step:08d}/dcp/.metadata        DCP's global metadata (rank 0)
+    <run>/train/s{step:08d}/dcp/__{r}_0.distcp   rank r's tensors: its FSDP shards of the fp32
+                                                master weights and AdamW state of every module
+                                                (policy, critic), each tensor stored once
+    <run>/train/s{step:08d}/rng{r}.pt           rank r's torch RNG state(s)
+    <run>/train/s{step:08d}/lineage.json        rank 0: "task_id/attempt" of every group trained on
+    <run>/train/s{step:08d}/moerl-state.json    manifest, written by rank 0 LAST, after every
+                                                rank's files are stored: step, policy version,
+                                                world size, files and sizes, commit point, counters
     <run>/train/latest                          "step" of the newest manifest (a hint for people;
                                                 resume scans the manifests themselves)
 
-A step directory without its manifest is incomplete (a save that was killed) and is never
-loaded, so a kill at any moment of a save leaves the previous state usable. Each object is
-written atomically by the store (file: temporary name + rename; S3: PutObject).
+Each rank writes its DCP file through ``FileSystemWriter`` into a directory of its own (no shared
+disk between trainer pods is assumed), streaming tensor by tensor, then uploads it; loading reads
+each tensor's byte range from the store (`StoreReader`, a ranged GET per item), so a rank fetches
+only the bytes of the shards it owns. A step directory without its manifest is incomplete (a save
+that was killed) and is never loaded, so a kill at any moment of a save leaves the previous state
+usable. Each object is written atomically by the store (file: temporary name + rename; S3: PutObject).
 
 Buffer commit point: the trainer commits (deletes) its taken groups from Redis only after the
 state that trained on them is saved. The manifest records the newest samples-stream entry id
@@ -25,13 +32,19 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from app.storage.store import ObjectStore, run_area
 
@@ -85,16 +98,58 @@ def latest_state(store: ObjectStore, run_id: str) -> dict | None:
     return None
 
 
-def rank_payload(model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict | None = None) -> dict:
-    """What one rank saves: its parameters (EP: only its local experts), optimizer, RNG states."""
-    payload = {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "rng_cpu": torch.get_rng_state(),
-        "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "extra": extra or {},
-    }
-    return payload
+class StoreReader(FileSystemReader):
+    """A DCP ``StorageReader`` over an `ObjectStore` prefix: metadata with one GET, every tensor
+    item with one ranged GET of exactly its bytes (DCP's own deserialisation is reused)."""
+
+    def __init__(self, store: ObjectStore, prefix: str):
+        super().__init__(path=".")
+        self.store, self.prefix = store, prefix
+        self.path = prefix
+        self.fs = _StoreFS(store)
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        metadata = pickle.loads(self.store.get_bytes(self.prefix + ".metadata"))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _slice_file(self, file, sinfo):
+        return io.BytesIO(self.store.get_range(file.key, sinfo.offset, sinfo.length))
+
+
+class _StoreFS:
+    """The two FileSystem calls FileSystemReader.read_data makes, over store keys."""
+
+    class _Handle:
+        def __init__(self, key: str):
+            self.key = key
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def __init__(self, store: ObjectStore):
+        self.store = store
+
+    def concat_path(self, path: str, suffix: str) -> str:
+        return path + str(suffix)
+
+    def create_stream(self, key: str, mode: str):
+        return self._Handle(key)
+
+
+def module_states(modules: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]) -> dict:
+    """``{name: {"model": ..., "optim": ...}}`` of each (module, optimizer): FSDP2-aware state dicts
+    (DTensor shards keyed by parameter name; ``torch.distributed.checkpoint.state_dict``)."""
+    out = {}
+    for name, (module, optimizer) in modules.items():
+        msd, osd = get_state_dict(module, optimizer)
+        out[name] = {"model": msd, "optim": osd}
+    return out
 
 
 def _all_ok(ok: bool) -> bool:
@@ -108,73 +163,89 @@ def _all_ok(ok: bool) -> bool:
     return bool(flag.item())
 
 
+def _rng_state() -> bytes:
+    buf = io.BytesIO()
+    torch.save({"cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, buf)
+    return buf.getvalue()
+
+
 def save_state(
     store: ObjectStore,
     run_id: str,
     step: int,
-    payload: dict,
+    modules: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
     meta: dict,
     *,
+    lineage: list[str] | None = None,
     work_dir: str | Path,
     keep: int = 2,
 ) -> float:
-    """Save this rank's ``payload`` as part of the state after ``step``. Collective: every rank calls it.
+    """Save the state after ``step``. Collective: every rank calls it with the same modules.
 
-    Order: every rank writes its ``rank{r}.pt`` (local file, then the store); once all have
-    succeeded, rank 0 writes the manifest (``meta`` + step, world size, file sizes, time), then
-    ``latest``, then prunes states older than the newest ``keep``.
+    Order: every rank writes its DCP file into ``work_dir/rank{r}/`` and uploads it with its RNG
+    state; once all have succeeded, rank 0 uploads DCP's metadata and ``lineage``, writes the
+    manifest (``meta`` + step, world size, file sizes, time), then ``latest``, then prunes states
+    older than the newest ``keep``.
 
     Args:
         store: the run's object store.
         run_id: the run.
         step: optimizer steps done (the state is "after step").
-        payload: `rank_payload(...)` of this rank (torch.save-able).
-        meta: JSON-able facts of the whole state (rank 0's is used): policy version, buffer
-            commit point, counters.
-        work_dir: local scratch directory for the file before upload.
+        modules: ``{"policy": (model, optimizer), "critic": ...}``.
+        meta: JSON-able facts of the whole state (rank 0's is used): train state, policy
+            version, buffer commit point.
+        lineage: rank 0: the "task_id/attempt" keys trained on (None elsewhere).
+        work_dir: local scratch directory (a rank's own subdirectory is used and removed).
         keep: complete states to keep.
 
     Returns:
         seconds spent.
+
     Raises:
-        RuntimeError: some rank failed to write its file (raised on every rank; no manifest
-            is written, so the previous state stays the newest complete one).
+        RuntimeError: some rank failed to write or upload (raised on every rank; no manifest is
+            written, so the previous state stays the newest complete one).
     """
     t0 = time.perf_counter()
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     prefix = step_prefix(run_id, step)
-    name = f"rank{rank}.pt"
+    local = Path(work_dir) / f"rank{rank}" / f"s{step:08d}"
     error: Exception | None = None
-    size = 0
+    sizes: dict[str, int] = {}
     try:
-        buf = io.BytesIO()
-        torch.save(payload, buf)
-        data = buf.getvalue()
-        size = len(data)
-        local = Path(work_dir) / f"s{step:08d}-{name}"
-        local.parent.mkdir(parents=True, exist_ok=True)
-        local.write_bytes(data)
-        try:
-            store.put_file(local, prefix + name)
-        finally:
-            local.unlink(missing_ok=True)
+        shutil.rmtree(local, ignore_errors=True)
+        local.mkdir(parents=True)
+        dcp.save(module_states(modules), storage_writer=FileSystemWriter(local))
+        for f in sorted(local.iterdir()):
+            # Each rank uploads the files it wrote; DCP's metadata is rank 0's (written by the coordinator).
+            if f.name.startswith(f"__{rank}_") or (rank == 0 and f.name == ".metadata"):
+                store.put_file(f, prefix + "dcp/" + f.name)
+                sizes["dcp/" + f.name] = f.stat().st_size
+        rng = _rng_state()
+        store.put_bytes(prefix + f"rng{rank}.pt", rng)
+        sizes[f"rng{rank}.pt"] = len(rng)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         error = e
-    sizes = [size]
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
     if dist.is_initialized() and world > 1:
         gathered: list = [None] * world
-        dist.all_gather_object(gathered, (error is None, size))
+        dist.all_gather_object(gathered, (error is None, sizes, repr(error) if error else None))
         ok = all(g[0] for g in gathered)
-        sizes = [g[1] for g in gathered]
+        first_error = next((g[2] for g in gathered if g[2]), None)
+        files = {k: v for g in gathered for k, v in g[1].items()}
     else:
-        ok = error is None
+        ok, first_error, files = error is None, repr(error) if error else None, sizes
     if not ok:
-        raise RuntimeError(f"saving training state for step {step} failed on some rank: {error!r}")
+        raise RuntimeError(f"saving training state for step {step} failed on some rank: {first_error}")
     if rank == 0:
         try:
+            data = json.dumps(sorted(lineage or [])).encode()
+            store.put_bytes(prefix + "lineage.json", data)
+            files["lineage.json"] = len(data)
             manifest = {**meta, "run_id": run_id, "step": step, "world_size": world, "time": time.time(),
-                        "files": {f"rank{r}.pt": sizes[r] for r in range(world)}}
+                        "format": "dcp", "modules": sorted(modules), "files": files}
             store.put_bytes(prefix + MANIFEST, json.dumps(manifest, indent=1).encode())
             store.put_bytes(_root(run_id) + "latest", str(step).encode())
             prune_states(store, run_id, keep)
@@ -185,32 +256,42 @@ def save_state(
     return time.perf_counter() - t0
 
 
-def load_rank_payload(store: ObjectStore, run_id: str, manifest: dict) -> dict:
-    """This rank's payload of the state described by ``manifest``.
+def load_state(
+    store: ObjectStore, run_id: str, manifest: dict,
+    modules: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
+) -> list[str]:
+    """Load the state of ``manifest`` into ``modules`` (each rank its own shards) and this rank's
+    RNG state; returns the lineage ("task_id/attempt" keys). Collective.
 
     Raises:
-        ValueError: the state was saved by a different number of ranks (EP layout differs).
-        FileNotFoundError: this rank's file is missing.
+        ValueError: the state was saved by a different number of ranks, by an older trainer (not
+            DCP), or for other modules (e.g. a GRPO state resumed as PPO): named.
+        FileNotFoundError: a file of the state is missing.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
+    step = manifest["step"]
     if manifest["world_size"] != world:
         raise ValueError(
-            f"training state of step {manifest['step']} was saved by {manifest['world_size']} ranks; "
-            f"this run has {world} (keep ep.size and the trainer's --nproc-per-node)")
-    key = step_prefix(run_id, manifest["step"]) + f"rank{rank}.pt"
-    data = store.get_bytes(key)
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-
-
-def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, payload: dict) -> dict:
-    """Load ``payload`` into ``model`` and ``optimizer`` and set the RNG states; returns its extra."""
-    model.load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
-    torch.set_rng_state(payload["rng_cpu"])
-    if payload.get("rng_cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(payload["rng_cuda"])
-    return payload.get("extra", {})
+            f"training state of step {step} was saved by {manifest['world_size']} ranks; this run has "
+            f"{world} (keep trainer.parallel and the trainer's --nnodes x --nproc-per-node)")
+    if manifest.get("format") != "dcp":
+        raise ValueError(f"training state of step {step} was written by an older trainer (no DCP state); "
+                         "start a new run_id")
+    if manifest.get("modules") != sorted(modules):
+        raise ValueError(f"training state of step {step} holds {manifest.get('modules')}, this trainer has "
+                         f"{sorted(modules)} (was it saved with another trainer.algorithm?)")
+    prefix = step_prefix(run_id, step)
+    state = module_states(modules)
+    dcp.load(state, storage_reader=StoreReader(store, prefix + "dcp/"))
+    for name, (module, optimizer) in modules.items():
+        set_state_dict(module, optimizer, model_state_dict=state[name]["model"],
+                       optim_state_dict=state[name]["optim"])
+    rng = torch.load(io.BytesIO(store.get_bytes(prefix + f"rng{rank}.pt")), map_location="cpu", weights_only=False)
+    torch.set_rng_state(rng["cpu"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return json.loads(store.get_bytes(prefix + "lineage.json"))
 
 
 def prune_states(store: ObjectStore, run_id: str, keep: int) -> list[int]:

@@ -5,9 +5,9 @@ In the style of Megatron-LM's `MoEAlltoAllTokenDispatcher`:
             exchange per-expert counts, exchange the rows and their gate weights, then regroup the
             received blocks from (source rank, local expert) order into (local expert, source rank).
   combine:  the same steps in reverse, then sum each token's rows (fp32, deterministic).
-The custom autograd pieces are the all-to-all, whose backward is the all-to-all with the splits
-swapped, and the local permute/unpermute (permute.py); so the backward of dispatch is exactly
-combine and vice versa.
+The differentiable pieces are the all-to-all (torch's functional collective; its backward is the
+all-to-all with the splits swapped) and the local permute/unpermute (permute.py); so the backward
+of dispatch is exactly combine and vice versa.
 
 Host syncs: one per dispatch (the split sizes all_to_all_single needs as Python lists).
 `-1` slots are dropped before sending.
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
 from torch import Tensor
 
 from app.model.dispatch import Dispatched, at_least_fp32
@@ -27,27 +28,14 @@ from app.model.parallel import EPContext
 
 
 def all_to_all(x: Tensor, output_splits: list[int], input_splits: list[int], group) -> Tensor:
-    """Differentiable all_to_all_single along dim 0. x [sum(input_splits), ...] -> [sum(output_splits), ...]."""
-    return _AllToAll.apply(x, output_splits, input_splits, group)
+    """Differentiable all_to_all_single along dim 0. x [sum(input_splits), ...] -> [sum(output_splits), ...].
 
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group):
-        ctx.splits = (output_splits, input_splits)
-        ctx.group = group
-        x = x.contiguous()
-        out = x.new_empty((sum(output_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        output_splits, input_splits = ctx.splits
-        grad = grad.contiguous()
-        out = grad.new_empty((sum(input_splits), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad, input_splits, output_splits, group=ctx.group)
-        return out, None, None, None
+    Uses torch's functional collective (``_c10d_functional.all_to_all_single``, whose backward is
+    the all-to-all with the splits swapped), so selective activation checkpointing can keep its
+    output instead of redoing the exchange (app/trainer/parallel.py).
+    """
+    out = fc.all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group)
+    return fc.wait_tensor(out)
 
 
 def _regroup(x: Tensor, sizes: list[int], rows: int, cols: int) -> Tensor:

@@ -1,0 +1,203 @@
+"""The trainer's device mesh and how the policy is sharded over it (FSDP2 + expert parallelism).
+
+The layout rule is app/layout.py; this module turns a checked `Layout` into a device mesh and
+applies it to a model, in the way torchtitan composes FSDP2 with EP
+(``torchtitan/experiments/llama4/infra/parallelize.py: apply_fsdp``,
+``torchtitan/distributed/expert_parallel.py``):
+
+* mesh ``[dp_replicate, efsdp, ep]`` (EP innermost, so an EP group is consecutive ranks: the
+  GPUs of one node when ep <= 8); the dense FSDP mesh flattens ``efsdp x ep`` into ``dp_shard``;
+* routed experts become DTensors of global shape ``[E, ...]`` sharded ``Shard(0)`` over ``ep``
+  (this rank keeps its ``E / ep`` experts), then FSDP2 shards them over ``efsdp`` (dim 0, or dim 1
+  when the local experts do not divide evenly), one FSDP unit per MoE layer's experts;
+* each MoE router is an FSDP unit of its own that computes in fp32 (the router stays fp32);
+* each decoder layer is an FSDP unit, the root (embeddings, final norm, LM head) another;
+* mixed precision: fp32 master weights, ``param_dtype`` = ``model.dtype`` (bf16 on GPUs) for
+  compute, ``reduce_dtype`` fp32 for the gradient reduce-scatter (`MixedPrecisionPolicy`);
+* gradient division is off: the loss is already normalised by the global completion-token
+  count (app/trainer/step.py), so the reduce-scatter SUMs;
+* activation checkpointing per decoder layer through transformers' own
+  ``activation_checkpointing_enable`` (non-reentrant), with a selective policy that keeps the
+  all-to-all outputs of dispatch and combine (torchtitan's SAC keeps the same ops).
+
+The returned module is the original transformers model (parameter names unchanged), with FSDP's
+hooks; `register_fsdp_forward_method` makes ``sequence_logprobs`` gather the root unit too.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor, Shard
+
+from app.layout import Layout
+from app.model.parallel import EPContext
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerMesh:
+    """The trainer's meshes.
+
+    Attributes:
+        layout: the checked layout.
+        world: ``[dp_replicate, efsdp, ep]`` mesh of every trainer rank.
+        dense: FSDP mesh of non-expert parameters: ``[dp_shard]``, or ``[dp_replicate, dp_shard]``
+            (HSDP) when dp_replicate > 1.
+        experts: FSDP mesh of expert parameters: ``[efsdp]`` or ``[dp_replicate, efsdp]``.
+        ep: the EP mesh ``[ep]`` (its group is the dispatchers' process group).
+    """
+
+    layout: Layout
+    world: DeviceMesh
+    dense: DeviceMesh
+    experts: DeviceMesh
+    ep: DeviceMesh
+
+    def ep_context(self, backend: str) -> EPContext:
+        """This rank's `EPContext` for ``backend`` (already resolved: local, alltoall or deepep)."""
+        if self.layout.ep == 1:
+            return EPContext.local()
+        return EPContext(group=self.ep.get_group(), rank=self.ep.get_local_rank(), size=self.layout.ep,
+                         backend=backend)
+
+
+def build_mesh(layout: Layout, device_type: str) -> TrainerMesh:
+    """The meshes of ``layout`` over the initialised default process group (collective).
+
+    Raises:
+        ValueError: the process group's size is not ``layout.world``.
+    """
+    if dist.get_world_size() != layout.world:
+        raise ValueError(f"trainer.parallel describes {layout.world} ranks but {dist.get_world_size()} were started")
+    world = init_device_mesh(device_type, (layout.dp_replicate, layout.efsdp, layout.ep),
+                             mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+    hsdp = layout.dp_replicate > 1
+    if hsdp:  # a mesh of its own: dense parameters never share a DTensor op with the experts
+        dense = init_device_mesh(device_type, (layout.dp_replicate, layout.dp_shard),
+                                 mesh_dim_names=("dp_replicate", "dp_shard"))
+    else:
+        dense = world["efsdp", "ep"]._flatten("dp_shard")
+    experts = world["dp_replicate", "efsdp"] if hsdp else world["efsdp"]
+    return TrainerMesh(layout=layout, world=world, dense=dense, experts=experts, ep=world["ep"])
+
+
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    """Every MoE layer's routed experts (`app.model.experts.GroupedExperts`), in a policy or a critic."""
+    from app.model.moe import MoEBlock
+
+    return [m.experts for m in model.modules() if isinstance(m, MoEBlock)]
+
+
+def shard_experts_over_ep(model: nn.Module, mesh: TrainerMesh) -> None:
+    """Turn each expert parameter [E_local, ...] into a DTensor of global shape [E, ...] placed
+    ``Shard(0)`` on the EP mesh (no copy: this rank's block is the local tensor)."""
+    for experts in expert_modules(model):
+        for name, p in list(experts.named_parameters(recurse=False)):
+            if isinstance(p, DTensor):
+                continue
+            d = DTensor.from_local(p.data, mesh.ep, [Shard(0)], run_check=False)
+            setattr(experts, name, nn.Parameter(d, requires_grad=p.requires_grad))
+
+
+def expert_placement(block: nn.Module, efsdp: int):
+    """FSDP placement of a MoE layer's experts over efsdp ranks: dim 0 (whole experts) when its
+    E_local experts split evenly; else dim 1 (rows of every expert, as torchtitan does when
+    efsdp x ep > E) when those split evenly; else dim 0 with FSDP's padding. Returns a
+    ``shard_placement_fn`` or None (FSDP's default, dim 0)."""
+    experts = block.experts
+    if block.num_local_experts % efsdp == 0:
+        return None
+    if all(p.shape[1] % efsdp == 0 for p in experts.parameters()):
+        return lambda p: Shard(1)
+    return None
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    """Selective activation checkpointing: keep the outputs of the EP all-to-alls (dispatch and
+    combine, and their backward partners), recompute everything else."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op in _SAVED_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_SAVED_OPS = {torch.ops._c10d_functional.all_to_all_single.default, torch.ops._c10d_functional.wait_tensor.default}
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Per decoder layer: ``full`` recomputes the layer in backward, ``selective`` keeps the
+    dispatch/combine all-to-all outputs (`_selective_policy`); ``none`` does nothing.
+
+    Raises:
+        ValueError: unknown mode.
+    """
+    if mode == "none":
+        return
+    kwargs: dict = {"use_reentrant": False}
+    if mode == "selective":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _selective_policy)
+    elif mode != "full":
+        raise ValueError(f"trainer.activation_checkpointing must be none, full or selective, got {mode!r}")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+
+
+def parallelize(model: nn.Module, mesh: TrainerMesh, compute_dtype: torch.dtype,
+                activation_checkpointing: str = "none") -> nn.Module:
+    """Shard ``model`` (fp32 master weights; a policy from `app.model.policy.build_policy`, or a
+    critic whose ``trunk`` is the policy's decoder stack) over ``mesh``, in place.
+
+    Args:
+        model: the module; its parameters may be on the meta device (materialise with
+            ``to_empty`` afterwards) or already on the training device.
+        mesh: from `build_mesh`.
+        compute_dtype: ``param_dtype`` of the FSDP mixed-precision policy (fp32 or bf16).
+        activation_checkpointing: none | full | selective.
+
+    Returns:
+        ``model`` (FSDP-wrapped in place).
+
+    Raises:
+        ValueError: parameters are not fp32 (master weights must be), or an unknown AC mode.
+    """
+    bad = next(((n, p.dtype) for n, p in model.named_parameters() if p.dtype != torch.float32), None)
+    if bad:
+        raise ValueError(f"master weights must be float32; {bad[0]} is {bad[1]}")
+    from app.model.moe import MoEBlock
+
+    causal_lm = hasattr(model, "lm_head")
+    trunk = model.model if causal_lm else model.trunk
+    apply_activation_checkpointing(model if causal_lm else trunk, activation_checkpointing)
+    if not hasattr(trunk, "layers"):
+        raise ValueError(f"{type(trunk).__name__} has no .layers: not a transformers decoder stack")
+
+    shard_experts_over_ep(model, mesh)
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    for layer in trunk.layers:
+        block = layer.mlp
+        if isinstance(block, MoEBlock):
+            fully_shard(block.gate, mesh=mesh.dense, mp_policy=fp32)
+            fully_shard(block.experts, mesh=mesh.experts, mp_policy=mp,
+                        shard_placement_fn=expert_placement(block, mesh.layout.efsdp))
+        fully_shard(layer, mesh=mesh.dense, mp_policy=mp)
+    fully_shard(model, mesh=mesh.dense, mp_policy=mp)
+    if causal_lm:
+        register_fsdp_forward_method(model, "sequence_logprobs")
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+    return model
+

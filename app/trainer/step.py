@@ -1,0 +1,256 @@
+"""One optimizer step: micro-batched forward and backward, gradient clipping, AdamW. Collective.
+
+Normalisation (the step equals the one-shot full-batch step for any micro-batch split and any
+layout): every micro-batch's loss is its token sum divided by the GLOBAL count of the step
+(completion tokens for token-mean, sequences for seq-mean, summed over every rank), so the sum
+of all micro-batch gradients over all ranks is the full-batch gradient; FSDP's reduce-scatter
+SUMs (app/trainer/parallel.py turns its division off) and accumulates the sharded fp32 gradient
+over micro-batches.
+
+Every rank runs the same number of micro-batches (the group's maximum; a rank with fewer runs
+one-row dummy micro-batches whose loss is 0 but whose forward and backward take part in the
+all-gathers, reduce-scatters and EP all-to-alls), and every rank agrees, before each backward,
+whether the loss is finite: a rank that skipped a backward would strand the others in a
+collective.
+
+Old-policy logprobs: one optimizer step per batch, so "old" is the current policy detached
+(ratio 1); truncated importance sampling weighs each token by ``min(exp(old - rollout),
+tis_cap)`` against the engine's logprobs (app/trainer/grpo.py).
+
+PPO: a first, gradient-free pass of the critic over every micro-batch gives the values, then
+GAE and whitening over the whole batch (app/trainer/ppo.py), then the training pass trains the
+policy and the critic per micro-batch (their parameters are disjoint, so one backward serves both).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from app.config import RunConfig
+from app.trainer.batch import TrainBatch, plan_micro_batches, select_rows
+from app.trainer.grpo import finish_stats, grpo_loss
+
+
+def dummy_batch(pad_id: int) -> TrainBatch:
+    """A one-row batch with an empty completion mask: lets a rank with no work join the step's
+    collectives while adding nothing to the loss."""
+    z = torch.zeros((1, 2))
+    return TrainBatch(
+        input_ids=torch.full((1, 2), pad_id, dtype=torch.int64),
+        attention_mask=torch.ones((1, 2), dtype=torch.int64),
+        completion_mask=z.clone(), rollout_logprobs=z.clone(), advantages=torch.zeros(1),
+        rewards=torch.zeros(1), group_ids=torch.zeros(1, dtype=torch.int64),
+        policy_versions=torch.zeros(1, dtype=torch.int64), sample_ids=[],
+    )
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _all_reduce(t: Tensor, op=dist.ReduceOp.SUM) -> Tensor:
+    if _world() > 1:
+        dist.all_reduce(t, op=op)
+    return t
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
+    """Clip by the global gradient norm of the whole sharded model; returns the norm (before).
+
+    Gradients are DTensors on two meshes (dense FSDP; experts over efsdp x ep) or plain tensors:
+    each mesh's norm is reduced over its own mesh (``DTensor.full_tensor``) and the squares are
+    summed, as torchtitan's ``_clip_grad_norm_with_ep`` does. Equals
+    ``torch.nn.utils.clip_grad_norm_`` of the unsharded model.
+    """
+    by_mesh: dict = {}
+    for p in params:
+        if p.grad is not None:
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            by_mesh.setdefault(key, []).append(p)
+    if not by_mesh:
+        return 0.0
+    squares = []
+    for group in by_mesh.values():
+        n = torch.nn.utils.get_total_norm([p.grad for p in group])
+        squares.append((n.full_tensor() if isinstance(n, DTensor) else n).float().square())
+    total = torch.stack(squares).sum().sqrt()
+    norm = float(total)
+    if math.isfinite(norm):
+        for group in by_mesh.values():  # DTensor ops need one mesh at a time
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return norm
+
+
+def _micro_batches(batch: TrainBatch, max_tokens: int | None, pad_id: int, device) -> list[tuple]:
+    """This rank's micro-batches as ``(rows or None, sub-batch on device)``, padded with dummies to
+    the group's maximum count (an all-reduce)."""
+    plan = plan_micro_batches(batch, max_tokens)
+    count = _all_reduce(torch.tensor([len(plan)], dtype=torch.int64), dist.ReduceOp.MAX)
+    out = [(rows, select_rows(batch, rows, length).to(device)) for rows, length in plan]
+    dummy = dummy_batch(pad_id).to(device)
+    out += [(None, dummy)] * (int(count) - len(plan))
+    return out
+
+
+def train_step(
+    cfg: RunConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: TrainBatch,
+    *,
+    pad_id: int,
+    device: torch.device | str = "cpu",
+    ref_model: nn.Module | None = None,
+    critic=None,
+) -> tuple[bool, dict[str, float]]:
+    """One step on this rank's share of the batch (see the module docstring). Collective.
+
+    Args:
+        cfg: the run config (``trainer``: loss, micro_batch_tokens, logprob_chunk_tokens,
+            grad_clip; ``rollout.temperature`` for the logprobs).
+        model: the policy (sharded by app/trainer/parallel.py, or a plain module on one rank);
+            it must have ``sequence_logprobs`` (app/model/policy.py).
+        optimizer: AdamW over the policy's parameters.
+        batch: this rank's rows (`app.trainer.batch.collate_groups`), on the CPU; may be empty.
+        pad_id: padding token of dummy micro-batches.
+        device: where micro-batches are moved.
+        ref_model: frozen reference policy for the k3 KL penalty, or None (``kl_coef`` 0).
+        critic: PPO's `app.trainer.critic.CriticParts`, or None for GRPO.
+
+    Returns:
+        ``(applied, stats)``: ``applied`` is False (on every rank) when a loss or the gradient
+        norm was not finite; the optimizer step is then skipped and the gradients dropped.
+        ``stats`` are whole-batch figures, identical on every rank: ``loss`` (full-batch),
+        ``grad_norm`` (before clipping; NaN when skipped), ``entropy`` (with
+        ``trainer.log_entropy``), ``micro_batches``, the per-token means of
+        `grpo.finish_stats`; with a critic also ``vf_loss``, ``vf_clip_frac``, ``value``,
+        ``return``, ``value_error`` and ``critic_grad_norm``.
+    """
+    t = cfg.trainer
+    temp = cfg.rollout.temperature
+    mask = batch.completion_mask
+    counts = _all_reduce(torch.stack([mask.sum(), (mask.sum(-1) > 0).float().sum()]).float())
+    denominator = counts[0] if t.loss_agg == "token-mean" else counts[1]
+    micro = _micro_batches(batch, t.micro_batch_tokens, pad_id, device)
+    kw = dict(temperature=temp, chunk=t.logprob_chunk_tokens)
+
+    targets = None
+    if critic is not None:
+        targets = _ppo_targets(cfg, critic.module, batch, micro)
+
+    model.train()
+    if critic is not None:
+        critic.module.train()
+    sums: dict[str, Tensor] = {}
+    maxima: dict[str, Tensor] = {}
+    applied = True
+    for rows, mb in micro:
+        logp, ent, _ = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.completion_mask,
+                                               with_entropy=t.log_entropy, **kw)
+        ref_logp = None
+        if ref_model is not None:
+            with torch.no_grad():
+                ref_logp = ref_model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.completion_mask, **kw)[0]
+        policy_kw = dict(
+            clip_eps_low=t.clip_eps_low, clip_eps_high=t.clip_eps_high, loss_agg=t.loss_agg,
+            denominator=denominator, rollout_logprobs=mb.rollout_logprobs, tis_cap=t.tis_cap,
+            ref_logprobs=ref_logp, kl_coef=t.kl_coef,
+        )
+        vout = None
+        if critic is None:
+            out = grpo_loss(logp, logp.detach(), mb.advantages, mb.completion_mask, **policy_kw)
+        else:
+            from app.trainer.ppo import ppo_policy_loss, value_loss
+
+            tg = _slice_targets(targets, rows, mb)
+            values = critic.module(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
+            out = ppo_policy_loss(logp, logp.detach(), tg.advantages, mb.completion_mask, **policy_kw)
+            vout = value_loss(values, tg.values, tg.returns, mb.completion_mask, t.value_clip,
+                              denominator=counts[0])
+        loss = out.loss
+        aux = [m.last_aux_loss for m in model.modules() if getattr(m, "last_aux_loss", None) is not None]
+        if aux and cfg.router.aux_loss_coef > 0:
+            # Each micro-batch's aux loss covers its tokens; the ranks' and micro-batches' sum is their mean.
+            loss = loss + torch.stack(aux).sum() / (_world() * len(micro))
+        step_sums = dict(out.sums)
+        if ent is not None:
+            step_sums["entropy"] = (ent * mb.completion_mask).sum()
+        step_sums["loss"] = loss.detach()
+        if vout is not None:
+            step_sums.update({k: v for k, v in vout.sums.items() if k != "tokens"})
+            loss = loss + vout.loss
+        for k, v in step_sums.items():
+            sums[k] = sums.get(k, 0) + v.detach().float()
+        for k, v in out.maxima.items():
+            maxima[k] = torch.maximum(maxima[k], v.detach().float()) if k in maxima else v.detach().float()
+
+        bad = _all_reduce(torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=loss.device),
+                          dist.ReduceOp.MAX)
+        if bad.item() > 0:
+            applied = False  # every rank agrees: no backward anywhere, no optimizer step
+            break
+        loss.backward()
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = critic_grad_norm = float("nan")
+    if applied:
+        grad_norm = clip_grad_norm(params, t.grad_clip)
+        if critic is not None:
+            critic_grad_norm = clip_grad_norm([p for p in critic.module.parameters() if p.requires_grad],
+                                              t.grad_clip)
+        applied = math.isfinite(grad_norm) and (critic is None or math.isfinite(critic_grad_norm))
+        if applied:
+            optimizer.step()
+            if critic is not None:
+                critic.optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if critic is not None:
+        critic.optimizer.zero_grad(set_to_none=True)
+
+    keys = sorted(sums)
+    vec = _all_reduce(torch.stack([torch.as_tensor(sums[k], device=counts.device).reshape(()) for k in keys]))
+    mkeys = sorted(maxima)
+    mvec = torch.stack([maxima[k].to(counts.device).reshape(()) for k in mkeys]) if mkeys else torch.zeros(0)
+    if mkeys:
+        _all_reduce(mvec, dist.ReduceOp.MAX)
+    reduced = dict(zip(keys, vec.cpu()))
+    full_loss = float(reduced.pop("loss"))
+    stats = finish_stats(reduced, dict(zip(mkeys, mvec.cpu())))
+    stats.update(loss=full_loss, grad_norm=grad_norm, micro_batches=float(len(micro)))
+    if critic is not None:
+        stats["critic_grad_norm"] = critic_grad_norm
+    return applied, stats
+
+
+def _ppo_targets(cfg: RunConfig, critic: nn.Module, batch: TrainBatch, micro: list[tuple]):
+    """Critic values of every row (gradient-free pass over the micro-batches), then GAE and the
+    whole-batch whitening (a collective) on this rank's full ``[B, L]`` batch."""
+    from app.trainer.ppo import ppo_targets
+
+    t = cfg.trainer
+    values = torch.zeros(batch.completion_mask.shape, dtype=torch.float32)
+    critic.eval()
+    with torch.no_grad():
+        for rows, mb in micro:
+            v = critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask).float().cpu()
+            if rows is not None:
+                values[rows, : v.shape[1]] = v
+    return ppo_targets(batch.rewards, values, batch.completion_mask, t.gamma, t.gae_lambda, t.whiten_advantages)
+
+
+def _slice_targets(targets, rows: Tensor | None, mb: TrainBatch):
+    """The targets of one micro-batch's rows (zeros for a dummy micro-batch)."""
+    from app.trainer.ppo import PPOTargets
+
+    shape = mb.completion_mask.shape
+    device = mb.completion_mask.device
+    if rows is None:
+        z = torch.zeros(shape, device=device)
+        return PPOTargets(values=z, returns=z, advantages=z)
+    cut = lambda x: x[rows, : shape[1]].to(device)  # noqa: E731
+    return PPOTargets(values=cut(targets.values), returns=cut(targets.returns), advantages=cut(targets.advantages))
