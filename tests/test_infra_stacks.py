@@ -11,6 +11,7 @@ acknowledgement with a reason).
 
 from __future__ import annotations
 
+import contextlib
 import email
 import json
 import os
@@ -27,10 +28,11 @@ from aws_cdk.assertions import Match, Template  # noqa: E402
 from infra.app import build_app  # noqa: E402
 from infra.cluster import (EBS_CSI_SERVICE_ACCOUNT, EFA_DEVICE_PLUGIN, EKS_ADDONS,  # noqa: E402
                            NVIDIA_DEVICE_PLUGIN, VOLCANO)
-from infra.config import ENVS, DeploymentConfig, load_config  # noqa: E402
+from infra.config import ENVS, DeploymentConfig, load_config, load_pipeline_config  # noqa: E402
 from infra.instances import INSTANCE_TABLE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+PIPELINE_YAML = "tests/data/pipeline.yaml"  # relative to ROOT, as the pipeline's synth step reads it
 VARIANT_YAML = """
 admin_role_arns: ["arn:aws:iam::111111111111:role/platform-admin"]
 public_endpoint_cidrs: ["203.0.113.0/24"]
@@ -61,12 +63,14 @@ class Synth:
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     out = tmp_path_factory.mktemp("cdk-pipeline")
-    app = build_app("pipeline", app=App(outdir=str(out)))
-    synth = Synth(app, out)
+    with contextlib.chdir(ROOT):
+        app = build_app("pipeline", PIPELINE_YAML, app=App(outdir=str(out)))
+        synth = Synth(app, out)
+        synth.pcfg, configs = load_pipeline_config(PIPELINE_YAML)
     stack = app.node.find_child("Pipeline")
     synth.pipeline_stack = stack
     synth.stages = stack.stages
-    synth.cfgs = {e: load_config(e) for e in ENVS}
+    synth.cfgs = {c.env: c for c in configs}
     return synth
 
 
@@ -148,8 +152,11 @@ def test_network_efa_security_group_references_itself(pipeline):
     sgs = {k: v for k, v in resources(net, "AWS::EC2::SecurityGroup").items() if k.startswith("EfaSecurityGroup")}
     assert len(sgs) == 1
     (sg_id, sg), = sgs.items()
-    # No default allow-all egress: only the self rule.
-    assert all(e.get("CidrIp") != "0.0.0.0/0" for e in sg["Properties"].get("SecurityGroupEgress", []))
+    # No default allow-all egress: a group created without inline egress keeps EC2's allow-all rule,
+    # so the inline egress must exist and match nothing; the self rule is a separate resource.
+    assert sg["Properties"]["SecurityGroupEgress"] == [{
+        "CidrIp": "255.255.255.255/32", "Description": "Disallow all traffic",
+        "IpProtocol": "icmp", "FromPort": 252, "ToPort": 86}]
     me = {"Fn::GetAtt": [sg_id, "GroupId"]}
     net.has_resource_properties("AWS::EC2::SecurityGroupIngress",
                                 {"IpProtocol": "-1", "GroupId": me, "SourceSecurityGroupId": me})
@@ -185,7 +192,9 @@ def test_node_groups_match_config(pipeline, env):
         assert ng["Taints"] == want
         assert ng["InstanceTypes"] == pool.instance_types
         assert ng["CapacityType"] == pool.capacity_type
-        assert ng["ScalingConfig"] == {"MinSize": pool.min_size, "MaxSize": pool.max_size, "DesiredSize": pool.desired_size}
+        # Created at create_size (issue 15 item 4: GPU pools empty, scaled by infra.scale afterwards).
+        lo, want, hi = pool.initial_sizes
+        assert ng["ScalingConfig"] == {"MinSize": lo, "MaxSize": hi, "DesiredSize": want}
         assert ng["AmiType"] == ("AL2023_x86_64_NVIDIA" if pool.gpu else "AL2023_x86_64_STANDARD")
         assert ng["NodeRepairConfig"] == {"Enabled": True}
         assert "DiskSize" not in ng  # the launch template holds the root volume
@@ -236,7 +245,12 @@ def test_efa_layout_p6_b200_and_p5_capacity_block(variant):
     assert lt["InstanceMarketOptions"] == {"MarketType": "capacity-block"}
     assert lt["CapacityReservationSpecification"] == {
         "CapacityReservationTarget": {"CapacityReservationId": "cr-0123456789abcdef0"}}
+    # EKS user guide, Capacity Blocks with managed node groups: the launch template carries the
+    # instance type, and a type in the launch template forbids InstanceTypes on the node group.
+    assert lt["InstanceType"] == "p6-b200.48xlarge"
+    assert "InstanceTypes" not in groups["train-gpu"]
     assert groups["train-gpu"]["CapacityType"] == "CAPACITY_BLOCK"
+    assert groups["train-gpu"]["ScalingConfig"]["DesiredSize"] == 0
     _check_efa_layout(cl, groups["rollout-gpu"], 32)  # p5 and p5e: 32 network cards
 
 
@@ -293,7 +307,13 @@ def test_ebs_csi_driver_with_pod_identity(pipeline):
     role = res[assoc["RoleArn"]["Fn::GetAtt"][0]]["Properties"]
     assert role["AssumeRolePolicyDocument"]["Statement"] == [{
         "Action": ["sts:AssumeRole", "sts:TagSession"], "Effect": "Allow",
-        "Principal": {"Service": "pods.eks.amazonaws.com"}}]
+        "Principal": {"Service": "pods.eks.amazonaws.com"},
+        # issue 15 item 10: this account, this cluster, the controller's service account only
+        "Condition": {"StringEquals": {
+            "aws:SourceAccount": pipeline.cfgs["prod"].account,
+            "aws:RequestTag/eks-cluster-name": "moerl-prod",
+            "aws:RequestTag/kubernetes-namespace": "kube-system",
+            "aws:RequestTag/kubernetes-service-account": "ebs-csi-controller-sa"}}}]
     (policy,) = role["ManagedPolicyArns"]
     assert json.dumps(policy).endswith(':iam::aws:policy/service-role/AmazonEBSCSIDriverPolicy"]]}')
     # The association needs the Pod Identity agent; the controller needs the system nodes.
@@ -309,6 +329,15 @@ def test_ebs_csi_driver_with_pod_identity(pipeline):
     assert iam4 and all(v["ruleName"].startswith("AwsSolutions-IAM4") and "EBS CSI" in v["reason"] for v in iam4)
 
 
+def _user_data_parts(lt: dict) -> list:
+    """MIME parts of a launch template's user data ([] when it has none)."""
+    if "UserData" not in lt:
+        return []
+    msg = email.message_from_string(lt["UserData"]["Fn::Base64"])
+    assert msg.is_multipart() and msg.get_content_type() == "multipart/mixed"
+    return msg.get_payload()
+
+
 @pytest.mark.parametrize("env", ENVS)
 def test_train_gpu_nodes_reserve_hugepages(pipeline, env):
     """The pool's hugepages_2mi (the figure the trainer pods request) is set by launch-template user data."""
@@ -317,13 +346,11 @@ def test_train_gpu_nodes_reserve_hugepages(pipeline, env):
     for name, ng in by_name(cl, cfg).items():
         mib = cfg.pools[name].hugepages_2mi
         lt = launch_template(cl, ng)
+        scripts = [p for p in _user_data_parts(lt) if p.get_content_type() == "text/x-shellscript"]
         if not mib:
-            assert "UserData" not in lt, name
+            assert scripts == [], name
             continue
-        msg = email.message_from_string(lt["UserData"]["Fn::Base64"])
-        assert msg.is_multipart() and msg.get_content_type() == "multipart/mixed"
-        (part,) = msg.get_payload()
-        assert part.get_content_type() == "text/x-shellscript"
+        (part,) = scripts
         script = part.get_payload()
         assert script.startswith("#!/bin/bash") and f"sysctl -w vm.nr_hugepages={mib // 2}\n" in script
         assert f"vm.nr_hugepages = {mib // 2}" in script  # persisted under /etc/sysctl.d
