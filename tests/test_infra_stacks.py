@@ -41,6 +41,7 @@ pools:
     instance_types: [p6-b200.48xlarge]
     capacity_type: CAPACITY_BLOCK
     capacity_reservation_id: cr-0123456789abcdef0
+    placement_group_name: moerl-reserved-pg
   rollout-gpu:
     instance_types: [p5.48xlarge, p5e.48xlarge]
 """
@@ -496,3 +497,128 @@ def test_cdk_app_entry_synthesizes_one_environment(tmp_path):
     names = {a["properties"]["stackName"] for a in manifest["artifacts"].values()
              if a["type"] == "aws:cloudformation:stack"}
     assert names == {"moerl-staging-network", "moerl-staging-storage", "moerl-staging-cluster"}
+
+
+# ---------------------------------------------------------------- issue 15
+
+
+def test_capacity_block_uses_the_existing_placement_group(variant):
+    """An ODCR or Capacity Block made in a cluster placement group serves launches into that group."""
+    cl = Template.from_stack(variant.stacks["cluster"])
+    lt = launch_template(cl, by_name(cl, variant.cfg)["train-gpu"])
+    assert lt["Placement"] == {"GroupName": "moerl-reserved-pg"}
+    cl.resource_count_is("AWS::EC2::PlacementGroup", 0)
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_gpu_groups_created_empty(pipeline, env):
+    cfg = pipeline.cfgs[env]
+    for name, ng in by_name(tpl(pipeline, env, "cluster"), cfg).items():
+        if cfg.pools[name].gpu:
+            assert ng["ScalingConfig"]["DesiredSize"] == 0 == ng["ScalingConfig"]["MinSize"], name
+
+
+def test_kubectl_layer_matches_the_control_plane(pipeline):
+    cl = tpl(pipeline, "prod", "cluster")
+    cl.has_resource_properties("AWS::EKS::Cluster", {"Version": "1.36"})
+    layers = [r["Properties"].get("Description", "") for r in resources(cl, "AWS::Lambda::LayerVersion").values()]
+    assert any(d.startswith("/opt/kubectl/kubectl 1.36.") for d in layers), layers
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_gpu_nodes_stripe_instance_store_with_nodeadm(pipeline, env):
+    """nodeadm NodeConfig localStorage RAID0 on GPU pools: images and emptyDir volumes on NVMe."""
+    import yaml
+
+    cfg = pipeline.cfgs[env]
+    cl = tpl(pipeline, env, "cluster")
+    for name, ng in by_name(cl, cfg).items():
+        parts = [p for p in _user_data_parts(launch_template(cl, ng)) if p.get_content_type() == "application/node.eks.aws"]
+        if not cfg.pools[name].gpu:
+            assert parts == [], name
+            continue
+        (part,) = parts
+        doc = yaml.safe_load(part.get_payload())
+        assert doc == {"apiVersion": "node.eks.aws/v1alpha1", "kind": "NodeConfig",
+                       "spec": {"instance": {"localStorage": {"strategy": "RAID0"}}}}
+
+
+def test_rollout_nodes_get_every_efa_card(pipeline):
+    cfg = pipeline.cfgs["prod"]
+    cl = tpl(pipeline, "prod", "cluster")
+    lt = launch_template(cl, by_name(cl, cfg)["rollout-gpu"])
+    assert len(lt["NetworkInterfaces"]) == 32 == min(INSTANCE_TABLE[t].efa_interfaces for t in cfg.pools["rollout-gpu"].instance_types)
+
+
+def test_node_monitoring_agent_backs_auto_repair(pipeline):
+    cl = tpl(pipeline, "prod", "cluster")
+    names = {r["Properties"]["AddonName"] for r in resources(cl, "AWS::EKS::Addon").values()}
+    assert "eks-node-monitoring-agent" in names
+    assert all(ng["NodeRepairConfig"] == {"Enabled": True} for ng in by_name(cl, pipeline.cfgs["prod"]).values())
+
+
+@pytest.mark.parametrize("env", ["staging", "prod"])
+def test_staging_and_prod_have_an_admin_access_entry(pipeline, env):
+    cfg = pipeline.cfgs[env]
+    entries = {r["Properties"]["PrincipalArn"] for r in resources(tpl(pipeline, env, "cluster"), "AWS::EKS::AccessEntry").values()
+               if isinstance(r["Properties"]["PrincipalArn"], str)}
+    assert cfg.admin_role_arns and set(cfg.admin_role_arns) <= entries
+
+
+def test_interface_endpoints_beside_the_s3_gateway(pipeline):
+    net = tpl(pipeline, "prod", "network")
+    services = set()
+    for r in resources(net, "AWS::EC2::VPCEndpoint").values():
+        p = r["Properties"]
+        if p.get("VpcEndpointType") == "Interface":
+            assert p["PrivateDnsEnabled"] is True
+            services.add(json.dumps(p["ServiceName"]).rsplit(".", 1)[-1].strip('"]}'))
+    assert services == {"eks-auth", "sts", "ecr.api", "ecr.dkr", "logs"} or \
+        {"eks-auth", "sts", "api", "dkr", "logs"} <= services, services
+
+
+def test_pod_identity_trust_is_scoped_to_account_cluster_and_service_account(pipeline):
+    cfg = pipeline.cfgs["prod"]
+    cl = tpl(pipeline, "prod", "cluster")
+    res = cl.to_json()["Resources"]
+    assocs = {r["Properties"]["ServiceAccount"]: r["Properties"] for r in resources(cl, "AWS::EKS::PodIdentityAssociation").values()}
+    for sa, assoc in assocs.items():
+        (st,) = res[assoc["RoleArn"]["Fn::GetAtt"][0]]["Properties"]["AssumeRolePolicyDocument"]["Statement"]
+        assert st["Condition"] == {"StringEquals": {
+            "aws:SourceAccount": cfg.account, "aws:RequestTag/eks-cluster-name": "moerl-prod",
+            "aws:RequestTag/kubernetes-namespace": cfg.namespace, "aws:RequestTag/kubernetes-service-account": sa}}
+
+
+def test_helm_charts_are_the_pinned_set_and_monitoring_waits_for_crds(pipeline):
+    from infra.charts import HELM_CHARTS
+    cl = tpl(pipeline, "prod", "cluster")
+    charts = {k: r for k, r in resources(cl, "Custom::AWSCDK-EKS-HelmChart").items()}
+    got = {(r["Properties"]["Repository"], r["Properties"]["Chart"], r["Properties"]["Version"]) for r in charts.values()}
+    assert got == set(HELM_CHARTS)
+    by_chart = {r["Properties"]["Chart"]: (k, r) for k, r in charts.items()}
+    kps_id, kps = by_chart["kube-prometheus-stack"]
+    assert kps_id in by_chart["dcgm-exporter"][1]["DependsOn"]
+    values = json.loads(kps["Properties"]["Values"])["prometheus"]["prometheusSpec"]
+    assert values["serviceMonitorSelectorNilUsesHelmValues"] is False and values["podMonitorSelectorNilUsesHelmValues"] is False
+    dcgm = json.loads(by_chart["dcgm-exporter"][1]["Properties"]["Values"])
+    assert dcgm["nodeSelector"] == {"moerl.dev/accelerator": "nvidia"} and dcgm["serviceMonitor"]["enabled"] is True
+
+
+def test_pipeline_synth_reads_its_config_file_on_a_sized_machine(pipeline):
+    t = Template.from_stack(pipeline.pipeline_stack)
+    synth = [r["Properties"] for r in resources(t, "AWS::CodeBuild::Project").values()
+             if "cdk synth" in r["Properties"]["Source"]["BuildSpec"]]
+    (p,) = synth
+    assert f"cdk synth -c env=pipeline -c config={PIPELINE_YAML}" in p["Source"]["BuildSpec"]
+    assert p["Environment"]["ComputeType"] == "BUILD_GENERAL1_LARGE"
+    assert pipeline.pcfg.account == "444455556666"
+    assert pipeline.pipeline_stack.account == "444455556666"
+    assert [pipeline.stages[e].stacks["cluster"].account for e in ENVS] == ["111122223333", "222233334444", "333344445555"]
+
+
+def test_pipeline_refuses_a_missing_or_outside_config(tmp_path):
+    from infra.config import ConfigError
+    with pytest.raises(ConfigError, match="needs -c config="):
+        build_app("pipeline")
+    with pytest.raises(ConfigError, match="inside the repository"):
+        build_app("pipeline", str(ROOT / PIPELINE_YAML))
