@@ -1,15 +1,19 @@
 """CDK app entry (cdk.json runs `python -m infra.app`).
 
 `cdk synth -c env=dev` (or staging, prod) synthesizes that environment's stacks;
-`-c env=pipeline` synthesizes the promotion pipeline with all three stages.
-`-c config=path.yaml` overrides fields of the built-in config (single environment only).
+`-c env=pipeline -c config=pipeline.yaml` synthesizes the promotion pipeline with all three
+stages from that file (infra.config.load_pipeline_config: the tooling account, the connection,
+and each environment's overrides). For one environment, `-c config=path.yaml` overrides fields
+of its built-in config.
 """
 
 from __future__ import annotations
 
+from pathlib import PurePosixPath
+
 from aws_cdk import App, Environment
 
-from infra.config import ENVS, PipelineConfig, load_config
+from infra.config import ConfigError, load_config, load_pipeline_config
 from infra.nag import acknowledge, add_nag, pipeline_acknowledgements
 from infra.pipeline import PipelineStack
 from infra.stage import add_env_stacks
@@ -33,10 +37,14 @@ def build_app(env: str = "dev", overrides: str | None = None, app: App | None = 
     for flag, value in FEATURE_FLAGS.items():
         app.node.set_context(flag, value)
     if env == "pipeline":
-        configs = [load_config(e) for e in ENVS]
-        pcfg = PipelineConfig()
-        stack = PipelineStack(app, "Pipeline", pipeline_cfg=pcfg, configs=configs, stack_name="moerl-pipeline",
-                      env=Environment(account=pcfg.account, region=pcfg.region))
+        pcfg, configs = load_pipeline_config(overrides)
+        # The pipeline's synth step runs in a fresh clone: the file must be part of the repository.
+        rel = PurePosixPath(str(overrides))
+        if rel.is_absolute() or ".." in rel.parts:
+            raise ConfigError(f"-c config={overrides}: give the pipeline file as a path inside the repository, "
+                              "relative to its root (the pipeline's synth step reads it from its clone)")
+        stack = PipelineStack(app, "Pipeline", pipeline_cfg=pcfg, configs=configs, config_path=str(rel),
+                              stack_name="moerl-pipeline", env=Environment(account=pcfg.account, region=pcfg.region))
         acknowledge(stack, pipeline_acknowledgements(pcfg))
     else:
         add_env_stacks(app, load_config(env, overrides))

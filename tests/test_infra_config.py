@@ -119,3 +119,95 @@ def test_app_refuses_bad_override_before_building(tmp_path):
         build_app("dev", str(f))
     with pytest.raises(ConfigError, match="env 'qa'"):
         build_app("qa")
+
+
+# ---------------------------------------------------------------- issue 15
+
+
+def test_kubernetes_is_the_newest_eks_version_with_graceful_shutdown():
+    """EKS standard support lists 1.36 as newest; nodeadm enables graceful node shutdown from 1.34 only."""
+    import importlib
+
+    from infra.config import DEFAULT_K8S_VERSION
+    assert DEFAULT_K8S_VERSION == "1.36"
+    for env in ENVS:
+        v = load_config(env).k8s_version
+        assert v == DEFAULT_K8S_VERSION and tuple(map(int, v.split("."))) >= (1, 34)
+        importlib.import_module(f"aws_cdk.lambda_layer_kubectl_v{v.split('.')[1]}")
+    data = default_config("dev")
+    data["k8s_version"] = "1.31"  # the floor stays accepted
+    assert validate_config(data).k8s_version == "1.31"
+
+
+def test_a_pool_mixing_efa_card_counts_fails():
+    msg = _bad(lambda d: d["pools"]["rollout-gpu"].update(instance_types=["p5en.48xlarge", "p5.48xlarge"]))
+    assert "pools.rollout-gpu" in msg and "network-card counts differ" in msg
+    rollout = load_config("prod").pools["rollout-gpu"]
+    assert {INSTANCE_TABLE[t].efa_interfaces for t in rollout.instance_types} == {32} == {rollout.efa_interfaces}
+
+
+def test_staging_and_prod_need_an_admin_role_in_their_account():
+    for env in ("staging", "prod"):
+        cfg = load_config(env)
+        assert cfg.admin_role_arns == [f"arn:aws:iam::{cfg.account}:role/moerl-{env}-admin"]
+        data = default_config(env)
+        data["admin_role_arns"] = []
+        with pytest.raises(ConfigError, match=f"admin_role_arns: {env} needs at least one IAM role"):
+            validate_config(data)
+    assert load_config("dev").admin_role_arns == []
+
+
+def test_an_account_override_moves_bucket_names_and_admin_role(tmp_path):
+    f = tmp_path / "prod.yaml"
+    f.write_text("account: '777788889999'\n")
+    cfg = load_config("prod", f)
+    assert cfg.checkpoint_bucket == "moerl-prod-checkpoints-777788889999"
+    assert cfg.logs_bucket.endswith("-777788889999") and cfg.artifacts_bucket.endswith("-777788889999")
+    assert cfg.admin_role_arns == ["arn:aws:iam::777788889999:role/moerl-prod-admin"]
+
+
+def test_pipeline_config_needs_real_accounts_and_connection(tmp_path):
+    from pathlib import Path
+
+    from infra.config import load_pipeline_config
+    good = Path(__file__).parent / "data" / "pipeline.yaml"
+    pcfg, cfgs = load_pipeline_config(good)
+    assert pcfg.account == "444455556666" and [c.env for c in cfgs] == list(ENVS)
+    assert [c.account for c in cfgs] == ["111122223333", "222233334444", "333344445555"]
+    assert cfgs[1].admin_role_arns == ["arn:aws:iam::222233334444:role/platform-admin"]
+    with pytest.raises(ConfigError, match="-c env=pipeline needs -c config="):
+        load_pipeline_config(None)
+    text = good.read_text()
+    for old, new, match in [
+        ('account: "444455556666"', 'account: "111111111111"', "pipeline.account 111111111111 is a placeholder"),
+        ("1b2c3d4e-5f60-4718-9a0b-c1d2e3f4a5b6", "00000000-0000-0000-0000-000000000000", "connection_arn is the all-zero"),
+        ('    account: "333344445555"\n', "", r"environments.prod.account: 333333333333 is a placeholder"),
+        ("  connection_arn:", "  connection:", "pipeline.connection_arn: Field required"),
+    ]:
+        f = tmp_path / "p.yaml"
+        f.write_text(text.replace(old, new))
+        with pytest.raises(ConfigError, match=match):
+            load_pipeline_config(f)
+
+
+def test_gpu_pools_are_created_empty_and_scaled_by_command():
+    from infra.scale import before_update_commands, scale_up_commands
+    cfg = load_config("prod")
+    for pool in cfg.pools.values():
+        assert pool.initial_sizes == ((0, 0, pool.max_size) if pool.gpu else (pool.min_size, pool.desired_size, pool.max_size))
+    cmds = {c[c.index("--nodegroup-name") + 1]: c for c in scale_up_commands(cfg)}
+    assert set(cmds) == {"moerl-prod-train-gpu", "moerl-prod-rollout-gpu"}
+    assert cmds["moerl-prod-train-gpu"][-1] == "minSize=16,maxSize=16,desiredSize=16"
+    assert cmds["moerl-prod-rollout-gpu"][:3] == ["aws", "eks", "update-nodegroup-config"]
+    assert before_update_commands(cfg) == []
+    data = default_config("prod")
+    data["pools"]["train-gpu"].update(capacity_type="CAPACITY_BLOCK", capacity_reservation_id="cr-0123456789abcdef0")
+    (cmd,) = before_update_commands(validate_config(data))
+    assert cmd[cmd.index("--nodegroup-name") + 1] == "moerl-prod-train-gpu" and cmd[-1] == "minSize=0,maxSize=16,desiredSize=0"
+
+
+def test_existing_placement_group_needs_placement_and_gpu_pools_stripe_instance_store():
+    assert "placement_group_name needs placement_group=true" in _bad(
+        lambda d: d["pools"]["rollout-gpu"].update(placement_group_name="my-odcr-group"))
+    cfg = load_config("prod")
+    assert {p.name for p in cfg.pools.values() if p.local_storage == "RAID0"} == {"train-gpu", "rollout-gpu"}

@@ -11,6 +11,7 @@ acknowledgement with a reason).
 
 from __future__ import annotations
 
+import contextlib
 import email
 import json
 import os
@@ -27,10 +28,11 @@ from aws_cdk.assertions import Match, Template  # noqa: E402
 from infra.app import build_app  # noqa: E402
 from infra.cluster import (EBS_CSI_SERVICE_ACCOUNT, EFA_DEVICE_PLUGIN, EKS_ADDONS,  # noqa: E402
                            NVIDIA_DEVICE_PLUGIN, VOLCANO)
-from infra.config import ENVS, DeploymentConfig, load_config  # noqa: E402
+from infra.config import ENVS, DeploymentConfig, load_config, load_pipeline_config  # noqa: E402
 from infra.instances import INSTANCE_TABLE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+PIPELINE_YAML = "tests/data/pipeline.yaml"  # relative to ROOT, as the pipeline's synth step reads it
 VARIANT_YAML = """
 admin_role_arns: ["arn:aws:iam::111111111111:role/platform-admin"]
 public_endpoint_cidrs: ["203.0.113.0/24"]
@@ -39,6 +41,7 @@ pools:
     instance_types: [p6-b200.48xlarge]
     capacity_type: CAPACITY_BLOCK
     capacity_reservation_id: cr-0123456789abcdef0
+    placement_group_name: moerl-reserved-pg
   rollout-gpu:
     instance_types: [p5.48xlarge, p5e.48xlarge]
 """
@@ -61,12 +64,14 @@ class Synth:
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     out = tmp_path_factory.mktemp("cdk-pipeline")
-    app = build_app("pipeline", app=App(outdir=str(out)))
-    synth = Synth(app, out)
+    with contextlib.chdir(ROOT):
+        app = build_app("pipeline", PIPELINE_YAML, app=App(outdir=str(out)))
+        synth = Synth(app, out)
+        synth.pcfg, configs = load_pipeline_config(PIPELINE_YAML)
     stack = app.node.find_child("Pipeline")
     synth.pipeline_stack = stack
     synth.stages = stack.stages
-    synth.cfgs = {e: load_config(e) for e in ENVS}
+    synth.cfgs = {c.env: c for c in configs}
     return synth
 
 
@@ -148,8 +153,11 @@ def test_network_efa_security_group_references_itself(pipeline):
     sgs = {k: v for k, v in resources(net, "AWS::EC2::SecurityGroup").items() if k.startswith("EfaSecurityGroup")}
     assert len(sgs) == 1
     (sg_id, sg), = sgs.items()
-    # No default allow-all egress: only the self rule.
-    assert all(e.get("CidrIp") != "0.0.0.0/0" for e in sg["Properties"].get("SecurityGroupEgress", []))
+    # No default allow-all egress: a group created without inline egress keeps EC2's allow-all rule,
+    # so the inline egress must exist and match nothing; the self rule is a separate resource.
+    assert sg["Properties"]["SecurityGroupEgress"] == [{
+        "CidrIp": "255.255.255.255/32", "Description": "Disallow all traffic",
+        "IpProtocol": "icmp", "FromPort": 252, "ToPort": 86}]
     me = {"Fn::GetAtt": [sg_id, "GroupId"]}
     net.has_resource_properties("AWS::EC2::SecurityGroupIngress",
                                 {"IpProtocol": "-1", "GroupId": me, "SourceSecurityGroupId": me})
@@ -185,7 +193,9 @@ def test_node_groups_match_config(pipeline, env):
         assert ng["Taints"] == want
         assert ng["InstanceTypes"] == pool.instance_types
         assert ng["CapacityType"] == pool.capacity_type
-        assert ng["ScalingConfig"] == {"MinSize": pool.min_size, "MaxSize": pool.max_size, "DesiredSize": pool.desired_size}
+        # Created at create_size (issue 15 item 4: GPU pools empty, scaled by infra.scale afterwards).
+        lo, want, hi = pool.initial_sizes
+        assert ng["ScalingConfig"] == {"MinSize": lo, "MaxSize": hi, "DesiredSize": want}
         assert ng["AmiType"] == ("AL2023_x86_64_NVIDIA" if pool.gpu else "AL2023_x86_64_STANDARD")
         assert ng["NodeRepairConfig"] == {"Enabled": True}
         assert "DiskSize" not in ng  # the launch template holds the root volume
@@ -236,7 +246,12 @@ def test_efa_layout_p6_b200_and_p5_capacity_block(variant):
     assert lt["InstanceMarketOptions"] == {"MarketType": "capacity-block"}
     assert lt["CapacityReservationSpecification"] == {
         "CapacityReservationTarget": {"CapacityReservationId": "cr-0123456789abcdef0"}}
+    # EKS user guide, Capacity Blocks with managed node groups: the launch template carries the
+    # instance type, and a type in the launch template forbids InstanceTypes on the node group.
+    assert lt["InstanceType"] == "p6-b200.48xlarge"
+    assert "InstanceTypes" not in groups["train-gpu"]
     assert groups["train-gpu"]["CapacityType"] == "CAPACITY_BLOCK"
+    assert groups["train-gpu"]["ScalingConfig"]["DesiredSize"] == 0
     _check_efa_layout(cl, groups["rollout-gpu"], 32)  # p5 and p5e: 32 network cards
 
 
@@ -293,7 +308,13 @@ def test_ebs_csi_driver_with_pod_identity(pipeline):
     role = res[assoc["RoleArn"]["Fn::GetAtt"][0]]["Properties"]
     assert role["AssumeRolePolicyDocument"]["Statement"] == [{
         "Action": ["sts:AssumeRole", "sts:TagSession"], "Effect": "Allow",
-        "Principal": {"Service": "pods.eks.amazonaws.com"}}]
+        "Principal": {"Service": "pods.eks.amazonaws.com"},
+        # issue 15 item 10: this account, this cluster, the controller's service account only
+        "Condition": {"StringEquals": {
+            "aws:SourceAccount": pipeline.cfgs["prod"].account,
+            "aws:RequestTag/eks-cluster-name": "moerl-prod",
+            "aws:RequestTag/kubernetes-namespace": "kube-system",
+            "aws:RequestTag/kubernetes-service-account": "ebs-csi-controller-sa"}}}]
     (policy,) = role["ManagedPolicyArns"]
     assert json.dumps(policy).endswith(':iam::aws:policy/service-role/AmazonEBSCSIDriverPolicy"]]}')
     # The association needs the Pod Identity agent; the controller needs the system nodes.
@@ -309,6 +330,15 @@ def test_ebs_csi_driver_with_pod_identity(pipeline):
     assert iam4 and all(v["ruleName"].startswith("AwsSolutions-IAM4") and "EBS CSI" in v["reason"] for v in iam4)
 
 
+def _user_data_parts(lt: dict) -> list:
+    """MIME parts of a launch template's user data ([] when it has none)."""
+    if "UserData" not in lt:
+        return []
+    msg = email.message_from_string(lt["UserData"]["Fn::Base64"])
+    assert msg.is_multipart() and msg.get_content_type() == "multipart/mixed"
+    return msg.get_payload()
+
+
 @pytest.mark.parametrize("env", ENVS)
 def test_train_gpu_nodes_reserve_hugepages(pipeline, env):
     """The pool's hugepages_2mi (the figure the trainer pods request) is set by launch-template user data."""
@@ -317,13 +347,11 @@ def test_train_gpu_nodes_reserve_hugepages(pipeline, env):
     for name, ng in by_name(cl, cfg).items():
         mib = cfg.pools[name].hugepages_2mi
         lt = launch_template(cl, ng)
+        scripts = [p for p in _user_data_parts(lt) if p.get_content_type() == "text/x-shellscript"]
         if not mib:
-            assert "UserData" not in lt, name
+            assert scripts == [], name
             continue
-        msg = email.message_from_string(lt["UserData"]["Fn::Base64"])
-        assert msg.is_multipart() and msg.get_content_type() == "multipart/mixed"
-        (part,) = msg.get_payload()
-        assert part.get_content_type() == "text/x-shellscript"
+        (part,) = scripts
         script = part.get_payload()
         assert script.startswith("#!/bin/bash") and f"sysctl -w vm.nr_hugepages={mib // 2}\n" in script
         assert f"vm.nr_hugepages = {mib // 2}" in script  # persisted under /etc/sysctl.d
@@ -469,3 +497,128 @@ def test_cdk_app_entry_synthesizes_one_environment(tmp_path):
     names = {a["properties"]["stackName"] for a in manifest["artifacts"].values()
              if a["type"] == "aws:cloudformation:stack"}
     assert names == {"moerl-staging-network", "moerl-staging-storage", "moerl-staging-cluster"}
+
+
+# ---------------------------------------------------------------- issue 15
+
+
+def test_capacity_block_uses_the_existing_placement_group(variant):
+    """An ODCR or Capacity Block made in a cluster placement group serves launches into that group."""
+    cl = Template.from_stack(variant.stacks["cluster"])
+    lt = launch_template(cl, by_name(cl, variant.cfg)["train-gpu"])
+    assert lt["Placement"] == {"GroupName": "moerl-reserved-pg"}
+    cl.resource_count_is("AWS::EC2::PlacementGroup", 0)
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_gpu_groups_created_empty(pipeline, env):
+    cfg = pipeline.cfgs[env]
+    for name, ng in by_name(tpl(pipeline, env, "cluster"), cfg).items():
+        if cfg.pools[name].gpu:
+            assert ng["ScalingConfig"]["DesiredSize"] == 0 == ng["ScalingConfig"]["MinSize"], name
+
+
+def test_kubectl_layer_matches_the_control_plane(pipeline):
+    cl = tpl(pipeline, "prod", "cluster")
+    cl.has_resource_properties("AWS::EKS::Cluster", {"Version": "1.36"})
+    layers = [r["Properties"].get("Description", "") for r in resources(cl, "AWS::Lambda::LayerVersion").values()]
+    assert any(d.startswith("/opt/kubectl/kubectl 1.36.") for d in layers), layers
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_gpu_nodes_stripe_instance_store_with_nodeadm(pipeline, env):
+    """nodeadm NodeConfig localStorage RAID0 on GPU pools: images and emptyDir volumes on NVMe."""
+    import yaml
+
+    cfg = pipeline.cfgs[env]
+    cl = tpl(pipeline, env, "cluster")
+    for name, ng in by_name(cl, cfg).items():
+        parts = [p for p in _user_data_parts(launch_template(cl, ng)) if p.get_content_type() == "application/node.eks.aws"]
+        if not cfg.pools[name].gpu:
+            assert parts == [], name
+            continue
+        (part,) = parts
+        doc = yaml.safe_load(part.get_payload())
+        assert doc == {"apiVersion": "node.eks.aws/v1alpha1", "kind": "NodeConfig",
+                       "spec": {"instance": {"localStorage": {"strategy": "RAID0"}}}}
+
+
+def test_rollout_nodes_get_every_efa_card(pipeline):
+    cfg = pipeline.cfgs["prod"]
+    cl = tpl(pipeline, "prod", "cluster")
+    lt = launch_template(cl, by_name(cl, cfg)["rollout-gpu"])
+    assert len(lt["NetworkInterfaces"]) == 32 == min(INSTANCE_TABLE[t].efa_interfaces for t in cfg.pools["rollout-gpu"].instance_types)
+
+
+def test_node_monitoring_agent_backs_auto_repair(pipeline):
+    cl = tpl(pipeline, "prod", "cluster")
+    names = {r["Properties"]["AddonName"] for r in resources(cl, "AWS::EKS::Addon").values()}
+    assert "eks-node-monitoring-agent" in names
+    assert all(ng["NodeRepairConfig"] == {"Enabled": True} for ng in by_name(cl, pipeline.cfgs["prod"]).values())
+
+
+@pytest.mark.parametrize("env", ["staging", "prod"])
+def test_staging_and_prod_have_an_admin_access_entry(pipeline, env):
+    cfg = pipeline.cfgs[env]
+    entries = {r["Properties"]["PrincipalArn"] for r in resources(tpl(pipeline, env, "cluster"), "AWS::EKS::AccessEntry").values()
+               if isinstance(r["Properties"]["PrincipalArn"], str)}
+    assert cfg.admin_role_arns and set(cfg.admin_role_arns) <= entries
+
+
+def test_interface_endpoints_beside_the_s3_gateway(pipeline):
+    net = tpl(pipeline, "prod", "network")
+    services = set()
+    for r in resources(net, "AWS::EC2::VPCEndpoint").values():
+        p = r["Properties"]
+        if p.get("VpcEndpointType") == "Interface":
+            assert p["PrivateDnsEnabled"] is True
+            services.add(json.dumps(p["ServiceName"]).rsplit(".", 1)[-1].strip('"]}'))
+    assert services == {"eks-auth", "sts", "ecr.api", "ecr.dkr", "logs"} or \
+        {"eks-auth", "sts", "api", "dkr", "logs"} <= services, services
+
+
+def test_pod_identity_trust_is_scoped_to_account_cluster_and_service_account(pipeline):
+    cfg = pipeline.cfgs["prod"]
+    cl = tpl(pipeline, "prod", "cluster")
+    res = cl.to_json()["Resources"]
+    assocs = {r["Properties"]["ServiceAccount"]: r["Properties"] for r in resources(cl, "AWS::EKS::PodIdentityAssociation").values()}
+    for sa, assoc in assocs.items():
+        (st,) = res[assoc["RoleArn"]["Fn::GetAtt"][0]]["Properties"]["AssumeRolePolicyDocument"]["Statement"]
+        assert st["Condition"] == {"StringEquals": {
+            "aws:SourceAccount": cfg.account, "aws:RequestTag/eks-cluster-name": "moerl-prod",
+            "aws:RequestTag/kubernetes-namespace": cfg.namespace, "aws:RequestTag/kubernetes-service-account": sa}}
+
+
+def test_helm_charts_are_the_pinned_set_and_monitoring_waits_for_crds(pipeline):
+    from infra.charts import HELM_CHARTS
+    cl = tpl(pipeline, "prod", "cluster")
+    charts = {k: r for k, r in resources(cl, "Custom::AWSCDK-EKS-HelmChart").items()}
+    got = {(r["Properties"]["Repository"], r["Properties"]["Chart"], r["Properties"]["Version"]) for r in charts.values()}
+    assert got == set(HELM_CHARTS)
+    by_chart = {r["Properties"]["Chart"]: (k, r) for k, r in charts.items()}
+    kps_id, kps = by_chart["kube-prometheus-stack"]
+    assert kps_id in by_chart["dcgm-exporter"][1]["DependsOn"]
+    values = json.loads(kps["Properties"]["Values"])["prometheus"]["prometheusSpec"]
+    assert values["serviceMonitorSelectorNilUsesHelmValues"] is False and values["podMonitorSelectorNilUsesHelmValues"] is False
+    dcgm = json.loads(by_chart["dcgm-exporter"][1]["Properties"]["Values"])
+    assert dcgm["nodeSelector"] == {"moerl.dev/accelerator": "nvidia"} and dcgm["serviceMonitor"]["enabled"] is True
+
+
+def test_pipeline_synth_reads_its_config_file_on_a_sized_machine(pipeline):
+    t = Template.from_stack(pipeline.pipeline_stack)
+    synth = [r["Properties"] for r in resources(t, "AWS::CodeBuild::Project").values()
+             if "cdk synth" in r["Properties"]["Source"]["BuildSpec"]]
+    (p,) = synth
+    assert f"cdk synth -c env=pipeline -c config={PIPELINE_YAML}" in p["Source"]["BuildSpec"]
+    assert p["Environment"]["ComputeType"] == "BUILD_GENERAL1_LARGE"
+    assert pipeline.pcfg.account == "444455556666"
+    assert pipeline.pipeline_stack.account == "444455556666"
+    assert [pipeline.stages[e].stacks["cluster"].account for e in ENVS] == ["111122223333", "222233334444", "333344445555"]
+
+
+def test_pipeline_refuses_a_missing_or_outside_config(tmp_path):
+    from infra.config import ConfigError
+    with pytest.raises(ConfigError, match="needs -c config="):
+        build_app("pipeline")
+    with pytest.raises(ConfigError, match="inside the repository"):
+        build_app("pipeline", str(ROOT / PIPELINE_YAML))

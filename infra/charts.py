@@ -1,0 +1,25 @@
+"""The Helm charts infra/ installs, each pinned to a version its repository publishes.
+
+(repository, chart, version) per chart; upgrades are a reviewed change, not a side effect of a
+deploy. tests/test_infra_charts.py checks every pin against the repository index entries recorded
+in tests/data/helm-index/ (see the README there for the date and how to refresh them).
+"""
+
+from __future__ import annotations
+
+NVIDIA_DEVICE_PLUGIN = ("https://nvidia.github.io/k8s-device-plugin", "nvidia-device-plugin", "0.20.0")
+# Chart v0.5.30 runs device-plugin image v0.5.20; the chart's instance list is replaced by ours anyway.
+EFA_DEVICE_PLUGIN = ("https://aws.github.io/eks-charts", "aws-efa-k8s-device-plugin", "v0.5.30")
+# Gang scheduler of the trainer job (charts8s/trainer.py renders a Volcano Job).
+VOLCANO = ("https://volcano-sh.github.io/helm-charts", "volcano", "1.15.0")
+# LeaderWorkerSet controller (multi-node SGLang engines; charts8s renders the LWS objects).
+# kubernetes-sigs/lws pushes its chart as an OCI artifact (hack/push-chart.sh; install docs:
+# `helm install lws oci://registry.k8s.io/lws/charts/lws --version=0.10.0`).
+LWS = ("oci://registry.k8s.io/lws/charts/lws", "lws", "0.10.0")
+# Prometheus operator, Prometheus, Alertmanager, Grafana, node exporter, kube-state-metrics.
+KUBE_PROMETHEUS_STACK = ("https://prometheus-community.github.io/helm-charts", "kube-prometheus-stack", "88.5.3")
+# GPU metrics (DCGM) for Prometheus, with its own ServiceMonitor.
+DCGM_EXPORTER = ("https://nvidia.github.io/dcgm-exporter/helm-charts", "dcgm-exporter", "4.8.2")
+
+HELM_CHARTS = (NVIDIA_DEVICE_PLUGIN, EFA_DEVICE_PLUGIN, VOLCANO, LWS, KUBE_PROMETHEUS_STACK, DCGM_EXPORTER)
+MONITORING_NAMESPACE = "monitoring"
