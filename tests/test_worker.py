@@ -134,7 +134,7 @@ def test_sigterm_drain_loses_no_task(tmp_path, redis_server, engine):
     """A real `moerl rollout` process, SIGTERM mid-run: exit 0; every task published or queued."""
     (tmp_path / "stub_rewards.py").write_text(STUB_REWARDS)
     cfg = make_config(tmp_path, redis_server, engine, reward_fn="stub_rewards:score",
-                      max_new_tokens=48, max_inflight_tasks=3, drain_grace_s=30.0)
+                      max_new_tokens=48, inflight_sequences=3 * G, drain_grace_s=30.0)
     cfg_path = tmp_path / "run.yaml"
     cfg.save(cfg_path)
     tasks = make_tasks(40)
@@ -213,7 +213,7 @@ def run_until(make_worker, done):
 
 
 def test_drain_past_grace_releases_unfinished_tasks(tmp_path, redis_server, engine):
-    cfg = make_config(tmp_path, redis_server, engine, drain_grace_s=0.5, max_inflight_tasks=2)
+    cfg = make_config(tmp_path, redis_server, engine, drain_grace_s=0.5, inflight_sequences=2 * G)
     buf = ExperienceBuffer.from_config(cfg)
     buf.put_tasks(make_tasks(3))
 
@@ -225,7 +225,7 @@ def test_drain_past_grace_releases_unfinished_tasks(tmp_path, redis_server, engi
 
 
 def test_engine_errors_send_the_task_back(tmp_path, redis_server, engine):
-    cfg = make_config(tmp_path, redis_server, engine, max_inflight_tasks=1)
+    cfg = make_config(tmp_path, redis_server, engine, inflight_sequences=1 * G)
     buf = ExperienceBuffer.from_config(cfg)
     buf.put_tasks(make_tasks(1))
 
@@ -314,7 +314,7 @@ def test_task_the_engine_refuses_is_consumed_not_recycled(tmp_path, redis_server
 def test_unloadable_policy_keeps_the_engine_serving_and_is_retried(tmp_path, redis_server, engine):
     """A version announced but missing from the store: no update, counted, retried at each poll;
     generation goes on with the engine's current version."""
-    cfg = make_config(tmp_path, redis_server, engine, policy_poll_s=0.01, max_inflight_tasks=1)
+    cfg = make_config(tmp_path, redis_server, engine, policy_poll_s=0.01, inflight_sequences=1 * G)
     buf = ExperienceBuffer.from_config(cfg)
     buf.announce_policy(7, "file:///nowhere/policy/v7")
     buf.put_tasks(make_tasks(4))
@@ -347,7 +347,7 @@ def test_engine_restart_reloads_the_current_policy_before_taking_work(tmp_path, 
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cfg = make_config(tmp_path, local_redis.url, url, max_inflight_tasks=2, engine_retries=1,
+    cfg = make_config(tmp_path, local_redis.url, url, inflight_sequences=2 * G, engine_retries=1,
                       retry_backoff_s=0.05, max_new_tokens=48, request_timeout_s=20)
     buf = ExperienceBuffer.from_config(cfg)
     buf.announce_policy(1, publish_policy(open_store(cfg.store_url), cfg.run_id, 1, ckpts[1]))
@@ -381,7 +381,7 @@ def test_engine_restart_reloads_the_current_policy_before_taking_work(tmp_path, 
 
 
 def test_worker_rides_through_a_redis_restart(tmp_path, local_redis, engine):
-    cfg = make_config(tmp_path, local_redis.url, engine, max_inflight_tasks=1)
+    cfg = make_config(tmp_path, local_redis.url, engine, inflight_sequences=1 * G)
     buf = ExperienceBuffer.from_config(cfg)
     tasks = make_tasks(6)
     buf.put_tasks(tasks)
