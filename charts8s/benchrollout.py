@@ -98,3 +98,6 @@ class BenchRolloutChart(cdk8s.Chart):
             ingress.append({"from": [{"podSelector": {"matchLabels": lab}}]})
         api_object(self, k8s.KubeNetworkPolicy, name, ns, labels=lab, spec={
             "podSelector": {"matchLabels": lab}, "policyTypes": ["Ingress"], "ingress": ingress})
+        # The Job only dials out.
+        api_object(self, k8s.KubeNetworkPolicy, f"{name}-job", ns, labels=job_lab, spec={
+            "podSelector": {"matchLabels": job_lab}, "policyTypes": ["Ingress"], "ingress": []})

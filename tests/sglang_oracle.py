@@ -155,6 +155,11 @@ def server_argument_parser() -> argparse.ArgumentParser:
             names = [flag] + (ast.literal_eval(kw["aliases"]) if "aliases" in kw else [])
             kind, literal = _type_of(type_node)
             opts: dict = {"dest": name}
+            if field.value is not None:
+                try:
+                    opts["default"] = ast.literal_eval(field.value)
+                except ValueError:
+                    pass  # a computed default: left unset
             if "action" in kw:
                 if ast.unparse(kw["action"]).endswith("BooleanOptionalAction"):
                     opts["action"] = argparse.BooleanOptionalAction
