@@ -290,8 +290,9 @@ class Engine:
         while True:
             self._changed.clear()
             if self.paused:
-                self._apply_pause()
-                self._paused_ack.set()
+                if not self._paused_ack.is_set():  # once per pause call: later arrivals wait
+                    self._apply_pause()
+                    self._paused_ack.set()
                 await self._changed.wait()
                 continue
             batch = self.batch
@@ -437,7 +438,7 @@ class Engine:
             while time.monotonic() < tic + timeout_s:
                 done, _ = await asyncio.wait({probe}, timeout=0.1)
                 if done:
-                    return probe.exception() is None
+                    return probe.exception() is None and probe.result()[0][0].finish_reason != "abort"
                 if self.last_progress > tic:
                     return True
             return False
