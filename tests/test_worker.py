@@ -331,8 +331,8 @@ def test_unloadable_policy_keeps_the_engine_serving_and_is_retried(tmp_path, red
     assert all(s.policy_version == 0 for gs in groups.values() for g in gs for s in g.samples)
 
 
-def start_engine_process(model_path: Path, port: int, log_path: Path) -> subprocess.Popen:
-    argv = engine_argv(model_path, port, "--weight-version", "0")
+def start_engine_process(model_path: Path, port: int, log_path: Path, *extra: str) -> subprocess.Popen:
+    argv = engine_argv(model_path, port, "--weight-version", "0", *extra)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     wait_until_healthy(f"http://127.0.0.1:{port}", timeout_s=90)
@@ -421,3 +421,98 @@ def test_truncated_completions_get_the_configured_reward(tmp_path, redis_server,
     assert cut, "expected some completions cut at max_new_tokens"
     assert all(s.reward == (1.0 if truncated_reward is None else 0.0) for s in cut)
     assert all(s.reward == 1.0 for s in samples if s.finish_reason == "stop")
+
+
+class UnansweredUpdates(EngineClient):
+    """An engine whose weight updates never answer in time; it reports v1 from poll `loaded_after` on."""
+
+    def __init__(self, url: str, loaded_after: int | None):
+        super().__init__(url)
+        self.loaded_after, self.polls, self.updates = loaded_after, 0, 0
+
+    async def weight_version(self):
+        self.polls += 1
+        return 1 if self.loaded_after is not None and self.polls >= self.loaded_after else 0
+
+    async def update_weights_from_disk(self, model_path, weight_version=None, *, timeout_s=None):
+        self.updates += 1
+        raise EngineError("POST /update_weights_from_disk failed: ReadTimeout", None, timed_out=True)
+
+    async def pause_generation(self, mode="abort"):
+        pass
+
+    async def continue_generation(self):
+        pass
+
+
+class AnnouncedV1:
+    def current_policy(self):
+        return (1, "file:///unused/policy/v1")
+
+
+@pytest.mark.parametrize("loaded_after", [3, None])
+def test_an_unanswered_update_is_not_resent_before_the_engine_reports_its_version(tmp_path, loaded_after):
+    """SGLang goes on loading after the client gave up and reloads on every call: the worker asks
+    the engine's version and sends the update again only weight_update_timeout_s later."""
+    cfg = make_config(tmp_path, "redis://127.0.0.1:1/0", "http://engine", weight_update_timeout_s=0.5)
+
+    class Worker(RolloutWorker):
+        def _download(self, version):
+            return tmp_path / f"v{version}"
+
+    async def go():
+        client = UnansweredUpdates("http://engine", loaded_after)
+        worker = Worker(cfg, AnnouncedV1(), client, "w-timeout", score_fn=lambda t, c: 1.0)
+        await worker.sync_policy()  # poll 1: v0 -> update sent, no answer
+        await worker.sync_policy()  # poll 2: still v0, the load may still run: nothing sent
+        sent_before_deadline = client.updates
+        await worker.sync_policy()  # poll 3: v1 when the load went through
+        await asyncio.sleep(0.6)  # past weight_update_timeout_s
+        await worker.sync_policy()
+        return sent_before_deadline, client.updates, worker.stats, worker.engine_version
+
+    sent_before, sent, stats, version = asyncio.run(go())
+    assert sent_before == 1
+    if loaded_after is not None:
+        assert sent == 1 and stats.weight_updates == 1 and version == 1  # never sent twice
+    else:
+        assert sent == 2 and stats.weight_updates == 0  # resent only once the deadline had passed
+
+
+def test_engine_group_lost_mid_request_returns_leases_and_publishes_no_partial_group(tmp_path, local_redis, ckpts):
+    """A multi-node engine loses a node (Spot): LeaderWorkerSet recreates the whole group, so the
+    leader's SGLang dies mid-request and its worker gets SIGTERM. Here the built-in engine is
+    SIGKILLed while requests are in flight and the worker is stopped: every lease comes back,
+    and only complete groups (G samples, each a whole completion) were published."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cfg = make_config(tmp_path, local_redis.url, url, inflight_sequences=3 * G, engine_retries=0,
+                      retry_backoff_s=0.05, max_new_tokens=64, request_timeout_s=10, drain_grace_s=5)
+    buf = ExperienceBuffer.from_config(cfg)
+    tasks = make_tasks(6)
+    buf.put_tasks(tasks)
+    proc = start_engine_process(ckpts[0], port, tmp_path / "engine.log")
+
+    async def go():
+        async with EngineClient(url, timeout_s=10, retries=0) as client:
+            worker = RolloutWorker(cfg, buf, client, "leader-0", score_fn=lambda t, c: 1.0)
+            runner = asyncio.create_task(worker.run())
+            deadline = time.monotonic() + 60
+            while (await client._http.get("/server_info")).json()["running"] == 0:
+                assert time.monotonic() < deadline, "no request reached the engine"
+                await asyncio.sleep(0.01)
+            os.killpg(proc.pid, signal.SIGKILL)  # the group is gone mid-request
+            worker.request_stop()  # and the leader pod is deleted: SIGTERM
+            return await asyncio.wait_for(runner, 60)
+
+    try:
+        stats = asyncio.run(go())
+    finally:
+        stop_process(proc)
+    assert stats.engine_errors >= 1 and stats.tasks_released >= 1
+    assert buf.stats()["leased"] == 0  # every lease returned, none left to expire
+    groups, queued = drain_buffer(buf)
+    assert queued and set(groups) | set(queued) == {t.task_id for t in tasks} and not set(groups) & set(queued)
+    for (g,) in groups.values():  # whatever was published is whole
+        assert [s.index for s in g.samples] == list(range(G))
+        assert all(s.completion_ids and s.finish_reason in ("stop", "length") for s in g.samples)

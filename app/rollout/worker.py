@@ -580,7 +580,7 @@ class RolloutWorker:
                     break
 
                 free = self.r.inflight_tasks() - len(inflight)
-                if free <= 0 or self._engine_suspect:
+                if free <= 0 or self._engine_suspect or self._stop.is_set():
                     continue
                 try:
                     if not await self._buf("has_capacity"):
