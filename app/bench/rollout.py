@@ -73,6 +73,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
+def latencies(values: list[float]) -> dict[str, float]:
+    """p50 / p90 / p99 of request latencies, seconds."""
+    return {f"latency_p{q}_s": percentile(values, q) for q in (50, 90, 99)}
+
+
 @dataclass
 class Tally:
     """What one phase measured on one engine."""
@@ -161,21 +166,21 @@ def run(bench: RolloutBench, out_dir: str = "runs/bench") -> dict:
     for url, t in zip(bench.urls, tallies):
         figures.append({"name": f"engine {url}", "tokens": t.tokens, "sequences": t.sequences,
                         "requests": len(t.latencies), "errors": t.errors, "tokens_per_s": t.tokens / wall,
-                        "latency_p50_s": percentile(t.latencies, 50)})
+                        **latencies(t.latencies)})
     lat = [x for t in tallies for x in t.latencies]
     tokens = sum(t.tokens for t in tallies)
     gpus = bench.gpus_per_engine * len(bench.urls)
     agg = {"name": "aggregate", "engines": len(bench.urls), "gpus": gpus, "concurrency_per_engine": concurrency,
            "wall_s": wall, "tokens": tokens, "sequences": sum(t.sequences for t in tallies), "requests": len(lat),
            "errors": sum(t.errors for t in tallies), "tokens_per_s": tokens / wall, "tokens_per_s_per_gpu": tokens / wall / gpus,
-           "latency_p50_s": percentile(lat, 50), "latency_p90_s": percentile(lat, 90), "latency_p99_s": percentile(lat, 99)}
+           **latencies(lat)}
     figures.append(agg)
     ratios = {}
     if base is not None:
         (bt,), bwall = base
         figures.append({"name": "baseline (engine 0, 1 request in flight)", "wall_s": bwall, "tokens": bt.tokens,
                         "requests": len(bt.latencies), "errors": bt.errors, "tokens_per_s": bt.tokens / bwall,
-                        "latency_p50_s": percentile(bt.latencies, 50)})
+                        **latencies(bt.latencies)})
         if bt.tokens:
             ratios["aggregate tokens/s / baseline tokens/s"] = agg["tokens_per_s"] / (bt.tokens / bwall)
         else:
@@ -193,8 +198,8 @@ def run(bench: RolloutBench, out_dir: str = "runs/bench") -> dict:
     for f in figures:
         per_gpu = f.get("tokens_per_s_per_gpu")
         print(f"{f['name'][:45]:<46}{f['tokens_per_s']:>11.1f}{'' if per_gpu is None else f'{per_gpu:.1f}':>11}"
-              f"{f['requests']:>10}{f['errors']:>8}{f['latency_p50_s']:>8.3f}{f.get('latency_p90_s', math.nan):>8.3f}"
-              f"{f.get('latency_p99_s', math.nan):>8.3f}")
+              f"{f['requests']:>10}{f['errors']:>8}{f['latency_p50_s']:>8.3f}{f['latency_p90_s']:>8.3f}"
+              f"{f['latency_p99_s']:>8.3f}")
     for k, v in ratios.items():
         print(f"ratio {k}: {v:.2f}")
     return print_notes_and_write("rollout", shape, figures, ratios, notes, out_dir)
