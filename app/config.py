@@ -99,19 +99,11 @@ class EngineProfile(Section):
     extra_args: list[str] = Field(default_factory=list, description="More SGLang flags, appended as given.")
 
     @model_validator(mode="after")
-    def _layout_rules(self) -> "EngineProfile":
+    def _own_rules(self) -> "EngineProfile":
+        # Rules that need the GPUs (sizes dividing each other, DeepEP's ep == tp) are checked
+        # where they are known: app.rollout.engine_args.EngineLayout.check.
         if self.kind == "tp" and self.ep_size not in (None, 1):
             raise ValueError(f"ep_size={self.ep_size} needs kind 'ep' or 'ep-deepep' (kind is 'tp')")
-        tp = self.tp_size
-        if tp is not None:
-            if tp % self.nodes_per_engine:
-                raise ValueError(f"tp_size={tp} must be a multiple of nodes_per_engine={self.nodes_per_engine}")
-            if tp % self.attn_dp_size:
-                raise ValueError(f"attn_dp_size={self.attn_dp_size} must divide tp_size={tp}")
-            if self.kind == "ep-deepep" and self.ep_size not in (None, tp):
-                raise ValueError(f"ep_size={self.ep_size}: SGLang's DeepEP backend runs with ep_size == tp_size={tp}")
-            if self.ep_size is not None and tp % self.ep_size:
-                raise ValueError(f"ep_size={self.ep_size} must divide tp_size={tp}")
         if self.enable_dp_lm_head and self.attn_dp_size == 1:
             raise ValueError("enable_dp_lm_head needs attn_dp_size > 1 (it splits the LM head over DP attention)")
         return self
