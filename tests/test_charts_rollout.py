@@ -249,3 +249,14 @@ def test_checkov_passes_on_the_multi_node_and_bench_manifests(tmp_path):
     ex = Example("dsv3-ab", tmp_path / "ab")
     report = _checkov(ex.outdir, "kubernetes")
     assert [(f["check_id"], f["resource"]) for f in report["results"]["failed_checks"]] == []
+
+
+@pytest.mark.parametrize("env", ["dev", "staging", "prod"])
+def test_the_default_rollout_engine_command_parses_with_sglang_arguments(env):
+    from charts8s.rollout import engine_container
+
+    plan = load_workloads(load_config(env))
+    cmd = engine_container(plan, plan.engine, leader=True)["command"]
+    ns = parse_launch_server(cmd)
+    assert ns.tp_size == plan.gpus_per_rollout and ns.moe_a2a_backend == "none" and ns.nnodes == 1
+    assert ns.model_path == plan.wl.rollout.model_path and ns.port == plan.wl.rollout.engine_port

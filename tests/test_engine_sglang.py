@@ -246,3 +246,49 @@ def test_probe_passes_a_paused_engine_only_while_the_marker_holds(ckpts, tmp_pat
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_a_weight_update_is_sent_once_and_a_timeout_says_so():
+    """The client never resends /update_weights_from_disk (SGLang reloads on every call): one
+    call, even with retries configured, and a timed-out one is marked as such; a refused
+    connection is not a timeout."""
+    import threading
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from app.buffer.redis_server import free_port
+    from app.rollout.engine_client import EngineError
+
+    calls = []
+    app = FastAPI()
+
+    @app.post("/update_weights_from_disk")
+    async def slow_update():
+        calls.append(time.monotonic())
+        await asyncio.sleep(2.0)  # a long load
+        return {"success": True, "message": "", "num_paused_requests": 0}
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+
+    async def go():
+        while not server.started:
+            await asyncio.sleep(0.05)
+        async with EngineClient(f"http://127.0.0.1:{port}", retries=3, backoff_s=0.01) as c:
+            with pytest.raises(EngineError) as slow:
+                await c.update_weights_from_disk("/m", 1, timeout_s=0.3)
+        async with EngineClient(f"http://127.0.0.1:{free_port()}", retries=0) as dead:
+            with pytest.raises(EngineError) as refused:
+                await dead.update_weights_from_disk("/m", 1, timeout_s=0.3)
+        return slow.value, refused.value
+
+    try:
+        slow, refused = asyncio.run(go())
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert len(calls) == 1 and slow.timed_out and slow.status is None
+    assert not refused.timed_out

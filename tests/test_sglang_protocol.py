@@ -74,6 +74,7 @@ def exchange(ckpt: Path, capture_routing: bool = False):
                     await c.continue_generation()
                 await c.flush_cache()
                 assert await c.weight_version() == 1
+                await c._http.get("/server_info")
         finally:
             await engine.stop()
         return recorder.calls
@@ -132,6 +133,11 @@ def test_model_info_follows_sglang_api_types(calls):
         info = t.GetModelInfoResponse.from_json_value(got)
         assert info.is_generation and isinstance(info.weight_version, str)
     assert t.GetModelInfoResponse.from_json_value(infos[-1][3]).weight_version == "1"
+
+
+def test_server_info_decodes_with_sglang_api_types(calls):
+    (got,) = [got for p, _, status, got in calls if p == "/server_info" and status == 200]
+    api_types().GetServerInfoResponse.from_json_value(got)  # no field of SGLang's with another type
 
 
 def _body_fields(calls, path: str) -> list[dict]:

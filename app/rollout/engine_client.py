@@ -45,6 +45,8 @@ class EngineError(RuntimeError):
         status: the HTTP status of the last answer (None when there was no answer). A 4xx means
             the request itself was refused (e.g. prompt longer than the context): retrying it
             cannot help.
+        timed_out: the last attempt was sent and got no answer within the timeout (the server
+            may still be working on it); False for a refused connection or an answer.
     """
 
     def __init__(self, message: str, status: int | None = None, timed_out: bool = False):
@@ -197,7 +199,9 @@ class EngineClient:
                 if r.status_code < 500:
                     break  # a bad request does not get better by repeating it
             except httpx.TransportError as e:
-                last, status, timed_out = f"{type(e).__name__}: {e}", None, isinstance(e, httpx.TimeoutException)
+                # Sent but not answered in time: the server may still be working on it.
+                timed_out = isinstance(e, (httpx.ReadTimeout, httpx.WriteTimeout))
+                last, status = f"{type(e).__name__}: {e}", None
             if attempt < retries:
                 delay = min(self.max_backoff_s, self.backoff_s * 2**attempt)
                 await asyncio.sleep(delay * random.uniform(0.5, 1.5))

@@ -344,7 +344,7 @@ class RolloutWorker:
             try:
                 ok, message = await self.client.update_weights_from_disk(str(path), version, timeout_s=timeout)
             except EngineError as e:
-                ok, message, unanswered = False, str(e), e.status is None
+                ok, message, unanswered = False, str(e), e.timed_out
             finally:
                 await self.client.continue_generation()
         except EngineError as e:
@@ -564,6 +564,8 @@ class RolloutWorker:
                         continue
                     self._engine_suspect = False
                     next_poll = 0.0  # a restarted engine must load the current version first
+                    # It generates again, so no load holds it: its version now says what to do.
+                    self._unanswered_update = None
                 if time.monotonic() >= next_poll:
                     await self.sync_policy()
                     next_poll = time.monotonic() + self.r.policy_poll_s
