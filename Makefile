@@ -16,13 +16,18 @@ system-deps:
 	@# aws-cdk-lib and cdk8s run their jsii kernels on Node.js (infra and charts tests).
 	@command -v node >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq nodejs; }
 
-$(STAMP): pyproject.toml
+# The SGLang version images/rollout.Dockerfile pins: the protocol tests read its own request types
+# and server arguments (tests/sglang_oracle.py). --no-deps: its torch/CUDA stack is not needed.
+SGLANG_PIN := sglang==0.5.23
+
+$(STAMP): pyproject.toml Makefile
 	$(MAKE) system-deps
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch first, so nothing later pulls a CUDA build.
 	$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,infra,bench]'
+	$(BIN)/pip install -q --no-deps $(SGLANG_PIN)
 	# checkov (tests/test_charts.py, tests/test_images.py) in its own venv: its pins clash with ours.
 	test -x $(VENV)/checkov/bin/checkov || { $(PY) -m venv $(VENV)/checkov && $(VENV)/checkov/bin/pip install -q checkov==3.3.30; }
 	touch $@

@@ -94,7 +94,7 @@ def chaos_config(steps: int, seed: int, run_dir: Path, *, group_size: int, group
     r = cfg.rollout
     r.group_size = group_size
     r.max_new_tokens = max_new_tokens
-    r.max_inflight_tasks = 2
+    r.inflight_sequences = 2 * r.group_size
     r.drain_grace_s = 5.0
     r.request_timeout_s = 30.0
     r.engine_retries = 2
@@ -218,7 +218,7 @@ def run_loop(cfg: RunConfig, run_dir: Path, base: Path, tasks: list, workers: in
         loop.start_redis(appendfsync="always")
         loop.cfg.model.path = str(base)
         loop.write_config()
-        feeder = Feeder(loop, tasks, low_water=2 * workers * cfg.rollout.max_inflight_tasks)
+        feeder = Feeder(loop, tasks, low_water=2 * workers * cfg.rollout.inflight_tasks())
         feeder.feed()
         started = time.time()
         loop.start_trainer()

@@ -46,7 +46,11 @@ class ParallelConfig(Section):
 
 
 class RouterConfig(Section):
-    """Router settings used in MoE RL (see app/model/router.py)."""
+    """Router settings used in MoE RL (see app/model/router.py).
+
+    routing_replay: deprecated alias of ``rollout.routing_replay`` (where the engine is asked for
+    the routed experts); a run config that sets it here turns that on.
+    """
 
     aux_loss_coef: float = Field(0.0, ge=0.0, description="Load-balancing loss weight; 0 for RL.")
     bias_update_rate: float = Field(0.0, ge=0.0, description="Aux-loss-free bias update; off.")
@@ -75,10 +79,63 @@ class BufferConfig(Section):
     lease_ms: int = Field(60_000, ge=100, description="A task lease expires after this idle time.")
 
 
+# In-flight sequences per data-parallel attention rank of an SGLang engine when the profile
+# sets no max_running_requests: the slime DeepSeek-R1 recipe runs 128 per DP rank
+# (THUDM/slime scripts, --sglang-server-concurrency 1024 over 8 ranks).
+SEQUENCES_PER_DP_RANK = 128
+
+
+class EngineProfile(Section):
+    """The layout of one rollout engine (an SGLang server, possibly spanning nodes).
+
+    Profiles (SGLang 0.5.23 server arguments, ``sglang/srt/arg_groups/fields/``):
+      - ``tp``: tensor parallel over every GPU of the engine (``--tp-size``);
+      - ``ep``: expert parallel with SGLang's own all-to-all (``--ep-size``,
+        ``--moe-a2a-backend none``);
+      - ``ep-deepep``: expert parallel through DeepEP (``--moe-a2a-backend deepep``,
+        ``--deepep-mode``); SGLang then requires ``ep_size == tp_size``.
+    Sizes left at None are derived where the GPUs are known (charts8s: the node's GPUs x
+    ``nodes_per_engine``): tp_size = every GPU, ep_size = tp_size for the EP profiles.
+    ``extra_args`` are appended verbatim (each flag is still checked against SGLang's own
+    argument definitions in the tests).
+    """
+
+    kind: Literal["tp", "ep", "ep-deepep"] = "tp"
+    nodes_per_engine: int = Field(1, ge=1, description="Nodes one engine spans (LeaderWorkerSet group size).")
+    tp_size: int | None = Field(None, ge=1, description="--tp-size; None: every GPU of the engine.")
+    ep_size: int | None = Field(None, ge=1, description="--ep-size of the ep profiles; None: tp_size.")
+    attn_dp_size: int = Field(1, ge=1, description="--attn-dp-size (data-parallel attention ranks).")
+    enable_dp_lm_head: bool = Field(False, description="--enable-dp-lm-head (with attn_dp_size > 1).")
+    moe_dense_tp_size: int | None = Field(None, ge=1, description="--moe-dense-tp-size.")
+    moe_runner_backend: str | None = Field(None, description="--moe-runner-backend, e.g. deep_gemm.")
+    deepep_mode: Literal["auto", "normal", "low_latency"] = Field("auto", description="--deepep-mode (ep-deepep).")
+    max_running_requests: int | None = Field(None, ge=1, description="--max-running-requests (built-in: "
+                                             "--max-batch); also the worker's default in-flight sequences.")
+    chunked_prefill_size: int | None = Field(None, description="--chunked-prefill-size (-1 disables).")
+    mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0, description="--mem-fraction-static.")
+    extra_args: list[str] = Field(default_factory=list, description="More SGLang flags, appended as given.")
+
+    @model_validator(mode="after")
+    def _own_rules(self) -> "EngineProfile":
+        # Rules that need the GPUs (sizes dividing each other, DeepEP's ep == tp) are checked
+        # where they are known: app.rollout.engine_args.EngineLayout.check.
+        if self.kind == "tp" and self.ep_size not in (None, 1):
+            raise ValueError(f"ep_size={self.ep_size} needs kind 'ep' or 'ep-deepep' (kind is 'tp')")
+        if self.enable_dp_lm_head and self.attn_dp_size == 1:
+            raise ValueError("enable_dp_lm_head needs attn_dp_size > 1 (it splits the LM head over DP attention)")
+        return self
+
+    def default_inflight_sequences(self) -> int:
+        """Sequences a worker keeps in flight on one engine: ``max_running_requests`` when set,
+        else `SEQUENCES_PER_DP_RANK` x ``attn_dp_size``."""
+        return self.max_running_requests or SEQUENCES_PER_DP_RANK * self.attn_dp_size
+
+
 class RolloutConfig(Section):
     """Rollout workers and their engine."""
 
     engine_url: str = "http://127.0.0.1:30000"
+    engine: EngineProfile = EngineProfile()
     group_size: int = Field(8, ge=1, description="G completions per prompt (GRPO group).")
     max_new_tokens: int = Field(32, ge=1)
     temperature: float = Field(1.0, gt=0.0)
@@ -86,12 +143,20 @@ class RolloutConfig(Section):
     drain_grace_s: float = Field(30.0, gt=0.0, description="SIGTERM drain budget, seconds.")
     request_timeout_s: float = Field(60.0, gt=0.0)
     reward_timeout_s: float = Field(5.0, gt=0.0)
+    reward_threads: int = Field(8, ge=1, description="Threads running reward functions (shared pool).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    max_inflight_tasks: int = Field(4, ge=1, description="Prompt groups a worker generates at once.")
-    engine_retries: int = Field(3, ge=0, description="Retries of a failed engine request.")
+    inflight_sequences: int | None = Field(
+        None, ge=1, description="Sequences a worker keeps in flight on its engine (whole groups of "
+        "group_size); None: engine.default_inflight_sequences().")
+    engine_retries: int = Field(3, ge=0, description="Retries of a failed engine request (not of weight updates).")
     retry_backoff_s: float = Field(0.5, gt=0.0, description="First retry backoff; doubles.")
     policy_poll_s: float = Field(2.0, gt=0.0, description="Seconds between policy-version checks.")
     weight_update_timeout_s: float = Field(300.0, gt=0.0, description="One engine weight load.")
+    pause_mode: Literal["abort", "retract", "in_place"] = Field(
+        "retract", description="SGLang /pause_generation mode around a weight update (the worker "
+        "waits for its own requests first, so none is cut either way).")
+    routing_replay: bool = Field(False, description="Ask the engine for the experts each token was "
+                                 "routed to and store them with every sample (R3).")
     policy_cache_dir: str = Field("runs/policy-cache", description="Local copies of policy versions.")
     reward_fn: str = Field("app.envs.rewards:score", description="module:attr of score(task, text).")
     truncated_reward: float | None = Field(
@@ -99,6 +164,11 @@ class RolloutConfig(Section):
     )
     reward_url: str = Field("http://127.0.0.1:8080", description="`moerl reward` server; used when "
                             "task.reward_model is set.")
+
+    def inflight_tasks(self) -> int:
+        """Prompt groups a worker generates at once: the in-flight sequences in whole groups (>= 1)."""
+        sequences = self.inflight_sequences or self.engine.default_inflight_sequences()
+        return max(1, sequences // self.group_size)
 
 
 class TrainerConfig(Section):
@@ -212,6 +282,8 @@ class RunConfig(Section):
                 f"buffer.capacity_groups={self.buffer.capacity_groups} must be >= (trainer.save_every + 1) "
                 f"* trainer.groups_per_step = {need}: taken groups stay in Redis until the next save"
             )
+        if self.router.routing_replay:  # the deprecated spelling: one switch, read from rollout
+            self.rollout.routing_replay = True
         if t.algorithm == "ppo" and t.loss_agg != "token-mean":
             raise ValueError(f"trainer.loss_agg={t.loss_agg!r}: PPO's per-token advantages need 'token-mean'")
         return self

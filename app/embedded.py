@@ -24,6 +24,7 @@ from app.buffer.redis_server import LocalRedis, free_port
 from app.config import RunConfig
 from app.layout import default_world
 from app.procs import Proc, Supervisor, moerl_argv
+from app.rollout.probe import healthy
 
 # Each role process uses one thread: the 2-core machine runs engines, workers and trainer ranks
 # at once, and oversubscribed OpenMP threads make all of them slower.
@@ -89,6 +90,10 @@ class EmbeddedLoop:
             "engine", "--model-path", str(model_path), "--port", str(port),
             "--weight-version", str(version), "--threads", "1", "--seed", str(self.cfg.task.seed + i),
         )
+        if self.cfg.rollout.engine.max_running_requests:
+            argv += ["--max-running-requests", str(self.cfg.rollout.engine.max_running_requests)]
+        if self.cfg.rollout.routing_replay:
+            argv.append("--enable-return-routed-experts")
         return self.sup.start(f"engine-{i}", argv, ONE_THREAD_ENV)
 
     def engine_url(self, i: int) -> str:
@@ -118,9 +123,13 @@ class EmbeddedLoop:
         """Start rollout worker `i` against engine `i`."""
         argv = moerl_argv(
             "rollout", "--config", str(self.config_path), "--engine-url", self.engine_url(i),
-            "--worker-id", f"worker-{i}",
+            "--worker-id", f"worker-{i}", "--pause-marker", str(self.pause_marker(i)),
         )
         return self.sup.start(f"worker-{i}", argv, ONE_THREAD_ENV)
+
+    def pause_marker(self, i: int) -> Path:
+        """The file worker `i` keeps while it holds engine `i` paused for a weight update."""
+        return self.run_dir / f"engine-{i}.paused"
 
     def start_trainer(self, resume: bool = False) -> Proc:
         """Start the trainer gang: torchrun with `default_world(trainer.parallel)` ranks (gloo on CPU)."""
@@ -148,9 +157,10 @@ class EmbeddedLoop:
     def watch_engines(self, period_s: float = 15.0, timeout_s: float = 30.0, strikes: int = 3) -> None:
         """Kill hung engines, as a failed liveness probe does in the cluster (charts8s/rollout.py).
 
-        A daemon thread calls each engine's ``/health_generate`` every ``period_s`` seconds; an
-        engine that has answered once since it (re)started and then fails ``strikes`` probes
-        in a row (error, non-200 or no answer within ``timeout_s``) gets SIGKILL. `check_roles`
+        A daemon thread runs the cluster's probe (`app.rollout.probe.healthy`: the worker's pause
+        marker, else ``/health_generate``) on each engine every ``period_s`` seconds; an engine
+        that has answered once since it (re)started and then fails ``strikes`` probes in a row
+        (error, non-200 or no answer within ``timeout_s``) gets SIGKILL. `check_roles`
         restarts it, and its worker brings it to the current policy before taking work again
         (the worker releases the tasks it had in flight). Idempotent; stopped by `close`.
         """
@@ -165,11 +175,8 @@ class EmbeddedLoop:
                     if not name.startswith("engine-") or not proc.alive():
                         continue
                     key = (name, proc.starts)
-                    try:
-                        url = self.engine_url(int(name.split("-")[1])) + "/health_generate"
-                        ok = httpx.get(url, timeout=timeout_s).status_code == 200
-                    except httpx.HTTPError:
-                        ok = False
+                    i = int(name.split("-")[1])
+                    ok = healthy(self.engine_url(i), self.pause_marker(i), timeout_s)
                     if ok:
                         self._answered.add(key)
                         misses[key] = 0

@@ -51,6 +51,8 @@ def embedded_default() -> RunConfig:
     cfg.rollout.group_size = 8
     cfg.rollout.max_new_tokens = 8
     cfg.rollout.policy_poll_s = 0.5
+    # Built-in engines decode 32 sequences together here: 4 groups of 8 in flight per worker.
+    cfg.rollout.engine.max_running_requests = 32
     cfg.buffer.max_staleness = 2
     cfg.buffer.capacity_groups = 2 * cfg.trainer.groups_per_step
     return cfg

@@ -53,33 +53,36 @@ def trainer_command(config: str, nnodes: int, nproc_per_node: int, rdzv_port: in
 
 
 def engine_command(engine: str, model_path: str | None, port: int, tp_size: int) -> list[str]:
-    """The rollout engine: SGLang's server in the cluster, `moerl engine` (built-in) locally.
-
-    SGLang flags: python -m sglang.launch_server --model-path --host --port --tp-size
-    (SGLang server arguments doc). Both listen on loopback: only the worker in the same pod
-    (or on the same machine) talks to the engine.
+    """The rollout engine of this component: SGLang with tensor parallelism over ``tp_size``
+    GPUs, or the built-in `moerl engine` locally; both on loopback (only the worker beside it
+    talks to it). The command lines come from `app.rollout.engine_args` (charts8s renders
+    every engine profile, multi-node ones included, from the same functions).
 
     Raises:
         ValueError: unknown engine, or no model_path.
     """
+    from app.config import EngineProfile
+    from app.rollout.engine_args import EngineLayout, builtin_command, sglang_command
+
     if engine not in ("sglang", "builtin"):
         raise ValueError(f"engine must be 'sglang' or 'builtin', got {engine!r}")
     if not model_path:
         raise ValueError(f"engine {engine!r} needs model_path (an HF id or a local checkpoint directory)")
+    profile = EngineProfile(tp_size=tp_size)
     if engine == "builtin":
-        return ["moerl", "engine", "--model-path", model_path, "--host", "127.0.0.1", "--port", str(port)]
-    return [
-        "python3", "-m", "sglang.launch_server", "--model-path", model_path,
-        "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp_size),
-    ]
+        return builtin_command(profile, model_path, port=port)
+    return sglang_command(EngineLayout(profile, gpus_per_node=tp_size), model_path, port=port)
 
 
-def worker_command(config: str, worker_id: str) -> list[str]:
+def worker_command(config: str, worker_id: str, pause_marker: str | None = None) -> list[str]:
     """The moerl rollout worker (leases prompt groups, calls the engine on loopback, publishes).
 
     worker_id: unique per worker (its task-lease consumer name), e.g. the pod name.
+    pause_marker: the file the engine's probes read while the worker holds it paused
+        (`app.rollout.probe`); None: no marker.
     """
-    return ["moerl", "rollout", "--config", config, "--worker-id", worker_id]
+    cmd = ["moerl", "rollout", "--config", config, "--worker-id", worker_id]
+    return cmd + (["--pause-marker", pause_marker] if pause_marker else [])
 
 
 def trainer_resource(gpus: int, efa: int, hugepages_mib: int, cpu: int, mem_mb: int) -> specs.Resource:
@@ -111,6 +114,14 @@ EFA_ENV = {
     "FI_EFA_FORK_SAFE": "1",
     "NCCL_NET": "AWS Libfabric",
     "NCCL_SOCKET_IFNAME": "^lo,docker",
+}
+# DeepEP over EFA: NVSHMEM's libfabric transport on the EFA provider, bootstrapped by unique id
+# (awslabs/awsome-distributed-ai 3.test_cases/pytorch/sglang/dsr1-deepep-efa; NVSHMEM
+# environment variables doc). The image must carry a DeepEP/NVSHMEM build for EFA (images/).
+NVSHMEM_EFA_ENV = {
+    "NVSHMEM_REMOTE_TRANSPORT": "libfabric",
+    "NVSHMEM_LIBFABRIC_PROVIDER": "efa",
+    "NVSHMEM_BOOTSTRAP": "UID",
 }
 
 

@@ -64,8 +64,9 @@ class ClusterChart(cdk8s.Chart):
             api_object(self, k8s.KubePriorityClass, name, labels=labels(name), value=value,
                        globalDefault=False, preemptionPolicy="PreemptLowerPriority" if name == "moerl-trainer" else "Never",
                        description=f"moerl {name.removeprefix('moerl-')} pods")
-        gpus = plan.trainer_world_size + plan.rollout_replicas * plan.gpus_per_rollout + plan.reward_model_gpus
-        efa = plan.trainer_nodes * plan.efa_per_trainer + plan.rollout_replicas * plan.efa_per_rollout
+        rollout_nodes = plan.rollout_nodes + plan.bench_nodes  # rollout engines and bench fleets
+        gpus = plan.trainer_world_size + rollout_nodes * plan.gpus_per_rollout + plan.reward_model_gpus
+        efa = plan.trainer_nodes * plan.efa_per_trainer + rollout_nodes * plan.efa_per_rollout
         api_object(self, k8s.KubeResourceQuota, "moerl-accelerators", ns, labels=labels("moerl"), spec={
             "hard": {"requests.nvidia.com/gpu": str(gpus), "requests.vpc.amazonaws.com/efa": str(efa)}})
         api_object(self, k8s.KubeLimitRange, "moerl-defaults", ns, labels=labels("moerl"), spec={

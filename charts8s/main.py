@@ -19,6 +19,7 @@ from pathlib import Path
 import cdk8s
 
 from infra.config import ConfigError, load_config
+from charts8s.benchrollout import BenchRolloutChart
 from charts8s.buffer import BufferChart
 from charts8s.cluster import ClusterChart
 from charts8s.envpool import EnvPoolChart
@@ -31,7 +32,8 @@ from charts8s.workloads import Plan, WorkloadError, load_workloads
 
 def build(plan: Plan, outdir: str | Path) -> list[Path]:
     """Write one file per chart (cluster, buffer, rollout, trainer, envpool; rewardmodel when the
-    run config names task.reward_model) into `outdir`.
+    run config names task.reward_model; bench-rollout-<profile> per bench_rollout profile) into
+    `outdir`.
 
     Synthesizes into a temporary directory beside `outdir` and swaps it in, so a failure leaves
     the previous output whole. Returns the written files.
@@ -61,6 +63,8 @@ def build(plan: Plan, outdir: str | Path) -> list[Path]:
         TrainerChart(app, plan)
         if plan.run.task.reward_model:
             RewardModelChart(app, plan)
+        for profile in plan.bench_layouts():
+            BenchRolloutChart(app, plan, profile)
         app.synth()
         if outdir.exists():
             shutil.rmtree(outdir)

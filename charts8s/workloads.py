@@ -8,16 +8,17 @@ they share, and the images. `load_workloads` applies every rule of issue 6 part 
 
 from __future__ import annotations
 
+import math
 import re
-
 from pathlib import Path
 from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from app.config import RunConfig
+from app.config import EngineProfile, RunConfig
 from app.layout import resolve_layout
+from app.rollout.engine_args import EngineLayout
 from infra.config import DeploymentConfig, NodePool
 
 Role = Literal["trainer", "rollout", "env"]
@@ -44,18 +45,29 @@ class TrainerSpec(_Model):
     rdzv_port: int = Field(29500, ge=1024, le=65535)
 
 
-class RolloutSpec(_Model):
-    """Rollout pods: SGLang server and the moerl rollout worker in one pod, one pod per node.
+# Copies of the model on a rollout node's model volume: the base model (Hugging Face cache) and
+# up to three policy versions (the worker keeps the served one and the one before it while the
+# next downloads; app/rollout/worker.py `_download`).
+MODEL_COPIES = 4
+TMP_GI, CACHE_GI = 16, 32  # the engine's /tmp and JIT-cache (triton, flashinfer) volumes
 
-    replicas: pods (None: the pool's desired_size, at least 1).
+
+class RolloutSpec(_Model):
+    """Rollout engines: SGLang and the moerl rollout worker; the engine layout (TP/EP/DeepEP,
+    nodes per engine) is the run config's ``rollout.engine`` profile.
+
+    replicas: engines (None: the pool's desired_size // nodes_per_engine, at least 1). An engine
+        of one node is one pod of a Deployment; one over several nodes is one LeaderWorkerSet group.
     model_path: the base policy SGLang loads at start and the trainer starts from (HF id or
         local path; also written to the mounted run config's model.path); None: RunConfig.model.path.
-    tp_size: SGLang tensor parallel size (None: every GPU of the node).
+    model_gib: size of one checkpoint of that model, GiB (Qwen3-30B-A3B in bf16: 57; DeepSeek-V3
+        in FP8: 642). The model volume holds `MODEL_COPIES` of it and must fit the node's local
+        disk (instance-store NVMe where the type has it, else the root volume).
     """
 
     replicas: int | None = Field(None, ge=1)
     model_path: str | None = "Qwen/Qwen3-30B-A3B"
-    tp_size: int | None = Field(None, ge=1)
+    model_gib: float = Field(57.0, gt=0)
     engine_port: int = Field(30000, ge=1024, le=65535)
     drain_margin_s: int = Field(15, ge=0, description="Added to rollout.drain_grace_s for the kubelet.")
     shm_gi: int = Field(64, ge=1, description="/dev/shm size limit, GiB (NCCL and CUDA IPC).")
@@ -79,6 +91,22 @@ class RewardModelSpec(_Model):
     port: int = Field(8080, ge=1024, le=65535)
     max_batch: int = Field(64, ge=1, description="Most sequences in one forward (`moerl reward --max-batch`).")
     models_gi: int = Field(200, ge=1, description="Scratch volume for a downloaded model, GiB.")
+
+
+class BenchRolloutSpec(_Model):
+    """`moerl bench rollout` in the cluster: per named profile, a fleet of ``engines`` SGLang
+    engines (LeaderWorkerSet groups, serving on the pod network) and a Job that drives them with
+    the run's prompts for ``seconds``. Two profiles (e.g. ``a2a``: kind ep, ``deepep``: kind
+    ep-deepep) are the all-to-all vs DeepEP comparison; each renders to its own file.
+
+    concurrency: in-flight requests (prompt groups) per engine; None: the profile's in-flight
+        sequences over rollout.group_size.
+    """
+
+    profiles: dict[str, EngineProfile]
+    engines: int = Field(2, ge=1)
+    seconds: float = Field(600.0, gt=0)
+    concurrency: int | None = Field(None, ge=1)
 
 
 class BufferSpec(_Model):
@@ -107,6 +135,7 @@ class Workloads(_Model):
     env: EnvSpec = EnvSpec()
     reward_model: RewardModelSpec = RewardModelSpec()
     buffer: BufferSpec = BufferSpec()
+    bench_rollout: BenchRolloutSpec | None = None
 
 
 class Plan:
@@ -114,7 +143,9 @@ class Plan:
 
     Attributes: cfg (DeploymentConfig), run (RunConfig as mounted), wl (Workloads), images
     (role -> reference), trainer_nodes, gpus_per_trainer (GPUs of one train-gpu node),
-    efa_per_trainer, rollout_replicas, gpus_per_rollout, efa_per_rollout.
+    efa_per_trainer, rollout_replicas (engines), engine (`EngineLayout` of rollout.engine),
+    rollout_nodes (engines x nodes per engine), gpus_per_rollout (GPUs of one rollout-gpu
+    node), efa_per_rollout.
     """
 
     def __init__(self, cfg: DeploymentConfig, wl: Workloads, run: RunConfig):
@@ -125,7 +156,8 @@ class Plan:
         self.trainer_nodes = wl.trainer.nodes or train.max_size
         self.gpus_per_rollout = _node_gpus(roll)
         self.efa_per_rollout = roll.efa_interfaces
-        self.rollout_replicas = wl.rollout.replicas or max(roll.desired_size, 1)
+        self.engine = EngineLayout(run.rollout.engine, self.gpus_per_rollout)
+        self.rollout_replicas = wl.rollout.replicas or max(roll.desired_size // self.engine.nodes, 1)
         self.images = {role: wl.images.get(role) or cfg.image_uri(role) for role in ("trainer", "rollout", "env")}
 
     @property
@@ -140,6 +172,27 @@ class Plan:
             return 0
         per_node = self.gpus_per_rollout // self.wl.reward_model.gpus
         return -(-self.wl.reward_model.replicas // max(per_node, 1))
+
+    @property
+    def rollout_nodes(self) -> int:
+        """rollout-gpu nodes the rollout engines take (one pod per node)."""
+        return self.rollout_replicas * self.engine.nodes
+
+    def bench_layouts(self) -> dict[str, EngineLayout]:
+        """name -> `EngineLayout` of each `moerl bench rollout` profile (empty without bench_rollout)."""
+        bench = self.wl.bench_rollout
+        return {n: EngineLayout(p, self.gpus_per_rollout) for n, p in (bench.profiles.items() if bench else ())}
+
+    @property
+    def bench_nodes(self) -> int:
+        """rollout-gpu nodes of every bench fleet together."""
+        engines = self.wl.bench_rollout.engines if self.wl.bench_rollout else 0
+        return sum(engines * lay.nodes for lay in self.bench_layouts().values())
+
+    @property
+    def models_volume_gib(self) -> int:
+        """Size limit of a rollout pod's model volume: `MODEL_COPIES` checkpoints of model_gib."""
+        return math.ceil(MODEL_COPIES * self.wl.rollout.model_gib)
 
     @property
     def trainer_world_size(self) -> int:
@@ -186,7 +239,9 @@ def check(plan: Plan) -> Plan:
     """Apply the capacity, EP and image rules; return `plan` or raise one WorkloadError.
 
     Rules: trainer nodes <= train-gpu max_size; trainer.parallel fits the trainer's GPUs (nodes x
-    GPUs per node; app/layout.py); rollout replicas <= rollout-gpu max_size (one pod per node); env replicas fit the env-cpu
+    GPUs per node; app/layout.py); rollout engines x nodes per engine <= rollout-gpu max_size (one
+    pod per node); each engine profile fits its nodes (`EngineLayout.check`) and DeepEP across
+    nodes has EFA; the model volume fits a rollout node's local disk; env replicas fit the env-cpu
     pool's vCPUs at max_size; every image has a tag or digest; a GPU pool has GPUs; with a reward
     model, its pods fit a rollout-gpu node and their nodes fit the pool beside the rollout pods.
     """
@@ -210,22 +265,53 @@ def check(plan: Plan) -> Plan:
         ) from None
     if not roll.gpu:
         raise WorkloadError("pools.rollout-gpu has no GPU instance types")
-    if plan.rollout_replicas > roll.max_size:
+    if plan.rollout_nodes > roll.max_size:
+        per = "" if plan.engine.nodes == 1 else (
+            f" engines x run config rollout.engine.nodes_per_engine={plan.engine.nodes} = {plan.rollout_nodes} nodes")
         raise WorkloadError(
-            f"rollout.replicas={plan.rollout_replicas} exceeds pools.rollout-gpu.max_size={roll.max_size} "
+            f"rollout.replicas={plan.rollout_replicas}{per} exceeds pools.rollout-gpu.max_size={roll.max_size} "
             "(one rollout pod per node)"
         )
     if not (wl.rollout.model_path or plan.run.model.path):
         raise WorkloadError("rollout.model_path: SGLang needs a checkpoint (HF id or directory); none given "
                             "and the run config's model.path is empty")
-    tp = wl.rollout.tp_size or plan.gpus_per_rollout
-    if tp > plan.gpus_per_rollout:
-        raise WorkloadError(f"rollout.tp_size={tp} exceeds the {plan.gpus_per_rollout} GPUs of a rollout node")
+    layouts = {"run config rollout.engine": plan.engine}
+    layouts.update({f"bench_rollout.profiles.{n}": lay for n, lay in plan.bench_layouts().items()})
+    for where, layout in layouts.items():
+        try:
+            layout.check(where)
+        except ValueError as e:
+            raise WorkloadError(str(e)) from None
+        if layout.nodes > 1 and layout.profile.kind == "ep-deepep" and not roll.efa:
+            raise WorkloadError(f"{where}: DeepEP across {layout.nodes} nodes needs EFA: pools.rollout-gpu.efa is off")
+    if plan.wl.bench_rollout:
+        for name in plan.wl.bench_rollout.profiles:
+            if not _DNS1123.match(name) or "." in name or len(name) > 40:
+                raise WorkloadError(f"bench_rollout.profiles: {name!r} is not a short DNS-1123 label (it names objects)")
+        if plan.bench_nodes > roll.max_size:
+            raise WorkloadError(f"bench_rollout: {plan.bench_nodes} engine nodes exceed pools.rollout-gpu.max_size="
+                                f"{roll.max_size}")
+    # The weights must fit the engine's GPUs with room left for the KV cache (SGLang's default
+    # --mem-fraction-static is about 0.8-0.9 of GPU memory for weights plus KV cache).
+    smallest = min(roll.specs, key=lambda s: s.gpu_memory_gib)
+    gpu_gib = plan.engine.gpus * smallest.gpu_memory_gib
+    if wl.rollout.model_gib > 0.8 * gpu_gib:
+        raise WorkloadError(
+            f"rollout.model_gib={wl.rollout.model_gib} does not fit an engine of {plan.engine.gpus} x "
+            f"{smallest.gpu_memory_gib} GiB GPUs (pools.rollout-gpu's smallest) with room for the KV cache; "
+            "raise rollout.engine.nodes_per_engine or use larger GPUs")
+    local = min(s.instance_store_gib or roll.disk_size_gib for s in roll.specs)
+    disk = "instance-store NVMe" if all(s.instance_store_gib for s in roll.specs) else "local disk"
+    if plan.models_volume_gib + TMP_GI + CACHE_GI > local:
+        raise WorkloadError(
+            f"rollout.model_gib={wl.rollout.model_gib}: the model volume ({MODEL_COPIES} copies, "
+            f"{plan.models_volume_gib} GiB) and scratch ({TMP_GI + CACHE_GI} GiB) exceed the {local} GiB {disk} of a "
+            "rollout-gpu node")
     if plan.run.task.reward_model:
         rm = wl.reward_model
         if rm.gpus > plan.gpus_per_rollout:
             raise WorkloadError(f"reward_model.gpus={rm.gpus} exceeds the {plan.gpus_per_rollout} GPUs of a rollout-gpu node")
-        if plan.rollout_replicas + plan.reward_model_nodes > roll.max_size:
+        if plan.rollout_nodes + plan.reward_model_nodes > roll.max_size:
             raise WorkloadError(
                 f"reward_model.replicas={rm.replicas} needs {plan.reward_model_nodes} rollout-gpu node(s) beside "
                 f"{plan.rollout_replicas} rollout pods; pools.rollout-gpu.max_size={roll.max_size}"

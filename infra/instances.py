@@ -4,6 +4,9 @@ One table, read by the config validator (an unknown type is an error) and by the
 templates (how many EFA interfaces, on which network cards). Figures come from the Amazon EC2
 accelerated-computing instance pages and "Maximize network bandwidth on accelerated instances"
 in the EC2 user guide (network cards per type: p5/p5e 32, p5en 16, p6-b200 8, p4d/p4de 4).
+Local NVMe: the EC2 user guide's "Instance store volume specifications" (p5, p5e, p5en,
+p6-b200: 8 x 3840 GB; p4d, p4de: 8 x 1000 GB; the c/m/r types here are EBS-only), converted
+from the page's decimal GB to GiB and rounded down.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ class InstanceSpec:
     gpu_memory_gib: memory of ONE accelerator, GiB.
     efa_interfaces: network cards that carry an EFA interface (0: the type has no EFA).
     vcpus, memory_gib: host size (memory in GiB).
+    instance_store_gib: local NVMe instance store, all volumes together, GiB (0: EBS only). The
+        node group puts the kubelet's and containerd's storage on it (RAID0), so a pod's
+        emptyDir volumes land there.
     arch: CPU architecture, which picks the EKS AMI type.
     """
 
@@ -28,6 +34,7 @@ class InstanceSpec:
     efa_interfaces: int
     vcpus: int
     memory_gib: int
+    instance_store_gib: int = 0
     arch: Literal["x86_64", "arm64"] = "x86_64"
 
     @property
@@ -35,14 +42,25 @@ class InstanceSpec:
         return self.efa_interfaces > 0
 
 
+def _gib(disks: int, gb_each: int) -> int:
+    """Instance store of `disks` volumes of `gb_each` decimal GB, in whole GiB."""
+    return disks * gb_each * 10**9 // 2**30
+
+
 INSTANCE_TABLE: dict[str, InstanceSpec] = {
     # GPU training / rollout types.
-    "p5.48xlarge": InstanceSpec(gpus=8, gpu_memory_gib=80, efa_interfaces=32, vcpus=192, memory_gib=2048),
-    "p5e.48xlarge": InstanceSpec(gpus=8, gpu_memory_gib=141, efa_interfaces=32, vcpus=192, memory_gib=2048),
-    "p5en.48xlarge": InstanceSpec(gpus=8, gpu_memory_gib=141, efa_interfaces=16, vcpus=192, memory_gib=2048),
-    "p6-b200.48xlarge": InstanceSpec(gpus=8, gpu_memory_gib=179, efa_interfaces=8, vcpus=192, memory_gib=2048),
-    "p4d.24xlarge": InstanceSpec(gpus=8, gpu_memory_gib=40, efa_interfaces=4, vcpus=96, memory_gib=1152),
-    "p4de.24xlarge": InstanceSpec(gpus=8, gpu_memory_gib=80, efa_interfaces=4, vcpus=96, memory_gib=1152),
+    "p5.48xlarge": InstanceSpec(gpus=8, gpu_memory_gib=80, efa_interfaces=32, vcpus=192, memory_gib=2048,
+        instance_store_gib=_gib(8, 3840)),
+    "p5e.48xlarge": InstanceSpec(gpus=8, gpu_memory_gib=141, efa_interfaces=32, vcpus=192, memory_gib=2048,
+        instance_store_gib=_gib(8, 3840)),
+    "p5en.48xlarge": InstanceSpec(gpus=8, gpu_memory_gib=141, efa_interfaces=16, vcpus=192, memory_gib=2048,
+        instance_store_gib=_gib(8, 3840)),
+    "p6-b200.48xlarge": InstanceSpec(gpus=8, gpu_memory_gib=179, efa_interfaces=8, vcpus=192, memory_gib=2048,
+        instance_store_gib=_gib(8, 3840)),
+    "p4d.24xlarge": InstanceSpec(gpus=8, gpu_memory_gib=40, efa_interfaces=4, vcpus=96, memory_gib=1152,
+        instance_store_gib=_gib(8, 1000)),
+    "p4de.24xlarge": InstanceSpec(gpus=8, gpu_memory_gib=80, efa_interfaces=4, vcpus=96, memory_gib=1152,
+        instance_store_gib=_gib(8, 1000)),
     # Environment pool (compute-optimized, Spot): similar size so any of them fits a pod.
     "c7i.4xlarge": InstanceSpec(gpus=0, gpu_memory_gib=0, efa_interfaces=0, vcpus=16, memory_gib=32),
     "c6i.4xlarge": InstanceSpec(gpus=0, gpu_memory_gib=0, efa_interfaces=0, vcpus=16, memory_gib=32),

@@ -229,8 +229,15 @@ def test_trainer_gang_restarts_whole_and_resumes(prod):
 def test_probes_and_disruption_budgets_exist(synth):
     pod = synth.get("Deployment", "moerl-rollout")["spec"]["template"]["spec"]
     engine = next(c for c in pod["containers"] if c["name"] == "engine")
+    worker = next(c for c in pod["containers"] if c["name"] == "worker")
+    marker = worker["command"][worker["command"].index("--pause-marker") + 1]
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-        assert "/health_generate" in " ".join(engine[probe]["exec"]["command"]), probe
+        # the pause-aware probe (app/rollout/probe.py): /health_generate unless the worker's marker says paused
+        cmd = engine[probe]["exec"]["command"]
+        assert cmd[:3] == ["python3", "-m", "app.rollout.probe"], probe
+        assert cmd[cmd.index("--marker") + 1] == marker, probe
+        # the probe outwaits SGLang's own 20 s /health_generate wait, and the kubelet outwaits the probe
+        assert float(cmd[cmd.index("--timeout") + 1]) > 20 and engine[probe]["timeoutSeconds"] > float(cmd[cmd.index("--timeout") + 1])
     for name in ("moerl-buffer",):
         (c,) = synth.get("StatefulSet", name)["spec"]["template"]["spec"]["containers"]
         assert c["readinessProbe"] and c["livenessProbe"]

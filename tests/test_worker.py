@@ -134,7 +134,7 @@ def test_sigterm_drain_loses_no_task(tmp_path, redis_server, engine):
     """A real `moerl rollout` process, SIGTERM mid-run: exit 0; every task published or queued."""
     (tmp_path / "stub_rewards.py").write_text(STUB_REWARDS)
     cfg = make_config(tmp_path, redis_server, engine, reward_fn="stub_rewards:score",
-                      max_new_tokens=48, max_inflight_tasks=3, drain_grace_s=30.0)
+                      max_new_tokens=48, inflight_sequences=3 * G, drain_grace_s=30.0)
     cfg_path = tmp_path / "run.yaml"
     cfg.save(cfg_path)
     tasks = make_tasks(40)
@@ -213,7 +213,7 @@ def run_until(make_worker, done):
 
 
 def test_drain_past_grace_releases_unfinished_tasks(tmp_path, redis_server, engine):
-    cfg = make_config(tmp_path, redis_server, engine, drain_grace_s=0.5, max_inflight_tasks=2)
+    cfg = make_config(tmp_path, redis_server, engine, drain_grace_s=0.5, inflight_sequences=2 * G)
     buf = ExperienceBuffer.from_config(cfg)
     buf.put_tasks(make_tasks(3))
 
@@ -225,7 +225,7 @@ def test_drain_past_grace_releases_unfinished_tasks(tmp_path, redis_server, engi
 
 
 def test_engine_errors_send_the_task_back(tmp_path, redis_server, engine):
-    cfg = make_config(tmp_path, redis_server, engine, max_inflight_tasks=1)
+    cfg = make_config(tmp_path, redis_server, engine, inflight_sequences=1 * G)
     buf = ExperienceBuffer.from_config(cfg)
     buf.put_tasks(make_tasks(1))
 
@@ -314,7 +314,7 @@ def test_task_the_engine_refuses_is_consumed_not_recycled(tmp_path, redis_server
 def test_unloadable_policy_keeps_the_engine_serving_and_is_retried(tmp_path, redis_server, engine):
     """A version announced but missing from the store: no update, counted, retried at each poll;
     generation goes on with the engine's current version."""
-    cfg = make_config(tmp_path, redis_server, engine, policy_poll_s=0.01, max_inflight_tasks=1)
+    cfg = make_config(tmp_path, redis_server, engine, policy_poll_s=0.01, inflight_sequences=1 * G)
     buf = ExperienceBuffer.from_config(cfg)
     buf.announce_policy(7, "file:///nowhere/policy/v7")
     buf.put_tasks(make_tasks(4))
@@ -331,8 +331,8 @@ def test_unloadable_policy_keeps_the_engine_serving_and_is_retried(tmp_path, red
     assert all(s.policy_version == 0 for gs in groups.values() for g in gs for s in g.samples)
 
 
-def start_engine_process(model_path: Path, port: int, log_path: Path) -> subprocess.Popen:
-    argv = engine_argv(model_path, port, "--weight-version", "0")
+def start_engine_process(model_path: Path, port: int, log_path: Path, *extra: str) -> subprocess.Popen:
+    argv = engine_argv(model_path, port, "--weight-version", "0", *extra)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     wait_until_healthy(f"http://127.0.0.1:{port}", timeout_s=90)
@@ -347,7 +347,7 @@ def test_engine_restart_reloads_the_current_policy_before_taking_work(tmp_path, 
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cfg = make_config(tmp_path, local_redis.url, url, max_inflight_tasks=2, engine_retries=1,
+    cfg = make_config(tmp_path, local_redis.url, url, inflight_sequences=2 * G, engine_retries=1,
                       retry_backoff_s=0.05, max_new_tokens=48, request_timeout_s=20)
     buf = ExperienceBuffer.from_config(cfg)
     buf.announce_policy(1, publish_policy(open_store(cfg.store_url), cfg.run_id, 1, ckpts[1]))
@@ -381,7 +381,7 @@ def test_engine_restart_reloads_the_current_policy_before_taking_work(tmp_path, 
 
 
 def test_worker_rides_through_a_redis_restart(tmp_path, local_redis, engine):
-    cfg = make_config(tmp_path, local_redis.url, engine, max_inflight_tasks=1)
+    cfg = make_config(tmp_path, local_redis.url, engine, inflight_sequences=1 * G)
     buf = ExperienceBuffer.from_config(cfg)
     tasks = make_tasks(6)
     buf.put_tasks(tasks)
@@ -421,3 +421,98 @@ def test_truncated_completions_get_the_configured_reward(tmp_path, redis_server,
     assert cut, "expected some completions cut at max_new_tokens"
     assert all(s.reward == (1.0 if truncated_reward is None else 0.0) for s in cut)
     assert all(s.reward == 1.0 for s in samples if s.finish_reason == "stop")
+
+
+class UnansweredUpdates(EngineClient):
+    """An engine whose weight updates never answer in time; it reports v1 from poll `loaded_after` on."""
+
+    def __init__(self, url: str, loaded_after: int | None):
+        super().__init__(url)
+        self.loaded_after, self.polls, self.updates = loaded_after, 0, 0
+
+    async def weight_version(self):
+        self.polls += 1
+        return 1 if self.loaded_after is not None and self.polls >= self.loaded_after else 0
+
+    async def update_weights_from_disk(self, model_path, weight_version=None, *, timeout_s=None):
+        self.updates += 1
+        raise EngineError("POST /update_weights_from_disk failed: ReadTimeout", None, timed_out=True)
+
+    async def pause_generation(self, mode="abort"):
+        pass
+
+    async def continue_generation(self):
+        pass
+
+
+class AnnouncedV1:
+    def current_policy(self):
+        return (1, "file:///unused/policy/v1")
+
+
+@pytest.mark.parametrize("loaded_after", [3, None])
+def test_an_unanswered_update_is_not_resent_before_the_engine_reports_its_version(tmp_path, loaded_after):
+    """SGLang goes on loading after the client gave up and reloads on every call: the worker asks
+    the engine's version and sends the update again only weight_update_timeout_s later."""
+    cfg = make_config(tmp_path, "redis://127.0.0.1:1/0", "http://engine", weight_update_timeout_s=0.5)
+
+    class Worker(RolloutWorker):
+        def _download(self, version):
+            return tmp_path / f"v{version}"
+
+    async def go():
+        client = UnansweredUpdates("http://engine", loaded_after)
+        worker = Worker(cfg, AnnouncedV1(), client, "w-timeout", score_fn=lambda t, c: 1.0)
+        await worker.sync_policy()  # poll 1: v0 -> update sent, no answer
+        await worker.sync_policy()  # poll 2: still v0, the load may still run: nothing sent
+        sent_before_deadline = client.updates
+        await worker.sync_policy()  # poll 3: v1 when the load went through
+        await asyncio.sleep(0.6)  # past weight_update_timeout_s
+        await worker.sync_policy()
+        return sent_before_deadline, client.updates, worker.stats, worker.engine_version
+
+    sent_before, sent, stats, version = asyncio.run(go())
+    assert sent_before == 1
+    if loaded_after is not None:
+        assert sent == 1 and stats.weight_updates == 1 and version == 1  # never sent twice
+    else:
+        assert sent == 2 and stats.weight_updates == 0  # resent only once the deadline had passed
+
+
+def test_engine_group_lost_mid_request_returns_leases_and_publishes_no_partial_group(tmp_path, local_redis, ckpts):
+    """A multi-node engine loses a node (Spot): LeaderWorkerSet recreates the whole group, so the
+    leader's SGLang dies mid-request and its worker gets SIGTERM. Here the built-in engine is
+    SIGKILLed while requests are in flight and the worker is stopped: every lease comes back,
+    and only complete groups (G samples, each a whole completion) were published."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cfg = make_config(tmp_path, local_redis.url, url, inflight_sequences=3 * G, engine_retries=0,
+                      retry_backoff_s=0.05, max_new_tokens=64, request_timeout_s=10, drain_grace_s=5)
+    buf = ExperienceBuffer.from_config(cfg)
+    tasks = make_tasks(6)
+    buf.put_tasks(tasks)
+    proc = start_engine_process(ckpts[0], port, tmp_path / "engine.log")
+
+    async def go():
+        async with EngineClient(url, timeout_s=10, retries=0) as client:
+            worker = RolloutWorker(cfg, buf, client, "leader-0", score_fn=lambda t, c: 1.0)
+            runner = asyncio.create_task(worker.run())
+            deadline = time.monotonic() + 60
+            while (await client._http.get("/server_info")).json()["running"] == 0:
+                assert time.monotonic() < deadline, "no request reached the engine"
+                await asyncio.sleep(0.01)
+            os.killpg(proc.pid, signal.SIGKILL)  # the group is gone mid-request
+            worker.request_stop()  # and the leader pod is deleted: SIGTERM
+            return await asyncio.wait_for(runner, 60)
+
+    try:
+        stats = asyncio.run(go())
+    finally:
+        stop_process(proc)
+    assert stats.engine_errors >= 1 and stats.tasks_released >= 1
+    assert buf.stats()["leased"] == 0  # every lease returned, none left to expire
+    groups, queued = drain_buffer(buf)
+    assert queued and set(groups) | set(queued) == {t.task_id for t in tasks} and not set(groups) & set(queued)
+    for (g,) in groups.values():  # whatever was published is whole
+        assert [s.index for s in g.samples] == list(range(G))
+        assert all(s.completion_ids and s.finish_reason in ("stop", "length") for s in g.samples)

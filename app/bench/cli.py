@@ -138,6 +138,31 @@ def loop(
         raise SystemExit(1) from None
 
 
+@cli.command("rollout")
+def rollout(
+    url: list[str] = typer.Option(..., "--url", help="Engine base URL (repeat for each engine)."),
+    seconds: float = typer.Option(30.0, help="Load phase, seconds."),
+    config: str = typer.Option("", help="Run config YAML: prompts (task), group size, sampling (default: RunConfig())."),
+    concurrency: int = typer.Option(0, help="Requests (prompt groups) in flight per engine (0: rollout.inflight_tasks())."),
+    gpus_per_engine: int = typer.Option(1, help="GPUs of one engine (for tokens/s per GPU)."),
+    max_new_tokens: int = typer.Option(0, help="Tokens per completion (0: rollout.max_new_tokens)."),
+    baseline_seconds: float = typer.Option(-1.0, help="Baseline phase (engine 0, one request at a time); < 0: min(T/4, 30)."),
+    wait_s: float = typer.Option(120.0, help="How long to wait for the engines to become healthy, seconds."),
+    label: str = typer.Option("", help="Name printed with the figures (e.g. the engine profile)."),
+    out_dir: str = typer.Option("runs/bench", help="Where the JSON result goes."),
+) -> None:
+    """N SGLang-compatible engines driven with a run's prompts: aggregate tokens/s, per GPU, latency."""
+    from app.bench.rollout import RolloutBench, run
+
+    try:
+        run(RolloutBench(urls=tuple(url), seconds=seconds, config=config, concurrency=concurrency,
+                         gpus_per_engine=gpus_per_engine, max_new_tokens=max_new_tokens,
+                         baseline_seconds=baseline_seconds, wait_s=wait_s, label=label), out_dir=out_dir)
+    except (ValueError, TimeoutError) as e:
+        typer.echo(f"moerl bench rollout: error: {e}", err=True)
+        raise SystemExit(2) from None
+
+
 @cli.command("dispatch")
 def dispatch(
     hidden: int = typer.Option(7168, help="Hidden size H (DeepSeek-V3: 7168)."),

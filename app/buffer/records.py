@@ -7,9 +7,12 @@ index, attempt), so a replayed task produces the same ids and cannot enter train
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
+
+import numpy as np
 
 FINISH_REASONS = ("stop", "length", "error")
 
@@ -95,6 +98,11 @@ class Sample:
         reward: scalar reward from the task's reward function.
         policy_version: the engine's weight_version that generated this completion.
         finish_reason: "stop" | "length" | "error".
+        routed_experts: with ``rollout.routing_replay``, the experts the engine routed each token
+            to, as `encode_routed_experts` stores them (decode with `decode_routed_experts`):
+            ``[P + C - 1, L, K]`` global expert ids for the prompt and completion tokens the
+            engine fed through the model (every token but the last sampled one), L =
+            ``num_hidden_layers``, K = ``num_experts_per_tok``; None otherwise.
     """
 
     sample_id: str
@@ -107,6 +115,7 @@ class Sample:
     reward: float
     policy_version: int
     finish_reason: str
+    routed_experts: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -115,6 +124,50 @@ class Sample:
     def from_dict(cls, data: dict[str, Any]) -> "Sample":
         """Raises ValueError naming a missing or unknown field."""
         return _from_dict(cls, data)
+
+
+# Narrowest unsigned dtype that holds every expert id (DeepSeek-V3's 256 experts fit uint8).
+_ROUTED_DTYPES = (("uint8", 1 << 8), ("uint16", 1 << 16), ("int32", 1 << 31))
+
+
+def encode_routed_experts(ids: Any) -> dict[str, Any]:
+    """Store a ``[T, L, K]`` integer array of expert ids compactly for JSON.
+
+    Returns:
+        ``{"dtype": "uint8" | "uint16" | "int32", "shape": [T, L, K], "data": base64}``: the ids
+        in the narrowest of those dtypes that holds the largest id, C order, little-endian.
+
+    Raises:
+        ValueError: not 3-dimensional, or an id is negative or >= 2**31.
+    """
+    arr = np.asarray(ids)
+    if arr.ndim != 3 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"routed_experts: expected an integer array [T, L, K], got {arr.dtype} {list(arr.shape)}")
+    top = int(arr.max()) if arr.size else 0
+    if arr.size and int(arr.min()) < 0:
+        raise ValueError(f"routed_experts: negative expert id {int(arr.min())}")
+    name = next((n for n, limit in _ROUTED_DTYPES if top < limit), None)
+    if name is None:
+        raise ValueError(f"routed_experts: expert id {top} does not fit int32")
+    data = np.ascontiguousarray(arr, dtype=np.dtype(name).newbyteorder("<")).tobytes()
+    return {"dtype": name, "shape": [int(x) for x in arr.shape], "data": base64.b64encode(data).decode("ascii")}
+
+
+def decode_routed_experts(stored: dict[str, Any]) -> np.ndarray:
+    """The ``[T, L, K]`` int64 array of `encode_routed_experts`' output.
+
+    Raises:
+        ValueError: unknown dtype, or the data does not match the shape (names the field).
+    """
+    if not isinstance(stored, dict) or set(stored) != {"dtype", "shape", "data"}:
+        raise ValueError("routed_experts: expected {dtype, shape, data}")
+    if stored["dtype"] not in {n for n, _ in _ROUTED_DTYPES}:
+        raise ValueError(f"routed_experts.dtype: {stored['dtype']!r} is not one of uint8, uint16, int32")
+    raw = np.frombuffer(base64.b64decode(stored["data"]), dtype=np.dtype(stored["dtype"]).newbyteorder("<"))
+    shape = tuple(int(x) for x in stored["shape"])
+    if len(shape) != 3 or raw.size != int(np.prod(shape)):
+        raise ValueError(f"routed_experts: {raw.size} ids do not fill shape {list(shape)}")
+    return raw.reshape(shape).astype(np.int64)
 
 
 @dataclass

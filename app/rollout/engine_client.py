@@ -8,12 +8,17 @@ docs "SGLang Native APIs"):
   input-major (input i, sample j at ``i * n + j``); each has ``output_ids`` (missing in some
   SGLang versions, then taken from the logprobs), ``text`` and ``meta_info`` with
   ``finish_reason`` {"type": "stop" | "length" | "abort", ...}, ``weight_version`` (a string in
-  SGLang, e.g. "3" or "default") and, with ``return_logprob``, ``output_token_logprobs`` as
-  ``[logprob, token_id, text_or_None]`` per generated token;
-- ``/update_weights_from_disk`` {model_path, weight_version} answers {success, message, ...},
-  HTTP 400 when success is false;
-- ``/pause_generation``, ``/continue_generation``, ``/flush_cache``, ``/health_generate``,
-  ``/get_model_info`` (``weight_version`` since SGLang 0.5).
+  SGLang, e.g. "3" or "default"; an integer is read too), with ``return_logprob``
+  ``output_token_logprobs`` as ``[logprob, token_id, text_or_None]`` per generated token, and
+  with ``return_routed_experts`` (server started with ``--enable-return-routed-experts``)
+  ``routed_experts``: base64 of the int32 ids ``[prompt + completion - 1, layers, top_k]``
+  (SGLang 0.5.23 ``managers/detokenizer_manager.py``, ``state_capturer/base.py``);
+- ``/update_weights_from_disk`` {model_path, weight_version (string)} answers {success,
+  message, num_paused_requests}, HTTP 400 when success is false. SGLang reloads the whole
+  checkpoint on every call, so this one is never retried: after a timeout ask `weight_version`;
+- ``/pause_generation`` {mode: abort | retract | in_place} (``{}`` means abort),
+  ``/continue_generation``, ``/flush_cache``, ``/health_generate`` (SGLang waits while paused and
+  answers 503 after 20 s), ``/model_info`` (``/get_model_info`` is SGLang's deprecated alias).
 
 Transient failures (connection errors, timeouts, HTTP 5xx) are retried with exponential backoff
 and jitter; an HTTP 4xx is not retried. When retries run out, `EngineError` is raised.
@@ -27,7 +32,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import base64
+
 import httpx
+import numpy as np
 
 
 class EngineError(RuntimeError):
@@ -37,16 +45,22 @@ class EngineError(RuntimeError):
         status: the HTTP status of the last answer (None when there was no answer). A 4xx means
             the request itself was refused (e.g. prompt longer than the context): retrying it
             cannot help.
+        timed_out: the last attempt was sent and got no answer within the timeout (the server
+            may still be working on it); False for a refused connection or an answer.
     """
 
-    def __init__(self, message: str, status: int | None = None):
+    def __init__(self, message: str, status: int | None = None, timed_out: bool = False):
         super().__init__(message)
         self.status = status
+        self.timed_out = timed_out
 
     @property
     def rejected(self) -> bool:
         """True when the engine refused the request (HTTP 4xx), as opposed to failing."""
         return self.status is not None and 400 <= self.status < 500
+
+
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 @dataclass
@@ -59,6 +73,9 @@ class GenOutput:
         text: decoded text ("" when the server has no tokenizer).
         finish_reason: "stop", "length", or "abort" (the server dropped the request).
         weight_version: the server's weight version as an int, None if not an integer.
+        prompt_tokens: prompt length the server counted (0 when it did not say).
+        routed_experts: with return_routed_experts, the flat int32 expert ids the server sent
+            (``(prompt_tokens + len(token_ids) - 1) * layers * top_k`` of them, C order); else None.
     """
 
     token_ids: list[int]
@@ -66,14 +83,36 @@ class GenOutput:
     text: str
     finish_reason: str
     weight_version: int | None
+    prompt_tokens: int = 0
+    routed_experts: np.ndarray | None = None
 
 
 def parse_version(value: Any) -> int | None:
-    """SGLang reports weight_version as a string ("default" unless set): int, or None."""
+    """A weight version as an int: SGLang reports a string ("default" unless set, "7" when set by
+    moerl); an integer is taken as it is. None for anything else (bool included)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
     try:
-        return int(str(value))
+        return int(str(value).strip())
     except (TypeError, ValueError):
         return None
+
+
+def decode_routed_experts(value: Any) -> np.ndarray:
+    """SGLang's ``meta_info.routed_experts``: base64 of native int32 bytes -> flat int32 array.
+
+    Raises:
+        EngineError: not a base64 string of whole int32 values.
+    """
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (TypeError, ValueError):
+        raise EngineError(f"meta_info.routed_experts is not base64: {str(value)[:80]!r}") from None
+    if len(raw) % 4:
+        raise EngineError(f"meta_info.routed_experts: {len(raw)} bytes is not a whole number of int32 ids")
+    return np.frombuffer(raw, dtype=np.int32)
 
 
 def parse_generate_item(item: dict) -> GenOutput:
@@ -91,12 +130,15 @@ def parse_generate_item(item: dict) -> GenOutput:
         ids = [int(x[1]) for x in lps]
     finish = meta.get("finish_reason") or {}
     reason = finish.get("type", "abort") if isinstance(finish, dict) else str(finish)
+    routed = meta.get("routed_experts")
     return GenOutput(
         token_ids=[int(t) for t in ids],
         logprobs=[float(x[0]) for x in lps],
         text=item.get("text", ""),
         finish_reason=reason,
         weight_version=parse_version(meta.get("weight_version")),
+        prompt_tokens=int(meta.get("prompt_tokens") or 0),
+        routed_experts=None if routed is None else decode_routed_experts(routed),
     )
 
 
@@ -109,11 +151,14 @@ class EngineClient:
         retries: extra attempts after the first for transient failures.
         backoff_s: first backoff in seconds; doubles per retry up to ``max_backoff_s``, with
             +-50 % jitter.
+        max_connections: HTTP connections kept to the engine (one per concurrent request; set it
+            to the requests a worker keeps in flight, plus a few for control calls).
+        transport: an httpx transport (tests: ``httpx.ASGITransport`` of the built-in engine).
     """
 
     def __init__(
         self, url: str, *, timeout_s: float = 60.0, retries: int = 3, backoff_s: float = 0.5,
-        max_backoff_s: float = 8.0,
+        max_backoff_s: float = 8.0, max_connections: int = 100, transport: httpx.AsyncBaseTransport | None = None,
     ):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"engine url must start with http:// or https://, got {url!r}")
@@ -122,7 +167,8 @@ class EngineClient:
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
-        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s)
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, limits=limits, transport=transport)
 
     async def aclose(self) -> None:
         """Close the HTTP connection pool."""
@@ -139,8 +185,9 @@ class EngineClient:
         ok_statuses: tuple[int, ...] = (200,), timeout_s: float | None = None,
     ) -> httpx.Response:
         retries = self.retries if retries is None else retries
-        last, status = "", None
+        last, status, timed_out = "", None, False
         for attempt in range(retries + 1):
+            timed_out = False
             try:
                 r = await self._http.request(
                     method, path, json=json,
@@ -152,21 +199,25 @@ class EngineClient:
                 if r.status_code < 500:
                     break  # a bad request does not get better by repeating it
             except httpx.TransportError as e:
+                # Sent but not answered in time: the server may still be working on it.
+                timed_out = isinstance(e, (httpx.ReadTimeout, httpx.WriteTimeout))
                 last, status = f"{type(e).__name__}: {e}", None
             if attempt < retries:
                 delay = min(self.max_backoff_s, self.backoff_s * 2**attempt)
                 await asyncio.sleep(delay * random.uniform(0.5, 1.5))
-        raise EngineError(f"{method} {self.url}{path} failed: {last}", status)
+        raise EngineError(f"{method} {self.url}{path} failed: {last}", status, timed_out=timed_out)
 
     async def generate(
-        self, input_ids: list[int] | list[list[int]], *, n: int = 1, max_new_tokens: int = 128,
+        self, prompt: list[int] | list[list[int]] | str, *, n: int = 1, max_new_tokens: int = 128,
         temperature: float = 1.0, top_p: float = 1.0, stop_token_ids: list[int] | None = None,
-        return_logprob: bool = True,
+        return_logprob: bool = True, return_routed_experts: bool = False,
     ) -> list[GenOutput]:
         """Generate ``n`` completions of each prompt in one request.
 
         Args:
-            input_ids: one prompt (list of int) or a batch of prompts.
+            prompt: one prompt's token ids, a batch of them, or one prompt as text (the server
+                tokenizes it).
+            return_routed_experts: ask for ``meta_info.routed_experts`` (see the module doc).
 
         Returns:
             ``len(prompts) * n`` outputs, input-major (prompt i, sample j at ``i * n + j``).
@@ -174,14 +225,21 @@ class EngineClient:
         Raises:
             EngineError: after retries, or when the answer has the wrong number of items.
         """
-        batch = bool(input_ids) and isinstance(input_ids[0], list)
-        n_inputs = len(input_ids) if batch else 1
+        if isinstance(prompt, str):
+            body: dict[str, Any] = {"text": prompt}
+            n_inputs = 1
+        else:
+            batch = bool(prompt) and isinstance(prompt[0], list)
+            n_inputs = len(prompt) if batch else 1
+            body = {"input_ids": prompt}
         sp: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
         if n != 1:
             sp["n"] = n
         if stop_token_ids:
             sp["stop_token_ids"] = list(stop_token_ids)
-        body = {"input_ids": input_ids, "sampling_params": sp, "return_logprob": return_logprob}
+        body.update(sampling_params=sp, return_logprob=return_logprob)
+        if return_routed_experts:
+            body["return_routed_experts"] = True
         r = await self._request("POST", "/generate", json=body)
         data = r.json()
         items = data if isinstance(data, list) else [data]
@@ -192,20 +250,24 @@ class EngineClient:
     async def update_weights_from_disk(
         self, model_path: str, weight_version: int | None = None, *, timeout_s: float | None = None
     ) -> tuple[bool, str]:
-        """Ask the engine to load ``model_path`` and report ``weight_version``.
+        """Ask the engine to load ``model_path`` and report ``weight_version`` (sent as a string).
+
+        Sent once, never retried: SGLang reloads (and flushes) on every call, and a load the
+        client gave up waiting for goes on in the server. After an `EngineError` ask
+        `weight_version` before sending it again.
 
         Returns:
             (success, message) as the engine answered (a failed load is ``success == False``:
             the engine keeps serving its previous weights).
 
         Raises:
-            EngineError: the engine could not be reached (after retries).
+            EngineError: no answer (``timed_out`` set when ``timeout_s`` ran out) or HTTP 5xx.
         """
         body: dict[str, Any] = {"model_path": model_path}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
         r = await self._request(
-            "POST", "/update_weights_from_disk", json=body, ok_statuses=(200, 400), timeout_s=timeout_s
+            "POST", "/update_weights_from_disk", json=body, ok_statuses=(200, 400), timeout_s=timeout_s, retries=0,
         )
         try:
             data = r.json()
@@ -213,9 +275,13 @@ class EngineClient:
             return False, f"HTTP {r.status_code}: {r.text[:300]}"
         return bool(data.get("success")), str(data.get("message", ""))
 
-    async def pause_generation(self) -> None:
-        """Stop the engine from starting new work (SGLang: POST /pause_generation)."""
-        await self._request("POST", "/pause_generation", json={})
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """POST /pause_generation {mode} (SGLang io_struct.PauseGenerationReqInput): ``abort``
+        ends in-flight requests (finish_reason abort), ``retract`` puts them back in the queue
+        (their KV cache is recomputed after continue), ``in_place`` holds them as they are."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        await self._request("POST", "/pause_generation", json={"mode": mode})
 
     async def continue_generation(self) -> None:
         """Let the engine take work again (POST /continue_generation)."""
@@ -235,8 +301,8 @@ class EngineClient:
             return False
 
     async def model_info(self) -> dict:
-        """GET /get_model_info: model_path, weight_version, ..."""
-        return (await self._request("GET", "/get_model_info")).json()
+        """GET /model_info: model_path, weight_version (a string), ..."""
+        return (await self._request("GET", "/model_info")).json()
 
     async def weight_version(self) -> int | None:
         """The engine's current weight version as an int (None if it is not an integer)."""

@@ -73,6 +73,53 @@ class Completion:
     logprobs: list[float]
     finish_reason: str
     matched_stop: int | None = None
+    # With a RoutingCapture: the expert ids of every token fed through the model, ``[P + C - 1,
+    # layers, top_k]`` int32 once finished (parts of it while the row is live).
+    routed_experts: torch.Tensor | list[torch.Tensor] | None = None
+
+
+class RoutingCapture:
+    """The expert ids each MoE router of a transformers model chose in its last forward.
+
+    A forward hook on every decoder layer's ``mlp.gate`` (Qwen3-MoE's ``Qwen3MoeTopKRouter`` and
+    DeepSeek-V3's ``DeepseekV3TopkRouter`` in transformers 5 return ``(logits, weights,
+    indices)``, indices ``[tokens, top_k]``) keeps the indices. `take` returns them for the
+    whole batch as SGLang reports routed experts: one row per layer of the model, zeros for
+    layers without a router (dense MLP layers), int32 (SGLang ``state_capturer/base.py``).
+
+    Raises:
+        ValueError: the model has no router this class recognises.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        layers = model.model.layers
+        self.num_layers = len(layers)
+        self.top_k = int(model.config.num_experts_per_tok)
+        self._out: dict[int, torch.Tensor] = {}
+        hooked = 0
+        for i, layer in enumerate(layers):
+            gate = getattr(getattr(layer, "mlp", None), "gate", None)
+            if isinstance(gate, torch.nn.Module):
+                gate.register_forward_hook(self._hook(i))
+                hooked += 1
+        if not hooked:
+            raise ValueError(f"{type(model).__name__}: no decoder layer has an mlp.gate router to capture")
+
+    def _hook(self, layer: int):
+        def keep(module, args, out):
+            if not (isinstance(out, tuple) and len(out) == 3):
+                raise ValueError(f"layer {layer} mlp.gate returned {type(out).__name__}, expected (logits, weights, indices)")
+            self._out[layer] = out[2]
+        return keep
+
+    def take(self, batch: int, seq: int) -> torch.Tensor:
+        """The ids of the last forward over a ``[batch, seq]`` input: ``[batch, seq, layers,
+        top_k]`` int32 on the CPU; cleared afterwards."""
+        ids = torch.zeros((batch, seq, self.num_layers, self.top_k), dtype=torch.int32)
+        for layer, idx in self._out.items():
+            ids[:, :, layer] = idx.reshape(batch, seq, self.top_k).to("cpu", torch.int32)
+        self._out.clear()
+        return ids
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str = "cpu"):
@@ -180,11 +227,14 @@ class DecodeBatch:
         pad_id: token id used for left padding.
         eos_ids: the model's end-of-sequence ids (stop unless a row's ``ignore_eos``).
         generator: optional torch.Generator on the model's device.
+        capture: a `RoutingCapture` on ``model``: every completion then carries the expert ids
+            of the tokens it fed through the model (``Completion.routed_experts``).
     """
 
     def __init__(self, model: torch.nn.Module, *, pad_id: int, eos_ids: list[int],
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, capture: RoutingCapture | None = None):
         self.model = model
+        self.capture = capture
         self.pad_id = pad_id
         self.eos_ids = set(eos_ids)
         self.generator = generator
@@ -231,6 +281,7 @@ class DecodeBatch:
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
         tokens, logps = sample_next(logits, temperature, top_p, self.generator)
+        routed = self.capture.take(*input_ids.shape) if self.capture else None
 
         if self.cache is None or not self.rows:
             self.cache, self.mask = cache, mask
@@ -248,9 +299,12 @@ class DecodeBatch:
         self.temperature = torch.cat([self.temperature, temperature])
         self.top_p = torch.cat([self.top_p, top_p])
         first = len(self.rows)
-        for key, p in zip(keys, params):
+        width = input_ids.shape[1]
+        for i, (key, p) in enumerate(zip(keys, params)):
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
-            self.rows.append((key, p, stops, Completion([], [], "length")))
+            # Left padding: row i's own tokens are its last len(prompt) columns.
+            parts = None if routed is None else [routed[i, width - len(prompts[i]):]]
+            self.rows.append((key, p, stops, Completion([], [], "length", routed_experts=parts)))
         return self._record(tokens, logps, first)
 
     @torch.no_grad()
@@ -266,7 +320,22 @@ class DecodeBatch:
         self.next_pos = self.next_pos + 1
         tokens, logps = sample_next(logits, self.temperature, self.top_p, self.generator)
         self.pending = tokens
+        if self.capture:
+            routed = self.capture.take(len(self.rows), 1)
+            for r, (_, _, _, out) in enumerate(self.rows):
+                out.routed_experts.append(routed[r])
         return self._record(tokens, logps, 0)
+
+    def take_all(self) -> list[tuple[object, Completion]]:
+        """Remove every row (pause ``abort`` / ``retract``): (key, partial completion) per row,
+        each with at least one token; the batch is empty afterwards."""
+        rows = [(key, _finalize(out)) for key, _, _, out in self.rows]
+        self.rows = []
+        self.cache = None
+        self.mask = self.mask[:0, :0]
+        self.next_pos, self.pending = self.next_pos[:0], self.pending[:0]
+        self.temperature, self.top_p = self.temperature[:0], self.top_p[:0]
+        return rows
 
     def _record(self, tokens: torch.Tensor, logps: torch.Tensor, first: int) -> list[tuple[object, Completion]]:
         """Append sampled tokens to rows ``first..``; remove finished rows from the batch."""
@@ -277,9 +346,9 @@ class DecodeBatch:
             out.logprobs.append(lp)
             if tok in stops:
                 out.finish_reason, out.matched_stop = "stop", tok
-                done.append((key, out))
+                done.append((key, _finalize(out)))
             elif len(out.token_ids) >= p.max_new_tokens:
-                done.append((key, out))
+                done.append((key, _finalize(out)))
             else:
                 keep.append(r)
         if len(keep) < len(self.rows):
@@ -296,6 +365,13 @@ class DecodeBatch:
                     _crop_cache_left(self.cache, lead)
                     self.mask = self.mask[:, lead:]
         return done
+
+
+def _finalize(out: Completion) -> Completion:
+    """Join a row's routed-expert parts into one ``[fed tokens, layers, top_k]`` tensor."""
+    if isinstance(out.routed_experts, list):
+        out.routed_experts = torch.cat(out.routed_experts)
+    return out
 
 
 def generate(

@@ -5,11 +5,15 @@ engine (our built-in engine or SGLang, through `app.rollout.engine_client.Engine
 experience buffer (`app.buffer.ExperienceBuffer`). One asyncio loop:
 
 1. back-pressure: lease nothing while the buffer holds ``buffer.capacity_groups`` finished groups;
-2. lease up to ``rollout.max_inflight_tasks`` prompt groups; each becomes one batched /generate
-   of G = ``task.group_size`` completions (``n = G``), so the engine batches across tasks too;
+2. lease prompt groups up to ``rollout.inflight_tasks()`` (the engine profile's in-flight
+   sequences in whole groups); each becomes one batched /generate of G = ``task.group_size``
+   completions (``n = G``) on one shared HTTP connection pool, so the engine batches across
+   tasks too; with ``rollout.routing_replay`` each asks for the routed experts, which every
+   sample then carries (``Sample.routed_experts``);
 3. score every completion with the reward function (``rollout.reward_fn``, default
-   ``app.envs.rewards:score``) in a daemon thread with a per-sample timeout
-   (``rollout.reward_timeout_s``); a raise or a timeout gives reward 0 and is counted;
+   ``app.envs.rewards:score``) on a shared pool of daemon threads (`RewardPool`) with a
+   per-sample timeout (``rollout.reward_timeout_s``); a raise or a timeout gives reward 0 and
+   is counted;
 4. publish finished groups in portions of ``rollout.publish_every_groups`` (sooner when nothing
    else is in flight); every sample carries the engine's reported weight_version and the
    per-token logprobs;
@@ -21,8 +25,11 @@ experience buffer (`app.buffer.ExperienceBuffer`). One asyncio loop:
 6. policy versions: every ``rollout.policy_poll_s`` seconds, compare ``buffer.current_policy()``
    with the engine's weight_version; when newer, download it (`app.storage.policy.download_policy`)
    to ``rollout.policy_cache_dir/<worker>/v<N>``, let in-flight requests finish (so no sequence
-   mixes two versions), then pause -> /update_weights_from_disk(path, N) -> continue. A failed or
-   timed-out load leaves the engine on its previous version and is retried at the next poll.
+   mixes two versions), then pause (``rollout.pause_mode``) -> /update_weights_from_disk(path, N)
+   -> continue, with the pause marker (``--pause-marker``) kept meanwhile so the engine's
+   probes do not fail a long load. A failed load leaves the engine on its previous version and
+   is retried at the next poll; an update that got no answer is not resent until the engine
+   reports its version (see `RolloutWorker.sync_policy`).
    An engine that restarted (its version went back) is brought to the current version the same
    way before the worker leases again.
 
@@ -36,6 +43,9 @@ import asyncio
 import importlib
 import json
 import logging
+import math
+import os
+import queue
 import shutil
 import signal
 import threading
@@ -107,36 +117,93 @@ def load_score_fn(spec: str) -> ScoreFn:
     return fn
 
 
-async def score_with_timeout(fn: ScoreFn, task: Task, completion: str, timeout_s: float) -> tuple[float, str | None]:
-    """Run ``fn(task, completion)`` in a daemon thread, waiting at most ``timeout_s`` seconds.
+class RewardPool:
+    """Daemon threads that run reward functions, shared by every sample of a worker.
 
-    A daemon thread (not an executor) so that a reward function that hangs forever cannot keep
-    the process from exiting.
+    Daemon threads (not a ThreadPoolExecutor, whose threads are joined at exit) so that a reward
+    function that hangs forever cannot keep the process from exiting. A timeout counts from when
+    the function starts running; a thread still stuck in a timed-out call is replaced (at most
+    ``4 x size`` threads in all), so hung verifiers do not starve the others.
 
-    Returns:
-        (reward, problem): problem is None, "error" (raised or returned a non-finite / non-number
-        value) or "timeout"; reward is 0.0 whenever problem is not None.
+    Args:
+        size: threads running reward functions at once.
     """
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
 
-    def run() -> None:
-        try:
-            value = float(fn(task, completion))
-            result: tuple[float, str | None] = (value, None) if value == value and abs(value) != float("inf") else (0.0, "error")
-        except Exception as e:  # noqa: BLE001 - a reward that raises scores 0, counted
-            log.debug("reward raised on %s: %s", task.task_id, e)
-            result = (0.0, "error")
-        try:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
-        except RuntimeError:
-            pass  # the loop closed while a hung reward ran on: its result is not wanted
+    def __init__(self, size: int = 8):
+        if size < 1:
+            raise ValueError(f"reward pool size must be >= 1, got {size}")
+        self.size = size
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = 0
+        self._lock = threading.Lock()
+        for _ in range(size):
+            self._spawn()
 
-    threading.Thread(target=run, daemon=True, name=f"reward-{task.task_id}").start()
-    try:
-        return await asyncio.wait_for(asyncio.shield(done), timeout_s)
-    except asyncio.TimeoutError:
-        return 0.0, "timeout"
+    def _spawn(self) -> None:
+        with self._lock:
+            if self._threads >= 4 * self.size:
+                return
+            self._threads += 1
+            n = self._threads
+        threading.Thread(target=self._serve, daemon=True, name=f"reward-{n}").start()
+
+    def _serve(self) -> None:
+        while True:
+            self._jobs.get()()
+
+    async def score(self, fn: ScoreFn, task: Task, completion: str, timeout_s: float) -> tuple[float, str | None]:
+        """``fn(task, completion)`` on a pool thread, at most ``timeout_s`` seconds once started.
+
+        Returns:
+            (reward, problem): problem is None, "error" (raised or returned a non-finite /
+            non-number value) or "timeout"; reward is 0.0 whenever problem is not None.
+        """
+        loop = asyncio.get_running_loop()
+        started: asyncio.Future = loop.create_future()
+        done: asyncio.Future = loop.create_future()
+
+        def settle(fut: asyncio.Future, value) -> None:
+            try:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(value))
+            except RuntimeError:
+                pass  # the loop closed while a hung reward ran on: its result is not wanted
+
+        def job() -> None:
+            settle(started, True)
+            try:
+                value = float(fn(task, completion))
+                result: tuple[float, str | None] = (value, None) if math.isfinite(value) else (0.0, "error")
+            except Exception as e:  # noqa: BLE001 - a reward that raises scores 0, counted
+                log.debug("reward raised on %s: %s", task.task_id, e)
+                result = (0.0, "error")
+            settle(done, result)
+
+        self._jobs.put(job)
+        await started
+        try:
+            return await asyncio.wait_for(asyncio.shield(done), timeout_s)
+        except asyncio.TimeoutError:
+            self._spawn()  # that thread may never come back
+            return 0.0, "timeout"
+
+
+_default_pool: RewardPool | None = None
+
+
+async def score_with_timeout(fn: ScoreFn, task: Task, completion: str, timeout_s: float,
+                             pool: RewardPool | None = None) -> tuple[float, str | None]:
+    """Score one completion on ``pool`` (default: one shared `RewardPool`); see `RewardPool.score`."""
+    global _default_pool
+    if pool is None:
+        if _default_pool is None:
+            _default_pool = RewardPool()
+        pool = _default_pool
+    return await pool.score(fn, task, completion, timeout_s)
+
+
+class EngineMisconfigured(ValueError):
+    """The engine answers, but not as this run needs (e.g. no routed experts with
+    ``rollout.routing_replay``): retrying cannot help, so the worker stops (its tasks go back)."""
 
 
 class RolloutWorker:
@@ -151,11 +218,15 @@ class RolloutWorker:
         store: object store holding published policies (default ``open_store(cfg.store_url)``,
             opened on first use).
         max_groups: stop (as on SIGTERM) after publishing this many groups; None = run until signalled.
+        pause_marker: a file this worker keeps, while it holds the engine paused for a weight
+            update, holding the time (epoch seconds) by which it will have continued it; the
+            engine's probes (`app.rollout.probe`) read it, so a long load never fails them.
     """
 
     def __init__(
         self, cfg: RunConfig, buffer: Any, client: EngineClient, worker_id: str, *,
         score_fn: ScoreFn | None = None, store: Any = None, max_groups: int | None = None,
+        pause_marker: str | os.PathLike | None = None,
     ):
         self.cfg = cfg
         self.r = cfg.rollout
@@ -166,6 +237,7 @@ class RolloutWorker:
         self.store = store
         self.max_groups = max_groups
         self.stats = WorkerStats()
+        self.fatal: Exception | None = None  # set when the worker stopped on an EngineMisconfigured
         self.engine_version: int | None = None
         self.cache_dir = Path(cfg.rollout.policy_cache_dir).resolve() / worker_id
         self._stop = asyncio.Event()
@@ -176,6 +248,11 @@ class RolloutWorker:
         self._idle.set()
         self._finished: list[tuple[Task, list[Sample]]] = []
         self._engine_suspect = False
+        self.pause_marker = Path(pause_marker) if pause_marker else None
+        self.rewards = RewardPool(cfg.rollout.reward_threads)
+        # A weight update whose answer never came: (version, when it may be sent again).
+        self._unanswered_update: tuple[int, float] | None = None
+        self._routing_shape: tuple[int, int] | None = None  # (layers, top_k) of the served model
         # One thread for every buffer call: the buffer object is not assumed thread-safe.
         self._buffer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="buffer")
 
@@ -217,7 +294,13 @@ class RolloutWorker:
         return dest.resolve()
 
     async def sync_policy(self) -> None:
-        """Bring the engine to the buffer's current policy version if it lags (see module doc)."""
+        """Bring the engine to the buffer's current policy version if it lags (see module doc).
+
+        An update whose answer did not come in time is not sent again blindly: SGLang goes on
+        loading after the client gave up and reloads on every call. The engine's own version
+        (/model_info) decides: the target version means it loaded; the old one means wait, and
+        only ``weight_update_timeout_s`` after the unanswered call is the update sent again.
+        """
         try:
             current = await self._buf("current_policy")
             self.engine_version = await self.client.weight_version()
@@ -229,6 +312,16 @@ class RolloutWorker:
             self.stats.buffer_errors += 1
             log.warning("%s: buffer error reading the policy version: %s", self.worker_id, e)
             return
+        if self._unanswered_update is not None:
+            version, resend_at = self._unanswered_update
+            if self.engine_version is not None and self.engine_version >= version:
+                log.info("%s: the unanswered update took effect: engine at v%d", self.worker_id, self.engine_version)
+                self._unanswered_update = None
+                self.stats.weight_updates += 1
+            elif time.monotonic() < resend_at:
+                return  # the engine may still be loading it
+            else:
+                self._unanswered_update = None
         if current is None:
             return
         version = int(current[0])
@@ -242,26 +335,48 @@ class RolloutWorker:
             return
         # Let this worker's requests finish so that no sequence mixes two weight versions.
         self._may_generate.clear()
+        timeout = self.r.weight_update_timeout_s
+        unanswered = False
         try:
             await self._idle.wait()
-            await self.client.pause_generation()
+            self._mark_paused(timeout + 60.0)
+            await self.client.pause_generation(self.r.pause_mode)
             try:
-                ok, message = await self.client.update_weights_from_disk(
-                    str(path), version, timeout_s=self.r.weight_update_timeout_s
-                )
+                ok, message = await self.client.update_weights_from_disk(str(path), version, timeout_s=timeout)
+            except EngineError as e:
+                ok, message, unanswered = False, str(e), e.timed_out
             finally:
                 await self.client.continue_generation()
         except EngineError as e:
             ok, message = False, str(e)
         finally:
+            self._mark_paused(None)
             self._may_generate.set()
         if ok:
             self.engine_version = version
             self.stats.weight_updates += 1
             log.info("%s: engine now at policy v%d", self.worker_id, version)
+            return
+        self.stats.weight_update_failures += 1
+        if unanswered:
+            # No answer: ask the engine which version it serves before any new update.
+            self._unanswered_update = (version, time.monotonic() + timeout)
+            log.warning("%s: no answer to the update to v%d (%s); waiting for the engine to report it",
+                        self.worker_id, version, message)
         else:
-            self.stats.weight_update_failures += 1
             log.warning("%s: engine failed to load v%d (%s); keeps v%s", self.worker_id, version, message, self.engine_version)
+
+    def _mark_paused(self, for_s: float | None) -> None:
+        """Write (atomically) or remove the pause marker the engine's probes read."""
+        if self.pause_marker is None:
+            return
+        if for_s is None:
+            self.pause_marker.unlink(missing_ok=True)
+            return
+        self.pause_marker.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.pause_marker.with_name(f".{self.pause_marker.name}.tmp")
+        tmp.write_text(f"{time.time() + for_s:.3f}\n")
+        os.replace(tmp, self.pause_marker)
 
     # -- one task --------------------------------------------------------------------------
     async def _generate(self, task: Task) -> list[GenOutput]:
@@ -271,7 +386,7 @@ class RolloutWorker:
         try:
             outs = await self.client.generate(
                 task.prompt_ids, n=task.group_size, max_new_tokens=self.r.max_new_tokens,
-                temperature=self.r.temperature, top_p=self.r.top_p,
+                temperature=self.r.temperature, top_p=self.r.top_p, return_routed_experts=self.r.routing_replay,
             )
         finally:
             self._generating -= 1
@@ -281,7 +396,42 @@ class RolloutWorker:
             raise EngineError(f"engine aborted a request of task {task.task_id}")
         if any(len(o.logprobs) != len(o.token_ids) for o in outs):
             raise EngineError(f"engine returned fewer logprobs than tokens for task {task.task_id}")
+        if self.r.routing_replay and any(o.routed_experts is None for o in outs):
+            raise EngineMisconfigured(
+                f"rollout.routing_replay is set but {self.client.url} returned no meta_info.routed_experts: "
+                "start SGLang (or `moerl engine`) with --enable-return-routed-experts")
         return outs
+
+    def routed_experts(self, task: Task, out: GenOutput) -> dict:
+        """The engine's routed experts of one completion as `Sample.routed_experts` stores them:
+        ``[P + C - 1, layers, top_k]`` (see app/buffer/records.py).
+
+        Raises:
+            EngineMisconfigured: the id count does not fit that shape.
+        """
+        from app.buffer.records import encode_routed_experts
+
+        layers, top_k = self._routing_shape or self._model_routing_shape()
+        tokens = len(task.prompt_ids) + len(out.token_ids) - 1
+        ids = out.routed_experts
+        if ids.size != tokens * layers * top_k:
+            raise EngineMisconfigured(
+                f"meta_info.routed_experts has {ids.size} ids; {tokens} tokens x {layers} layers x {top_k} "
+                f"experts expected for task {task.task_id}")
+        return encode_routed_experts(ids.reshape(tokens, layers, top_k))
+
+    def _model_routing_shape(self) -> tuple[int, int]:
+        """(num_hidden_layers, num_experts_per_tok) of the run's model (its config.json, or the preset)."""
+        if self.cfg.model.path:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(self.cfg.model.path)
+        else:
+            from app.model.config import tiny_config
+
+            config = tiny_config(self.cfg.model.preset)
+        self._routing_shape = (int(config.num_hidden_layers), int(config.num_experts_per_tok))
+        return self._routing_shape
 
     def _error_group(self, task: Task) -> list[Sample]:
         """G empty samples, reward 0, finish_reason "error": consumes a task the engine refuses."""
@@ -310,11 +460,12 @@ class RolloutWorker:
             self.stats.rejected_tasks += 1
             log.error("%s: engine refused task %s: %s", self.worker_id, task.task_id, e)
             return self._error_group(task)
+        routed = [self.routed_experts(task, o) for o in outs] if self.r.routing_replay else [None] * len(outs)
         rewards = await asyncio.gather(
-            *(score_with_timeout(self.score_fn, task, o.text, self.r.reward_timeout_s) for o in outs)
+            *(self.rewards.score(self.score_fn, task, o.text, self.r.reward_timeout_s) for o in outs)
         )
         samples = []
-        for j, (o, (reward, problem)) in enumerate(zip(outs, rewards)):
+        for j, (o, (reward, problem), ids) in enumerate(zip(outs, rewards, routed)):
             if problem == "timeout":
                 self.stats.reward_timeouts += 1
             elif problem == "error":
@@ -330,6 +481,7 @@ class RolloutWorker:
                 attempt=task.attempt, prompt_ids=list(task.prompt_ids), completion_ids=o.token_ids,
                 logprobs=o.logprobs, reward=reward, policy_version=version,
                 finish_reason=o.finish_reason if o.finish_reason in ("stop", "length") else "error",
+                routed_experts=ids,
             ))
         return samples
 
@@ -385,6 +537,11 @@ class RolloutWorker:
             err = t.exception()
             if err is None:
                 self._finished.append((task, t.result()))
+            elif isinstance(err, EngineMisconfigured):
+                log.error("%s: %s; stopping", self.worker_id, err)
+                self.fatal = err
+                self.request_stop()
+                failed.append(task)
             else:
                 self.stats.engine_errors += 1
                 self._engine_suspect = True
@@ -407,6 +564,8 @@ class RolloutWorker:
                         continue
                     self._engine_suspect = False
                     next_poll = 0.0  # a restarted engine must load the current version first
+                    # It generates again, so no load holds it: its version now says what to do.
+                    self._unanswered_update = None
                 if time.monotonic() >= next_poll:
                     await self.sync_policy()
                     next_poll = time.monotonic() + self.r.policy_poll_s
@@ -422,8 +581,8 @@ class RolloutWorker:
                     self.request_stop()
                     break
 
-                free = self.r.max_inflight_tasks - len(inflight)
-                if free <= 0 or self._engine_suspect:
+                free = self.r.inflight_tasks() - len(inflight)
+                if free <= 0 or self._engine_suspect or self._stop.is_set():
                     continue
                 try:
                     if not await self._buf("has_capacity"):
@@ -464,7 +623,8 @@ class RolloutWorker:
         self._buffer_thread.shutdown(wait=True)
 
 
-async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_groups: int | None = None) -> WorkerStats:
+async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_groups: int | None = None,
+                     pause_marker: str | None = None) -> WorkerStats:
     """Connect to the buffer and the engine, run a `RolloutWorker` until SIGTERM/SIGINT, drain.
 
     Raises:
@@ -482,8 +642,11 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
     client = EngineClient(
         engine_url, timeout_s=cfg.rollout.request_timeout_s, retries=cfg.rollout.engine_retries,
         backoff_s=cfg.rollout.retry_backoff_s,
+        # One connection per in-flight group, plus the control calls (versions, health, updates).
+        max_connections=cfg.rollout.inflight_tasks() + 8,
     )
-    worker = RolloutWorker(cfg, buffer, client, worker_id, score_fn=score_fn, store=store, max_groups=max_groups)
+    worker = RolloutWorker(cfg, buffer, client, worker_id, score_fn=score_fn, store=store, max_groups=max_groups,
+                           pause_marker=pause_marker)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.request_stop)
@@ -495,7 +658,10 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
             if worker._stop.is_set():
                 return worker.stats
             await asyncio.sleep(0.5)
-        return await worker.run()
+        stats = await worker.run()
+        if worker.fatal is not None:
+            raise worker.fatal
+        return stats
     finally:
         await client.aclose()
         close = getattr(buffer, "close", None)
@@ -512,6 +678,8 @@ def rollout(
     engine_url: str = typer.Option(None, "--engine-url", help="Engine base URL (default: rollout.engine_url)."),
     worker_id: str = typer.Option(..., "--worker-id", help="Unique name of this worker."),
     max_groups: int = typer.Option(None, "--max-groups", min=1, help="Exit after publishing this many groups."),
+    pause_marker: str = typer.Option(None, "--pause-marker", help="File kept while the engine is paused for a "
+                                     "weight update (read by its probes: `python -m app.rollout.probe`)."),
 ) -> None:
     """Lease prompt groups, generate through the engine, score, publish; drain on SIGTERM."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -520,5 +688,5 @@ def rollout(
     except (FileNotFoundError, ValueError) as e:
         raise typer.BadParameter(str(e), param_hint="--config") from None
     url = engine_url or cfg.rollout.engine_url
-    stats = asyncio.run(run_worker(cfg, url, worker_id, max_groups=max_groups))
+    stats = asyncio.run(run_worker(cfg, url, worker_id, max_groups=max_groups, pause_marker=pause_marker))
     print(json.dumps({"worker_id": worker_id, **asdict(stats)}), flush=True)

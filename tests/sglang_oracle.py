@@ -1,0 +1,241 @@
+"""SGLang's own definitions, read from the installed sglang wheel (pinned in the Makefile, installed
+without its dependencies) without importing the package: ``import sglang`` pulls in torch,
+orjson, zmq, ... (its ``__init__``), so
+
+- `api_types()`: ``sglang/api/v1/api_types.py`` (imports only typing and msgspec) loaded by path:
+  the JSON contract of /generate, /model_info, ... (``X.from_json_value`` raises
+  ``JsonContractError`` on a violation, as the server answers 400);
+- `io_struct_fields`: the request dataclasses of ``srt/managers/io_struct.py``, read with ``ast``;
+- `server_argument_parser`: an ``argparse`` parser of ``python -m sglang.launch_server`` built from
+  the field declarations ``ServerArgs`` collects (``srt/server_args.py`` ``_INPUT_NAMESPACES``,
+  ``srt/arg_groups/fields/*.py``) with the rules of ``add_cli_args_from_dataclass``
+  (``srt/arg_groups/arg_utils.py``: ``--field-name`` or ``cli_name``, aliases, bool ->
+  store_true, Literal/choices, ``no_cli`` skipped) plus the flags ``ServerArgs.add_cli_args``
+  registers by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+
+@cache
+def sglang_dir() -> Path:
+    """The installed sglang package directory (found, not imported)."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("the sglang wheel is not installed: run `make test` (its install step adds it)")
+    return Path(spec.origin).parent
+
+
+@cache
+def api_types() -> ModuleType:
+    """``sglang.api.v1.api_types`` loaded from its file."""
+    path = sglang_dir() / "api" / "v1" / "api_types.py"
+    spec = importlib.util.spec_from_file_location("sglang_api_v1_api_types", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _classes(path: Path) -> dict[str, ast.ClassDef]:
+    return {n.name: n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)}
+
+
+def _annotated(cls: ast.ClassDef) -> list[ast.AnnAssign]:
+    return [n for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+
+
+@cache
+def io_struct_fields(name: str) -> dict[str, str]:
+    """Field -> annotation source of dataclass ``name`` in ``srt/managers/io_struct.py``, base
+    classes of the same file included (``BaseReq``'s bookkeeping fields too)."""
+    classes = _classes(sglang_dir() / "srt" / "managers" / "io_struct.py")
+    if name not in classes:
+        raise KeyError(f"io_struct.py has no class {name}")
+    out: dict[str, str] = {}
+    for base in classes[name].bases:
+        if isinstance(base, ast.Name) and base.id in classes:
+            out.update(io_struct_fields(base.id))
+    out.update({n.target.id: ast.unparse(n.annotation) for n in _annotated(classes[name])})
+    return out
+
+
+def literal_values(annotation: str) -> list:
+    """The values of a ``Literal[...]`` annotation (source text)."""
+    node = ast.parse(annotation, mode="eval").body
+    assert isinstance(node, ast.Subscript) and ast.unparse(node.value) == "Literal", annotation
+    elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+    return [ast.literal_eval(e) for e in elts]
+
+
+class ArgumentRejected(ValueError):
+    """SGLang's argument parser would refuse this command line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse exits; a test wants the reason
+        raise ArgumentRejected(message)
+
+
+def _constants(path: Path) -> dict[str, object]:
+    """Module-level NAME = <literal> assignments of a file (choice lists)."""
+    out = {}
+    for n in ast.parse(path.read_text()).body:
+        if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
+            try:
+                out[n.targets[0].id] = ast.literal_eval(n.value)
+            except ValueError:
+                pass
+    return out
+
+
+def _type_of(annotation: ast.expr) -> tuple[str, list | None]:
+    """("bool" | "int" | "float" | "str" | "list", Literal choices or None) of a field's type."""
+    node = annotation
+    if isinstance(node, ast.Subscript) and ast.unparse(node.value) in ("Optional",):
+        node = node.slice
+    if isinstance(node, ast.BinOp):  # X | None
+        node = node.left if ast.unparse(node.right) == "None" else node.right
+    if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "Literal":
+        values = [v for v in literal_values(ast.unparse(node)) if v is not None]
+        return ("int" if values and isinstance(values[0], int) else "str"), values
+    if isinstance(node, ast.Subscript) and ast.unparse(node.value) in ("List", "list"):
+        return "list", None
+    name = ast.unparse(node)
+    return (name if name in ("bool", "int", "float", "str") else "str"), None
+
+
+@cache
+def server_argument_parser() -> argparse.ArgumentParser:
+    """A parser of ``sglang.launch_server``'s flags as SGLang 0.5.23 declares them (module doc)."""
+    srt = sglang_dir() / "srt"
+    server_args = ast.parse((srt / "server_args.py").read_text())
+    namespaces: list[str] = []
+    modules: dict[str, Path] = {}
+    for node in server_args.body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sglang.srt.arg_groups.fields."):
+            for alias in node.names:
+                modules[alias.asname or alias.name] = srt / "arg_groups" / "fields" / f"{node.module.rsplit('.', 1)[1]}.py"
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_INPUT_NAMESPACES" for t in node.targets):
+            namespaces = [e.id for e in node.value.elts]
+    if not namespaces:
+        raise RuntimeError("server_args.py: no _INPUT_NAMESPACES list (SGLang changed how ServerArgs is built)")
+    choices = _constants(srt / "arg_groups" / "choices.py")
+    parser = _Parser(prog="sglang.launch_server", add_help=False, allow_abbrev=False)
+
+    def fields_of(cls_name: str, path: Path) -> list[ast.AnnAssign]:
+        classes = _classes(path)
+        cls = classes[cls_name]
+        out = []
+        for base in cls.bases:
+            if isinstance(base, ast.Name) and base.id in classes:
+                out += fields_of(base.id, path)
+        return out + _annotated(cls)
+
+    for ns in namespaces:
+        for field in fields_of(ns, modules[ns]):
+            ann = field.annotation
+            if not (isinstance(ann, ast.Subscript) and ast.unparse(ann.value) == "A" and isinstance(ann.slice, ast.Tuple)):
+                continue
+            type_node, *meta = ann.slice.elts
+            arg = next((m for m in meta if isinstance(m, ast.Call) and ast.unparse(m.func) == "Arg"), None)
+            if arg is None and not any(isinstance(m, ast.Constant) and isinstance(m.value, str) for m in meta):
+                continue  # no CLI metadata: not registered
+            kw = {k.arg: k.value for k in (arg.keywords if arg else [])}
+            if "no_cli" in kw and ast.literal_eval(kw["no_cli"]):
+                continue
+            name = field.target.id
+            flag = ast.literal_eval(kw["cli_name"]) if "cli_name" in kw else "--" + name.replace("_", "-")
+            names = [flag] + (ast.literal_eval(kw["aliases"]) if "aliases" in kw else [])
+            kind, literal = _type_of(type_node)
+            opts: dict = {"dest": name}
+            if field.value is not None:
+                try:
+                    opts["default"] = ast.literal_eval(field.value)
+                except ValueError:
+                    pass  # a computed default: left unset
+            if "action" in kw:
+                if ast.unparse(kw["action"]).endswith("BooleanOptionalAction"):
+                    opts["action"] = argparse.BooleanOptionalAction
+                else:
+                    opts["nargs"] = "*"  # a custom action: its arguments are not checked here
+            elif kind == "bool":
+                opts["action"] = "store_true"
+            else:
+                if kind == "list" and "type_parser" not in kw:
+                    opts["nargs"] = ast.literal_eval(kw["nargs"]) if "nargs" in kw else "+"
+                elif "nargs" in kw:
+                    opts["nargs"] = ast.literal_eval(kw["nargs"])
+                if "type_parser" not in kw and kind in ("int", "float"):
+                    opts["type"] = {"int": int, "float": float}[kind]
+                listed = kw.get("choices")
+                if listed is not None:
+                    try:
+                        opts["choices"] = ast.literal_eval(listed)
+                    except ValueError:
+                        opts["choices"] = choices.get(ast.unparse(listed))
+                elif literal:
+                    opts["choices"] = literal
+                if opts.get("choices") is None:
+                    opts.pop("choices", None)
+            parser.add_argument(*names, **opts)
+
+    # The flags ServerArgs.add_cli_args registers by hand.
+    cls = next(n for n in server_args.body if isinstance(n, ast.ClassDef) and n.name == "ServerArgs")
+    add_cli = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "add_cli_args")
+    for call in ast.walk(add_cli):
+        if not (isinstance(call, ast.Call) and ast.unparse(call.func) == "parser.add_argument"):
+            continue
+        names = [a.value for a in call.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")]
+        kw = {k.arg: k.value for k in call.keywords}
+        action = ast.unparse(kw["action"]) if "action" in kw else ""
+        if "StoreTrue" in action or action == "'store_true'":
+            parser.add_argument(*names, action="store_true")
+        elif "nargs" in kw and ast.unparse(kw["nargs"]) == "None" and "Const" in action:
+            parser.add_argument(*names, nargs="?")
+        else:
+            parser.add_argument(*names)
+    return parser
+
+
+@cache
+def deprecated_flags() -> set[str]:
+    """Flags ``ServerArgs.add_cli_args`` keeps only as deprecated spellings (Deprecated* actions)."""
+    srt = sglang_dir() / "srt"
+    tree = ast.parse((srt / "server_args.py").read_text())
+    out = set()
+    for call in ast.walk(tree):
+        if isinstance(call, ast.Call) and ast.unparse(call.func) == "parser.add_argument":
+            kw = {k.arg: ast.unparse(k.value) for k in call.keywords}
+            if "Deprecated" in kw.get("action", ""):
+                out |= {a.value for a in call.args if isinstance(a, ast.Constant)}
+    return out
+
+
+def parse_launch_server(argv: list[str], env: dict[str, str] | None = None) -> argparse.Namespace:
+    """Parse ``python3 -m sglang.launch_server ...`` as SGLang would, after the kubelet's
+    ``$(VAR)`` expansion with ``env``.
+
+    Raises:
+        ArgumentRejected: an unknown flag, a missing or bad value, a value not among the choices.
+    """
+    prefix = ["python3", "-m", "sglang.launch_server"]
+    if argv[:3] != prefix:
+        raise ArgumentRejected(f"not an sglang.launch_server command: {argv[:3]}")
+    args = []
+    for a in argv[3:]:
+        for k, v in (env or {}).items():
+            a = a.replace(f"$({k})", v)
+        if "$(" in a:
+            raise ArgumentRejected(f"unexpanded variable in {a!r}")
+        args.append(a)
+    ns, extra = server_argument_parser().parse_known_args(args)
+    if extra:
+        raise ArgumentRejected(f"unrecognized arguments: {extra}")
+    return ns

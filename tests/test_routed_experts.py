@@ -1,0 +1,123 @@
+"""Routing replay, engine -> worker -> sample (issue 14 part 6, rollout side): with
+``rollout.routing_replay`` the worker asks the engine for the routed experts (SGLang's
+``return_routed_experts``, served with ``--enable-return-routed-experts``) and every published
+sample carries them (``Sample.routed_experts``: [P + C - 1, layers, top_k], narrowest dtype)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from app.buffer import ExperienceBuffer
+from app.buffer.records import Group, Sample, decode_routed_experts, encode_routed_experts
+from app.config import RunConfig
+from app.rollout.engine_client import EngineClient
+from app.rollout.worker import EngineMisconfigured, RolloutWorker
+from test_worker import G, drain_buffer, make_config, make_tasks, start_engine_process, stop_process
+
+
+@pytest.mark.parametrize("top,dtype", [(255, "uint8"), (256, "uint16"), (70000, "int32")])
+def test_routed_experts_are_stored_in_the_narrowest_dtype_and_round_trip(top, dtype):
+    ids = np.random.default_rng(0).integers(0, top + 1, size=(7, 3, 2))
+    ids[0, 0, 0] = top
+    stored = encode_routed_experts(ids)
+    assert stored["dtype"] == dtype and stored["shape"] == [7, 3, 2]
+    back = decode_routed_experts(json.loads(json.dumps(stored)))
+    assert back.dtype == np.int64 and np.array_equal(back, ids)
+
+
+@pytest.mark.parametrize("bad,field", [
+    (np.zeros((3, 2)), "[T, L, K]"), (np.full((1, 1, 1), -1), "negative"), (np.zeros((2, 2, 2)) + 0.5, "integer"),
+])
+def test_bad_routed_experts_are_refused(bad, field):
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        encode_routed_experts(bad)
+
+
+def test_decode_refuses_data_that_does_not_fill_the_shape():
+    stored = encode_routed_experts(np.zeros((2, 2, 2), dtype=np.int64))
+    stored["shape"] = [3, 2, 2]
+    with pytest.raises(ValueError, match="do not fill"):
+        decode_routed_experts(stored)
+
+
+def test_samples_with_routed_experts_cross_the_buffer_as_json():
+    ids = encode_routed_experts(np.arange(12).reshape(3, 2, 2))
+    s = Sample(sample_id="r/t/0/0", task_id="t", index=0, attempt=0, prompt_ids=[1, 2], completion_ids=[3, 4],
+               logprobs=[-1.0, -2.0], reward=1.0, policy_version=0, finish_reason="stop", routed_experts=ids)
+    back = Group.from_json(Group(task_id="t", attempt=0, samples=[s]).to_json()).samples[0]
+    assert back.routed_experts == ids
+    old = {k: v for k, v in s.to_dict().items() if k != "routed_experts"}  # records written before the field
+    assert Sample.from_dict(old).routed_experts is None
+
+
+def test_router_routing_replay_is_an_alias_of_rollout_routing_replay():
+    assert RunConfig.model_validate({"router": {"routing_replay": True}}).rollout.routing_replay is True
+    assert RunConfig().rollout.routing_replay is False
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    from test_worker import make_checkpoint
+
+    return (make_checkpoint(tmp_path_factory.mktemp("rr") / "a", seed=0),)
+
+
+def test_worker_stores_the_engines_routed_experts_with_every_sample(tmp_path, redis_server, ckpts):
+    from app.buffer.redis_server import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_engine_process(ckpts[0], port, tmp_path / "engine.log", "--enable-return-routed-experts")
+    cfg = make_config(tmp_path, redis_server, url, routing_replay=True)
+    cfg.model.path = str(ckpts[0])  # where the worker reads layers and top_k
+    buf = ExperienceBuffer.from_config(cfg)
+    buf.put_tasks(make_tasks(2))
+
+    async def go():
+        async with EngineClient(url) as client:
+            return await RolloutWorker(cfg, buf, client, "w-rr", score_fn=lambda t, c: 1.0, max_groups=2).run()
+
+    try:
+        stats = asyncio.run(go())
+    finally:
+        stop_process(proc)
+    assert stats.groups_published == 2
+    groups, _ = drain_buffer(buf)
+    samples = [s for gs in groups.values() for g in gs for s in g.samples]
+    assert len(samples) == 2 * G
+    for s in samples:
+        ids = decode_routed_experts(s.routed_experts)
+        # every token the engine fed through the model: prompt + completion - 1; 2 layers, top-2 of 4 experts
+        assert ids.shape == (len(s.prompt_ids) + len(s.completion_ids) - 1, 2, 2)
+        assert s.routed_experts["dtype"] == "uint8" and ids.min() >= 0 and ids.max() < 4
+        assert all(len(set(row)) == 2 for row in ids.reshape(-1, 2).tolist())  # two distinct experts per token
+
+
+def test_worker_stops_when_the_engine_returns_no_routed_experts(tmp_path, redis_server, ckpts):
+    """routing_replay against an engine started without the flag: no sample without routing is
+    published; the worker stops (its tasks go back) with the flag named."""
+    from app.buffer.redis_server import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_engine_process(ckpts[0], port, tmp_path / "engine.log")
+    cfg = make_config(tmp_path, redis_server, url, routing_replay=True)
+    buf = ExperienceBuffer.from_config(cfg)
+    buf.put_tasks(make_tasks(2))
+
+    async def go():
+        async with EngineClient(url) as client:
+            worker = RolloutWorker(cfg, buf, client, "w-rr-bad", score_fn=lambda t, c: 1.0)
+            stats = await asyncio.wait_for(worker.run(), 60)
+            return stats, worker.fatal
+
+    try:
+        stats, fatal = asyncio.run(go())
+    finally:
+        stop_process(proc)
+    assert isinstance(fatal, EngineMisconfigured) and "--enable-return-routed-experts" in str(fatal)
+    assert stats.groups_published == 0 and buf.stats()["leased"] == 0 and buf.stats()["queued"] == 2
