@@ -1,13 +1,14 @@
 # Env pool: slim CPU-only Python serving reward/verifier calls (`moerl reward`). Build from the root:
 #   docker build -f images/env.Dockerfile -t <ecr>/moerl/env:<tag> .
 # checkov:skip=CKV_DOCKER_2: the Deployment's probes check the port; Docker HEALTHCHECK is ignored there
-
+# Versions: images/versions.toml (the build args' defaults below equal it; tests/test_images.py checks).
 FROM python:3.11.11-slim-bookworm AS build
+ARG TORCH_CPU_VERSION=2.9.1
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 # CPU build of torch first so nothing later pulls a CUDA build.
 RUN python -m venv /venv \
-    && /venv/bin/pip install --index-url https://download.pytorch.org/whl/cpu "torch==2.9.1"
+    && /venv/bin/pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_CPU_VERSION}"
 COPY pyproject.toml README.md ./
 COPY app ./app
 COPY infra ./infra

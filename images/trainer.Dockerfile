@@ -1,34 +1,66 @@
-# Trainer: CUDA 13 PyTorch (NGC 25.10: PyTorch, CUDA 13.0, NCCL), the EFA installer (libfabric
-# and aws-ofi-nccl), DeepEP kernels (sgl-deep-ep), and moerl. Build from the repository root:
+# Trainer: CUDA 13.0 devel (nvcc: DeepEP compiles its kernels on first use), PyTorch with the
+# NCCL and NVSHMEM wheels it pins, the EFA installer (libfabric and aws-ofi-nccl), DeepEP
+# (sgl-deep-ep) and moerl. Versions: images/versions.toml (the build args' defaults below equal
+# it; tests/test_images.py checks). Build from the repository root:
 #   docker build -f images/trainer.Dockerfile -t <ecr>/moerl/trainer:<tag> .
 # checkov:skip=CKV_DOCKER_2: Kubernetes restarts the gang on failure; Docker HEALTHCHECK is ignored there
-
-FROM nvcr.io/nvidia/pytorch:25.10-py3 AS wheel
+#
+# Not an NGC PyTorch base: those carry their own torch build and a pip constraints file, while
+# sgl-deep-ep requires torch==2.14.1 exactly (its Requires-Dist) and the NCCL that release pins
+# (its _C accepts only 2.30.7), so pip would refuse or replace the base's torch. Here torch, NCCL
+# and NVSHMEM come from PyPI at the table's versions and a constraints file keeps them there.
+FROM nvidia/cuda:13.0.3-devel-ubuntu24.04 AS wheel
+# Apt pins would go stale with every Ubuntu security update; the base image tag pins the release.
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends python3.12-venv \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY app ./app
 COPY infra ./infra
 COPY charts8s ./charts8s
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+RUN python3.12 -m venv /tmp/build && /tmp/build/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-FROM nvcr.io/nvidia/pytorch:25.10-py3
-ARG EFA_INSTALLER_VERSION=1.43.3
+FROM nvidia/cuda:13.0.3-devel-ubuntu24.04
+ARG EFA_INSTALLER_VERSION=1.49.0
+ARG TORCH_VERSION=2.14.1
+ARG NCCL_VERSION=2.30.7
+ARG NVSHMEM_VERSION=3.4.5
+ARG SGL_DEEP_EP_VERSION=0.1.2.post1
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# Python for the venv, g++ for nvcc's host passes (DeepEP's JIT), curl for the EFA installer.
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends python3.12-venv g++ curl ca-certificates \
+    && rm -rf /var/lib/apt/lists/* \
+    && nvcc --version | grep -q "release 13\.0"
 # EFA user space only (the node AMI carries the kernel driver); -g adds GPUDirect support and the
-# installer's bundled aws-ofi-nccl plugin lands in /opt/amazon/ofi-nccl.
+# installer's bundled aws-ofi-nccl plugin lands in /opt/amazon/ofi-nccl. The installer runs apt
+# itself, hence the update in the same step.
 WORKDIR /tmp/efa
 RUN curl -fsSLO "https://efa-installer.amazonaws.com/aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" \
     && tar -xzf "aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz"
 WORKDIR /tmp/efa/aws-efa-installer
-RUN ./efa_installer.sh -y -g -d --skip-kmod --skip-limit-conf --no-verify \
+RUN apt-get update && ./efa_installer.sh -y -g -d --skip-kmod --skip-limit-conf --no-verify \
+    && (dpkg-query -W 'libnccl-ofi*' || true) \
     && rm -rf /tmp/efa /var/lib/apt/lists/*
+# NCCL_NET_PLUGIN=ofi: NCCL loads libnccl-net-ofi.so (found through ldconfig) instead of silently
+# using TCP sockets; the short name works with every NCCL 2.x (AWS SGLang + DeepEP over EFA recipe).
 ENV LD_LIBRARY_PATH=/opt/amazon/ofi-nccl/lib:/opt/amazon/efa/lib:${LD_LIBRARY_PATH} \
-    PATH=/opt/amazon/efa/bin:${PATH}
+    PATH=/opt/venv/bin:/opt/amazon/efa/bin:${PATH} \
+    CUDA_HOME=/usr/local/cuda \
+    NCCL_NET_PLUGIN=ofi
 WORKDIR /opt/moerl
 COPY --from=wheel /wheels /wheels
-# The base image's torch and NCCL stay (pinned by the NGC tag; pip sees torch installed).
-RUN pip install --no-cache-dir "sgl-deep-ep==0.1.2.post1" /wheels/*.whl \
-    && rm -rf /wheels
+# The stack first, at the table's versions, then DeepEP and moerl under a constraints file of those
+# pins: a later requirement that would replace torch, NCCL or NVSHMEM stops the build instead.
+RUN python3.12 -m venv /opt/venv \
+    && printf '%s\n' "torch==${TORCH_VERSION}" "nvidia-nccl-cu13==${NCCL_VERSION}" \
+        "nvidia-nvshmem-cu13==${NVSHMEM_VERSION}" > /opt/venv/constraints.txt \
+    && pip install --no-cache-dir -c /opt/venv/constraints.txt "torch==${TORCH_VERSION}" \
+        "nvidia-nccl-cu13==${NCCL_VERSION}" "nvidia-nvshmem-cu13==${NVSHMEM_VERSION}" \
+    && pip install --no-cache-dir -c /opt/venv/constraints.txt "sgl-deep-ep==${SGL_DEEP_EP_VERSION}" /wheels/*.whl \
+    && rm -rf /wheels \
+    && python -c "import torch; assert torch.version.cuda.startswith('13.'), torch.version.cuda"
 RUN useradd --create-home --uid 10001 --user-group moerl
 USER 10001
 ENV HOME=/home/moerl

@@ -7,7 +7,7 @@ multicast must be off before anything starts on CUDA; scripts/gpu_ep_bench.sh on
 options that exist.
 
 GPU only (skipped here; scripts/gpu_ep_bench.sh runs them on 2, 4 and 8 H200s): the EP equivalence
-cases of tests/test_ep_equivalence.py with NCCL all-to-all at EP 4 and 8, and with DeepEP in bf16.
+cases of tests/test_ep_equivalence.py with NCCL all-to-all at EP 4 and 8 (DeepEP's: tests/test_deepep.py).
 """
 
 from __future__ import annotations
@@ -161,10 +161,13 @@ def test_gpu_ep_script_uses_cli_options(tmp_path) -> None:
     assert seen["ep-train-step"]["dtype"] == "bfloat16" and seen["ep-train-step"]["model"] == "small"
     assert "NCCL_NVLS_ENABLE=0" in proc.stdout  # the environment it would export is printed
     assert "test_ep_equivalence.py" in proc.stdout and "test_bench_ep.py" in proc.stdout
+    assert "test_deepep.py::test_deepep_matches_ep1_on_gpus" in proc.stdout
+    assert "scripts/deepep_checklist.py --preflight" in proc.stdout
+    assert "scripts/deepep_checklist.py --out" in proc.stdout
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU only: EP equivalence at 4 and 8 GPUs (alltoall) and with DeepEP (bf16).
+# GPU only: EP equivalence at 4 and 8 GPUs (alltoall).
 
 
 def _equivalence():
@@ -182,71 +185,3 @@ def test_alltoall_matches_ep1_on_more_gpus(size: int) -> None:
         pytest.skip(f"needs {size} GPUs, found {torch.cuda.device_count()}")
     eq = _equivalence()
     mp.spawn(eq._worker, args=(size, eq.free_port(), "nccl"), nprocs=size, join=True)
-
-
-def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in fp32 (0 when both are zero)."""
-    a, b = a.float(), b.float()
-    denom = float(b.norm())
-    return float((a - b).norm()) / denom if denom > 0 else float(a.norm())
-
-
-BF16_REL = 2e-2  # bf16 keeps 8 mantissa bits; expert GEMMs see the rows in another grouping
-
-
-def _deepep_worker(rank: int, size: int, port: int) -> None:
-    from app.config import ParallelConfig
-    from app.model.parallel import EPContext, init_ep
-
-    eq = _equivalence()
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-    try:
-        ep = init_ep(ParallelConfig(ep=size, ep_backend="deepep"))
-        assert ep.backend == "deepep"
-        for name, (make_config, tokens, mode) in eq.CASES.items():
-            config = make_config()
-            tokens = (tokens * 2)[:size]
-            if mode == "bias-skewed":
-                tokens = tokens[:-1] + [0]
-            x, replay, proj = eq.batch(sum(tokens), config.num_experts_per_tok, mode)
-            x, proj = x.to(torch.bfloat16), proj.to(torch.bfloat16)
-            start, stop = sum(tokens[:rank]), sum(tokens[: rank + 1])
-
-            def bf16_block(ep_ctx):
-                block = eq.build(config, ep_ctx, mode).to(device)
-                block.experts.to(torch.bfloat16)  # the router stays fp32, as build_policy keeps it
-                if block.shared_experts is not None:
-                    block.shared_experts.to(torch.bfloat16)
-                return block
-
-            ref_out, ref_dx, ref_grads = eq.run_case(bf16_block(EPContext.local()), x, replay, proj)
-            block = bf16_block(ep)
-            local = slice(start, stop)
-            out, dx, grads = eq.run_case(block, x[local], None if replay is None else replay[local], proj[local])
-            where = f"deepep case {name}, EP={size}, rank {rank}"
-            assert rel_error(out, ref_out[local]) < BF16_REL, f"{where}: output"
-            assert rel_error(dx, ref_dx[local]) < BF16_REL, f"{where}: input grad"
-            shard = slice(block.local_expert_offset, block.local_expert_offset + block.num_local_experts)
-            for pname, grad in grads.items():
-                if pname.startswith("experts."):
-                    expected = ref_grads[pname][shard]
-                else:
-                    grad = grad.to(device)
-                    dist.all_reduce(grad)
-                    grad, expected = grad.cpu(), ref_grads[pname]
-                assert rel_error(grad, expected) < BF16_REL, f"{where}: grad of {pname}"
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("size", [2, 4, 8])
-def test_deepep_matches_ep1_on_gpus(size: int) -> None:
-    """The equivalence cases with the deepep backend in bf16 (relative L2 error < 2e-2)."""
-    from app.model.parallel import deepep_unavailable_reason
-
-    reason = deepep_unavailable_reason()
-    if reason or torch.cuda.device_count() < size:
-        pytest.skip(f"needs deep_ep and {size} GPUs: {reason or f'found {torch.cuda.device_count()}'}")
-    mp.spawn(_deepep_worker, args=(size, _equivalence().free_port()), nprocs=size, join=True)

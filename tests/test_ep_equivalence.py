@@ -33,13 +33,13 @@ RTOL, ATOL = 1e-5, 1e-6
 HIDDEN = 16
 
 
-def qwen_config() -> Qwen3MoeConfig:
-    return Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=8, num_experts=8,
+def qwen_config(hidden: int = HIDDEN) -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=8, num_experts=8,
                           num_experts_per_tok=2, norm_topk_prob=True)
 
 
-def deepseek_config() -> DeepseekV3Config:
-    return DeepseekV3Config(hidden_size=HIDDEN, moe_intermediate_size=8, n_routed_experts=8,
+def deepseek_config(hidden: int = HIDDEN) -> DeepseekV3Config:
+    return DeepseekV3Config(hidden_size=hidden, moe_intermediate_size=8, n_routed_experts=8,
                             num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1,
                             routed_scaling_factor=2.5, norm_topk_prob=True)
 
@@ -67,11 +67,11 @@ def build(config, ep: EPContext, mode: str) -> MoEBlock:
     return block
 
 
-def batch(total: int, top_k: int, mode: str):
+def batch(total: int, top_k: int, mode: str, hidden: int = HIDDEN):
     """Global inputs: x [total, H], replay ids [total, K] or None, loss projection [total, H]."""
     g = torch.Generator().manual_seed(99)
-    x = torch.randn(total, HIDDEN, generator=g)
-    proj = torch.randn(total, HIDDEN, generator=g)
+    x = torch.randn(total, hidden, generator=g)
+    proj = torch.randn(total, hidden, generator=g)
     replay = None
     if mode == "replay-skewed":
         replay = torch.tensor([0, 1] + [-1] * (top_k - 2)).repeat(total, 1)

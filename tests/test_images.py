@@ -1,7 +1,14 @@
 """Static checks of images/*.Dockerfile: hadolint, checkov (every skip with its reason), pinned
-versions, non-root final stages, and what each image must carry (issue 6, part 3).
+versions, non-root final stages, what each image must carry (issue 6, part 3); and the one table of
+versions, images/versions.toml (issue 15 item 11, issue 14 item 3): the Dockerfiles' base images
+and build-arg defaults equal it, README.md's image and version tables are it rendered, the
+packages it names pin each other as the table says (their PyPI metadata), and each image's pip
+installs resolve against what its base ships without replacing the stack.
 
-No Docker engine runs here, so the images are not built; README "Running on EKS" says how.
+The resolution tests ask PyPI (metadata only where the index has it; see tests/pypi.py) for this
+interpreter, CPython 3.11 on x86_64 Linux here, where the images run 3.12 (pip cannot resolve sdists
+for another Python). No Docker engine runs here, so the images are not built; README "Running on
+EKS" says how. `python tests/test_images.py` rewrites README.md's tables from the versions table.
 """
 
 from __future__ import annotations
@@ -11,14 +18,27 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pypi  # noqa: E402 - the tests directory's helper
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGES = ROOT / "images"
 DOCKERFILES = sorted(IMAGES.glob("*.Dockerfile"))
 CHECKOV = ROOT / ".venv" / "checkov" / "bin" / "checkov"
+VERSIONS = tomllib.loads((IMAGES / "versions.toml").read_text())
+ENTRIES = {k: v for k, v in VERSIONS.items() if k != "notes"}
+SGLANG_BASE = ROOT / "tests" / "data" / "sglang-0.5.23-packages.txt"
+README_BEGIN = "<!-- images: rendered from images/versions.toml by `python tests/test_images.py` -->"
+README_END = "<!-- end of images/versions.toml -->"
+VERSION_ARG = re.compile(r"_(VERSION|COMMIT|SHA256)$")
 
 
 def _hadolint() -> str:
@@ -45,6 +65,68 @@ def _final_stage(path: Path) -> list[tuple[str, str]]:
     return ins[last_from:]
 
 
+def _args(path: Path) -> dict[str, str]:
+    """Every `ARG NAME=default` of the Dockerfile (quotes dropped)."""
+    out = {}
+    for word, args in _instructions(path):
+        if word == "ARG" and "=" in args:
+            name, _, value = args.partition("=")
+            out[name] = value.strip("\"'")
+    return out
+
+
+def _substituted(path: Path, text: str) -> str:
+    args = _args(path)
+    return re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), text)
+
+
+def pip_installs(path: Path) -> list[list[str]]:
+    """Each `pip install` of the Dockerfile as its arguments, build-arg defaults substituted."""
+    out = []
+    for word, args in _instructions(path):
+        if word != "RUN" or "pip install" not in args:
+            continue
+        for cmd in _substituted(path, args).split("&&"):
+            if "pip install" in cmd:
+                out.append([w.strip("\"'") for w in cmd.split("pip install", 1)[1].split()])
+    return out
+
+
+def specs_of(words: list[str]) -> list[str]:
+    """The requirement specs of one `pip install`'s arguments (options and their values dropped)."""
+    specs, skip = [], False
+    for w in words:
+        if skip:
+            skip = False
+        elif w in ("-c", "--constraint", "--index-url", "--extra-index-url", "-r"):
+            skip = True
+        elif not w.startswith("-") and not w.startswith("http"):
+            specs.append(w)
+    return specs
+
+
+def image_of(path: Path) -> str:
+    return path.name.removesuffix(".Dockerfile")
+
+
+def render_readme_tables() -> str:
+    """README.md's image and version tables, from images/versions.toml."""
+    lines = [README_BEGIN, "", "| image | base | carries |", "| --- | --- | --- |"]
+    for path in DOCKERFILES:
+        name = image_of(path)
+        mine = [e for e in ENTRIES.values() if name in e["images"]]
+        base = ", ".join(f"`{e['from']}`" for e in mine if "from" in e)
+        carries = [f"{e['component']} {e['version']}" for e in mine if "from" not in e and e.get("carried", True)]
+        lines.append(f"| `images/{path.name}` | {base} | {', '.join(carries + ['moerl'])} |")
+    lines += ["", "| component | version | images | reference system | where the version was seen |",
+              "| --- | --- | --- | --- | --- |"]
+    for e in ENTRIES.values():
+        lines.append(f"| {e['component']} | {e['version']} | {', '.join(e['images'])} | "
+                     f"{e.get('reference', '')} | {' '.join(e['verified'].split())} |")
+    lines += ["", " ".join(VERSIONS["notes"]["why"].split()), "", README_END]
+    return "\n".join(lines)
+
+
 def test_three_images():
     assert [p.name for p in DOCKERFILES] == ["env.Dockerfile", "rollout.Dockerfile", "trainer.Dockerfile"]
 
@@ -69,14 +151,9 @@ def test_versions_are_pinned(dockerfile):
             image = args.split()[0]
             tag = image.rsplit("/", 1)[-1].partition(":")[2]
             assert tag and tag != "latest", f"{dockerfile.name}: FROM {image} is not pinned"
-        if word == "RUN" and "pip install" in args:
-            for cmd in args.split("&&"):
-                if "pip install" not in cmd:
-                    continue
-                words = cmd.split("pip install", 1)[1].split()
-                specs = [w.strip("\"'") for w in words if not w.startswith("-") and not w.startswith("http")]
-                for spec in specs:
-                    assert "==" in spec or spec.endswith(".whl") or spec == ".", f"{dockerfile.name}: {spec} unpinned"
+    for words in pip_installs(dockerfile):
+        for spec in specs_of(words):
+            assert "==" in spec or spec.endswith(".whl") or spec == ".", f"{dockerfile.name}: {spec} unpinned"
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -88,11 +165,14 @@ def test_final_stage_runs_as_a_non_root_user(dockerfile):
 
 def test_each_image_carries_its_stack():
     trainer = (IMAGES / "trainer.Dockerfile").read_text()
-    assert re.search(r"^FROM nvcr\.io/nvidia/pytorch:\S+-py3$", trainer, re.M)  # CUDA 13 PyTorch (NGC 25.09+)
+    # CUDA 13 with nvcc (DeepEP compiles its kernels at run time), not an image with its own torch.
+    assert re.search(r"^FROM nvidia/cuda:13\.\d+\.\d+-devel-ubuntu\S+$", trainer, re.M)
     assert "efa_installer.sh" in trainer and "/opt/amazon/ofi-nccl" in trainer  # EFA + aws-ofi-nccl
-    assert "sgl-deep-ep==" in trainer
+    assert '"sgl-deep-ep==${SGL_DEEP_EP_VERSION}"' in trainer and '"torch==${TORCH_VERSION}"' in trainer
     rollout = (IMAGES / "rollout.Dockerfile").read_text()
     assert re.search(r"^FROM lmsysorg/sglang:v[\d.]+-cu13\d$", rollout, re.M)
+    assert "efa_installer.sh" in rollout and "setup_deepep_efa.sh" in rollout and "sha256sum -c" in rollout
+    assert "NVSHMEM_REMOTE_TRANSPORT=libfabric" in rollout and "FI_PROVIDER=efa" in rollout
     env = (IMAGES / "env.Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.\d+\.\d+-slim", env, re.M) and "whl/cpu" in env
     for text in (trainer, rollout, env):
@@ -123,3 +203,138 @@ def test_checkov_passes_on_images_with_every_skip_justified():
     for dockerfile in DOCKERFILES:
         for m in re.finditer(r"checkov:skip=(\S+?):(.*)", dockerfile.read_text()):
             assert len(m.group(2).split()) >= 5, f"{dockerfile.name}: skip {m.group(1)} needs a reason"
+
+
+# ---------------------------------------------------------------------------------------------
+# The versions table.
+
+
+def test_every_entry_says_where_it_was_seen_and_which_images_use_it():
+    names = {image_of(p) for p in DOCKERFILES}
+    for key, e in ENTRIES.items():
+        assert e["component"] and e["version"] and len(e["verified"].split()) >= 5, key
+        assert e["images"] and set(e["images"]) <= names, f"{key}: images {e['images']}"
+        assert not ("from" in e and "arg" in e), key
+        if "arg" in e:
+            assert VERSION_ARG.search(e["arg"]) and e["value"], key
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_versions_are_the_table(dockerfile):
+    name, text, args = image_of(dockerfile), dockerfile.read_text(), _args(dockerfile)
+    mine = [e for e in ENTRIES.values() if name in e["images"]]
+    froms = {a.split()[0] for w, a in _instructions(dockerfile) if w == "FROM"}
+    assert froms == {e["from"] for e in mine if "from" in e}, f"{dockerfile.name}: FROM {froms}"
+    for e in mine:
+        if "arg" in e:
+            assert args.get(e["arg"]) == e["value"], f"{dockerfile.name}: ARG {e['arg']}={args.get(e['arg'])}"
+            assert f"${{{e['arg']}}}" in text, f"{dockerfile.name}: ARG {e['arg']} is declared but not used"
+    declared = {e["arg"] for e in mine if "arg" in e}
+    strays = {a for a in args if VERSION_ARG.search(a)} - declared
+    assert not strays, f"{dockerfile.name}: version args {strays} are not in images/versions.toml"
+
+
+def test_readme_tables_are_the_versions_table():
+    readme = (ROOT / "README.md").read_text()
+    expected = render_readme_tables()
+    assert expected in readme, ("README.md's image tables differ from images/versions.toml; run "
+                                f"`python tests/test_images.py` to rewrite them. Expected:\n{expected}")
+
+
+@pytest.fixture(scope="module")
+def pinned_metadata() -> dict[str, dict]:
+    """PyPI metadata (no dependencies) of the packages the table pins each other through."""
+    v = {k: e["version"] for k, e in ENTRIES.items()}
+    specs = [f"sgl-deep-ep=={v['sgl_deep_ep']}", f"torch=={v['torch']}", f"sglang=={v['sglang_image']}"]
+    return {canonicalize_name(m["name"]): m for m in pypi.resolve(specs, no_deps=True)}
+
+
+def _pin(metadata: dict, package: str) -> str | None:
+    for line in metadata.get("requires_dist") or []:
+        req = Requirement(line)
+        if canonicalize_name(req.name) == package and (req.marker is None or req.marker.evaluate({"extra": ""})):
+            return next((s.version for s in req.specifier if s.operator == "=="), None)
+    return None
+
+
+def test_the_packages_pin_each_other_as_the_table_says(pinned_metadata):
+    """DeepEP and SGLang pin the table's torch; that torch pins the table's NCCL and NVSHMEM;
+    SGLang pins the table's DeepEP wheel."""
+    v = {k: e["version"] for k, e in ENTRIES.items()}
+    deepep, torch_md, sglang = (pinned_metadata[n] for n in ("sgl-deep-ep", "torch", "sglang"))
+    assert _pin(deepep, "torch") == v["torch"]
+    assert _pin(sglang, "torch") == v["torch"] and _pin(sglang, "sgl-deep-ep") == v["sgl_deep_ep"]
+    assert _pin(torch_md, "nvidia-nccl-cu13") == v["nccl"]
+    assert _pin(torch_md, "nvidia-nvshmem-cu13") == v["nvshmem"]
+    assert _pin(torch_md, "cuda-toolkit") == v["cuda_image"]
+
+
+def _moerl_dependencies() -> list[str]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+
+
+def _versions(resolved: list[dict]) -> dict[str, str]:
+    return {canonicalize_name(m["name"]): m["version"] for m in resolved}
+
+
+def test_trainer_installs_resolve_without_replacing_the_stack():
+    """The trainer's pip installs, with moerl's own dependencies for its wheel, under the
+    Dockerfile's constraints (the table's torch, NCCL and NVSHMEM): one consistent set that keeps
+    them. The base (nvidia/cuda devel) ships no Python packages into the venv they go to."""
+    dockerfile = IMAGES / "trainer.Dockerfile"
+    requirements = []
+    for words in pip_installs(dockerfile):
+        for spec in specs_of(words):
+            requirements += _moerl_dependencies() if spec.endswith(".whl") else [spec]
+    v = {k: e["version"] for k, e in ENTRIES.items()}
+    pins = {"torch": v["torch"], "nvidia-nccl-cu13": v["nccl"], "nvidia-nvshmem-cu13": v["nvshmem"]}
+    got = _versions(pypi.resolve(requirements, constraints=[f"{k}=={x}" for k, x in pins.items()]))
+    assert {k: got.get(k) for k in pins} == pins
+    assert got["sgl-deep-ep"] == v["sgl_deep_ep"]
+
+
+def _sglang_base() -> dict[str, str]:
+    lines = [line.strip() for line in SGLANG_BASE.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    return {canonicalize_name(n): x for n, _, x in (line.partition("==") for line in lines)}
+
+
+def test_rollout_installs_resolve_against_the_sglang_base():
+    """The rollout's pinned installs under the recorded package set of its base as constraints
+    (less the packages the Dockerfile lets move, MAY_REPLACE): they resolve, and change nothing
+    else of the base. moerl's wheel goes in --no-deps: the base must already satisfy its
+    requirements on every package it has (torch, transformers, pydantic, typer, ...)."""
+    dockerfile = IMAGES / "rollout.Dockerfile"
+    may_replace = {canonicalize_name(n) for n in _args(dockerfile)["MAY_REPLACE"].split("|")}
+    base = _sglang_base()
+    assert base["torch"] == ENTRIES["torch"]["version"] and base["nvidia-nccl-cu13"] == ENTRIES["nccl"]["version"]
+    installs = pip_installs(dockerfile)
+    constrained = [w for w in installs if "-c" in w]
+    assert len(constrained) == 1 and all("--no-deps" in w for w in installs if w not in constrained)
+    got = _versions(pypi.resolve(specs_of(constrained[0]),
+                                 constraints=[f"{n}=={x}" for n, x in base.items() if n not in may_replace]))
+    changed = {n for n, x in got.items() if n in base and base[n] != x}
+    assert changed <= may_replace, changed
+    for line in _moerl_dependencies():
+        req = Requirement(line)
+        have = base.get(canonicalize_name(req.name))
+        assert have is None or req.specifier.contains(have, prereleases=True), f"moerl needs {req}, base has {have}"
+
+
+def test_a_pin_that_would_replace_torch_fails_to_resolve():
+    """The check can fail: sgl-deep-ep 0.1.3rc3 requires torch==2.15.0, so under the trainer's
+    torch constraint pip finds no set (and says torch is why)."""
+    with pytest.raises(pypi.PyPIError, match="torch"):
+        pypi.resolve(["sgl-deep-ep==0.1.3rc3"], constraints=[f"torch=={ENTRIES['torch']['version']}"])
+
+
+def _rewrite_readme() -> None:
+    path = ROOT / "README.md"
+    text = path.read_text()
+    start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
+    tmp = path.with_name(".README.md.tmp")
+    tmp.write_text(text[:start] + render_readme_tables() + text[end:])
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    _rewrite_readme()

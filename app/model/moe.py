@@ -91,7 +91,8 @@ class MoEBlock(nn.Module):
         Raises:
             ValueError: naming the field: unsupported model_type, num_experts not divisible by
                 ep.size, num_experts_per_tok > num_experts, n_group not dividing the experts,
-                topk_group out of range, bias updates asked for a router without bias, unknown backend.
+                topk_group out of range, bias updates asked for a router without bias, unknown backend,
+                config.hidden_size not a multiple of 256 with the deepep backend.
         """
         super().__init__()
         s = moe_settings(config)
@@ -103,6 +104,10 @@ class MoEBlock(nn.Module):
             )
         if router.bias_update_rate > 0 and s["family"] != "deepseek_v3":
             raise ValueError("router.bias_update_rate > 0 needs a DeepSeek-V3 router (e_score_correction_bias)")
+        if ep.backend == "deepep":
+            from app.model.dispatch.deepep import check_hidden_size
+
+            check_hidden_size(config.hidden_size, "config.hidden_size")
         self.config = config
         self.router_cfg = router
         self.ep = ep

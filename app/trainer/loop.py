@@ -222,7 +222,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
     config = policy_config(cfg, path)
     layout = resolve_layout(t.parallel, world, num_routed_experts(config))
     mesh = build_mesh(layout, device.type)
-    ep = mesh.ep_context(init_ep(t.parallel, group=mesh.ep.get_group()).backend)
+    ep = mesh.ep_context(init_ep(t.parallel, group=mesh.ep.get_group(), hidden_size=config.hidden_size).backend)
     torch.manual_seed(cfg.task.seed)
     store = open_store(cfg.store_url)
 

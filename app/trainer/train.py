@@ -45,9 +45,9 @@ def init_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
     if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s)
-        )
+        # device_id binds NCCL's communicator to this GPU now (DeepEP can then reuse it).
+        dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
+                                device_id=device if cuda else None)
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -68,6 +68,9 @@ def train(
     try:
         cfg = RunConfig.load(config)
         state = run_training(cfg, run_dir or Path("runs") / cfg.run_id, resume=resume)
+        from app.model.dispatch.deepep import release_buffers
+
+        release_buffers()  # DeepEP's destroy is collective: every rank, before the group goes
     except (TrainingError, ValueError, ConnectionError, TimeoutError, FileNotFoundError) as e:
         # Bad input or a run-ending condition: one clear line, no traceback.
         typer.echo(f"moerl train (rank {os.environ.get('RANK', '0')}): {e}", err=True)
