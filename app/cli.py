@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "train": "app.trainer.train:cli",
     "warmup": "app.envs.warmup:cli",
     "reward": "app.envs.reward_server:cli",
+    "env": "app.envs.openenv_server:cli",
     "chaos": "app.chaos:cli",
     "bench": "app.bench.cli:cli",
 }
@@ -33,6 +34,7 @@ HELP = {
     "train": "Run a trainer rank (start with torchrun).",
     "warmup": "Make the tiny base policy with a short supervised warm-up.",
     "reward": "Serve a reward model over HTTP.",
+    "env": "Serve the run's environment over OpenEnv's protocol (multi-turn episodes).",
     "chaos": "Run the loop under a seeded fault schedule and audit the ledger.",
     "bench": "Benchmarks (MoE layer, loop).",
 }

@@ -77,6 +77,9 @@ class BufferConfig(Section):
     stale_policy: Literal["drop", "requeue"] = "drop"
     capacity_groups: int = Field(64, ge=1, description="Finished groups held before back-pressure.")
     lease_ms: int = Field(60_000, ge=100, description="A task lease expires after this idle time.")
+    max_failures: int = Field(3, ge=1, description="Failed rollouts of one task (a reward or environment "
+                              "call that raised, timed out or answered malformed) before it is dropped, "
+                              "counted in failed_dropped; never trained.")
 
 
 # In-flight sequences per data-parallel attention rank of an SGLang engine when the profile
@@ -144,6 +147,9 @@ class RolloutConfig(Section):
     request_timeout_s: float = Field(60.0, gt=0.0)
     reward_timeout_s: float = Field(5.0, gt=0.0)
     reward_threads: int = Field(8, ge=1, description="Threads running reward functions (shared pool).")
+    reward_warmup_timeout_s: float = Field(
+        300.0, gt=0.0, description="The reward function's (or environment's) warm-up before the first "
+        "lease: imports, verifier set-up, the env server's health; the worker exits if it fails.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     inflight_sequences: int | None = Field(
         None, ge=1, description="Sequences a worker keeps in flight on its engine (whole groups of "
@@ -247,6 +253,27 @@ class TaskConfig(Section):
                                      "completions (`moerl reward`) instead of the task's verifier.")
 
 
+class EnvConfig(Section):
+    """Multi-turn environments served over OpenEnv's protocol (app/envs/openenv_server.py).
+
+    With ``name`` set, rollout workers run episodes against the environment server at ``url``
+    (`moerl env`; the env pool's Service in the cluster) instead of scoring single completions:
+    generate, send the action, append the observation, generate again, up to ``max_turns`` or
+    done (app/rollout/episodes.py). ``name`` None keeps the single-turn verifier path.
+    """
+
+    name: Literal["spell-retry", "calculator"] | None = Field(
+        None, description="Environment served to the workers (app/envs/environments.py); None: single-turn.")
+    url: str = Field("http://127.0.0.1:8090", description="Base URL of the `moerl env` server (ws://.../ws).")
+    max_turns: int = Field(3, ge=1, description="Policy turns per episode at most.")
+    step_timeout_s: float = Field(10.0, gt=0.0, description="Wait for one reset/step answer, seconds.")
+    episode_timeout_s: float = Field(120.0, gt=0.0, description="The server closes an episode's session "
+                                     "(WebSocket) this long after it opened.")
+    max_sessions: int = Field(256, ge=1, description="Concurrent episodes one env server holds.")
+    attempts: int = Field(2, ge=1, description="spell-retry: answers accepted, the first and each retry after feedback.")
+    retry_discount: float = Field(0.5, ge=0.0, le=1.0, description="Reward factor per answer after the first.")
+
+
 def _describe(e: ValidationError) -> str:
     """A pydantic error as 'invalid run config' plus one line per field path."""
     lines = [f"{'.'.join(map(str, err['loc'])) or '(run config)'}: {err['msg']}" for err in e.errors()]
@@ -264,6 +291,7 @@ class RunConfig(Section):
     rollout: RolloutConfig = RolloutConfig()
     trainer: TrainerConfig = TrainerConfig()
     task: TaskConfig = TaskConfig()
+    env: EnvConfig = EnvConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -284,6 +312,8 @@ class RunConfig(Section):
             )
         if self.router.routing_replay:  # the deprecated spelling: one switch, read from rollout
             self.rollout.routing_replay = True
+        if self.env.name and self.rollout.routing_replay:
+            raise ValueError("rollout.routing_replay: not supported with env.name (multi-turn episodes) yet")
         if t.algorithm == "ppo" and t.loss_agg != "token-mean":
             raise ValueError(f"trainer.loss_agg={t.loss_agg!r}: PPO's per-token advantages need 'token-mean'")
         return self

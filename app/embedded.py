@@ -55,6 +55,7 @@ class EmbeddedLoop:
         self.sup = Supervisor(self.run_dir / "logs")
         self.redis: LocalRedis | None = None
         self.engine_ports: dict[int, int] = {}
+        self.env_port: int | None = None  # the environment server's (`start_env`)
         self._watchdog_stop = threading.Event()
         self._watchdog: threading.Thread | None = None
         self._answered: set[tuple[str, int]] = set()  # (engine name, start count) seen healthy
@@ -95,6 +96,36 @@ class EmbeddedLoop:
         if self.cfg.rollout.routing_replay:
             argv.append("--enable-return-routed-experts")
         return self.sup.start(f"engine-{i}", argv, ONE_THREAD_ENV)
+
+    def start_env(self) -> Proc:
+        """Start the environment server (`moerl env`, the env pool's role) on a free loopback
+        port and point ``env.url`` of the run config at it; one for every worker, as one
+        Service is in the cluster. Wait for it with `wait_env`."""
+        port = self.env_port or free_port()
+        self.env_port = port
+        self.cfg.env.url = f"http://127.0.0.1:{port}"
+        self.write_config()
+        argv = moerl_argv("env", "--config", str(self.config_path), "--port", str(port))
+        return self.sup.start("env-0", argv, ONE_THREAD_ENV)
+
+    def wait_env(self, timeout_s: float = 120.0) -> None:
+        """Block until the environment server answers /health.
+
+        Raises:
+            RoleFailed: it exited or did not become healthy within `timeout_s`.
+        """
+        proc = self.sup.procs["env-0"]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise RoleFailed(f"env-0 exited with {proc.returncode()}:\n{proc.tail()}")
+            try:
+                if httpx.get(self.cfg.env.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RoleFailed(f"env-0 not healthy after {timeout_s:.0f}s:\n{proc.tail()}")
 
     def engine_url(self, i: int) -> str:
         return f"http://127.0.0.1:{self.engine_ports[i]}"
@@ -144,8 +175,11 @@ class EmbeddedLoop:
         return self.sup.start("trainer", argv, ONE_THREAD_ENV)
 
     def start_rollout(self, model_path: Path) -> None:
-        """Start every engine, wait until each is healthy, then start the workers and the
-        engine watchdog (`watch_engines`)."""
+        """Start every engine (and, with ``env.name``, the environment server), wait until each
+        is healthy, then start the workers and the engine watchdog (`watch_engines`)."""
+        if self.cfg.env.name and "env-0" not in self.sup.procs:
+            self.start_env()
+            self.wait_env()
         for i in range(self.workers):
             self.start_engine(i, model_path)
         for i in range(self.workers):
@@ -200,7 +234,7 @@ class EmbeddedLoop:
         if not restart_rollout:
             return
         for name, proc in list(self.sup.procs.items()):
-            if name.startswith(("engine-", "worker-")) and not proc.alive():
+            if name.startswith(("engine-", "worker-", "env-")) and not proc.alive():
                 proc.start()
 
     def trainer_done(self) -> bool:
@@ -214,7 +248,7 @@ class EmbeddedLoop:
         for p in workers:
             p.stop(grace)
         for n, p in self.sup.procs.items():
-            if n.startswith("engine-"):
+            if n.startswith(("engine-", "env-")):
                 p.stop(10)
 
     def close(self) -> None:

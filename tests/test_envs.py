@@ -88,24 +88,38 @@ def test_tasks_and_rewards_right_wrong_malformed():
     assert rewards.score(task, "#" + right[1:]) == pytest.approx((len(right) - 1) / len(right))
     assert rewards.score(task, "") == 0.0
     assert rewards.score(task, "\n \n") == 0.0
+    # A malformed task answer is a failed reward, not a reward of 0 (issue 16): it raises, and
+    # the worker fails the group.
     broken = Task(task_id="x", prompt_ids=[1], prompt="x", answer="not json", group_size=1)
-    assert rewards.score(broken, right) == 0.0
+    with pytest.raises(rewards.RewardError, match="not a reward spec"):
+        rewards.score(broken, right)
     unknown = Task(task_id="x", prompt_ids=[1], prompt="x", answer=json.dumps({"source": "?"}), group_size=1)
-    assert rewards.score(unknown, right) == 0.0
+    with pytest.raises(rewards.RewardError, match="not a reward spec"):
+        rewards.score(unknown, right)
+    incomplete = Task(task_id="x", prompt_ids=[1], prompt="x", answer=json.dumps({"source": "reasoning-gym"}),
+                      group_size=1)
+    with pytest.raises(rewards.RewardError, match="lacks"):
+        rewards.score(incomplete, right)
 
 
-def test_raising_or_invalid_scorer_gives_zero(monkeypatch):
+def test_raising_or_invalid_scorer_raises(monkeypatch):
     task = Task(task_id="t", prompt_ids=[1], prompt="p", answer=json.dumps({"source": "boom"}), group_size=1)
 
     def boom(spec, completion):
         raise RuntimeError("verifier crashed")
 
     monkeypatch.setitem(rewards.SCORERS, "boom", boom)
-    assert rewards.score(task, "anything") == 0.0
+    with pytest.raises(RuntimeError, match="verifier crashed"):
+        rewards.score(task, "anything")
     monkeypatch.setitem(rewards.SCORERS, "boom", lambda spec, completion: math.nan)
-    assert rewards.score(task, "anything") == 0.0
+    with pytest.raises(rewards.RewardError, match="not in"):
+        rewards.score(task, "anything")
     monkeypatch.setitem(rewards.SCORERS, "boom", lambda spec, completion: 3.0)
-    assert rewards.score(task, "anything") == 0.0
+    with pytest.raises(rewards.RewardError, match="not in"):
+        rewards.score(task, "anything")
+    monkeypatch.setitem(rewards.SCORERS, "boom", lambda spec, completion: "n/a")
+    with pytest.raises(rewards.RewardError, match="non-number"):
+        rewards.score(task, "anything")
     monkeypatch.setitem(rewards.SCORERS, "boom", lambda spec, completion: 0.25)
     assert rewards.score(task, "anything") == 0.25
 

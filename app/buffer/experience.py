@@ -12,6 +12,7 @@ Layout (every key under ``{prefix}:{run_id}:``):
               that dies mid-step reads its last batch again after a restart.
     issued    set of "task_id/attempt" already queued (put_tasks and requeue are idempotent).
     seen      set of published sample ids: a replayed task's group is not added twice.
+    dropped   set of "task_id/attempt" dropped after ``max_failures`` failed rollouts (`fail`).
     stats     hash of counters.
     policy    hash {version, uri} of the newest announced policy.
 
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 ROLLOUT_GROUP = "rollout"
 PASSWORD_ENV = "MOERL_REDIS_PASSWORD"
 STAT_NAMES = ("issued", "finished", "taken", "consumed", "dropped_stale", "requeued",
-              "duplicates", "released")
+              "duplicates", "released", "failed_requeued", "failed_dropped")
 
 # put_tasks / requeue: queue a task attempt only if it was never queued before.
 # KEYS: tasks, issued, stats, samples; ARGV: samples entry to delete ('' for none), then
@@ -105,6 +106,30 @@ end
 return done
 """
 
+# fail: a rollout of a leased task failed (reward / environment). Only for leases this consumer
+# still holds: ack + delete, then queue the task again (its failures already counted up) or, at
+# the limit, drop it and remember it. KEYS: tasks, stats, dropped; ARGV: group, consumer, then
+# (entry id, task json, drop flag, "task_id/attempt") quads. Returns the entry ids dropped.
+_FAIL = """
+local dropped = {}
+for i = 3, #ARGV, 4 do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if #p == 1 then
+    redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+    redis.call('XDEL', KEYS[1], ARGV[i])
+    if ARGV[i + 2] == '1' then
+      redis.call('SADD', KEYS[3], ARGV[i + 3])
+      redis.call('HINCRBY', KEYS[2], 'failed_dropped', 1)
+      table.insert(dropped, ARGV[i])
+    else
+      redis.call('XADD', KEYS[1], '*', 'task', ARGV[i + 1])
+      redis.call('HINCRBY', KEYS[2], 'failed_requeued', 1)
+    end
+  end
+end
+return dropped
+"""
+
 # announce_policy: versions only move forward unless forced. KEYS: policy; ARGV: version, uri, force.
 _ANNOUNCE = """
 local cur = redis.call('HGET', KEYS[1], 'version')
@@ -149,6 +174,7 @@ class ExperienceBuffer:
         password: AUTH password; overrides the one in the URL.
         autocommit: take_batch() first commits the previous batch (deletes its entries).
             Set False when the trainer commits itself after saving its state.
+        max_failures: failed rollouts of one task attempt before `fail` drops it.
 
     Raises:
         ValueError: a bad argument (named).
@@ -168,6 +194,7 @@ class ExperienceBuffer:
         stale_policy: str = "drop",
         password: str | None = None,
         autocommit: bool = True,
+        max_failures: int = 3,
     ):
         if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"url must be redis://, rediss:// or unix://, got {redact_url(url)!r}")
@@ -180,6 +207,8 @@ class ExperienceBuffer:
             raise ValueError(f"lease_ms must be >= 1, got {lease_ms}")
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if max_failures < 1:
+            raise ValueError(f"max_failures must be >= 1, got {max_failures}")
         if stale_policy not in ("drop", "requeue"):
             raise ValueError(f"stale_policy must be 'drop' or 'requeue', got {stale_policy!r}")
         self.url = url
@@ -190,8 +219,9 @@ class ExperienceBuffer:
         self.max_staleness = max_staleness
         self.stale_policy = stale_policy
         self.autocommit = autocommit
+        self.max_failures = max_failures
         k = f"{prefix}:{run_id}:"
-        self.keys = {n: k + n for n in ("tasks", "samples", "issued", "seen", "stats", "policy")}
+        self.keys = {n: k + n for n in ("tasks", "samples", "issued", "seen", "stats", "policy", "dropped")}
         self._cursor = "0-0"  # last samples entry read by take_batch (this process only)
         self._taken: list[str] = []  # samples entries taken but not yet committed
 
@@ -207,6 +237,7 @@ class ExperienceBuffer:
         self._put_tasks = self.r.register_script(_PUT_TASKS)
         self._publish = self.r.register_script(_PUBLISH)
         self._owned = self.r.register_script(_OWNED)
+        self._fail = self.r.register_script(_FAIL)
         self._announce = self.r.register_script(_ANNOUNCE)
         self._ensure_group()
 
@@ -248,7 +279,7 @@ class ExperienceBuffer:
         b = cfg.buffer
         kwargs = dict(
             prefix=b.run_prefix, capacity_groups=b.capacity_groups, lease_ms=b.lease_ms,
-            max_staleness=b.max_staleness, stale_policy=b.stale_policy,
+            max_staleness=b.max_staleness, stale_policy=b.stale_policy, max_failures=b.max_failures,
             password=os.environ.get(PASSWORD_ENV) or None,
         )
         kwargs.update(overrides)
@@ -376,6 +407,37 @@ class ExperienceBuffer:
         """
         self._owned_call(tasks, "release")
 
+    def fail(self, tasks: list[Task]) -> list[Task]:
+        """Return leased tasks whose rollout failed (a reward or environment call raised, timed
+        out or answered malformed): each goes back to the queue with ``failures + 1``, or, when
+        that reaches ``max_failures``, is dropped (counted in ``failed_dropped``, its
+        "task_id/attempt" kept in the ``dropped`` set). Nothing of a failed rollout is published,
+        so it is never trained. A task whose lease another worker took over is left alone.
+
+        Returns:
+            the tasks dropped.
+        Raises:
+            ValueError: a task has no lease.
+        """
+        dropped: list[str] = []
+        by_consumer: dict[str, list[Task]] = {}
+        for t in tasks:
+            if not t.entry_id or not t.consumer:
+                raise ValueError(f"task {t.task_id!r} has no lease (entry_id/consumer empty)")
+            by_consumer.setdefault(t.consumer, []).append(t)
+        for consumer, ts in by_consumer.items():
+            args = [ROLLOUT_GROUP, consumer]
+            for t in ts:
+                again = Task.from_dict({**t.to_dict(), "failures": t.failures + 1})
+                args += [t.entry_id, again.to_json(), "1" if again.failures >= self.max_failures else "0",
+                         f"{t.task_id}/{t.attempt}"]
+            dropped += self._fail(keys=self._k("tasks", "stats", "dropped"), args=args)
+        return [t for t in tasks if t.entry_id in set(dropped)]
+
+    def dropped_tasks(self) -> set[str]:
+        """"task_id/attempt" of every task dropped after ``max_failures`` failed rollouts."""
+        return set(self.r.smembers(self.keys["dropped"]))
+
     def _owned_call(self, tasks: list[Task], mode: str) -> list[str]:
         done: list[str] = []
         by_consumer: dict[str, list[Task]] = {}
@@ -424,6 +486,10 @@ class ExperienceBuffer:
             if len(s.logprobs) != len(s.completion_ids):
                 raise ValueError(f"{where}: {len(s.logprobs)} logprobs for "
                                  f"{len(s.completion_ids)} completion tokens")
+            if s.loss_mask is not None and (len(s.loss_mask) != len(s.completion_ids)
+                                            or any(m not in (0, 1) for m in s.loss_mask)):
+                raise ValueError(f"{where}: loss_mask must hold one 0/1 per completion token "
+                                 f"({len(s.completion_ids)})")
             if not math.isfinite(s.reward):
                 raise ValueError(f"{where}: reward is {s.reward}")
             if s.policy_version < 0:
@@ -548,7 +614,8 @@ class ExperienceBuffer:
 
         queued: tasks waiting to be leased; leased: tasks held by workers; ready: finished groups
         not yet committed by the trainer; issued, finished, taken, consumed, dropped_stale,
-        requeued, duplicates, released: totals since the run started.
+        requeued, duplicates, released, failed_requeued, failed_dropped: totals since the run
+        started.
         """
         pipe = self.r.pipeline(transaction=False)
         pipe.xlen(self.keys["tasks"])

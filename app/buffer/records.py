@@ -48,6 +48,9 @@ class Task:
         answer: JSON string with what the reward function needs.
         group_size: G, completions to generate for this prompt.
         attempt: incremented when the task is re-issued after a stale group was requeued.
+        failures: times a rollout of this attempt failed (a reward or environment call raised,
+            timed out or answered malformed) and the task went back to the queue; the buffer
+            drops the task once it reaches ``buffer.max_failures`` (`ExperienceBuffer.fail`).
         entry_id: Redis stream entry id of the current lease; set by `ExperienceBuffer.lease`.
         consumer: the rollout worker holding the lease; set by `ExperienceBuffer.lease`.
     """
@@ -58,6 +61,7 @@ class Task:
     answer: str
     group_size: int
     attempt: int = 0
+    failures: int = 0
     entry_id: str = ""
     consumer: str = ""
 
@@ -93,8 +97,11 @@ class Sample:
         sample_id: deterministic, `sample_id(run, task_id, index, attempt)`.
         task_id, index, attempt: which prompt, which of its G completions, which attempt.
         prompt_ids: prompt token ids.
-        completion_ids: generated token ids (length C).
-        logprobs: C floats, the engine's log-probability of each completion token (rollout logprobs).
+        completion_ids: the token ids after the prompt (length C): the generated tokens; in a
+            multi-turn episode (app/rollout/episodes.py) the turns' generated tokens with the
+            environment's observation tokens between them.
+        logprobs: C floats, the engine's log-probability of each generated token (rollout
+            logprobs); 0.0 at environment tokens.
         reward: scalar reward from the task's reward function.
         policy_version: the engine's weight_version that generated this completion.
         finish_reason: "stop" | "length" | "error".
@@ -103,6 +110,9 @@ class Sample:
             ``[P + C - 1, L, K]`` global expert ids for the prompt and completion tokens the
             engine fed through the model (every token but the last sampled one), L =
             ``num_hidden_layers``, K = ``num_experts_per_tok``; None otherwise.
+        loss_mask: C ints, 1 at tokens the policy generated (trained on), 0 at environment
+            tokens (no gradient, no importance weight, not in the token-mean denominator);
+            None means every completion token was generated (single-turn).
     """
 
     sample_id: str
@@ -116,6 +126,7 @@ class Sample:
     policy_version: int
     finish_reason: str
     routed_experts: dict[str, Any] | None = None
+    loss_mask: list[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

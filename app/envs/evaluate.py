@@ -4,7 +4,9 @@ Completions are sampled at the rollout temperature (the number RL is judged on) 
 with ``model.generate`` on left-padded prompt batches; each is scored with app/envs/rewards.py.
 Works on an in-memory model (ours or stock transformers) or on a checkpoint directory loaded with
 stock ``AutoModelForCausalLM`` and ``AutoTokenizer``, so it also checks that a published policy is
-loadable by tools other than ours.
+loadable by tools other than ours. For an environment task (``env``), each held-out prompt is a
+whole episode against the environment, played in process (app/envs/episodes_local.py ``play``),
+and its reward is the environment's, as in training.
 """
 
 from __future__ import annotations
@@ -82,8 +84,19 @@ def mean_reward(model, tokenizer, prompts: list[Prompt], temperature: float, max
     return total / len(items)
 
 
+def mean_episode_reward(model, tokenizer, prompts: list[Prompt], env, temperature: float, max_new_tokens: int,
+                        samples: int = 1, truncated_reward: float | None = 0.0) -> float:
+    """Mean reward of ``samples`` episodes per prompt of environment ``env`` (an EnvConfig)."""
+    from app.envs.episodes_local import play
+
+    items = [p for p in prompts for _ in range(samples)]
+    rewards = play(model, tokenizer, items, env, temperature, max_new_tokens, truncated_reward)
+    return sum(rewards) / len(items)
+
+
 def evaluate(model, tokenizer, prompts: list[Prompt], temperature: float = 1.0, max_new_tokens: int = 8,
-             greedy: bool = True, seed: int = 0, samples: int = 4) -> EvalResult:
+             greedy: bool = True, seed: int = 0, samples: int = 4, env=None,
+             truncated_reward: float | None = 0.0) -> EvalResult:
     """Held-out mean reward of ``model`` (sampled at ``temperature``, and greedy if asked).
 
     ``samples`` completions per prompt (default 4) halve the sampling noise of the sampled figure
@@ -102,17 +115,24 @@ def evaluate(model, tokenizer, prompts: list[Prompt], temperature: float = 1.0, 
     was_training = model.training
     model.eval()
     try:
+        if env is not None:
+            def score(temp: float, n: int) -> float:
+                return mean_episode_reward(model, tokenizer, prompts, env, temp, max_new_tokens, n, truncated_reward)
+        else:
+            def score(temp: float, n: int) -> float:
+                return mean_reward(model, tokenizer, prompts, temp, max_new_tokens, n)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            sampled = mean_reward(model, tokenizer, prompts, temperature, max_new_tokens, samples)
-        best = mean_reward(model, tokenizer, prompts, 0.0, max_new_tokens) if greedy else None
+            sampled = score(temperature, samples)
+        best = score(0.0, 1) if greedy else None
     finally:
         model.train(was_training)
     return EvalResult(n=len(prompts), temperature=temperature, samples=samples, sampled=sampled, greedy=best)
 
 
 def evaluate_checkpoint(path: str | os.PathLike, prompts: list[Prompt], temperature: float = 1.0,
-                        max_new_tokens: int = 8, greedy: bool = True, seed: int = 0, samples: int = 4) -> EvalResult:
+                        max_new_tokens: int = 8, greedy: bool = True, seed: int = 0, samples: int = 4,
+                        env=None, truncated_reward: float | None = 0.0) -> EvalResult:
     """`evaluate` a checkpoint directory loaded with stock transformers (model and tokenizer).
 
     Raises:
@@ -127,7 +147,8 @@ def evaluate_checkpoint(path: str | os.PathLike, prompts: list[Prompt], temperat
         raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    return evaluate(model, tokenizer, prompts, temperature, max_new_tokens, greedy, seed, samples)
+    return evaluate(model, tokenizer, prompts, temperature, max_new_tokens, greedy, seed, samples, env,
+                    truncated_reward)
 
 
 cli = typer.Typer(add_completion=False, help="Held-out mean reward of a checkpoint.")
@@ -146,7 +167,8 @@ def main(
     cfg = RunConfig.load(config) if config else RunConfig()
     _, heldout = make_splits(cfg.task)
     temp = cfg.rollout.temperature if temperature is None else temperature
-    res = evaluate_checkpoint(checkpoint, heldout, temp, cfg.rollout.max_new_tokens, seed=cfg.task.seed)
+    res = evaluate_checkpoint(checkpoint, heldout, temp, cfg.rollout.max_new_tokens, seed=cfg.task.seed,
+                              env=cfg.env if cfg.env.name else None, truncated_reward=cfg.rollout.truncated_reward)
     typer.echo(json.dumps(asdict(res)))
 
 

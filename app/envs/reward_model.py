@@ -47,7 +47,7 @@ class RemoteReward:
         timeout_s: per request (the worker also bounds it by ``rollout.reward_timeout_s``).
 
     Raises (from a call): httpx.HTTPError on a network error or a 4xx/5xx answer; the rollout
-    worker turns a raise into reward 0 and counts it.
+    worker fails the group on a raise (it is never trained; the task is retried).
     """
 
     def __init__(self, url: str, timeout_s: float = 5.0):
@@ -60,6 +60,28 @@ class RemoteReward:
         r = self._client.post(f"{self.url}/score", json={"text": [task.prompt + completion]})
         r.raise_for_status()
         return float(r.json()["rewards"][0])
+
+    def warm(self, task_cfg=None, timeout_s: float = 300.0) -> None:
+        """Wait until the server answers ``GET /health`` (its model loaded); the worker calls
+        this before its first lease.
+
+        Raises:
+            TimeoutError: no healthy answer within ``timeout_s``.
+        """
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if self._client.get(f"{self.url}/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"reward server {self.url} not healthy after {timeout_s:.0f} s")
+            time.sleep(0.5)
 
     def close(self) -> None:
         self._client.close()

@@ -8,22 +8,22 @@
 
 For reasoning-gym tasks the answer is the completion's first line, stripped (the tiny policy
 writes only the answer and then ``<eos>``); math-verify finds the answer in the whole
-completion. Anything malformed (an answer field that is not our JSON, an empty completion,
-a verifier that raises) scores 0.0: a reward function never fails a rollout. Timeouts are the caller's job (the rollout worker runs ``score`` under
-``rollout.reward_timeout_s``).
+completion. A bad completion is the policy's doing and scores 0.0 (an empty one, one the
+verifier finds wrong). A failed reward is not: a ``Task.answer`` that is not our JSON, a
+verifier that raises, or a value that is not a finite number in [0, 1] raises `RewardError`
+(or the verifier's own exception), and the rollout worker then fails the whole group, which is
+never trained (app/rollout/worker.py). Timeouts are the caller's job too (the worker runs
+``score`` under ``rollout.reward_timeout_s``). `warm` imports and sets up the verifier of a
+task before the first call, so the first call is not slower than the timeout.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
 import threading
 from functools import lru_cache
 from typing import Any, Callable
-
-log = logging.getLogger(__name__)
-
 
 def extract_answer(completion: str) -> str:
     """The answer part of a completion: its first non-empty line, stripped ("" if none).
@@ -34,6 +34,11 @@ def extract_answer(completion: str) -> str:
         if line.strip():
             return line.strip()
     return ""
+
+
+class RewardError(ValueError):
+    """A reward could not be computed: the task's answer spec is malformed or the verifier
+    returned something that is not a finite number in [0, 1]. Never a reward of 0."""
 
 
 _IMPORT_LOCK = threading.Lock()
@@ -71,21 +76,43 @@ SCORERS: dict[str, Callable[[dict[str, Any], str], float]] = {
 
 
 def score_answer_spec(answer_json: str, completion: str) -> float:
-    """Score ``completion`` against a ``Task.answer`` JSON string; 0.0 on any malformed input.
+    """Score ``completion`` against a ``Task.answer`` JSON string.
 
     Returns:
-        A float in [0, 1]. Values outside it, NaN, or a raising verifier give 0.0 (logged).
+        A float in [0, 1] (0.0 for an empty or wrong completion).
+
+    Raises:
+        RewardError: ``answer_json`` is not a JSON object with a known ``source`` (and the
+            fields that source needs), or the verifier returned a value that is not a finite
+            number in [0, 1]. An exception the verifier raises propagates as it is.
     """
     try:
         spec = json.loads(answer_json)
-        value = float(SCORERS[spec["source"]](spec, completion))
-    except Exception as e:  # a broken verifier or row must not break the rollout
-        log.warning("reward: scored 0 after %s: %s", type(e).__name__, e)
-        return 0.0
+        scorer = SCORERS[spec["source"]]
+    except (TypeError, ValueError, KeyError) as e:
+        raise RewardError(f"Task.answer is not a reward spec ({type(e).__name__}: {e}): {str(answer_json)[:120]}") from None
+    try:
+        value = float(scorer(spec, completion))
+    except KeyError as e:
+        raise RewardError(f"Task.answer lacks {e} for source {spec['source']!r}") from None
+    except (TypeError, ValueError) as e:
+        raise RewardError(f"verifier of {spec['source']!r} returned a non-number: {e}") from None
     if not math.isfinite(value) or value < 0.0 or value > 1.0:
-        log.warning("reward: scorer returned %r, out of [0, 1]; scored 0", value)
-        return 0.0
+        raise RewardError(f"verifier of {spec['source']!r} returned {value!r}, not in [0, 1]")
     return value
+
+
+def warm(task_cfg) -> None:
+    """Import and set up the verifier of ``task_cfg`` (an `app.config.TaskConfig`): the
+    reasoning-gym registry and the dataset's scorer, or math-verify. Called by the rollout
+    worker before it leases its first task (the first import takes seconds on a busy machine,
+    longer than ``rollout.reward_timeout_s``)."""
+    if task_cfg.source == "jsonl":
+        from app.envs.jsonl import math_verify_reward
+
+        math_verify_reward("1", "1")
+    else:
+        _gym_scorer(task_cfg.name)
 
 
 def score(task, completion: str) -> float:
@@ -96,7 +123,12 @@ def score(task, completion: str) -> float:
         completion: the decoded completion text without special tokens.
 
     Returns:
-        The task's verifier score; 0.0 if the completion or the task's answer is malformed or the
-        verifier raises.
+        The task's verifier score; 0.0 for an empty or wrong completion.
+
+    Raises:
+        RewardError (or the verifier's exception): see `score_answer_spec`.
     """
     return score_answer_spec(getattr(task, "answer", ""), completion)
+
+
+score.warm = warm  # the worker's hook: `warm(cfg.task)` before the first lease

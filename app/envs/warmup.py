@@ -6,6 +6,10 @@ that has seen the task's own TRAINING prompts with their reference answers (prom
 (``task.warmup_steps``): it leaves the held-out sampled reward well below the ceiling, so RL has
 something to gain, and the gain is measured from this checkpoint on held-out prompts.
 
+For an environment task (``env.name``), the examples are whole episodes that a scripted policy
+plays against the environment itself (`app.envs.episodes_local.demonstration`): the loss is on
+the turns the policy should learn, never on the environment's observations.
+
 The result is a Hugging Face checkpoint (app/model/checkpoint.py) plus the tokenizer files,
 loadable by stock transformers like any published policy version.
 """
@@ -53,6 +57,28 @@ def sft_batch(prompts: list[Prompt], tokenizer) -> tuple[torch.Tensor, torch.Ten
     return ids, attn, loss_mask
 
 
+def pad_examples(examples: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad ``(ids, mask)`` examples: ``input_ids [B, L] int64``, ``attention_mask [B, L]
+    int64``, ``loss_mask [B, L] float32``."""
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), width), pad, dtype=torch.long)
+    attn = torch.zeros(len(examples), width, dtype=torch.long)
+    loss_mask = torch.zeros(len(examples), width)
+    for i, (s, m) in enumerate(examples):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        loss_mask[i, : len(s)] = torch.tensor(m, dtype=torch.float32)
+    return ids, attn, loss_mask
+
+
+def env_batch(prompts: list[Prompt], tokenizer, env_cfg, rng: random.Random):
+    """Like `sft_batch`, from environment demonstrations (`app.envs.episodes_local`)."""
+    from app.envs.episodes_local import demonstration
+
+    pad = PAD_ID if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    return pad_examples([demonstration(env_cfg, p, tokenizer, rng) for p in prompts], pad)
+
+
 def sft_loss(model, ids: torch.Tensor, attn: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over the positions where ``loss_mask`` is 1 (scalar fp32)."""
     logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
@@ -69,10 +95,12 @@ def lr_at(step: int, total: int, peak: float, warmup: int = 20) -> float:
 
 
 def warm_up(model, tokenizer, train: list[Prompt], steps: int, lr: float, batch_size: int, seed: int = 0,
-            log=None) -> list[float]:
+            log=None, env_cfg=None) -> list[float]:
     """Fit ``model`` in place on random batches of ``train``; returns the loss of every step.
 
-    AdamW (betas 0.9/0.98, no weight decay), `lr_at` schedule, gradient clipping at 1.0.
+    AdamW (betas 0.9/0.98, no weight decay), `lr_at` schedule, gradient clipping at 1.0. With
+    ``env_cfg`` (an `app.config.EnvConfig` naming an environment) the examples are its
+    demonstrations (`env_batch`), else prompt + answer (`sft_batch`).
 
     Raises:
         ValueError: ``train`` is empty.
@@ -87,7 +115,9 @@ def warm_up(model, tokenizer, train: list[Prompt], steps: int, lr: float, batch_
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr)
         batch = rng.sample(train, min(batch_size, len(train)))
-        loss = sft_loss(model, *sft_batch(batch, tokenizer))
+        tensors = env_batch(batch, tokenizer, env_cfg, rng) if env_cfg is not None and env_cfg.name \
+            else sft_batch(batch, tokenizer)
+        loss = sft_loss(model, *tensors)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -144,9 +174,11 @@ def run_warmup(cfg: RunConfig, out: Path, threads: int | None = 1, log=print) ->
     tokenizer = load_tokenizer(cfg.model.path) if has_own else build_tokenizer()
     t0 = time.monotonic()
     t = cfg.task
-    losses = warm_up(model, tokenizer, train, t.warmup_steps, t.warmup_lr, t.warmup_batch_size, t.seed, log)
+    losses = warm_up(model, tokenizer, train, t.warmup_steps, t.warmup_lr, t.warmup_batch_size, t.seed, log,
+                     env_cfg=cfg.env)
     wall = time.monotonic() - t0
-    result = evaluate(model, tokenizer, heldout, cfg.rollout.temperature, cfg.rollout.max_new_tokens, seed=t.seed)
+    result = evaluate(model, tokenizer, heldout, cfg.rollout.temperature, cfg.rollout.max_new_tokens, seed=t.seed,
+                      env=cfg.env if cfg.env.name else None, truncated_reward=cfg.rollout.truncated_reward)
     save_policy(model, out, EPContext.local(), overwrite=True)
     save_tokenizer(out, tokenizer)
     summary = dict(task=t.name, steps=t.warmup_steps, first_loss=losses[0], last_loss=losses[-1],

@@ -12,8 +12,13 @@ experience buffer (`app.buffer.ExperienceBuffer`). One asyncio loop:
    sample then carries (``Sample.routed_experts``);
 3. score every completion with the reward function (``rollout.reward_fn``, default
    ``app.envs.rewards:score``) on a shared pool of daemon threads (`RewardPool`) with a
-   per-sample timeout (``rollout.reward_timeout_s``); a raise or a timeout gives reward 0 and
-   is counted;
+   per-sample timeout (``rollout.reward_timeout_s``). A raise, a non-finite value or a timeout
+   fails the whole group: nothing of it is published, and the task goes back to the queue with
+   its failures counted, or is dropped after ``buffer.max_failures`` (`ExperienceBuffer.fail`);
+   a failed reward never becomes a reward of 0. The reward function is warmed (its ``warm``
+   attribute, e.g. `app.envs.rewards.warm`) before the first lease, without that timeout.
+   With ``env.name`` set, a task is G multi-turn episodes against the environment server
+   instead (app/rollout/episodes.py), failed the same way when an environment call fails;
 4. publish finished groups in portions of ``rollout.publish_every_groups`` (sooner when nothing
    else is in flight); every sample carries the engine's reported weight_version and the
    per-token logprobs;
@@ -60,6 +65,7 @@ import typer
 from app.buffer.records import Sample, Task
 from app.config import RunConfig
 from app.rollout.engine_client import EngineClient, EngineError, GenOutput
+from app.rollout.episodes import GroupFailed
 
 log = logging.getLogger("moerl.rollout")
 
@@ -79,6 +85,8 @@ class WorkerStats:
     rejected_tasks: int = 0
     reward_errors: int = 0
     reward_timeouts: int = 0
+    groups_failed: int = 0  # reward / environment failures: task requeued (or dropped), nothing published
+    tasks_dropped: int = 0  # ... of which dropped after buffer.max_failures
     weight_updates: int = 0
     weight_update_failures: int = 0
     buffer_errors: int = 0
@@ -247,7 +255,10 @@ class RolloutWorker:
         self._idle = asyncio.Event()  # set when _generating == 0
         self._idle.set()
         self._finished: list[tuple[Task, list[Sample]]] = []
+        self._to_fail: list[Task] = []  # tasks whose group failed (reward / environment), to requeue
         self._engine_suspect = False
+        self._env_suspect = False
+        self.episodes = self._episode_runner() if cfg.env.name else None
         self.pause_marker = Path(pause_marker) if pause_marker else None
         self.rewards = RewardPool(cfg.rollout.reward_threads)
         # A weight update whose answer never came: (version, when it may be sent again).
@@ -255,6 +266,67 @@ class RolloutWorker:
         self._routing_shape: tuple[int, int] | None = None  # (layers, top_k) of the served model
         # One thread for every buffer call: the buffer object is not assumed thread-safe.
         self._buffer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="buffer")
+
+    # -- multi-turn episodes and reward warm-up (issue 16) ---------------------------------
+    def _episode_runner(self):
+        from app.envs.chat import renderer_for
+        from app.envs.tokenizer import build_tokenizer, load_tokenizer
+        from app.rollout.episodes import EpisodeRunner
+
+        path = self.cfg.model.path
+        tokenizer = load_tokenizer(path) if path and (Path(path) / "tokenizer.json").is_file() else build_tokenizer()
+        return EpisodeRunner(self.cfg, renderer_for(tokenizer), self._generate_turn, lambda: self.engine_version or 0)
+
+    async def _generate_turn(self, ids: list[int]) -> GenOutput:
+        """One turn of an episode (n = 1), held back while weights are swapped like `_generate`."""
+        await self._may_generate.wait()
+        self._generating += 1
+        self._idle.clear()
+        try:
+            return (await self.client.generate(ids, n=1, max_new_tokens=self.r.max_new_tokens,
+                                               temperature=self.r.temperature, top_p=self.r.top_p))[0]
+        finally:
+            self._generating -= 1
+            if self._generating == 0:
+                self._idle.set()
+
+    async def warm_up(self) -> None:
+        """Before the first lease: the reward function's ``warm(cfg.task)`` (imports, verifier
+        set-up) without ``rollout.reward_timeout_s``, or the environment server's health.
+
+        Raises:
+            TimeoutError: not done within ``rollout.reward_warmup_timeout_s``.
+        """
+        limit = self.r.reward_warmup_timeout_s
+        if self.episodes is not None:
+            deadline = time.monotonic() + limit
+            while not await self.episodes.healthy():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"environment server {self.cfg.env.url} not healthy after {limit:.0f} s")
+                await self._sleep_or_stop(0.5)
+            return
+        warm = getattr(self.score_fn, "warm", None)
+        if callable(warm):
+            t0 = time.monotonic()
+            await asyncio.wait_for(asyncio.to_thread(warm, self.cfg.task), limit)
+            log.info("%s: reward function warmed in %.1f s", self.worker_id, time.monotonic() - t0)
+
+    async def _fail_tasks(self) -> None:
+        """Requeue (or drop) the tasks whose group failed; nothing of them was published."""
+        tasks, self._to_fail = self._to_fail, []
+        if not tasks:
+            return
+        try:
+            dropped = await self._buf("fail", tasks)
+        except Exception as e:  # noqa: BLE001 - their leases expire and they return anyway
+            self.stats.buffer_errors += 1
+            log.warning("%s: could not return %d failed task(s) (%s); their leases will expire",
+                        self.worker_id, len(tasks), e)
+            return
+        self.stats.tasks_dropped += len(dropped)
+        for t in dropped:
+            log.error("%s: task %s/%s dropped after %d failed rollouts", self.worker_id, t.task_id, t.attempt,
+                      t.failures + 1)
 
     # -- helpers ---------------------------------------------------------------------------
     async def _buf(self, method: str, *args, **kwargs):
@@ -451,8 +523,11 @@ class RolloutWorker:
 
         Raises:
             EngineError: the engine failed (not refused) after the client's retries.
+            GroupFailed: a reward (or, with ``env.name``, environment) call failed.
         """
         try:
+            if self.episodes is not None:
+                return await self.episodes.group(task)
             outs = await self._generate(task)
         except EngineError as e:
             if not e.rejected:
@@ -483,6 +558,10 @@ class RolloutWorker:
                 finish_reason=o.finish_reason if o.finish_reason in ("stop", "length") else "error",
                 routed_experts=ids,
             ))
+        failed = [problem for (o, (_, problem)) in zip(outs, rewards) if problem is not None
+                  and not (o.finish_reason == "length" and self.r.truncated_reward is not None)]
+        if failed:
+            raise GroupFailed(f"task {task.task_id}: {len(failed)} reward call(s) failed ({', '.join(sorted(set(failed)))})")
         return samples
 
     # -- publishing ------------------------------------------------------------------------
@@ -537,6 +616,13 @@ class RolloutWorker:
             err = t.exception()
             if err is None:
                 self._finished.append((task, t.result()))
+            elif isinstance(err, GroupFailed):
+                # A failed reward or environment call: never published, never trained.
+                self.stats.groups_failed += 1
+                log.warning("%s: group of %s failed: %s", self.worker_id, task.task_id, err)
+                self._to_fail.append(task)
+                if self.episodes is not None:
+                    self._env_suspect = True
             elif isinstance(err, EngineMisconfigured):
                 log.error("%s: %s; stopping", self.worker_id, err)
                 self.fatal = err
@@ -556,6 +642,7 @@ class RolloutWorker:
         next_poll = 0.0
         next_extend = time.monotonic() + self.cfg.buffer.lease_ms / 3000
         try:
+            await self.warm_up()  # before the first lease: the first batch must not be timeouts
             while not self._stop.is_set():
                 if self._engine_suspect:
                     if not await self.client.health_generate(timeout_s=self.r.request_timeout_s):
@@ -566,6 +653,12 @@ class RolloutWorker:
                     next_poll = 0.0  # a restarted engine must load the current version first
                     # It generates again, so no load holds it: its version now says what to do.
                     self._unanswered_update = None
+                if self._env_suspect:
+                    if not await self.episodes.healthy():
+                        log.warning("%s: environment %s unhealthy; not leasing", self.worker_id, self.cfg.env.url)
+                        await self._sleep_or_stop(self.r.retry_backoff_s * 4)
+                        continue
+                    self._env_suspect = False
                 if time.monotonic() >= next_poll:
                     await self.sync_policy()
                     next_poll = time.monotonic() + self.r.policy_poll_s
@@ -576,13 +669,14 @@ class RolloutWorker:
                 if inflight:
                     done, _ = await asyncio.wait(inflight, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
                     await self._release(self._reap(done, inflight))
+                    await self._fail_tasks()
                 await self._publish(force=not inflight)
                 if self.max_groups is not None and self.stats.groups_published + len(self._finished) >= self.max_groups:
                     self.request_stop()
                     break
 
                 free = self.r.inflight_tasks() - len(inflight)
-                if free <= 0 or self._engine_suspect or self._stop.is_set():
+                if free <= 0 or self._engine_suspect or self._env_suspect or self._stop.is_set():
                     continue
                 try:
                     if not await self._buf("has_capacity"):
@@ -615,6 +709,7 @@ class RolloutWorker:
             await asyncio.gather(*inflight, return_exceptions=True)
             to_release += list(inflight.values())
             inflight.clear()
+        await self._fail_tasks()
         await self._publish(force=True)
         # Groups that could not be published (buffer down) go back to the queue too.
         to_release += [task for task, _ in self._finished]

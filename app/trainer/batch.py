@@ -4,6 +4,11 @@ Each row is one sample: ``prompt_ids + completion_ids``, right-padded to the lon
 padding keeps position ids ``0..n-1`` for every row, as the engine saw them). Token tensors are
 aligned with ``input_ids`` (see app/trainer/grpo.py): the rollout logprob of completion token
 ``completion_ids[j]`` sits at position ``len(prompt_ids) + j``.
+
+Multi-turn samples (app/rollout/episodes.py) carry a token-level ``loss_mask``: the completion
+mask is 1.0 only where the policy generated the token, so environment tokens get no gradient,
+no importance weight and no place in the token-mean denominator (every loss in
+app/trainer/grpo.py and ppo.py weights tokens by this mask), and their rollout logprob is 0.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ class TrainBatch:
     Attributes:
         input_ids: ``[B, L]`` int64, prompt + completion, right-padded with ``pad_id``.
         attention_mask: ``[B, L]`` int64, 1 on real tokens.
-        completion_mask: ``[B, L]`` float32, 1.0 on completion tokens.
-        rollout_logprobs: ``[B, L]`` float32, the engine's logprobs at completion tokens, 0 elsewhere.
+        completion_mask: ``[B, L]`` float32, 1.0 on the completion tokens the policy generated
+            (a sample's ``loss_mask``; all of them without one), 0.0 on prompt, environment and
+            padding tokens.
+        rollout_logprobs: ``[B, L]`` float32, the engine's logprobs where the mask is 1, 0 elsewhere.
         advantages: ``[B]`` float32, group-normalized (computed over the whole group).
         rewards: ``[B]`` float32.
         group_ids: ``[B]`` int64, index of the row's group within this batch.
@@ -64,8 +71,9 @@ def collate_groups(
 
     Args:
         groups: groups with ``.samples``; each sample has ``sample_id``, ``prompt_ids``,
-            ``completion_ids``, ``logprobs`` (one per completion token), ``reward`` and
-            ``policy_version``. May be empty (a rank with no groups this step).
+            ``completion_ids``, ``logprobs`` (one per completion token), ``reward``,
+            ``policy_version`` and optionally ``loss_mask`` (one 0/1 per completion token).
+            May be empty (a rank with no groups this step).
         pad_id: token id used for padding (masked out everywhere).
         scale_by_std: divide advantages by the group's reward std (see `group_advantages`).
         max_len: if set, a row longer than this is an error (protects memory).
@@ -74,9 +82,10 @@ def collate_groups(
         A `TrainBatch` with ``B = total samples``; with no groups, ``B = 0`` and ``L = 1``.
 
     Raises:
-        ValueError: a group has no samples; a sample has no prompt tokens, a logprob count that
-            differs from its completion length, a non-finite reward or logprob; or a row is longer
-            than ``max_len``. The message names the sample id.
+        ValueError: a group has no samples; a sample has no prompt tokens, a logprob count or a
+            loss_mask length that differs from its completion length, a loss_mask value other
+            than 0 or 1, a non-finite reward or logprob; or a row is longer than ``max_len``.
+            The message names the sample id.
     """
     rows: list[tuple] = []
     for g_index, group in enumerate(groups):
@@ -94,6 +103,13 @@ def collate_groups(
                 raise ValueError(f"sample {s.sample_id!r}: reward {s.reward} is not finite")
             if not all(math.isfinite(x) for x in s.logprobs):
                 raise ValueError(f"sample {s.sample_id!r}: non-finite rollout logprob")
+            loss_mask = getattr(s, "loss_mask", None)
+            if loss_mask is not None:
+                if len(loss_mask) != len(s.completion_ids):
+                    raise ValueError(f"sample {s.sample_id!r}: loss_mask has {len(loss_mask)} values for "
+                                     f"{len(s.completion_ids)} completion tokens")
+                if any(m not in (0, 1) for m in loss_mask):
+                    raise ValueError(f"sample {s.sample_id!r}: loss_mask values must be 0 or 1")
             n = len(s.prompt_ids) + len(s.completion_ids)
             if max_len is not None and n > max_len:
                 raise ValueError(f"sample {s.sample_id!r}: {n} tokens > max_len {max_len}")
@@ -109,9 +125,11 @@ def collate_groups(
         p, c = len(s.prompt_ids), len(s.completion_ids)
         input_ids[i, : p + c] = torch.tensor(list(s.prompt_ids) + list(s.completion_ids))
         attention_mask[i, : p + c] = 1
-        completion_mask[i, p : p + c] = 1.0
+        loss_mask = getattr(s, "loss_mask", None)
+        mask = torch.ones(c) if loss_mask is None else torch.tensor(loss_mask, dtype=torch.float32)
+        completion_mask[i, p : p + c] = mask
         if c:
-            rollout_logprobs[i, p : p + c] = torch.tensor(s.logprobs, dtype=torch.float32)
+            rollout_logprobs[i, p : p + c] = torch.tensor(s.logprobs, dtype=torch.float32) * mask
     rewards = torch.tensor([float(s.reward) for _, s in rows], dtype=torch.float32)
     group_ids = torch.tensor([g for g, _ in rows], dtype=torch.int64)
     return TrainBatch(
