@@ -124,7 +124,8 @@ class EnvSession:
             raise EnvError(f"{self.url}: no answer to {what} within {self.timeout_s:.0f} s") from None
         except ConnectionClosed as e:
             self._ws = None
-            raise EnvError(f"{self.url}: session closed during {what} (code {e.code}): {e.reason or 'no reason'}") from None
+            code, reason = (e.rcvd.code, e.rcvd.reason) if e.rcvd else (None, "")
+            raise EnvError(f"{self.url}: session closed during {what} (code {code}): {reason or 'no reason'}") from None
         except OSError as e:
             await self._abandon()
             raise EnvError(f"{self.url}: {what} failed: {type(e).__name__}: {e}") from None

@@ -67,25 +67,37 @@ class EpisodeDeadline:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "websocket":
             return await self.app(scope, receive, send)
+        expired = False
         closed = False
+        timeout_close = {"type": "websocket.close", "code": EPISODE_TIMEOUT_CODE, "reason": "episode timeout"}
 
         async def guarded_send(message):
             nonlocal closed
             if message["type"] == "websocket.close":
+                if closed:
+                    return
                 closed = True
+                if expired:  # OpenEnv's handler closes as it unwinds: say why
+                    message = timeout_close
             await send(message)
 
+        inner = asyncio.ensure_future(self.app(scope, receive, guarded_send))
+        done, _ = await asyncio.wait({inner}, timeout=self.timeout_s)
+        if done:
+            return inner.result()
+        expired = True
+        self.expired += 1
+        log.warning("episode open for %.0f s: closing its session", self.timeout_s)
+        inner.cancel()
         try:
-            await asyncio.wait_for(self.app(scope, receive, guarded_send), self.timeout_s)
-        except asyncio.TimeoutError:
-            self.expired += 1
-            log.warning("episode open for %.0f s: closing its session", self.timeout_s)
-            if not closed:
-                try:
-                    await send({"type": "websocket.close", "code": EPISODE_TIMEOUT_CODE,
-                                "reason": "episode timeout"})
-                except Exception:  # noqa: BLE001 - the client may be gone already
-                    pass
+            await inner
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the handler is being torn down
+            pass
+        if not closed:
+            try:
+                await guarded_send(timeout_close)
+            except Exception:  # noqa: BLE001 - the client may be gone already
+                pass
 
 
 def build_app(cfg: RunConfig):
