@@ -175,3 +175,30 @@ def assert_params_match(got: dict, ref: dict, atol: float, rtol: float) -> None:
     for name, g_ref in ref.items():
         tol = dict(rtol=rtol, atol=max(atol, 1e-6 * float(g_ref.abs().max())))
         torch.testing.assert_close(got[name], g_ref, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+class EnvServer:
+    """`moerl env`'s app (app/envs/openenv_server.py ``build_app(cfg)``) served by uvicorn on a
+    free loopback port in a daemon thread; ``url`` is its base URL."""
+
+    def __init__(self, cfg):
+        import time
+
+        import uvicorn
+
+        from app.envs.openenv_server import build_app
+
+        self.port = free_port()
+        self.app = build_app(cfg)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "env server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

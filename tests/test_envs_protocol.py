@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 
 import pytest
-import uvicorn
 from openenv.core.env_server.types import WSCloseMessage, WSResetMessage, WSStepMessage
 
 from app.buffer.redis_server import free_port
@@ -22,8 +20,9 @@ from app.config import RunConfig
 from app.envs import calculator
 from app.envs.env_client import EnvError, EnvSession, parse_observation, ws_url
 from app.envs.environments import CalculatorEnv, SpellRetryEnv, TextAction, feedback
-from app.envs.openenv_server import EPISODE_TIMEOUT_CODE, build_app
+from app.envs.openenv_server import EPISODE_TIMEOUT_CODE
 from app.envs.tasks import make_splits
+from helpers import EnvServer as Server
 
 CALC_PARAMS = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2, "operators": ["*"],
                "allow_parentheses": False, "allow_negation": False}
@@ -38,26 +37,6 @@ def env_config(name: str, **env) -> RunConfig:
     for k, v in env.items():
         setattr(cfg.env, k, v)
     return cfg
-
-
-class Server:
-    """uvicorn serving `build_app(cfg)` on a free loopback port, in a daemon thread."""
-
-    def __init__(self, cfg: RunConfig):
-        self.port = free_port()
-        self.app = build_app(cfg)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "env server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")
