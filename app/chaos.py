@@ -6,7 +6,11 @@ One invocation runs two loops of ``--steps`` trainer steps on this machine (app/
    notice: the worker drains) or SIGKILL (a lost node: the worker and its engine die at once)
    to random rollout workers, which are restarted at once, as a Deployment would; kills the
    trainer once (SIGKILL to torchrun and its ranks) and restarts it with ``--resume``; and kills
-   and restarts redis-server once (SIGKILL; append-only file with ``appendfsync always``).
+   and restarts redis-server once (SIGKILL; append-only file with ``appendfsync always``); with
+   ``--env-kills N`` the loop runs multi-turn episodes (``spell-retry``, app/envs/environments.py)
+   against an environment server (`moerl env`, the env pool's pod) that is SIGKILLed N times
+   and restarted at once: the episodes open on it fail, and their tasks go back to the queue
+   (`ExperienceBuffer.fail`), to be played again.
    Events are keyed to trainer progress (the step of the newest metrics line), so the same
    seed gives the same schedule whatever the machine's speed.
 2. undisturbed (``--baseline``, default on): the same configuration without faults, for the
@@ -19,7 +23,9 @@ workers drain and the ledger (app/ledger.py, where "lost" is defined) compares t
 what Redis still holds. The base policy is a tiny random model (app.model tiny_config +
 build_policy with ``--seed``), so no warm-up is needed. Prints prompts issued, completed,
 lost, samples trained more than once, samples trained older than ``buffer.max_staleness`` and
-the throughput ratio; exits 1 if lost, duplicated or over-stale is not zero.
+the throughput ratio; exits 1 if lost, duplicated or over-stale is not zero. Prompts dropped
+after ``buffer.max_failures`` failed rollouts are counted apart ("dropped"): accounted for,
+never trained, not lost.
 """
 
 from __future__ import annotations
@@ -46,24 +52,27 @@ class Event:
     """One fault: fire once when the trainer's progress reaches ``at_step``."""
 
     at_step: int
-    kind: str  # "worker-term" | "worker-kill" | "trainer-kill" | "redis-restart"
+    kind: str  # "worker-term" | "worker-kill" | "trainer-kill" | "redis-restart" | "env-kill"
     target: int = -1  # worker index for worker events
     fired_at: float | None = None
 
 
-def make_schedule(rng: random.Random, steps: int, workers: int, worker_kills: int, save_every: int = 1) -> list[Event]:
+def make_schedule(rng: random.Random, steps: int, workers: int, worker_kills: int, save_every: int = 1,
+                  env_kills: int = 0) -> list[Event]:
     """The seeded fault schedule: ``worker_kills`` worker events spread over steps 1..steps-1
     (SIGTERM and SIGKILL alternating from a random start, so both appear once there are two),
     one trainer kill near 40 % of the run (just after a step that is not saved, so the resume
-    rolls it back) and one Redis restart near 65 %.
+    rolls it back) and one Redis restart near 65 %; ``env_kills`` environment-server kills spread
+    over the run the same way (drawn after the others, so they leave the rest of a seed's
+    schedule as it was).
 
     Raises:
-        ValueError: ``steps`` < 4 (no room for the events) or ``worker_kills`` < 0.
+        ValueError: ``steps`` < 4 (no room for the events), ``worker_kills`` or ``env_kills`` < 0.
     """
     if steps < 4:
         raise ValueError(f"--steps must be >= 4 for a fault schedule, got {steps}")
-    if worker_kills < 0:
-        raise ValueError(f"--worker-kills must be >= 0, got {worker_kills}")
+    if worker_kills < 0 or env_kills < 0:
+        raise ValueError(f"--worker-kills and --env-kills must be >= 0, got {worker_kills}, {env_kills}")
     events = []
     first = rng.randrange(2)
     for k in range(worker_kills):
@@ -77,12 +86,17 @@ def make_schedule(rng: random.Random, steps: int, workers: int, worker_kills: in
         at += 1
     events.append(Event(at, "trainer-kill"))
     events.append(Event(max(2, round(0.65 * steps)), "redis-restart"))
+    for k in range(env_kills):
+        centre = 1 + (k + 0.5) * (steps - 2) / env_kills
+        at = min(steps - 1, max(1, round(centre + rng.uniform(-0.4, 0.4) * (steps - 2) / env_kills)))
+        events.append(Event(at, "env-kill"))
     return sorted(events, key=lambda e: (e.at_step, e.kind))
 
 
 def chaos_config(steps: int, seed: int, run_dir: Path, *, group_size: int, groups_per_step: int,
-                 save_every: int, max_new_tokens: int, workers: int) -> RunConfig:
-    """Small settings that let the whole loop run on two shared CPU cores."""
+                 save_every: int, max_new_tokens: int, workers: int, env: str | None = None) -> RunConfig:
+    """Small settings that let the whole loop run on two shared CPU cores; ``env``: multi-turn
+    episodes against that environment (`moerl env`)."""
     cfg = RunConfig(run_id="chaos", store_url=f"file://{run_dir / 'store'}")
     cfg.task.seed = seed
     cfg.task.eval_size = 10
@@ -114,6 +128,11 @@ def chaos_config(steps: int, seed: int, run_dir: Path, *, group_size: int, group
     t.keep_versions = 3
     t.batch_timeout_s = 300.0
     t.log_entropy = False
+    if env:
+        cfg.env.name = env
+        cfg.env.max_turns = 2
+        cfg.env.step_timeout_s = 5.0
+        b.max_failures = 5  # a task may meet several env kills; a dropped one is counted apart
     return cfg
 
 
@@ -213,7 +232,7 @@ def run_loop(cfg: RunConfig, run_dir: Path, base: Path, tasks: list, workers: in
     """
     loop = EmbeddedLoop(cfg, run_dir, workers=workers)
     faults = {"worker_sigterm": 0, "worker_sigkill": 0, "engine_sigkill": 0, "trainer_sigkill": 0,
-              "redis_restart": 0}
+              "redis_restart": 0, "env_sigkill": 0}
     try:
         loop.start_redis(appendfsync="always")
         loop.cfg.model.path = str(base)
@@ -263,11 +282,14 @@ def run_loop(cfg: RunConfig, run_dir: Path, base: Path, tasks: list, workers: in
                     elif ev.kind == "redis-restart":
                         loop.redis.restart(graceful=False)
                         faults["redis_restart"] += 1
+                    elif ev.kind == "env-kill":  # the env pool's pod: its open episodes die with it
+                        loop.sup.procs["env-0"].signal(signal.SIGKILL)
+                        faults["env_sigkill"] += 1
                     say(f"  {time.time() - started:5.1f}s step {step}: {ev.kind}"
                         f"{'' if ev.target < 0 else f' worker-{ev.target}'}")
             # Restart what died (a Deployment's job); a worker whose engine is down waits for it.
             for name, proc in list(loop.sup.procs.items()):
-                if name.startswith(("engine-", "worker-")) and not proc.alive():
+                if name.startswith(("engine-", "worker-", "env-")) and not proc.alive():
                     proc.start()
             time.sleep(0.1)
         lineage_end = time.time()
@@ -275,17 +297,19 @@ def run_loop(cfg: RunConfig, run_dir: Path, base: Path, tasks: list, workers: in
         loop.stop_rollout()
         with loop.buffer() as buf:
             pending = pending_prompts(buf)
+            dropped = {key.rsplit("/", 1)[0] for key in buf.dropped_tasks()}
+            faults["failed_rollouts_requeued"] = buf.stats()["failed_requeued"]
     finally:
         loop.close()
     lineage = read_lineage(run_dir / "trained.jsonl")
-    result = audit(read_issued(run_dir / "issued.jsonl"), lineage, pending, cfg.buffer.max_staleness)
+    result = audit(read_issued(run_dir / "issued.jsonl"), lineage, pending, cfg.buffer.max_staleness, dropped)
     end = lineage.last_time or lineage_end
     return RunResult(result, result.samples_trained / max(end - started, 1e-9), end - started, faults)
 
 
 def run_chaos(steps: int, workers: int, seed: int, worker_kills: int, out: Path, *, baseline: bool = True,
               group_size: int = 4, groups_per_step: int = 2, save_every: int = 2, max_new_tokens: int = 8,
-              kill_engines: bool = True, timeout_s: float = 1200.0, say=print) -> dict:
+              kill_engines: bool = True, timeout_s: float = 1200.0, say=print, env_kills: int = 0) -> dict:
     """Run the disturbed loop (and the undisturbed baseline); returns the summary dict.
 
     Raises:
@@ -298,10 +322,10 @@ def run_chaos(steps: int, workers: int, seed: int, worker_kills: int, out: Path,
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out {out} is not empty")
     rng = random.Random(seed)
-    events = make_schedule(rng, steps, workers, worker_kills, save_every)
+    events = make_schedule(rng, steps, workers, worker_kills, save_every, env_kills)
     out.mkdir(parents=True, exist_ok=True)
     kw = dict(group_size=group_size, groups_per_step=groups_per_step, save_every=save_every,
-              max_new_tokens=max_new_tokens, workers=workers)
+              max_new_tokens=max_new_tokens, workers=workers, env="spell-retry" if env_kills else None)
     cfg = chaos_config(steps, seed, out / "disturbed", **kw)
     base = make_base_policy(cfg, out / "base")
     tasks = make_tasks(cfg, base)
@@ -333,11 +357,13 @@ def format_summary(s: dict) -> str:
     lines = [
         f"faults: {f['worker_sigterm']} worker SIGTERM, {f['worker_sigkill']} worker SIGKILL "
         f"({f['engine_sigkill']} with their engine), {f['trainer_sigkill']} trainer SIGKILL + --resume, "
-        f"{f['redis_restart']} redis-server SIGKILL + restart",
+        f"{f['redis_restart']} redis-server SIGKILL + restart, {f.get('env_sigkill', 0)} env server SIGKILL "
+        f"({f.get('failed_rollouts_requeued', 0)} failed rollouts requeued)",
         f"trainer steps (final lineage): {d['steps']}  rolled back by resume: {d['rolled_back_steps']}",
         f"prompts issued:     {d['issued']}",
         f"prompts completed:  {d['completed']}",
         f"prompts pending:    {d['pending']}  (queued, leased or finished-untrained at the end)",
+        f"prompts dropped:    {d['dropped']}  (after buffer.max_failures failed rollouts; never trained)",
         f"prompts lost:       {d['lost']}",
         f"samples trained:    {d['samples_trained']}",
         f"samples trained more than once:      {d['duplicated']}",
@@ -366,6 +392,8 @@ def chaos(
     kill_engines: bool = typer.Option(True, "--kill-engines/--no-kill-engines",
                                       help="A worker SIGKILL also kills its engine (a lost node)."),
     timeout_s: float = typer.Option(1200.0, "--timeout-s", min=10, help="Limit of each run, seconds."),
+    env_kills: int = typer.Option(0, "--env-kills", min=0, help="Environment-server SIGKILLs (the run then plays "
+                                  "multi-turn spell-retry episodes against `moerl env`)."),
 ) -> None:
     """Run the loop under faults, print the ledger's figures; exit 1 if anything was lost,
     trained twice or trained over-stale."""
@@ -373,7 +401,7 @@ def chaos(
     try:
         s = run_chaos(steps, workers, seed, worker_kills, out, baseline=baseline, group_size=group_size,
                       groups_per_step=groups_per_step, save_every=save_every, kill_engines=kill_engines,
-                      timeout_s=timeout_s)
+                      timeout_s=timeout_s, env_kills=env_kills)
     except (ValueError, RoleFailed) as e:
         typer.echo(f"moerl chaos: {e}", err=True)
         raise SystemExit(2) from None

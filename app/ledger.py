@@ -19,7 +19,10 @@ back):
   issued      distinct prompt ids the harness queued;
   completed   issued prompts with at least one trained group;
   pending     issued prompts not completed that are still in the task or samples stream;
-  lost        issued prompts neither completed nor pending: work that the system dropped;
+  dropped     issued prompts not completed nor pending that the buffer dropped after
+              ``buffer.max_failures`` failed rollouts (its ``dropped`` set): accounted for with a
+              count, never trained;
+  lost        issued prompts neither completed, pending nor dropped: work that vanished;
   duplicated  sample ids trained more than once;
   overstale   trained samples with trainer_version - policy_version > max_staleness.
 """
@@ -127,6 +130,7 @@ class Audit:
     completed: int
     pending: int
     lost: int
+    dropped: int
     duplicated: int
     overstale: int
     samples_trained: int
@@ -147,7 +151,8 @@ class Audit:
         return d
 
 
-def audit(issued: set[str], lineage: Lineage, pending: set[str], max_staleness: int) -> Audit:
+def audit(issued: set[str], lineage: Lineage, pending: set[str], max_staleness: int,
+          dropped: set[str] = frozenset()) -> Audit:
     """Count issued / completed / pending / lost prompts, duplicated and over-stale samples.
 
     Args:
@@ -155,6 +160,7 @@ def audit(issued: set[str], lineage: Lineage, pending: set[str], max_staleness: 
         lineage: the trainer's final lineage (`read_lineage`).
         pending: prompt ids still queued, leased or waiting to be trained (`pending_prompts`).
         max_staleness: ``buffer.max_staleness`` of the run.
+        dropped: prompt ids the buffer dropped after too many failed rollouts.
     """
     seen: dict[str, int] = {}
     overstale: list[str] = []
@@ -169,10 +175,11 @@ def audit(issued: set[str], lineage: Lineage, pending: set[str], max_staleness: 
                     overstale.append(sid)
     completed = issued & trained_prompts
     waiting = (issued - completed) & pending
-    lost = sorted(issued - completed - waiting)
+    gave_up = (issued - completed - waiting) & set(dropped)
+    lost = sorted(issued - completed - waiting - gave_up)
     dups = sorted(s for s, n in seen.items() if n > 1)
     return Audit(
-        issued=len(issued), completed=len(completed), pending=len(waiting), lost=len(lost),
+        issued=len(issued), completed=len(completed), pending=len(waiting), lost=len(lost), dropped=len(gave_up),
         duplicated=len(dups), overstale=len(overstale), samples_trained=sum(seen.values()),
         steps=len(lineage.steps), rolled_back_steps=lineage.rolled_back_steps, resumes=lineage.resumes,
         lost_ids=lost, duplicated_ids=dups, overstale_ids=overstale,

@@ -119,3 +119,34 @@ def test_watchdog_kills_a_hung_engine_and_it_is_restarted(tmp_path):
         loop.wait_engine(0)
     finally:
         loop.close()
+
+
+def test_ledger_counts_dropped_prompts_apart_from_lost(tmp_path):
+    issued = _write(tmp_path / "issued.jsonl", [{"task_id": f"p{i}", "attempt": 0} for i in range(4)])
+    trained = _write(tmp_path / "trained.jsonl", [_step(1, 0, [("p0", 0, 0)])])
+    a = audit(read_issued(issued), read_lineage(trained), pending={"p1"}, max_staleness=1, dropped={"p2", "p0"})
+    assert (a.completed, a.pending, a.dropped, a.lost) == (1, 1, 1, 1)  # p0 was trained: not dropped
+    assert a.lost_ids == ["p3"] and not a.ok()
+
+
+def test_schedule_env_kills_leave_the_rest_of_the_seed_alone():
+    plain = make_schedule(random.Random(5), steps=20, workers=2, worker_kills=4, save_every=2)
+    with_env = make_schedule(random.Random(5), steps=20, workers=2, worker_kills=4, save_every=2, env_kills=3)
+    assert [e for e in with_env if e.kind != "env-kill"] == plain
+    kills = [e.at_step for e in with_env if e.kind == "env-kill"]
+    assert len(kills) == 3 and all(1 <= s < 20 for s in kills) and kills == sorted(kills)
+
+
+@pytest.mark.slow
+def test_chaos_with_env_pod_kills_loses_nothing(tmp_path):
+    """Multi-turn episodes against `moerl env`, SIGKILLed twice mid-run (plus the harness's
+    trainer kill and Redis restart): failed episodes are played again, nothing is lost or
+    trained twice."""
+    s = run_chaos(steps=8, workers=2, seed=2, worker_kills=0, env_kills=2, out=tmp_path / "chaos", baseline=False,
+                  group_size=4, groups_per_step=2, save_every=2, timeout_s=420, say=lambda m: None)
+    d = s["disturbed"]
+    assert d["faults"]["env_sigkill"] == 2 and d["faults"]["trainer_sigkill"] == 1
+    assert d["faults"]["failed_rollouts_requeued"] >= 1  # the kills did cut open episodes
+    assert d["steps"] == 8 and d["samples_trained"] == 8 * 2 * 4
+    assert (d["lost"], d["duplicated"], d["overstale"]) == (0, 0, 0), d
+    assert s["ok"]
