@@ -19,6 +19,7 @@ RUN_CONFIG_KEY = "run.yaml"
 PRIORITY = {"moerl-trainer": 100000, "moerl-buffer": 90000, "moerl-rollout": 50000, "moerl-env": 40000}
 BUFFER_SERVICE = "moerl-buffer"
 REWARD_MODEL_SERVICE = "moerl-reward-model"  # charts8s/rewardmodel.py, when task.reward_model is set
+ENV_SERVICE = "moerl-env"  # charts8s/envpool.py
 REDIS_PORT = 6379
 
 
@@ -28,7 +29,8 @@ def cluster_run_config(plan: Plan) -> RunConfig:
     buffer.redis_url -> the buffer Service; rollout.engine_url -> SGLang on loopback;
     store_url -> the checkpoint bucket under run_prefix; model.path -> rollout.model_path if set;
     rollout.policy_cache_dir -> the volume both rollout containers mount;
-    rollout.reward_url -> the reward-model Service (when task.reward_model is set).
+    rollout.reward_url -> the reward-model Service (when task.reward_model is set);
+    env.url -> the env pool's Service (when env.name is set: `moerl env` pods).
     """
     run = plan.run.model_copy(deep=True)
     run.buffer.redis_url = f"redis://{BUFFER_SERVICE}.{plan.namespace}.svc.cluster.local:{REDIS_PORT}/0"
@@ -40,6 +42,8 @@ def cluster_run_config(plan: Plan) -> RunConfig:
     run.rollout.policy_cache_dir = "/models/policy-cache"
     if run.task.reward_model:
         run.rollout.reward_url = f"http://{REWARD_MODEL_SERVICE}.{plan.namespace}.svc.cluster.local:80"
+    if run.env.name:
+        run.env.url = f"http://{ENV_SERVICE}.{plan.namespace}.svc.cluster.local:80"
     return run
 
 

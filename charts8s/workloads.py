@@ -74,7 +74,8 @@ class RolloutSpec(_Model):
 
 
 class EnvSpec(_Model):
-    """CPU pods serving reward/verifier calls (`moerl reward`)."""
+    """The env pool's CPU pods: the run's environment over OpenEnv (`moerl env`) when the run
+    config sets ``env.name``, else the task's verifier (`moerl reward --mode verifier`)."""
 
     replicas: int = Field(2, ge=1)
     cpu: int = Field(4, ge=1, description="vCPU per pod.")

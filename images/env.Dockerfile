@@ -1,4 +1,5 @@
-# Env pool: slim CPU-only Python serving reward/verifier calls (`moerl reward`). Build from the root:
+# Env pool: slim CPU-only Python serving the run's environment over OpenEnv (`moerl env`) or the
+# verifier (`moerl reward`). Build from the root:
 #   docker build -f images/env.Dockerfile -t <ecr>/moerl/env:<tag> .
 # checkov:skip=CKV_DOCKER_2: the Deployment's probes check the port; Docker HEALTHCHECK is ignored there
 # Versions: images/versions.toml (the build args' defaults below equal it; tests/test_images.py checks).
@@ -13,7 +14,8 @@ COPY pyproject.toml README.md ./
 COPY app ./app
 COPY infra ./infra
 COPY charts8s ./charts8s
-RUN /venv/bin/pip install .
+# openenv: `moerl env` (the extra `env` of pyproject.toml, pinned here like every install).
+RUN /venv/bin/pip install . "openenv==0.10.0"
 
 FROM python:3.11.11-slim-bookworm
 COPY --from=build /venv /venv

@@ -81,7 +81,7 @@ COPY --from=wheel /wheels /wheels
 RUN python3 -m pip list --format=freeze | grep -viE "^(${MAY_REPLACE})==" > /tmp/base-constraints.txt \
     && PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir --no-deps /wheels/*.whl \
     && PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir -c /tmp/base-constraints.txt \
-        "redis==5.2.1" "boto3==1.38.0" "reasoning-gym==0.1.25" "math-verify==0.7.0" \
+        "redis==5.2.1" "boto3==1.38.0" "reasoning-gym==0.1.25" "math-verify==0.7.0" "websockets==17.4" \
     && rm -rf /wheels /tmp/base-constraints.txt
 RUN useradd --create-home --uid 10001 --user-group moerl
 USER 10001
