@@ -31,11 +31,12 @@ from app.storage.store import run_area
 # The port every moerl process serves /metrics on (charts8s/monitoring.py scrapes it).
 METRICS_PORT = 9464
 # Buffer counters (app.buffer.experience STAT_NAMES) exported as Prometheus counters.
-BUFFER_COUNTERS = ("issued", "finished", "taken", "consumed", "dropped_stale", "requeued", "duplicates", "released")
+BUFFER_COUNTERS = ("issued", "finished", "taken", "consumed", "dropped_stale", "requeued", "duplicates", "released",
+                   "failed_requeued", "failed_dropped")
 # Rollout worker counters (app.rollout.worker.WorkerStats fields) exported as counters.
 WORKER_COUNTERS = ("groups_published", "samples_published", "duplicate_groups", "tasks_leased", "tasks_released",
-                   "engine_errors", "rejected_tasks", "reward_errors", "reward_timeouts", "weight_updates",
-                   "weight_update_failures", "buffer_errors")
+                   "engine_errors", "rejected_tasks", "reward_errors", "reward_timeouts", "groups_failed",
+                   "tasks_dropped", "weight_updates", "weight_update_failures", "buffer_errors")
 # Seconds; a weight update is a disk load of a whole policy version on the engine.
 WEIGHT_UPDATE_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 

@@ -292,3 +292,35 @@ def test_redis_restart_keeps_acked_samples_and_leases(tmp_path, graceful):
         assert b.stats()["finished"] == 4
     finally:
         server.stop()
+
+
+def test_failed_rollouts_requeue_then_drop_and_publish_nothing(redis_server):
+    b = buf(redis_server, max_failures=2, lease_ms=200)
+    b.put_tasks(make_tasks(1))
+    (t,) = b.lease("w1", count=1, block_ms=0)
+    assert b.fail([t]) == []  # first failure: back in the queue, failures counted on the task
+    (again,) = b.lease("w2", count=1, block_ms=0)
+    assert (again.task_id, again.attempt, again.failures) == (t.task_id, 0, 1)
+    time.sleep(0.3)
+    (taken,) = b.lease("w3", count=1, block_ms=0)  # w2's lease expired and w3 took it over
+    assert b.fail([again]) == []  # not w2's any more: left alone
+    assert b.stats()["leased"] == 1
+    assert [d.task_id for d in b.fail([taken])] == [t.task_id]  # second failure: dropped
+    s = b.stats()
+    assert (s["failed_requeued"], s["failed_dropped"], s["queued"], s["leased"], s["finished"]) == (1, 1, 0, 0, 0)
+    assert b.dropped_tasks() == {f"{t.task_id}/0"}
+    assert b.take_batch(8, trainer_version=0, timeout_s=0) == []
+    with pytest.raises(ValueError, match="no lease"):
+        b.fail([make_tasks(1)[0]])
+
+
+def test_loss_mask_must_fit_the_completion(redis_server):
+    b = buf(redis_server)
+    b.put_tasks(make_tasks(1))
+    (t,) = b.lease("w", count=1, block_ms=0)
+    samples = samples_for(t)
+    samples[0].loss_mask = [1] * (len(samples[0].completion_ids) + 1)
+    with pytest.raises(ValueError, match="loss_mask"):
+        b.publish(t, samples)
+    samples[0].loss_mask = [1] * len(samples[0].completion_ids)
+    assert b.publish(t, samples)

@@ -578,6 +578,7 @@ class ExperienceBuffer:
             return
         task = Task.from_json(task_json)
         task.attempt = g.attempt + 1
+        task.failures = 0  # failures are counted per attempt
         args = [g.entry_id, f"{task.task_id}/{task.attempt}", task.to_json()]
         added = int(self._put_tasks(keys=self._k("tasks", "issued", "stats", "samples"), args=args))
         self.r.hincrby(self.keys["stats"], "requeued", added)
