@@ -314,6 +314,10 @@ class RunConfig(Section):
             self.rollout.routing_replay = True
         if self.env.name and self.rollout.routing_replay:
             raise ValueError("rollout.routing_replay: not supported with env.name (multi-turn episodes) yet")
+        if self.env.name and t.algorithm == "ppo":
+            # GAE (app/trainer/ppo.py) stops at masked tokens: it would not carry the episode's
+            # reward back across the environment's observations to earlier turns.
+            raise ValueError("trainer.algorithm=ppo: not supported with env.name (multi-turn episodes) yet; use grpo")
         if t.algorithm == "ppo" and t.loss_agg != "token-mean":
             raise ValueError(f"trainer.loss_agg={t.loss_agg!r}: PPO's per-token advantages need 'token-mean'")
         return self

@@ -236,3 +236,12 @@ def test_calculator_refuses_code_and_bounds_resources(expr, why):
     with pytest.raises(calculator.CalcError, match=why):
         calculator.evaluate(expr)
     assert time.monotonic() - t0 < 1.0  # refused before anything large is computed
+
+
+def test_config_refuses_what_episodes_do_not_support():
+    with pytest.raises(ValueError, match="ppo: not supported with env.name"):
+        RunConfig.model_validate({"env": {"name": "calculator"}, "trainer": {"algorithm": "ppo"}})
+    with pytest.raises(ValueError, match="routing_replay"):
+        RunConfig.model_validate({"env": {"name": "calculator"}, "rollout": {"routing_replay": True}})
+    with pytest.raises(ValueError, match="env.name"):
+        RunConfig.model_validate({"env": {"name": "chess"}})

@@ -313,3 +313,24 @@ def test_failed_reward_fails_the_group_and_warm_up_comes_first(tmp_path, redis_s
     assert stats.reward_errors == G and stats.reward_timeouts == G and stats.groups_failed == 2
     assert stats.groups_published == 0 and published(buf) == []  # a failed reward is never a reward of 0
     assert buf.dropped_tasks() == {"t0/0", "t1/0"}
+
+
+def test_episode_keeps_the_oldest_version_of_its_turns(tmp_path, redis_server, retry_server):
+    """Turns generated at versions 5 then 4 (an engine restarted on an older version): the sample
+    carries 4, the version staleness is measured from (DESIGN.md section 3)."""
+    from app.envs.chat import TextRenderer
+    from app.rollout.episodes import EpisodeRunner
+
+    cfg = run_config(tmp_path, redis_server, retry_server.url)
+    versions = iter([5, 4])
+    turn = TOK("zzz", add_special_tokens=False)["input_ids"] + [EOS_ID]
+
+    async def generate(ids):
+        return GenOutput(token_ids=turn, logprobs=[-0.5] * len(turn), text="zzz", finish_reason="stop",
+                         weight_version=next(versions))
+
+    (task,) = tasks(cfg, 1)
+    runner = EpisodeRunner(cfg, TextRenderer(TOK), generate, lambda: 0)
+    sample = asyncio.run(runner.episode(task, 0))
+    assert sample.policy_version == 4 and sample.finish_reason == "stop"
+    assert sample.loss_mask.count(1) == 2 * len(turn)  # two turns, the feedback between them
