@@ -3,6 +3,11 @@
 Modules: ``tokenizer`` (character tokenizer in the HF format), ``tasks`` (reasoning-gym prompt
 sets), ``rewards`` (``score(task, completion)``), ``jsonl`` (``{"prompt","answer"}`` rows with a
 math-verify reward), ``warmup`` (``moerl warmup``), ``evaluate`` (held-out mean reward).
+Multi-turn environments (issue 16): ``environments`` (the OpenEnv environments ``spell-retry``
+and ``calculator``), ``calculator`` (the tool: integer arithmetic, no code runs),
+``openenv_server`` (``moerl env``), ``env_client`` (the rollout worker's client of OpenEnv's
+WebSocket protocol), ``chat`` (messages to token ids: chat templates, or plain text),
+``episodes_local`` (episodes in process: warm-up demonstrations, held-out evaluation).
 
 tiny_recipe — the setting proven, by experiment on one CPU thread, to make the tiny policy learn
 (scratch synchronous GRPO prototype; the real trainer is app/trainer):
