@@ -500,7 +500,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
     """
     from app.buffer import ExperienceBuffer
     from app.model.parallel import init_ep
-    from app.storage import open_store
+    from app.storage import mark_done, open_store
     from app.storage.policy import latest_policy_version
     from app.trainer.publish import publish_version
     from app.trainer.state import (drop_committed, latest_state, load_rank_payload, newer_entry,
@@ -724,6 +724,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
                 f.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if rank == 0 and state.step >= t.steps: mark_done(store, cfg.run_id, state.step, state.version)  # app/feed.py stops on it
     return state
 
 
