@@ -15,12 +15,15 @@ The tokenizer comes from the newest policy version in the store (the trainer pub
 the tokenizer files before its first step), so ``model.path`` may be anything the trainer and
 the engine load (a directory, an s3:// prefix, a Hub id).
 
-Held-out evaluation (`HeldOutEval`, with ``--engine-url`` and ``feed.eval_every`` > 0): every
-``eval_every`` policy versions, the newest version is downloaded, loaded into the engine
+Held-out evaluation (`HeldOutEval`, with ``--engine-url`` and ``feed.eval_every`` > 0): the
+first version, then the newest one whenever it is ``eval_every`` or more versions after the last
+measured (and the final one), is downloaded, loaded into the engine
 (``/update_weights_from_disk``, SGLang's API) and the held-out prompts are generated through it
 (``feed.eval_samples`` completions each at ``rollout.temperature``, and one greedy), scored as
 rollouts are (``rollout.truncated_reward`` for a cut-off completion, the task's verifier
 otherwise). One JSON line per measured version goes to ``<run-dir>/heldout.jsonl`` and stdout.
+The prompt source never waits for the engine: evaluation starts when the engine answers, and a
+failed one is logged and tried again at the next poll.
 
 Stop: when the trainer's done marker appears in the store (app/storage/done.py), the feeder
 queues nothing more, measures the final version (when evaluating) and exits 0 (``--when-done
@@ -167,10 +170,23 @@ class HeldOutEval:
         self.tokenizer = None
 
     def due(self, version: int, final: bool = False) -> bool:
-        """Whether ``version`` is to be measured: every ``feed.eval_every`` versions (v0 first)
-        and the final one, each once."""
+        """Whether ``version`` is to be measured: the first version seen (v0 normally), then
+        one at least ``feed.eval_every`` versions after the last measured, and the final one;
+        each once."""
         every = self.cfg.feed.eval_every
-        return every > 0 and version not in self.measured and (final or version % every == 0)
+        if every <= 0 or version in self.measured:
+            return False
+        return final or not self.measured or version >= max(self.measured) + every
+
+    def engine_ready(self) -> bool:
+        """The engine answers ``/health_generate`` now (it may still be loading its base model:
+        the prompt source never waits for it)."""
+        import httpx
+
+        try:
+            return httpx.get(self.engine_url.rstrip("/") + "/health_generate", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     async def measure(self, version: int) -> dict:
         """Load ``version`` into the engine and return (and record) its held-out rewards.
@@ -274,9 +290,6 @@ def run_feed(cfg: RunConfig, run_dir: Path, engine_url: str | None = None, when_
     if engine_url and cfg.feed.eval_every > 0:
         _, heldout = make_splits(resolve_task(cfg.task, run_dir))
         evaluator = HeldOutEval(cfg, heldout, engine_url, store, run_dir / "policy", run_dir / "heldout.jsonl")
-        from app.rollout.engine_client import wait_until_healthy
-
-        wait_until_healthy(engine_url, timeout_s=cfg.rollout.weight_update_timeout_s)
     queued, done = 0, None
     log.info("feeding %d training prompts per epoch (low water %d)", len(feeder.tasks), feeder.low_water)
     try:
@@ -290,7 +303,7 @@ def run_feed(cfg: RunConfig, run_dir: Path, engine_url: str | None = None, when_
                 log.warning("could not top up the task queue: %s", e)
             if evaluator is not None:
                 newest = _latest(store, cfg.run_id)
-                if newest is not None and evaluator.due(newest):
+                if newest is not None and evaluator.due(newest) and evaluator.engine_ready():
                     _measure(evaluator, newest)
             time.sleep(cfg.feed.poll_s)
     finally:
@@ -298,8 +311,13 @@ def run_feed(cfg: RunConfig, run_dir: Path, engine_url: str | None = None, when_
     if done is not None:
         log.info("trainer done at step %d (policy v%d); %d tasks queued by this process",
                  done["step"], done["policy_version"], queued)
-        if evaluator is not None and evaluator.due(done["policy_version"], final=True):
-            _measure(evaluator, done["policy_version"])
+        final = done["policy_version"]
+        deadline = time.monotonic() + cfg.rollout.weight_update_timeout_s
+        while evaluator is not None and evaluator.due(final, final=True) and time.monotonic() < deadline and not stop():
+            if evaluator.engine_ready():
+                _measure(evaluator, final)
+            else:
+                time.sleep(cfg.feed.poll_s)
         if when_done == "idle":
             while not stop():
                 time.sleep(cfg.feed.poll_s)

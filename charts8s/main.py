@@ -22,6 +22,7 @@ from infra.config import ConfigError, load_config
 from charts8s.buffer import BufferChart
 from charts8s.cluster import ClusterChart
 from charts8s.envpool import EnvPoolChart
+from charts8s.feed import FeedChart
 from charts8s.kube import k8s_module
 from charts8s.rewardmodel import RewardModelChart
 from charts8s.rollout import RolloutChart
@@ -30,7 +31,7 @@ from charts8s.workloads import Plan, WorkloadError, load_workloads
 
 
 def build(plan: Plan, outdir: str | Path) -> list[Path]:
-    """Write one file per chart (cluster, buffer, rollout, trainer, envpool; rewardmodel when the
+    """Write one file per chart (cluster, buffer, rollout, trainer, envpool, feed; rewardmodel when the
     run config names task.reward_model) into `outdir`.
 
     Synthesizes into a temporary directory beside `outdir` and swaps it in, so a failure leaves
@@ -59,6 +60,7 @@ def build(plan: Plan, outdir: str | Path) -> list[Path]:
         EnvPoolChart(app, plan)
         RolloutChart(app, plan)
         TrainerChart(app, plan)
+        FeedChart(app, plan)
         if plan.run.task.reward_model:
             RewardModelChart(app, plan)
         app.synth()

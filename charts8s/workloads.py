@@ -81,6 +81,18 @@ class RewardModelSpec(_Model):
     models_gi: int = Field(200, ge=1, description="Scratch volume for a downloaded model, GiB.")
 
 
+class FeedSpec(_Model):
+    """The prompt source (`moerl feed`, charts8s/feed.py): one pod. With held-out evaluation
+    (the run config's feed.eval_every > 0) it carries an engine and takes a rollout-gpu node of
+    its own; without, it is a CPU pod beside the buffer."""
+
+    eval_gpus: int | None = Field(None, ge=1, description="GPUs of the evaluation engine (its TP "
+                                  "size); None: every GPU of a rollout node, as the rollout engines.")
+    engine_port: int = Field(30000, ge=1024, le=65535)
+    cpu: int = Field(2, ge=1, description="vCPU of the feed container.")
+    memory_gi: int = Field(8, ge=1, description="Memory of the feed container (dataset, tokenizer).")
+
+
 class BufferSpec(_Model):
     """The Redis experience buffer (one StatefulSet pod with an append-only file on a volume)."""
 
@@ -106,6 +118,7 @@ class Workloads(_Model):
     rollout: RolloutSpec = RolloutSpec()
     env: EnvSpec = EnvSpec()
     reward_model: RewardModelSpec = RewardModelSpec()
+    feed: FeedSpec = FeedSpec()
     buffer: BufferSpec = BufferSpec()
 
 
@@ -140,6 +153,21 @@ class Plan:
             return 0
         per_node = self.gpus_per_rollout // self.wl.reward_model.gpus
         return -(-self.wl.reward_model.replicas // max(per_node, 1))
+
+    @property
+    def feed_evaluates(self) -> bool:
+        """The feed pod measures held-out reward (run config feed.eval_every > 0)."""
+        return self.run.feed.eval_every > 0
+
+    @property
+    def feed_gpus(self) -> int:
+        """GPUs of the feed pod's evaluation engine (0 without held-out evaluation)."""
+        return (self.wl.feed.eval_gpus or self.gpus_per_rollout) if self.feed_evaluates else 0
+
+    @property
+    def feed_nodes(self) -> int:
+        """rollout-gpu nodes the feed pod takes (it does not share one with a rollout pod)."""
+        return 1 if self.feed_evaluates else 0
 
     @property
     def trainer_world_size(self) -> int:
@@ -229,6 +257,16 @@ def check(plan: Plan) -> Plan:
             raise WorkloadError(
                 f"reward_model.replicas={rm.replicas} needs {plan.reward_model_nodes} rollout-gpu node(s) beside "
                 f"{plan.rollout_replicas} rollout pods; pools.rollout-gpu.max_size={roll.max_size}"
+            )
+    if plan.feed_evaluates:
+        if plan.feed_gpus > plan.gpus_per_rollout:
+            raise WorkloadError(f"feed.eval_gpus={plan.feed_gpus} exceeds the {plan.gpus_per_rollout} GPUs of a rollout-gpu node")
+        used = plan.rollout_replicas + plan.reward_model_nodes + plan.feed_nodes
+        if used > roll.max_size:
+            raise WorkloadError(
+                f"the feed pod's held-out evaluation (run config feed.eval_every={plan.run.feed.eval_every}) needs a "
+                f"rollout-gpu node beside {plan.rollout_replicas} rollout pods and {plan.reward_model_nodes} reward-model "
+                f"node(s): {used} > pools.rollout-gpu.max_size={roll.max_size}"
             )
     per_node = min(s.vcpus for s in env.specs) // (wl.env.cpu + 1)  # 1 vCPU left to the kubelet and daemons
     if wl.env.replicas > env.max_size * per_node:

@@ -237,14 +237,14 @@ def test_probes_and_disruption_budgets_exist(synth):
     (c,) = synth.get("Deployment", "moerl-env")["spec"]["template"]["spec"]["containers"]
     assert c["readinessProbe"] and c["livenessProbe"]
     pdbs = {d["metadata"]["name"]: d["spec"]["selector"]["matchLabels"] for d in synth.kinds("PodDisruptionBudget")}
-    for name in ("moerl-rollout", "moerl-env"):
+    for name in ("moerl-rollout", "moerl-env", "moerl-feed"):
         dep = synth.get("Deployment", name)
         assert pdbs[name] == dep["spec"]["template"]["metadata"]["labels"]
 
 
 def test_no_pod_runs_privileged_or_as_root(synth):
     templates = synth.pod_templates()
-    assert len(templates) == 3 + synth.plan.trainer_nodes
+    assert len(templates) == 4 + synth.plan.trainer_nodes  # buffer, env pool, rollout, feed, trainer tasks
     for name, tpl in templates.items():
         pod = tpl["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True, name
@@ -277,7 +277,7 @@ def test_redis_buffer_is_persistent_password_protected_and_fenced(synth):
     assert "stringData" not in json.dumps(synth.docs) and not synth.kinds("Secret")  # no credential in dist/
     (rule,) = synth.get("NetworkPolicy", "moerl-buffer")["spec"]["ingress"]
     allowed = {p["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for p in rule["from"]}
-    assert allowed == {"moerl-rollout", "moerl-trainer", "moerl-env"}
+    assert allowed == {"moerl-rollout", "moerl-trainer", "moerl-env", "moerl-feed"}
     # the selectors really match those pods' labels
     for name, tpl in synth.pod_templates().items():
         if name.split("/")[0] in allowed:
@@ -414,7 +414,8 @@ def test_cdk8s_yaml_app_synthesizes_into_the_cli_outdir(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     names = sorted(p.name for p in out.glob("*.k8s.yaml"))
-    assert names == ["buffer.k8s.yaml", "cluster.k8s.yaml", "envpool.k8s.yaml", "rollout.k8s.yaml", "trainer.k8s.yaml"]
+    assert names == ["buffer.k8s.yaml", "cluster.k8s.yaml", "envpool.k8s.yaml", "feed.k8s.yaml", "rollout.k8s.yaml",
+                     "trainer.k8s.yaml"]
     job = next(d for d in _load(out) if d["kind"] == "Job")
     assert len(job["spec"]["tasks"]) == load_config("staging").pools["train-gpu"].max_size
     # reproducible: a second synth (in this process) writes the same bytes, so dist/ diffs are real
