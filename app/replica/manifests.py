@@ -51,6 +51,7 @@ class Workload:
     restart: str = "pod"
     max_retry: int = 0
     policies: dict[str, str] = field(default_factory=dict)
+    doc: dict = field(default_factory=dict)  # the object as synthesized
 
 
 @dataclass
@@ -157,6 +158,7 @@ def read_manifests(dist: str | Path) -> Manifests:
     for d in docs:
         w = expand(d, made)
         if w is not None:
+            w.doc = d
             workloads.append(w)
         elif d["kind"] == "Service":
             services.append(d)
