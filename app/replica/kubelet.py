@@ -69,8 +69,17 @@ class Substitutions:
     s3_endpoint: str
     log: list[tuple[str, str, str]] = field(default_factory=list)
 
-    def argv(self, argv: list[str], container: dict) -> tuple[list[str], str | None]:
-        """``argv`` with the engine and GPU substitutions applied; returns (argv, note or None)."""
+    @staticmethod
+    def probe_command(cmd: list[str], pod_ip: str) -> list[str]:
+        """redis-cli's default host is the pod's own loopback: point it at the pod's address."""
+        return [re.sub(r"\bredis-cli\b(?! -h)", f"redis-cli -h {pod_ip}", a) for a in cmd]
+
+    def argv(self, argv: list[str], container: dict, pod_ip: str) -> tuple[list[str], str | None]:
+        """``argv`` with the engine, GPU and listen-address substitutions applied; returns
+        (argv, note or None)."""
+        if Path(argv[0]).name == "redis-server" and "--bind" not in argv:
+            # It listens on every address of its pod; here the pods share the host's addresses.
+            return [*argv, "--bind", pod_ip], f"network: redis-server --bind {pod_ip} (its pod's address)"
         if argv[:3] == ["python3", "-m", "sglang.launch_server"] or argv[:2] == ["sglang", "serve"]:
             keep = {"--model-path": None, "--host": "127.0.0.1", "--port": "30000"}
             dropped, i = [], 2 if argv[0] == "sglang" else 3
@@ -303,15 +312,17 @@ class Pod:
             from app.replica.aws import TOKEN_PATH
 
             env["AWS_CONTAINER_CREDENTIALS_FULL_URI"] = self.cluster.agent.url
-            env["AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"] = TOKEN_PATH
+            env["AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"] = self.rewrite(TOKEN_PATH)  # the mounted token
         env.update(self.cluster.service_links())
         env.update(self.extra_env)
-        for e in c.get("env", []):
+        for e in c.get("env", []):  # the manifest's own, as the pod would see them
             if "value" in e:
-                env[e["name"]] = expand_vars(str(e["value"]), env)
+                env[e["name"]] = self.rewrite(expand_vars(str(e["value"]), env))
             elif "valueFrom" in e:
-                env[e["name"]] = self._value_from(c, e)
-        return {k: self.rewrite(v) if k not in ("PATH", "PYTHONPATH") else v for k, v in env.items()}
+                env[e["name"]] = self.rewrite(self._value_from(c, e))
+        for k in ("HOME", "TMPDIR"):
+            env[k] = self.rewrite(env[k])
+        return env
 
     def _value_from(self, c: dict, e: dict) -> str:
         src = e["valueFrom"]
@@ -348,7 +359,7 @@ class Pod:
         argv = [expand_vars(str(a), env) for a in c.get("command", []) + c.get("args", [])]
         if not argv:
             raise PodError(f"{self.name}/{c['name']}: no command (the image's entrypoint is not replicated)")
-        argv, note = self.cluster.subs.argv(argv, c)
+        argv, note = self.cluster.subs.argv(argv, c, self.ip)
         if note:
             self.cluster.subs.log.append((self.name, c["name"], note))
         return [self.rewrite(a) for a in argv]
@@ -359,6 +370,7 @@ class Pod:
         try:
             if "exec" in handler:
                 cmd = [self.rewrite(expand_vars(str(a), {})) for a in handler["exec"]["command"]]
+                cmd = self.cluster.subs.probe_command(cmd, self.ip)
                 r = subprocess.run(cmd, env=self.container_env(c), cwd=self.workdir, timeout=timeout_s,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 return r.returncode == 0
