@@ -468,7 +468,11 @@ def test_container_commands_use_existing_cli_options(prod):
 # -- the TorchX component on its own ----------------------------------------------------------------
 
 
-def test_local_job_materializes_both_roles():
+def test_local_job_materializes_every_role_without_path():
+    """`.venv/bin/torchx run -s local_cwd ...:job` with the venv not on PATH: every role starts
+    through the interpreter running torchx, never through `torchrun` / `moerl` looked up on PATH."""
+    import sys
+
     from torchx.runner import get_runner
 
     with get_runner() as runner:
@@ -476,9 +480,16 @@ def test_local_job_materializes_both_roles():
                                        ["--config", "run.yaml", "--model_path", "/m", "--rollout_replicas", "2"],
                                        scheduler="local_cwd")
     roles = info._app.roles
-    assert [r.name for r in roles] == ["trainer", "rollout"]
-    assert "moerl train --config run.yaml --resume" in roles[0].args[-1]
-    assert "moerl engine --model-path /m" in roles[1].args[-1] and roles[1].num_replicas == 2
+    assert [r.name for r in roles] == ["trainer", "rollout", "feed"]
+    py = sys.executable
+    assert roles[0].args[-1].startswith(f"{py} -m torch.distributed.run ")
+    assert f"-m app.cli train --config run.yaml --resume" in roles[0].args[-1]
+    assert f"{py} -m app.cli engine --model-path /m" in roles[1].args[-1] and roles[1].num_replicas == 2
+    assert f"{py} -m app.cli rollout --config run.yaml" in roles[1].args[-1]
+    assert [roles[2].entrypoint, *roles[2].args[:4]] == [py, "-m", "app.cli", "feed", "--config"]
+    for r in roles:
+        words = " ".join([r.entrypoint, *r.args]).replace(";", " ").replace("&", " ").split()
+        assert "torchrun" not in words and "moerl" not in words, r.name
     # each rollout replica gets its own worker id (task-lease consumer name)
     ids = {r.args[-1].split("--worker-id ")[1].split()[0] for r in info.request.role_params["rollout"]}
     assert len(ids) == 2

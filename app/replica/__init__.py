@@ -153,9 +153,8 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
     feed = next((w.name for w in m.workloads if w.name == "moerl-feed"), None)
     rollout = next(w.name for w in m.workloads if w.name == "moerl-rollout")
     steps = run.trainer.steps
-    # The trainer kill lands after an odd step: with save_every 2 that step is not saved, so the
-    # resumed gang rolls it back and trains its groups again (the ledger must still balance).
-    events = [(max(1, round(0.3 * steps)), "delete-rollout-pod"), (max(2, round(0.6 * steps)) | 1, "kill-trainer-pod")]
+    events = [(max(1, round(0.3 * steps)), "delete-rollout-pod"), (max(2, round(0.6 * steps)), "kill-trainer-pod")]
+    save_every = run.trainer.save_every
     fired: list[dict] = []
     started = time.time()
     say(f"replica: {len(m.workloads)} workloads from {dist}; pods under {out / 'pods'}")
@@ -171,7 +170,10 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
                 raise RuntimeError(f"the trainer's Volcano Job failed; see {out / 'events.log'} and the pods' logs")
             step = progress(cluster)
             for at, kind in events if chaos else []:
-                if step >= at and kind not in {e["kind"] for e in fired}:
+                # The trainer is killed just after a step that was not saved (step % save_every
+                # != 0): the resumed gang rolls that step back and trains its groups again.
+                unsaved = kind != "kill-trainer-pod" or step % save_every != 0
+                if step >= at and unsaved and kind not in {e["kind"] for e in fired}:
                     if kind == "delete-rollout-pod":
                         target = cluster.pods_of(rollout)[0].name
                         say(f"  {time.time() - started:5.0f}s step {step}: kubectl delete pod {target}")
