@@ -21,6 +21,8 @@ from app.layout import resolve_layout
 from infra.config import DeploymentConfig, NodePool
 
 Role = Literal["trainer", "rollout", "env"]
+# The run config synthesized when a workloads file names none (README, "Recipes").
+DEV_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "dev-tiny-grpo.yaml"
 
 
 class WorkloadError(ValueError):
@@ -48,13 +50,14 @@ class RolloutSpec(_Model):
     """Rollout pods: SGLang server and the moerl rollout worker in one pod, one pod per node.
 
     replicas: pods (None: the pool's desired_size, at least 1).
-    model_path: the base policy SGLang loads at start and the trainer starts from (HF id or
-        local path; also written to the mounted run config's model.path); None: RunConfig.model.path.
+    model_path: the base policy SGLang loads at start and the trainer starts from (HF id, s3://
+        prefix or local path; also written to the mounted run config's model.path); None: the run
+        config's model.path.
     tp_size: SGLang tensor parallel size (None: every GPU of the node).
     """
 
     replicas: int | None = Field(None, ge=1)
-    model_path: str | None = "Qwen/Qwen3-30B-A3B"
+    model_path: str | None = None
     tp_size: int | None = Field(None, ge=1)
     engine_port: int = Field(30000, ge=1024, le=65535)
     drain_margin_s: int = Field(15, ge=0, description="Added to rollout.drain_grace_s for the kubelet.")
@@ -106,13 +109,14 @@ class BufferSpec(_Model):
 class Workloads(_Model):
     """Everything the charts add to the deployment config.
 
-    run_config: path of a RunConfig YAML (None: RunConfig defaults); the charts put the
-        cluster addresses (buffer URL, engine URL, store URL) into it and mount it from one ConfigMap.
+    run_config: path of a RunConfig YAML (default: recipes/dev-tiny-grpo.yaml, the tiny recipe of
+        `make run` on the cluster); the charts put the cluster addresses (buffer URL, engine URL,
+        store URL) into it and mount it from one ConfigMap. Other recipes: recipes/*.yaml.
     images: full image reference per role, overriding the ECR repository of the deployment config
         (each must carry a tag or a digest).
     """
 
-    run_config: str | None = None
+    run_config: str | None = str(DEV_RECIPE)
     images: dict[Role, str] = {}
     trainer: TrainerSpec = TrainerSpec()
     rollout: RolloutSpec = RolloutSpec()

@@ -343,7 +343,8 @@ def test_charts_and_torchx_component_agree(prod):
     dep = prod.get("Deployment", "moerl-rollout")["spec"]["template"]["spec"]
     engine = next(c for c in dep["containers"] if c["name"] == "engine")
     assert engine["image"] == plan.images["rollout"]
-    assert engine["command"] == engine_command("sglang", plan.wl.rollout.model_path, 30000, plan.gpus_per_rollout)
+    model = plan.wl.rollout.model_path or plan.run.model.path
+    assert engine["command"] == engine_command("sglang", model, 30000, plan.gpus_per_rollout)
     assert trainer_command(CLUSTER_CONFIG, 1, 8, 29500, True).startswith("torchrun ")
 
 

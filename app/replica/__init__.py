@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import secrets as pysecrets
+import signal
 import subprocess
 import sys
 import time
@@ -276,11 +277,18 @@ def replica(
         from charts8s.main import build
         from charts8s.workloads import load_workloads
 
+        if cache.resolve().is_relative_to("/tmp"):
+            raise typer.BadParameter(f"{cache}: the model stands for a directory of the image, and every pod "
+                                     "mounts its own /tmp over the image's", param_hint="--cache")
         base = warm_base(cache, steps)
         workloads, overrides = write_workload(out / "workload", steps, base)
         from infra.config import load_config
 
         build(load_workloads(load_config("dev", overrides), workloads), dist)
+    def on_term(signum, frame):  # stop every pod (run_replica's finally) instead of orphaning them
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
     try:
         s = run_replica(dist.resolve(), out, overrides=overrides, chaos=chaos, timeout_s=timeout_s,
                         say=lambda x: typer.echo(x))

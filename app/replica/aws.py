@@ -81,8 +81,12 @@ class MotoS3:
     """moto's S3 server (ThreadedMotoServer) on a loopback port, with the bucket created."""
 
     def __init__(self, bucket: str, region: str):
+        import logging
+
         import boto3
         from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
 
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self._server.start()

@@ -2,8 +2,8 @@
 part), and the DNS names rewritten to those addresses.
 
 Linux routes all of 127.0.0.0/8 to the loopback device, so every pod gets an address of its own
-(127.10.x.y) and keeps the ports of its manifest: two rollout pods both listen on :30000, as
-they would in their own network namespaces. A Service with a cluster IP gets one (127.20.0.x)
+(`Addresses`) and keeps the ports of its manifest: two rollout pods both listen on :30000, as
+they would in their own network namespaces. A Service with a cluster IP gets one
 and a forwarder per port to the ready pods it selects (round robin), targetPort resolved by
 number or by the container port's name. Headless Services (clusterIP: None) resolve to the pod
 addresses, ``<hostname>.<subdomain>`` to one pod. No resolver is changed: the names are
@@ -22,19 +22,24 @@ from typing import Callable
 
 
 class Addresses:
-    """Hands out loopback addresses: pods 127.10.0.1.., Services 127.20.0.1.."""
+    """Hands out loopback addresses in a /16 of its own (127.<net>.0.0, ``net`` drawn at random
+    so that two replicas on one host, or one left over, do not share addresses): pods from
+    127.<net>.0.1, Services from 127.<net>.200.1."""
 
-    def __init__(self):
+    def __init__(self, net: int | None = None):
+        import random
+
+        self.net = random.SystemRandom().randrange(30, 250) if net is None else net
         self._pods = itertools.count(1)
         self._services = itertools.count(1)
 
     def pod(self) -> str:
         n = next(self._pods)
-        return f"127.10.{n // 250}.{n % 250 + 1}"
+        return f"127.{self.net}.{n // 250}.{n % 250 + 1}"
 
     def service(self) -> str:
         n = next(self._services)
-        return f"127.20.{n // 250}.{n % 250 + 1}"
+        return f"127.{self.net}.{200 + n // 250}.{n % 250 + 1}"
 
 
 @dataclass
