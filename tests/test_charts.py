@@ -196,8 +196,11 @@ def test_gpu_and_efa_counts_match_the_instance_table(synth):
     roll_efa = min(INSTANCE_TABLE[t].efa_interfaces for t in roll.instance_types) if roll.efa else 0
     assert int(engine["resources"]["limits"].get(EFA_RESOURCE, 0)) == roll_efa
     quota = synth.get("ResourceQuota", "moerl-accelerators")["spec"]["hard"]
+    feed = synth.get("Deployment", "moerl-feed")["spec"]["template"]["spec"]["containers"]
+    feed_gpus = sum(int(c["resources"]["limits"].get("nvidia.com/gpu", 0)) for c in feed)
+    assert feed_gpus == synth.plan.feed_gpus  # the held-out evaluation engine
     assert int(quota["requests.nvidia.com/gpu"]) == synth.plan.trainer_nodes * gpus + synth.plan.rollout_replicas * int(
-        engine["resources"]["limits"]["nvidia.com/gpu"])
+        engine["resources"]["limits"]["nvidia.com/gpu"]) + feed_gpus
 
 
 def test_trainer_gang_restarts_whole_and_resumes(prod):
