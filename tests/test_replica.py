@@ -75,7 +75,14 @@ def test_replica_ran_what_dist_holds(replica):
         "trainer-0: GPUs: 8 per pod -> torchrun --nproc-per-node 2",
         f"redis: network: redis-server --bind {next(p['ip'] for p in s['pods'] if p['name'] == 'moerl-buffer-0')} (its pod's address)",
     }
-    worker = next(d for d in docs if d["metadata"]["name"] == "moerl-rollout")["spec"]["template"]["spec"]["containers"][1]
+    templates = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
+    templates |= {f"moerl-trainer-{t['name']}": t["template"]["spec"] for d in docs if d["kind"] == "Job" for t in d["spec"]["tasks"]}
+    for p in s["pods"]:  # every container of every pod ran, with a log of its own
+        spec = next(v for k, v in templates.items() if p["name"].rsplit("-", 1)[0] == k)
+        for c in spec["containers"]:
+            log = (Path(p["dir"]) / "logs" / f"{c['name']}.log").read_text()
+            assert log.startswith("--- replica: start"), (p["name"], c["name"])
+    worker = templates["moerl-rollout"]["containers"][1]
     rollout0 = next(p for p in s["pods"] if p["name"] == "moerl-rollout-0")
     first = (Path(rollout0["dir"]) / "logs" / "worker.log").read_text().splitlines()[0]
     assert first.endswith(f"moerl rollout --config {rollout0['dir']}/volumes/run-config/run.yaml --worker-id moerl-rollout-0")

@@ -1,6 +1,6 @@
 """`moerl replica dist/`: every pod of the synthesized manifests, run as local processes.
 
-    moerl replica dist/ [--out runs/replica-<time>] [--steps 60] [--chaos/--no-chaos]
+    moerl replica dist/ [--out runs/replica-<time>] [--steps 250] [--chaos/--no-chaos]
 
 1. synthesizes (charts8s) the manifests of a small workload into ``dist/``: one trainer node
    running 2 processes (EP 2), 2 rollout pods, the env pool, the Redis buffer and the feed pod
@@ -259,7 +259,7 @@ def format_summary(s: dict) -> str:
 def replica(
     dist: Path = typer.Argument(Path("dist"), help="Manifests directory (written unless --no-synth)."),
     out: Path = typer.Option(None, "--out", help="Run directory (default runs/replica-<time>); must be empty."),
-    steps: int = typer.Option(60, "--steps", min=4, help="Trainer steps of the small workload."),
+    steps: int = typer.Option(250, "--steps", min=4, help="Trainer steps of the small workload."),
     synth: bool = typer.Option(True, "--synth/--no-synth", help="Synthesize the small workload into DIST first."),
     chaos: bool = typer.Option(True, "--chaos/--no-chaos", help="Delete a rollout pod and kill the trainer pod."),
     cache: Path = typer.Option(Path("runs/cache"), "--cache", help="Warm-up checkpoint cache."),
