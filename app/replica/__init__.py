@@ -125,7 +125,7 @@ def _cat(paths: list[Path], out: Path) -> Path:
 
 
 def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | None = None, chaos: bool = True,
-                procs_per_node: int = 2, timeout_s: float = 1800.0, say=print) -> dict:
+                procs_per_node: int = 2, timeout_s: float = 1800.0, image_repo: Path = REPO, say=print) -> dict:
     """Run the manifests in ``dist`` (module docstring, steps 2-4); returns the summary.
 
     Raises:
@@ -147,7 +147,7 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
     secret_values = {name: {"password": pysecrets.token_hex(16)} for name in m.secret_refs}
     out.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(m, out, secret_values,
-                      dict(bin_dir=str(Path(sys.executable).parent), repo=str(REPO), procs_per_gpu_node=procs_per_node),
+                      dict(bin_dir=str(Path(sys.executable).parent), repo=str(image_repo), procs_per_gpu_node=procs_per_node),
                       bucket=cfg.checkpoint_bucket, region=cfg.region,
                       associations={cfg.trainer_service_account, cfg.rollout_service_account})
     job = next(w.name for w in m.workloads if w.kind == "Job")
@@ -264,6 +264,8 @@ def replica(
     chaos: bool = typer.Option(True, "--chaos/--no-chaos", help="Delete a rollout pod and kill the trainer pod."),
     cache: Path = typer.Option(Path("runs/cache"), "--cache", help="Warm-up checkpoint cache."),
     timeout_s: float = typer.Option(1800.0, "--timeout-s", min=10, help="Limit for the trainer's Job."),
+    image_repo: Path = typer.Option(REPO, "--image-repo", help="The repository the pods' image holds (PYTHONPATH); "
+                                    "another checkout runs its code in the same manifests."),
 ) -> None:
     """Synthesize a small workload and run every pod of it locally; exit 1 if the ledger is not clean."""
     from app.replica.manifests import ManifestError
@@ -291,6 +293,7 @@ def replica(
     signal.signal(signal.SIGTERM, on_term)
     try:
         s = run_replica(dist.resolve(), out, overrides=overrides, chaos=chaos, timeout_s=timeout_s,
+                        image_repo=image_repo.resolve(),
                         say=lambda x: typer.echo(x))
     except (ManifestError, PodError, TimeoutError, RuntimeError) as e:
         typer.echo(f"moerl replica: {e}", err=True)

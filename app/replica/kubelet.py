@@ -145,6 +145,7 @@ class Container:
         self.started = False  # the startup probe has succeeded (or there is none)
         self.ready = False
         self.terminated = False  # will not run again (restartPolicy or pod termination)
+        self.stopping = False  # a probe-triggered stop is under way (no second one, no probes)
         self.restart_at: float | None = None
         self.run_since = 0.0
         self.probes: dict[str, Probe] = {}
@@ -429,8 +430,14 @@ class Pod:
 
     def _restart(self, ctr: Container, reason: str) -> None:
         """Kill a container as the kubelet does for a failed probe; the loop restarts it."""
-        grace = float(ctr.probes.get("liveness", Probe("", {})).spec.get("terminationGracePeriodSeconds", self.grace_s))
-        ctr.stop(grace, reason)
+        if ctr.stopping:
+            return
+        ctr.stopping = True
+        try:
+            grace = float(ctr.probes.get("liveness", Probe("", {})).spec.get("terminationGracePeriodSeconds", self.grace_s))
+            ctr.stop(grace, reason)
+        finally:
+            ctr.stopping = False
 
     # -- the kubelet loop ------------------------------------------------------------------------------
     def start(self) -> "Pod":
@@ -500,7 +507,7 @@ class Pod:
                 c.start()
             return
         for p in c.probes.values():
-            if p.running or now < p.next_at:
+            if p.running or now < p.next_at or c.stopping:
                 continue
             if p.kind != "startup" and not c.started:
                 continue
