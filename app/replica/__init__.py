@@ -42,8 +42,23 @@ import yaml
 
 cli = typer.Typer(add_completion=False, help="Run every pod of synthesized manifests (dist/) as local processes.")
 REPO = Path(__file__).resolve().parents[2]
-TRAIN_RUN_DIR = "volumes/tmp/moerl-run"  # charts8s/trainer.py RUN_DIR on the pod's tmp volume
-FEED_RUN_DIR = "volumes/models/feed"  # charts8s/feed.py RUN_DIR on the pod's models volume
+
+
+def pod_path(pod, path: str) -> Path:
+    """Where ``path`` of the pod (a path its manifest names) is on this host."""
+    return Path(pod.rewrite(path))
+
+
+def trainer_run_dir(pod) -> Path:
+    from charts8s.trainer import RUN_DIR
+
+    return pod_path(pod, RUN_DIR)
+
+
+def feed_run_dir(pod) -> Path:
+    from charts8s.feed import RUN_DIR
+
+    return pod_path(pod, RUN_DIR)
 
 
 def small_run_config(steps: int, base: Path):
@@ -107,7 +122,7 @@ def progress(cluster) -> int:
     step = 0
     for pod in cluster.history:
         if cluster.owner[pod.name].kind == "Job":
-            path = pod.root / TRAIN_RUN_DIR / "metrics.jsonl"
+            path = trainer_run_dir(pod) / "metrics.jsonl"
             if path.exists():
                 recs = read_metrics(path)
                 if recs:
@@ -138,21 +153,29 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
     from app.config import RunConfig
     from app.ledger import audit, pending_prompts, read_issued, read_lineage
     from app.replica.cluster import Cluster
-    from app.replica.manifests import read_manifests
+    from app.replica.manifests import ManifestError, read_manifests
     from infra.config import load_config
 
     cfg = load_config(env, overrides)
     m = read_manifests(dist)
-    run = RunConfig.model_validate(yaml.safe_load(m.config_maps["moerl-run-config"]["run.yaml"]))
+    from charts8s.cluster import RUN_CONFIG_KEY, RUN_CONFIG_MAP
+
+    run = RunConfig.model_validate(yaml.safe_load(m.config_maps[RUN_CONFIG_MAP][RUN_CONFIG_KEY]))
+    if not run.store_url.startswith("s3://"):
+        raise ManifestError(f"the mounted run config's store_url is {run.store_url!r}; the cluster's is s3://")
     secret_values = {name: {"password": pysecrets.token_hex(16)} for name in m.secret_refs}
     out.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(m, out, secret_values,
                       dict(bin_dir=str(Path(sys.executable).parent), repo=str(image_repo), procs_per_gpu_node=procs_per_node),
-                      bucket=cfg.checkpoint_bucket, region=cfg.region,
+                      # the bucket the mounted run config names (store_url: s3://bucket/prefix)
+                      bucket=run.store_url.removeprefix("s3://").split("/")[0], region=cfg.region,
                       associations={cfg.trainer_service_account, cfg.rollout_service_account})
+    from charts8s.feed import NAME as FEED
+    from charts8s.rollout import NAME as ROLLOUT
+
     job = next(w.name for w in m.workloads if w.kind == "Job")
-    feed = next((w.name for w in m.workloads if w.name == "moerl-feed"), None)
-    rollout = next(w.name for w in m.workloads if w.name == "moerl-rollout")
+    feed = next((w.name for w in m.workloads if w.name == FEED), None)
+    rollout = next(w.name for w in m.workloads if w.name == ROLLOUT)
     steps = run.trainer.steps
     events = [(max(1, round(0.3 * steps)), "delete-rollout-pod"), (max(2, round(0.6 * steps)), "kill-trainer-pod")]
     save_every = run.trainer.save_every
@@ -206,8 +229,8 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
         cluster.stop()
     trainers = [p for p in cluster.history if cluster.owner[p.name].kind == "Job"]
     feeds = [p for p in cluster.history if cluster.owner[p.name].name == feed]
-    issued = read_issued(_cat([p.root / FEED_RUN_DIR / "issued.jsonl" for p in feeds], out / "issued.jsonl"))
-    lineage = read_lineage(_cat([p.root / TRAIN_RUN_DIR / "trained.jsonl" for p in trainers], out / "trained.jsonl"))
+    issued = read_issued(_cat([feed_run_dir(p) / "issued.jsonl" for p in feeds], out / "issued.jsonl"))
+    lineage = read_lineage(_cat([trainer_run_dir(p) / "trained.jsonl" for p in trainers], out / "trained.jsonl"))
     a = audit(issued, lineage, pending, run.buffer.max_staleness)
     heldout = _heldout(cluster, feed)
     summary = {
@@ -235,7 +258,7 @@ def _heldout(cluster, feed: str | None) -> list[dict]:
     recs = []
     for p in cluster.history:
         if cluster.owner[p.name].name == feed:
-            path = p.root / FEED_RUN_DIR / "heldout.jsonl"
+            path = feed_run_dir(p) / "heldout.jsonl"
             if path.exists():
                 recs += read_metrics(path)
     return sorted(recs, key=lambda r: r["version"])
