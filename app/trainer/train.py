@@ -724,7 +724,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
                 f.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if rank == 0 and state.step >= t.steps: mark_done(store, cfg.run_id, state.step, state.version)  # app/feed.py stops on it
+    if rank == 0 and state.step >= t.steps: mark_done(store, cfg.run_id, state.step, state.version)  # feeder stops
     return state
 
 
