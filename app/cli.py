@@ -23,6 +23,8 @@ COMMANDS: dict[str, str] = {
     "warmup": "app.envs.warmup:cli",
     "reward": "app.envs.reward_server:cli",
     "chaos": "app.chaos:cli",
+    "feed": "app.feed:cli",
+    "replica": "app.replica:cli",
     "bench": "app.bench.cli:cli",
 }
 
@@ -34,6 +36,8 @@ HELP = {
     "warmup": "Make the tiny base policy with a short supervised warm-up.",
     "reward": "Serve a reward model over HTTP.",
     "chaos": "Run the loop under a seeded fault schedule and audit the ledger.",
+    "feed": "Queue the run's prompts until the trainer is done; held-out evaluation.",
+    "replica": "Run every pod of synthesized manifests (dist/) as local processes.",
     "bench": "Benchmarks (MoE layer, loop).",
 }
 

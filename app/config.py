@@ -247,6 +247,19 @@ class TaskConfig(Section):
                                      "completions (`moerl reward`) instead of the task's verifier.")
 
 
+class FeedConfig(Section):
+    """The prompt source and the cluster's held-out evaluator (`moerl feed`, app/feed.py)."""
+
+    low_water: int | None = Field(None, ge=1, description="Queue more prompt groups when fewer "
+                                  "than this wait; None: 4 x trainer.groups_per_step.")
+    poll_s: float = Field(1.0, gt=0.0, description="Seconds between queue checks.")
+    eval_every: int = Field(0, ge=0, description="Policy versions between held-out evaluations "
+                            "through the feeder's engine (0: none); the final version is always "
+                            "measured when > 0.")
+    eval_samples: int = Field(4, ge=1, description="Completions per held-out prompt (sampled "
+                              "at rollout.temperature).")
+
+
 def _describe(e: ValidationError) -> str:
     """A pydantic error as 'invalid run config' plus one line per field path."""
     lines = [f"{'.'.join(map(str, err['loc'])) or '(run config)'}: {err['msg']}" for err in e.errors()]
@@ -264,6 +277,7 @@ class RunConfig(Section):
     rollout: RolloutConfig = RolloutConfig()
     trainer: TrainerConfig = TrainerConfig()
     task: TaskConfig = TaskConfig()
+    feed: FeedConfig = FeedConfig()
 
     @model_validator(mode="before")
     @classmethod

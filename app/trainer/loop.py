@@ -204,7 +204,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
     from app.layout import resolve_layout
     from app.model.config import num_routed_experts
     from app.model.parallel import init_ep
-    from app.storage import open_store
+    from app.storage import mark_done, open_store
     from app.storage.policy import latest_policy_version
     from app.trainer.models import build_critic_parts, build_policy_model, build_reference, policy_config
     from app.trainer.parallel import build_mesh
@@ -417,6 +417,8 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
                 f.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if rank == 0 and state.step >= t.steps:
+        mark_done(store, cfg.run_id, state.step, state.version)  # the feeder (app/feed.py) stops on it
     return state
 
 
