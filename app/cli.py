@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "reward": "app.envs.reward_server:cli",
     "chaos": "app.chaos:cli",
     "bench": "app.bench.cli:cli",
+    "plan": "app.plan.cli:cli",
 }
 
 HELP = {
@@ -35,6 +36,7 @@ HELP = {
     "reward": "Serve a reward model over HTTP.",
     "chaos": "Run the loop under a seeded fault schedule and audit the ledger.",
     "bench": "Benchmarks (MoE layer, loop).",
+    "plan": "Per-GPU trainer memory and weight-sync traffic for a model and layout.",
 }
 
 
