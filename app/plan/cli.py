@@ -99,6 +99,9 @@ def plan(
                               "--config, else bfloat16)."),
     gpu_memory_gib: float = typer.Option(None, "--gpu-memory-gib", help="Device memory, GiB (default: p5en's "
                                          "H200, infra/instances.py)."),
+    fragmentation: float = typer.Option(None, "--fragmentation", help="Allocator reserve over live tensors "
+                                        "(default 1.33, default allocator; 1.13 measured with "
+                                        "expandable_segments:True)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
     detail: bool = typer.Option(False, "--detail", help="Also list one decoder layer's saved tensors per kind."),
     traffic: bool = typer.Option(False, "--traffic", help="Print the weight-sync traffic budget instead."),
@@ -142,17 +145,19 @@ def plan(
                            max_staleness, generation_s, load_s, json_out)
             return
         _print_memory(cfg, run, layout, gpus_per_node, parallel, micro_batch_tokens, activation_checkpointing,
-                      logprob_chunk_tokens, rollouts_per_gpu, seq_len, algorithm, gpu_memory_gib, json_out, detail)
+                      logprob_chunk_tokens, rollouts_per_gpu, seq_len, algorithm, gpu_memory_gib, fragmentation,
+                      json_out, detail)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
 
 
 def _print_memory(cfg, run, layout, gpus_per_node, parallel, micro_batch_tokens, activation_checkpointing,
-                  logprob_chunk_tokens, rollouts_per_gpu, seq_len, algorithm, gpu_memory_gib, json_out, detail):
+                  logprob_chunk_tokens, rollouts_per_gpu, seq_len, algorithm, gpu_memory_gib, fragmentation,
+                  json_out, detail):
     from rich.console import Console
     from rich.table import Table
 
-    from app.plan.memory import PlanInput, constants, plan_memory
+    from app.plan.memory import FRAGMENTATION, PlanInput, constants, plan_memory
     from infra.instances import instance_spec
 
     t = run.trainer
@@ -167,6 +172,7 @@ def _print_memory(cfg, run, layout, gpus_per_node, parallel, micro_batch_tokens,
         algorithm=algorithm or t.algorithm, ep_backend=backend, compute_dtype=run.model.dtype,
         log_entropy=t.log_entropy,
         gpu_memory_gib=gpu_memory_gib if gpu_memory_gib is not None else instance_spec("p5en.48xlarge").gpu_memory_gib,
+        fragmentation=FRAGMENTATION if fragmentation is None else fragmentation,
     )
     p = plan_memory(inp)
     if json_out:
@@ -195,7 +201,7 @@ def _print_memory(cfg, run, layout, gpus_per_node, parallel, micro_batch_tokens,
         for name in p.phases:
             phases.add_row(("[bold]" if name == peak else "") + name, _gib(p.phase_bytes(name)))
         console.print(phases)
-        c = constants()
+        c = constants() | {"FRAGMENTATION": inp.fragmentation}
         summary = Table(title="Total", show_header=False)
         summary.add_column("")
         summary.add_column("", justify="right")

@@ -33,13 +33,28 @@ Phases (the peak is the largest):
                                  + the residual gradient + one layer's recompute (checkpointing)
                                  + that layer's activation gradients
   root reduce-scatter            static + gathered root + root gradients in bf16 and fp32
-  optimizer step                 static + the foreach temporary
+  optimizer step                 static + the foreach temporary + the root's bf16 copy, which
+                                 FSDP2 still holds then (measured, see below)
+With one micro-batch per step (and ``zero_grad(set_to_none=True)``) the fp32 gradients do not
+exist yet in the loss and the top layer's backward, so those phases leave them out; with several,
+the first micro-batch's backward makes them and they stay.
 DeepEP's buffer (ep_backend deepep, ep > 1) is allocated once and counted in every phase.
 
 The prediction for a measurement: the peak phase's tensors are what
-``torch.cuda.max_memory_allocated`` reads; times `FRAGMENTATION` what ``max_memory_reserved``
+``torch.cuda.max_memory_allocated`` reads; times the fragmentation factor (`FRAGMENTATION`) what ``max_memory_reserved``
 reads; plus `CUDA_OVERHEAD_GIB` (and `NCCL_OVERHEAD_GIB` with more than one rank) what the device
 has in use. The constants below are where a measurement calibrates the model.
+
+Checked end to end on the H200 here (torch 2.11): the second of two FSDP2 steps (world 1, bf16
+compute, fp32 master weights and foreach AdamW, full checkpointing with ``checkpoint_wrapper``,
+the lead's ``chunked_logprobs`` with entropy, 2 x 8192 tokens with a padding mask),
+max_memory_allocated per phase against the plan:
+  Qwen3-30B-A3B widths, 4 layers: loss forward 50.60 / 50.43 GB, optimizer step (the peak)
+    63.63 / 63.54 GB; backward 56.63 GB, which the plan's root reduce-scatter puts at 54.82 GB.
+  DeepSeek-V3 widths, 2 layers (1 dense), 32 experts: loss forward 66.44 / 66.04 GB, layer
+    backward 83.24 / 83.37 GB, optimizer step (the peak) 85.34 / 85.26 GB.
+Between steps FSDP2 still held 1.33 GB beyond weights and moments (Qwen3 case): the root unit's
+bf16 copy (1.245 GB) plus 0.09 GB. tests/test_plan.py carries both configurations.
 """
 
 from __future__ import annotations
@@ -68,9 +83,14 @@ CUDA_OVERHEAD_GIB = 1.78
 # NCCL communicators (FSDP shard group, EP group, HSDP replicas) with more than one rank.
 # Assumption, not measured: NCCL's default buffers are a few MiB per channel and peer.
 NCCL_OVERHEAD_GIB = 1.0
-# Caching-allocator reserve over the peak of live tensors (blocks split across sizes and streams).
-# Assumption, not measured at these sizes.
-FRAGMENTATION = 1.10
+# Caching-allocator reserve over the peak of live tensors (blocks split across sizes and streams):
+# max_memory_reserved / max_memory_allocated over two FSDP2 steps on the H200 here (world 1, full
+# checkpointing, chunked logprobs, foreach AdamW, 2 x 8192 tokens): Qwen3-30B-A3B widths with 4
+# layers 77.22 / 63.63 GB = 1.21; DeepSeek-V3 widths with 2 layers and 32 experts 113.79 / 85.34
+# = 1.33 (1.17 after the first step alone). With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+# the DeepSeek-V3 case reserved 96.26 / 85.33 = 1.13: use that (``--fragmentation 1.13``) for a
+# trainer that sets it. The default is the worst case measured with the default allocator.
+FRAGMENTATION = 1.33
 # Rows the busiest EP rank's experts receive, over T*K. 1.0: balanced routing (exact at EP 1).
 EXPERT_ROWS_IMBALANCE = 1.0
 # The trainer passes a padding attention_mask to the model (app/trainer/train.py); without it,
@@ -111,6 +131,7 @@ class PlanInput:
         compute_dtype: ``bfloat16`` or ``float32`` (``model.dtype``).
         log_entropy: the entropy metric (``trainer.log_entropy``) widens the LM-head forward.
         gpu_memory_gib: device capacity, GiB.
+        fragmentation: reserved / allocated factor (`FRAGMENTATION` by default).
     """
 
     config: PretrainedConfig
@@ -126,6 +147,7 @@ class PlanInput:
     compute_dtype: str = "bfloat16"
     log_entropy: bool = True
     gpu_memory_gib: float = 141.0
+    fragmentation: float = FRAGMENTATION
 
     def check(self) -> None:
         """Raises ValueError naming the field (the CLI flag) that is out of range."""
@@ -143,6 +165,7 @@ class PlanInput:
             (self.compute_dtype in DTYPE_BYTES, f"model.dtype must be one of {tuple(DTYPE_BYTES)}"),
             (self.gpu_memory_gib > 0, f"--gpu-memory-gib must be > 0, got {self.gpu_memory_gib}"),
             (self.gpus_per_node >= 1, f"--gpus-per-node must be >= 1, got {self.gpus_per_node}"),
+            (self.fragmentation >= 1.0, f"--fragmentation must be >= 1, got {self.fragmentation}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -184,8 +207,8 @@ class MemoryPlan:
 
     @property
     def reserved(self) -> int:
-        """`tensors_peak` times `FRAGMENTATION` (compare with ``max_memory_reserved``)."""
-        return int(self.tensors_peak * FRAGMENTATION)
+        """`tensors_peak` times the fragmentation factor (compare with ``max_memory_reserved``)."""
+        return int(self.tensors_peak * self.inp.fragmentation)
 
     @property
     def overhead(self) -> int:
@@ -225,7 +248,7 @@ class MemoryPlan:
                        activation_checkpointing=i.activation_checkpointing,
                        logprob_chunk_tokens=i.logprob_chunk_tokens, algorithm=i.algorithm,
                        compute_dtype=i.compute_dtype, log_entropy=i.log_entropy),
-            constants=constants(),
+            constants=constants() | {"FRAGMENTATION": i.fragmentation},
             terms=[dict(key=k, name=t.name, bytes=t.bytes, gib=t.bytes / GIB, formula=t.formula,
                         phases=[p for p, keys in self.phases.items() if k in keys], in_peak=k in self.phases[peak])
                    for k, t in self.terms.items()],
@@ -360,15 +383,16 @@ def plan_memory(inp: PlanInput) -> MemoryPlan:
                                f"4 * {max(local, critic_local):,}" if FOREACH_ADAMW else "fused AdamW")
 
     base = static + static_comm
-    loss = base + ["root", "unit1"] + acts + ["root_acts"] + both
+    early = [k for k in base if n_micro > 1 or k not in ("grads", "c_grads")]  # see the module docstring
+    loss = early + ["root", "unit1"] + acts + ["root_acts"] + both
     bwd = [k for k in ("recompute",) if k in terms]
     phases = {
         "loss forward": loss + ["lp_fwd"],
         "loss backward": loss + ["lp_bwd"],
-        "layer backward": base + ["root", "lm_grad", "unit1", "unit2", "unit_grads"] + acts + both
+        "layer backward": early + ["root", "lm_grad", "unit1", "unit2", "unit_grads"] + acts + both
         + ["root_acts_bwd", "residual_grad"] + bwd + ["bwd_transient"],
         "root reduce-scatter": base + ["root", "root_grads"],
-        "optimizer step": base + ["optim_temp"],
+        "optimizer step": base + ["root", "optim_temp"],
     }
     return MemoryPlan(inp=inp, micro_batch=mb, micro_batches=n_micro, terms=terms, phases=phases,
                       params=count_params(cfg), layer_detail=detail)
