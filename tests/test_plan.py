@@ -219,9 +219,12 @@ def saved_by_layer(model, input_ids, attention_mask) -> dict:
     def pack(t):
         s = t.untyped_storage()
         key = (where[0], "sdpa" if state["in_sdpa"] else "rest")
-        if s.data_ptr() in seen and seen[s.data_ptr()][0][0] != where[0]:
-            seen[s.data_ptr()] = (("shared", key[1]),) + seen[s.data_ptr()][1:]
-        elif s.data_ptr() not in params and s.data_ptr() not in seen:
+        old = seen.get(s.data_ptr())
+        if old is not None and old[2]() is None:  # that tensor was freed (a dead branch): a new storage here
+            old = None
+        if old is not None and old[0][0] != where[0]:
+            seen[s.data_ptr()] = (("shared", key[1]),) + old[1:]
+        elif old is None and s.data_ptr() not in params:
             seen[s.data_ptr()] = (key, s.nbytes(), weakref.ref(t))
         return t
 
