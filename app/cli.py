@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "feed": "app.feed:cli",
     "replica": "app.replica:cli",
     "bench": "app.bench.cli:cli",
+    "plan": "app.plan.cli:cli",
 }
 
 HELP = {
@@ -39,6 +40,7 @@ HELP = {
     "feed": "Queue the run's prompts until the trainer is done; held-out evaluation.",
     "replica": "Run every pod of synthesized manifests (dist/) as local processes.",
     "bench": "Benchmarks (MoE layer, loop).",
+    "plan": "Per-GPU trainer memory and weight-sync traffic for a model and layout.",
 }
 
 
