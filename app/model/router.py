@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 FAMILIES = ("qwen3_moe", "deepseek_v3")
@@ -40,6 +41,11 @@ class Routing:
     scores: Tensor
     topk_idx: Tensor
     topk_weights: Tensor
+
+
+# A pytree node, so that FSDP2 (the router is an FSDP unit of its own, app/trainer/parallel.py)
+# finds the tensors of a Routing output and hooks their backward to re-gather the weight.
+pytree.register_dataclass(Routing)
 
 
 def softmax_topk(logits: Tensor, top_k: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor, Tensor]:
