@@ -149,6 +149,15 @@ class Router(nn.Module):
         return Routing(logits, scores, idx, weights)
 
     @torch.no_grad()
+    def own_topk(self, scores: Tensor) -> Tensor:
+        """The experts this router selects from its ``scores`` [T, E] fp32 (softmax or sigmoid, as
+        `forward` returns them): [T, K] int64, the same selection `forward` makes without replay."""
+        if self.family == "qwen3_moe":
+            return torch.topk(scores, self.top_k, dim=-1)[1]
+        return group_limited_topk(scores, self.e_score_correction_bias.float(), self.top_k, self.n_group,
+                                  self.topk_group)
+
+    @torch.no_grad()
     def update_bias(self, tokens_per_expert: Tensor, rate: float) -> None:
         """Aux-loss-free load balancing (DeepSeek-V3 report §2.1.2): bias -= rate * sign(load - mean load).
 
