@@ -63,6 +63,8 @@ class ModelConfig(Section):
     preset: Literal["tiny-qwen3-moe", "tiny-deepseek-v3"] = "tiny-qwen3-moe"
     path: str | None = Field(None, description="Base checkpoint: a local HF directory, an s3:// "
                              "prefix or a Hugging Face Hub id (owner/name); overrides preset.")
+    cache_dir: str = Field("runs/model-cache", description="Node-local directory where an s3:// or "
+                           "Hub model.path is downloaded (once per host; app/model/source.py).")
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Compute and published dtype. Master weights and optimizer state "
         "are always float32; bfloat16 computes in bf16 and reduces gradients in fp32.")

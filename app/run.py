@@ -73,8 +73,9 @@ def check_inputs(cfg: RunConfig) -> None:
     make_splits(cfg.task)
     if cfg.model.path:
         from app.model.checkpoint import check_checkpoint
+        from app.model.source import resolve_model_path
 
-        config = check_checkpoint(cfg.model.path)
+        config = check_checkpoint(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
     else:
         config = tiny_config(cfg.model.preset)
     validate_config(config, cfg.trainer.parallel.ep)

@@ -204,6 +204,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
     from app.layout import resolve_layout
     from app.model.config import moe_layer_ids, num_routed_experts
     from app.model.parallel import init_ep
+    from app.model.source import resolve_model_path
     from app.storage import mark_done, open_store
     from app.storage.policy import latest_policy_version
     from app.trainer.models import build_critic_parts, build_policy_model, build_reference, policy_config
@@ -218,7 +219,10 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
     cfg = cfg.validated()
     t = cfg.trainer
     rank, world, device = init_distributed(timeout_s=t.batch_timeout_s + 600)
-    path = cfg.model.path
+    # A Hub id or an s3:// prefix is downloaded to this host's cache first (one process per host).
+    path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir)) if cfg.model.path else None
+    if t.critic_path:
+        t.critic_path = str(resolve_model_path(t.critic_path, cfg.model.cache_dir))
     config = policy_config(cfg, path)
     layout = resolve_layout(t.parallel, world, num_routed_experts(config))
     mesh = build_mesh(layout, device.type)
