@@ -24,7 +24,10 @@ COMMANDS: dict[str, str] = {
     "reward": "app.envs.reward_server:cli",
     "env": "app.envs.openenv_server:cli",
     "chaos": "app.chaos:cli",
+    "feed": "app.feed:cli",
+    "replica": "app.replica:cli",
     "bench": "app.bench.cli:cli",
+    "plan": "app.plan.cli:cli",
 }
 
 HELP = {
@@ -36,7 +39,10 @@ HELP = {
     "reward": "Serve a reward model over HTTP.",
     "env": "Serve the run's environment over OpenEnv's protocol (multi-turn episodes).",
     "chaos": "Run the loop under a seeded fault schedule and audit the ledger.",
+    "feed": "Queue the run's prompts until the trainer is done; held-out evaluation.",
+    "replica": "Run every pod of synthesized manifests (dist/) as local processes.",
     "bench": "Benchmarks (MoE layer, loop).",
+    "plan": "Per-GPU trainer memory and weight-sync traffic for a model and layout.",
 }
 
 

@@ -63,6 +63,8 @@ class ModelConfig(Section):
     preset: Literal["tiny-qwen3-moe", "tiny-deepseek-v3"] = "tiny-qwen3-moe"
     path: str | None = Field(None, description="Base checkpoint: a local HF directory, an s3:// "
                              "prefix or a Hugging Face Hub id (owner/name); overrides preset.")
+    cache_dir: str = Field("runs/model-cache", description="Node-local directory where an s3:// or "
+                           "Hub model.path is downloaded (once per host; app/model/source.py).")
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Compute and published dtype. Master weights and optimizer state "
         "are always float32; bfloat16 computes in bf16 and reduces gradients in fp32.")
@@ -271,7 +273,19 @@ class EnvConfig(Section):
                                      "(WebSocket) this long after it opened.")
     max_sessions: int = Field(256, ge=1, description="Concurrent episodes one env server holds.")
     attempts: int = Field(2, ge=1, description="spell-retry: answers accepted, the first and each retry after feedback.")
-    retry_discount: float = Field(0.5, ge=0.0, le=1.0, description="Reward factor per answer after the first.")
+
+
+class FeedConfig(Section):
+    """The prompt source and the cluster's held-out evaluator (`moerl feed`, app/feed.py)."""
+
+    low_water: int | None = Field(None, ge=1, description="Queue more prompt groups when fewer "
+                                  "than this wait; None: 4 x trainer.groups_per_step.")
+    poll_s: float = Field(1.0, gt=0.0, description="Seconds between queue checks.")
+    eval_every: int = Field(0, ge=0, description="Policy versions between held-out evaluations "
+                            "through the feeder's engine (0: none); the final version is always "
+                            "measured when > 0.")
+    eval_samples: int = Field(4, ge=1, description="Completions per held-out prompt (sampled "
+                              "at rollout.temperature).")
 
 
 def _describe(e: ValidationError) -> str:
@@ -292,6 +306,7 @@ class RunConfig(Section):
     trainer: TrainerConfig = TrainerConfig()
     task: TaskConfig = TaskConfig()
     env: EnvConfig = EnvConfig()
+    feed: FeedConfig = FeedConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -314,6 +329,9 @@ class RunConfig(Section):
             self.rollout.routing_replay = True
         if self.env.name and self.rollout.routing_replay:
             raise ValueError("rollout.routing_replay: not supported with env.name (multi-turn episodes) yet")
+        if self.env.name and self.feed.eval_every:
+            raise ValueError("feed.eval_every: the feed's held-out evaluation scores single completions; with "
+                             "env.name it is not supported yet (moerl run evaluates episodes in process)")
         if self.env.name and t.algorithm == "ppo":
             # GAE (app/trainer/ppo.py) stops at masked tokens: it would not carry the episode's
             # reward back across the environment's observations to earlier turns.

@@ -3,7 +3,8 @@
 1. start redis-server (append-only persistence) in the run directory;
 2. make the tiny base policy with a short supervised warm-up (`moerl warmup`), cached by recipe;
 3. measure the held-out mean reward of that base policy (where RL starts);
-4. queue the training prompts as tasks, start W engines + W rollout workers and the trainer
+4. queue the training prompts as tasks (app/feed.py's `TaskFeeder`, the cluster's prompt
+   source), start W engines + W rollout workers and the trainer
    (torchrun, EP over gloo), show live progress;
 5. when the trainer has made its steps: drain the workers, measure the held-out mean reward of
    the last published policy, write metrics.jsonl, TensorBoard events, plot.png, summary.json.
@@ -13,7 +14,6 @@ Ctrl-C stops every process cleanly (SIGTERM, then SIGKILL after the drain grace 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -28,6 +28,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from app.config import RunConfig
 from app.embedded import EmbeddedLoop, RoleFailed
+from app.feed import TaskFeeder, make_feeder
 from app.procs import moerl_argv
 
 console = Console()
@@ -112,8 +113,9 @@ def check_inputs(cfg: RunConfig) -> None:
     make_splits(cfg.task)
     if cfg.model.path:
         from app.model.checkpoint import check_checkpoint
+        from app.model.source import resolve_model_path
 
-        config = check_checkpoint(cfg.model.path)
+        config = check_checkpoint(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
     else:
         config = tiny_config(cfg.model.preset)
     validate_config(config, cfg.trainer.parallel.ep)
@@ -167,41 +169,6 @@ def held_out_reward(cfg: RunConfig, model_dir: Path) -> dict:
     return {"n": r.n, "mean_reward": r.sampled, "greedy": r.greedy}
 
 
-class TaskFeeder:
-    """Keeps the task queue topped up with training prompt groups, epoch after epoch.
-
-    Stale groups are dropped (``buffer.stale_policy``), so how many tasks a run consumes is not
-    known in advance; the feeder adds the next ``low_water`` tasks whenever fewer than that are
-    waiting. Each epoch's tasks get new ids (``e<k>-train-...``): the buffer never queues the
-    same (task_id, attempt) twice.
-    """
-
-    def __init__(self, loop: EmbeddedLoop, model_dir: Path):
-        from app.envs.tasks import make_splits, make_tasks
-        from app.envs.tokenizer import load_tokenizer
-
-        cfg = loop.cfg
-        train, _ = make_splits(cfg.task)
-        self.tasks = make_tasks(train, load_tokenizer(model_dir), cfg.rollout.group_size)
-        self.loop = loop
-        self.low_water = 4 * cfg.trainer.groups_per_step
-        self.next = 0  # index into the endless sequence of epochs
-
-    def top_up(self) -> int:
-        """Queue tasks until at least ``2 * low_water`` wait; returns how many were added."""
-        with self.loop.buffer() as buf:
-            waiting = buf.stats()["queued"]
-            if waiting >= self.low_water:
-                return 0
-            batch = []
-            for _ in range(2 * self.low_water - waiting):
-                epoch, i = divmod(self.next, len(self.tasks))
-                task = self.tasks[i]
-                batch.append(dataclasses.replace(task, task_id=f"e{epoch}-{task.task_id}"))
-                self.next += 1
-            return buf.put_tasks(batch)
-
-
 def start_from_base(loop: EmbeddedLoop, cache_root: Path, label: str,
                     out: Console | None = None) -> tuple[Path, dict, TaskFeeder]:
     """Start Redis, make (or reuse) the warm-up checkpoint under `cache_root` and make it the
@@ -222,7 +189,7 @@ def start_from_base(loop: EmbeddedLoop, cache_root: Path, label: str,
     before = held_out_reward(loop.cfg, base)
     (out or console).print(f"held-out reward {label}: {before['mean_reward']:.3f} (n={before['n']}, "
                            f"greedy {before['greedy']:.3f})")
-    feeder = TaskFeeder(loop, base)
+    feeder = make_feeder(loop.cfg, base, loop.buffer, cache_dir=loop.run_dir)
     feeder.top_up()
     return base, before, feeder
 
@@ -298,6 +265,7 @@ def run(
         loop.start_trainer()
         loop.start_rollout(base)
         progress_loop(loop, feeder, loop.cfg.trainer.steps)
+        feeder.close()
         loop.stop_rollout()
         final = latest_local_policy(loop)
         after = held_out_reward(loop.cfg, final)

@@ -1,4 +1,4 @@
-"""TorchX components of a moerl job: the trainer gang and the rollout workers.
+"""TorchX components of a moerl job: the trainer gang, the rollout workers and the prompt source.
 
     torchx run -s local_cwd app/torchx_component.py:trainer --nproc_per_node 2 --config run.yaml
     torchx run -s local_cwd app/torchx_component.py:rollout --config run.yaml --model_path <hf dir>
@@ -15,6 +15,7 @@ API: torchx.specs (AppDef, Role, Resource, macros), https://pytorch.org/torchx/l
 
 # No `from __future__ import annotations`: TorchX reads the component's parameter types at run time.
 import shlex
+import sys
 
 import torchx.specs as specs
 
@@ -27,8 +28,14 @@ HUGEPAGES_RESOURCE = "hugepages-2Mi"
 MIB = 1024 * 1024
 
 
+def moerl_cmd(python: str = "") -> list[str]:
+    """How a role starts `moerl`: the image's console script on PATH, or ``python -m app.cli``
+    when an interpreter is given (a local venv run without the venv on PATH)."""
+    return [python, "-m", "app.cli"] if python else ["moerl"]
+
+
 def trainer_command(config: str, nnodes: int, nproc_per_node: int, rdzv_port: int, resume: bool,
-                    run_dir: str = "") -> str:
+                    run_dir: str = "", python: str = "") -> str:
     """The trainer's shell command: torchrun starting `moerl train` on every GPU of the node.
 
     Rendezvous is c10d on rank 0's host; `${rank0_env}` is a TorchX macro that becomes
@@ -37,12 +44,16 @@ def trainer_command(config: str, nnodes: int, nproc_per_node: int, rdzv_port: in
     (torchx.specs.macros, torchx.components.dist.ddp).
     torchrun's own restarts are off: a failed rank restarts the whole gang, which resumes.
     run_dir: `moerl train --run-dir` (metrics, local staging); "" keeps its default.
+    python: "" runs the image's `torchrun` and `moerl` from PATH; an interpreter path runs
+        ``python -m torch.distributed.run ... -m app.cli train`` (nothing taken from PATH).
     """
     endpoint = f"${{{specs.macros.rank0_env}:=localhost}}:{rdzv_port}"
+    launcher = [python, "-m", "torch.distributed.run"] if python else ["torchrun"]
+    script = ["-m", "app.cli"] if python else ["--no-python", "moerl"]
     cmd = [
-        "torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
+        *launcher, f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={specs.macros.app_id}",
-        "--max-restarts=0", "--no-python", "moerl", "train", "--config", config,
+        "--max-restarts=0", *script, "train", "--config", config,
     ]
     if run_dir:
         cmd += ["--run-dir", run_dir]
@@ -52,11 +63,12 @@ def trainer_command(config: str, nnodes: int, nproc_per_node: int, rdzv_port: in
     return " ".join(a if a.startswith("--rdzv-endpoint") else shlex.quote(a) for a in cmd)
 
 
-def engine_command(engine: str, model_path: str | None, port: int, tp_size: int) -> list[str]:
+def engine_command(engine: str, model_path: str | None, port: int, tp_size: int, python: str = "") -> list[str]:
     """The rollout engine of this component: SGLang with tensor parallelism over ``tp_size``
     GPUs, or the built-in `moerl engine` locally; both on loopback (only the worker beside it
     talks to it). The command lines come from `app.rollout.engine_args` (charts8s renders
-    every engine profile, multi-node ones included, from the same functions).
+    every engine profile, multi-node ones included, from the same functions); ``python`` runs the
+    built-in engine as ``python -m app.cli`` instead of the ``moerl`` script (see `moerl_cmd`).
 
     Raises:
         ValueError: unknown engine, or no model_path.
@@ -70,18 +82,18 @@ def engine_command(engine: str, model_path: str | None, port: int, tp_size: int)
         raise ValueError(f"engine {engine!r} needs model_path (an HF id or a local checkpoint directory)")
     profile = EngineProfile(tp_size=tp_size)
     if engine == "builtin":
-        return builtin_command(profile, model_path, port=port)
+        return [*moerl_cmd(python), *builtin_command(profile, model_path, port=port)[1:]]
     return sglang_command(EngineLayout(profile, gpus_per_node=tp_size), model_path, port=port)
 
 
-def worker_command(config: str, worker_id: str, pause_marker: str | None = None) -> list[str]:
+def worker_command(config: str, worker_id: str, pause_marker: str | None = None, python: str = "") -> list[str]:
     """The moerl rollout worker (leases prompt groups, calls the engine on loopback, publishes).
 
     worker_id: unique per worker (its task-lease consumer name), e.g. the pod name.
     pause_marker: the file the engine's probes read while the worker holds it paused
         (`app.rollout.probe`); None: no marker.
     """
-    cmd = ["moerl", "rollout", "--config", config, "--worker-id", worker_id]
+    cmd = [*moerl_cmd(python), "rollout", "--config", config, "--worker-id", worker_id]
     return cmd + (["--pause-marker", pause_marker] if pause_marker else [])
 
 
@@ -140,6 +152,7 @@ def trainer(
     rdzv_port: int = 29500,
     max_retries: int = 10,
     name: str = "moerl-trainer",
+    python: str = "",
 ) -> specs.AppDef:
     """The trainer gang: `nnodes` replicas x `nproc_per_node` ranks of `moerl train --config`.
 
@@ -151,6 +164,7 @@ def trainer(
         gpus: GPUs per replica (0 on CPU: the ranks use gloo).
         efa, hugepages_mib: EFA devices and 2 MiB hugepages (MiB) per replica; 0 locally.
         cpu, mem_mb: vCPU and memory (MB) per replica.
+        python: "" (images: `torchrun` and `moerl` on PATH) or the interpreter to run them with.
 
     Raises:
         ValueError: a count below 1, or gpus neither 0 nor nproc_per_node.
@@ -166,7 +180,7 @@ def trainer(
         name=TRAINER_ROLE,
         image=image,
         entrypoint="bash",
-        args=["-c", trainer_command(config, nnodes, nproc_per_node, rdzv_port, resume, run_dir)],
+        args=["-c", trainer_command(config, nnodes, nproc_per_node, rdzv_port, resume, run_dir, python)],
         num_replicas=nnodes,
         resource=trainer_resource(gpus, efa, hugepages_mib, cpu, mem_mb),
         port_map={"c10d": rdzv_port},
@@ -206,6 +220,7 @@ def rollout(
     mem_mb: int = 4096,
     max_retries: int = 1000,
     name: str = "moerl-rollout",
+    python: str = "",
 ) -> specs.AppDef:
     """Rollout workers: `replicas` x (engine on loopback + `moerl rollout --config`).
 
@@ -223,13 +238,37 @@ def rollout(
         name=ROLLOUT_ROLE,
         image=image,
         entrypoint="bash",
-        args=["-c", _pair(engine_command(engine, model_path, port, tp_size),
-                          worker_command(config, f"{specs.macros.app_id}-{specs.macros.replica_id}"))],
+        args=["-c", _pair(engine_command(engine, model_path, port, tp_size, python),
+                          worker_command(config, f"{specs.macros.app_id}-{specs.macros.replica_id}", python=python))],
         num_replicas=replicas,
         resource=trainer_resource(gpus, efa, 0, cpu, mem_mb),
         max_retries=max_retries,
         retry_policy=specs.RetryPolicy.REPLICA,
         env=dict(EFA_ENV) if efa else {},
+    )
+    return specs.AppDef(name=name, roles=[role])
+
+
+def feeder(
+    image: str = "moerl-rollout:local",
+    config: str = CLUSTER_CONFIG,
+    run_dir: str = "runs/feed",
+    engine_url: str = "",
+    cpu: int = 1,
+    mem_mb: int = 4096,
+    name: str = "moerl-feed",
+    python: str = "",
+) -> specs.AppDef:
+    """The prompt source (`moerl feed`, app/feed.py): one replica, restarted alone on failure
+    (it is restart-safe); it exits 0 once the trainer is done. ``engine_url``: an engine for
+    held-out evaluation (``feed.eval_every`` > 0), "" for none."""
+    args = [*moerl_cmd(python), "feed", "--config", config, "--run-dir", run_dir]
+    if engine_url:
+        args += ["--engine-url", engine_url]
+    role = specs.Role(
+        name="feed", image=image, entrypoint=args[0], args=args[1:], num_replicas=1,
+        resource=specs.Resource(cpu=cpu, gpu=0, memMB=mem_mb), max_retries=100,
+        retry_policy=specs.RetryPolicy.REPLICA,
     )
     return specs.AppDef(name=name, roles=[role])
 
@@ -241,12 +280,20 @@ def job(
     model_path: str = "",
     nproc_per_node: int = 2,
     rollout_replicas: int = 1,
+    python: str = sys.executable,
 ) -> specs.AppDef:
-    """Both roles in one AppDef, for `torchx run -s local_cwd` on one machine (CPU, built-in engine).
+    """The trainer, the rollout workers and the prompt source in one AppDef, for `torchx run -s
+    local_cwd` on one machine (CPU, built-in engine). The buffer is not a role: start
+    redis-server first and put its URL in the config's ``buffer.redis_url`` (README).
+
+    python: the interpreter every role runs (default: the one running torchx, so
+    `.venv/bin/torchx` works without the venv on PATH).
 
     In the cluster submit `trainer` and `rollout` separately: one AppDef becomes one Volcano gang,
     and rollout pods on Spot must not be tied to the trainer's gang.
     """
-    t = trainer(image=trainer_image, nproc_per_node=nproc_per_node, config=config).roles[0]
-    r = rollout(image=rollout_image, replicas=rollout_replicas, config=config, model_path=model_path).roles[0]
-    return specs.AppDef(name="moerl", roles=[t, r])
+    t = trainer(image=trainer_image, nproc_per_node=nproc_per_node, config=config, python=python).roles[0]
+    r = rollout(image=rollout_image, replicas=rollout_replicas, config=config, model_path=model_path,
+                python=python).roles[0]
+    f = feeder(image=rollout_image, config=config, python=python).roles[0]
+    return specs.AppDef(name="moerl", roles=[t, r, f])

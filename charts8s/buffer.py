@@ -16,7 +16,7 @@ from charts8s.placement import checkov_skips, container_security, labels, on_poo
 NAME = BUFFER_SERVICE
 STORAGE_CLASS = "moerl-gp3"
 UID = 10001  # any UID runs redis-server; fsGroup makes /data writable
-CLIENTS = ("moerl-rollout", "moerl-trainer", "moerl-env")
+CLIENTS = ("moerl-rollout", "moerl-trainer", "moerl-env", "moerl-feed")
 
 
 class BufferChart(cdk8s.Chart):

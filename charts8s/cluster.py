@@ -16,7 +16,11 @@ RUN_CONFIG_MAP = "moerl-run-config"
 RUN_CONFIG_KEY = "run.yaml"
 # Trainer above rollout: when GPUs are short the gang is placed first and rollout pods wait
 # (rollout only refills the buffer; a stalled trainer stalls the run).
-PRIORITY = {"moerl-trainer": 100000, "moerl-buffer": 90000, "moerl-rollout": 50000, "moerl-env": 40000}
+# The prompt source (moerl-feed) above rollout, and allowed to preempt one: without it the run
+# starves, and with held-out evaluation it needs a rollout-gpu node (charts8s/feed.py).
+PRIORITY = {"moerl-trainer": 100000, "moerl-buffer": 90000, "moerl-feed": 60000, "moerl-rollout": 50000,
+            "moerl-env": 40000}
+PREEMPTING = ("moerl-trainer", "moerl-feed")
 BUFFER_SERVICE = "moerl-buffer"
 REWARD_MODEL_SERVICE = "moerl-reward-model"  # charts8s/rewardmodel.py, when task.reward_model is set
 ENV_SERVICE = "moerl-env"  # charts8s/envpool.py
@@ -66,10 +70,11 @@ class ClusterChart(cdk8s.Chart):
                        automountServiceAccountToken=aws)
         for name, value in PRIORITY.items():
             api_object(self, k8s.KubePriorityClass, name, labels=labels(name), value=value,
-                       globalDefault=False, preemptionPolicy="PreemptLowerPriority" if name == "moerl-trainer" else "Never",
+                       globalDefault=False, preemptionPolicy="PreemptLowerPriority" if name in PREEMPTING else "Never",
                        description=f"moerl {name.removeprefix('moerl-')} pods")
         rollout_nodes = plan.rollout_nodes + plan.bench_nodes  # rollout engines and bench fleets
-        gpus = plan.trainer_world_size + rollout_nodes * plan.gpus_per_rollout + plan.reward_model_gpus
+        gpus = (plan.trainer_world_size + rollout_nodes * plan.gpus_per_rollout + plan.reward_model_gpus
+                + plan.feed_gpus)
         efa = plan.trainer_nodes * plan.efa_per_trainer + rollout_nodes * plan.efa_per_rollout
         api_object(self, k8s.KubeResourceQuota, "moerl-accelerators", ns, labels=labels("moerl"), spec={
             "hard": {"requests.nvidia.com/gpu": str(gpus), "requests.vpc.amazonaws.com/efa": str(efa)}})

@@ -23,6 +23,7 @@ from charts8s.benchrollout import BenchRolloutChart
 from charts8s.buffer import BufferChart
 from charts8s.cluster import ClusterChart
 from charts8s.envpool import EnvPoolChart
+from charts8s.feed import FeedChart
 from charts8s.kube import k8s_module
 from charts8s.rewardmodel import RewardModelChart
 from charts8s.rollout import RolloutChart
@@ -31,8 +32,8 @@ from charts8s.workloads import Plan, WorkloadError, load_workloads
 
 
 def build(plan: Plan, outdir: str | Path) -> list[Path]:
-    """Write one file per chart (cluster, buffer, rollout, trainer, envpool; rewardmodel when the
-    run config names task.reward_model; bench-rollout-<profile> per bench_rollout profile) into
+    """Write one file per chart (cluster, buffer, rollout, trainer, envpool, feed; rewardmodel when
+    the run config names task.reward_model; bench-rollout-<profile> per bench_rollout profile) into
     `outdir`.
 
     Synthesizes into a temporary directory beside `outdir` and swaps it in, so a failure leaves
@@ -61,6 +62,7 @@ def build(plan: Plan, outdir: str | Path) -> list[Path]:
         EnvPoolChart(app, plan)
         RolloutChart(app, plan)
         TrainerChart(app, plan)
+        FeedChart(app, plan)
         if plan.run.task.reward_model:
             RewardModelChart(app, plan)
         for profile in plan.bench_layouts():

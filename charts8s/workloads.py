@@ -22,6 +22,8 @@ from app.rollout.engine_args import EngineLayout
 from infra.config import DeploymentConfig, NodePool
 
 Role = Literal["trainer", "rollout", "env"]
+# The run config synthesized when a workloads file names none (README, "Recipes").
+DEV_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "dev-tiny-grpo.yaml"
 
 
 class WorkloadError(ValueError):
@@ -58,15 +60,16 @@ class RolloutSpec(_Model):
 
     replicas: engines (None: the pool's desired_size // nodes_per_engine, at least 1). An engine
         of one node is one pod of a Deployment; one over several nodes is one LeaderWorkerSet group.
-    model_path: the base policy SGLang loads at start and the trainer starts from (HF id or
-        local path; also written to the mounted run config's model.path); None: RunConfig.model.path.
+    model_path: the base policy SGLang loads at start and the trainer starts from (HF id, s3://
+        prefix or local path; also written to the mounted run config's model.path); None: the run
+        config's model.path.
     model_gib: size of one checkpoint of that model, GiB (Qwen3-30B-A3B in bf16: 57; DeepSeek-V3
         in FP8: 642). The model volume holds `MODEL_COPIES` of it and must fit the node's local
         disk (instance-store NVMe where the type has it, else the root volume).
     """
 
     replicas: int | None = Field(None, ge=1)
-    model_path: str | None = "Qwen/Qwen3-30B-A3B"
+    model_path: str | None = None
     model_gib: float = Field(57.0, gt=0)
     engine_port: int = Field(30000, ge=1024, le=65535)
     drain_margin_s: int = Field(15, ge=0, description="Added to rollout.drain_grace_s for the kubelet.")
@@ -110,6 +113,18 @@ class BenchRolloutSpec(_Model):
     concurrency: int | None = Field(None, ge=1)
 
 
+class FeedSpec(_Model):
+    """The prompt source (`moerl feed`, charts8s/feed.py): one pod. With held-out evaluation
+    (the run config's feed.eval_every > 0) it carries an engine and takes a rollout-gpu node of
+    its own; without, it is a CPU pod beside the buffer."""
+
+    eval_gpus: int | None = Field(None, ge=1, description="GPUs of the evaluation engine (its TP "
+                                  "size); None: every GPU of a rollout node, as the rollout engines.")
+    engine_port: int = Field(30000, ge=1024, le=65535)
+    cpu: int = Field(2, ge=1, description="vCPU of the feed container.")
+    memory_gi: int = Field(8, ge=1, description="Memory of the feed container (dataset, tokenizer).")
+
+
 class BufferSpec(_Model):
     """The Redis experience buffer (one StatefulSet pod with an append-only file on a volume)."""
 
@@ -123,18 +138,20 @@ class BufferSpec(_Model):
 class Workloads(_Model):
     """Everything the charts add to the deployment config.
 
-    run_config: path of a RunConfig YAML (None: RunConfig defaults); the charts put the
-        cluster addresses (buffer URL, engine URL, store URL) into it and mount it from one ConfigMap.
+    run_config: path of a RunConfig YAML (default: recipes/dev-tiny-grpo.yaml, the tiny recipe of
+        `make run` on the cluster); the charts put the cluster addresses (buffer URL, engine URL,
+        store URL) into it and mount it from one ConfigMap. Other recipes: recipes/*.yaml.
     images: full image reference per role, overriding the ECR repository of the deployment config
         (each must carry a tag or a digest).
     """
 
-    run_config: str | None = None
+    run_config: str | None = str(DEV_RECIPE)
     images: dict[Role, str] = {}
     trainer: TrainerSpec = TrainerSpec()
     rollout: RolloutSpec = RolloutSpec()
     env: EnvSpec = EnvSpec()
     reward_model: RewardModelSpec = RewardModelSpec()
+    feed: FeedSpec = FeedSpec()
     buffer: BufferSpec = BufferSpec()
     bench_rollout: BenchRolloutSpec | None = None
 
@@ -194,6 +211,21 @@ class Plan:
     def models_volume_gib(self) -> int:
         """Size limit of a rollout pod's model volume: `MODEL_COPIES` checkpoints of model_gib."""
         return math.ceil(MODEL_COPIES * self.wl.rollout.model_gib)
+
+    @property
+    def feed_evaluates(self) -> bool:
+        """The feed pod measures held-out reward (run config feed.eval_every > 0)."""
+        return self.run.feed.eval_every > 0
+
+    @property
+    def feed_gpus(self) -> int:
+        """GPUs of the feed pod's evaluation engine (0 without held-out evaluation)."""
+        return (self.wl.feed.eval_gpus or self.gpus_per_rollout) if self.feed_evaluates else 0
+
+    @property
+    def feed_nodes(self) -> int:
+        """rollout-gpu nodes the feed pod takes (it does not share one with a rollout pod)."""
+        return 1 if self.feed_evaluates else 0
 
     @property
     def trainer_world_size(self) -> int:
@@ -316,6 +348,16 @@ def check(plan: Plan) -> Plan:
             raise WorkloadError(
                 f"reward_model.replicas={rm.replicas} needs {plan.reward_model_nodes} rollout-gpu node(s) beside "
                 f"{plan.rollout_replicas} rollout pods; pools.rollout-gpu.max_size={roll.max_size}"
+            )
+    if plan.feed_evaluates:
+        if plan.feed_gpus > plan.gpus_per_rollout:
+            raise WorkloadError(f"feed.eval_gpus={plan.feed_gpus} exceeds the {plan.gpus_per_rollout} GPUs of a rollout-gpu node")
+        used = plan.rollout_nodes + plan.bench_nodes + plan.reward_model_nodes + plan.feed_nodes
+        if used > roll.max_size:
+            raise WorkloadError(
+                f"the feed pod's held-out evaluation (run config feed.eval_every={plan.run.feed.eval_every}) needs a "
+                f"rollout-gpu node beside {plan.rollout_nodes} rollout-engine node(s) and {plan.reward_model_nodes} "
+                f"reward-model node(s): {used} > pools.rollout-gpu.max_size={roll.max_size}"
             )
     per_node = min(s.vcpus for s in env.specs) // (wl.env.cpu + 1)  # 1 vCPU left to the kubelet and daemons
     if wl.env.replicas > env.max_size * per_node:

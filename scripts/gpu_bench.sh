@@ -21,7 +21,9 @@ if [[ "${1:-}" == "--fetch-wheels" ]]; then
     # Versions as in this checkout's .venv; cp312 manylinux x86_64 for the GPU image (KINDS.md).
     VPY="${VPY:-.venv/bin/python}"
     mkdir -p .whl/bench
-    for pkg in pydantic pydantic-core annotated-types typing-inspection typing-extensions; do
+    # transformers: the trainer relies on transformers 5.24's activation checkpointing (it checkpoints a
+    # layer's forward, outside FSDP2's hooks); the image has 5.17.
+    for pkg in pydantic pydantic-core annotated-types typing-inspection typing-extensions transformers; do
         ver=$("$VPY" -c "from importlib.metadata import version; print(version('$pkg'))") || exit 1
         "$VPY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
             --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
@@ -47,7 +49,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # shellcheck source=scripts/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-STEPS="${STEPS:-moe train-step engine}"
+STEPS="${STEPS:-moe train-step engine}"  # also: real (issue 13: train-step at real widths)
 
 # step CAP_S LABEL ARGS...: run `python3 -m app.cli bench ARGS...` under a timeout (if in STEPS).
 step() {
@@ -76,6 +78,22 @@ GPU=(--dtype bfloat16 --device cuda)
 MOE=(moe "${GPU[@]}" --iters 10 --warmup 3)
 DSV3=(--family deepseek-v3 --hidden 7168 --intermediate 2048 --topk 8)
 QWEN3=(--family qwen3 --hidden 2048 --intermediate 768 --experts 128 --topk 8)
+
+# Issue 13: the trainer's step at real widths, 8 rollouts x 8192 tokens, against stock transformers.
+# Qwen3-30B-A3B: every width real, 4 of 48 layers. DeepSeek-V3: every width real, 2 of 61 layers
+# (1 dense + 1 MoE), 32 routed experts = what one GPU holds at EP 8 (all 256 do not fit one H200).
+ROLL=(--groups 1 --group-size 8 --prompt-len 512 --completion-len 7680 --micro-batch-tokens 16384 --iters 3 --warmup 1)
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True   # less allocator slack (moerl plan's FRAGMENTATION)
+step 120 "real qwen3-30b-a3b AC none" train-step --model qwen3-30b-a3b --layers 4 "${ROLL[@]}" "${GPU[@]}"
+step 120 "real qwen3-30b-a3b AC full" train-step --model qwen3-30b-a3b --layers 4 --activation-checkpointing full \
+    "${ROLL[@]}" "${GPU[@]}"
+step 150 "real deepseek-v3 AC full" train-step --model deepseek-v3 --layers 2 --experts 32 --activation-checkpointing full \
+    "${ROLL[@]}" "${GPU[@]}"
+step 150 "real deepseek-v3 AC selective" train-step --model deepseek-v3 --layers 2 --experts 32 \
+    --activation-checkpointing selective "${ROLL[@]}" "${GPU[@]}"
+step 60 "real moe deepseek-v3 accuracy" "${MOE[@]}" "${DSV3[@]}" --experts 32 --tokens 4096
+step 60 "real moe qwen3-30b-a3b accuracy" "${MOE[@]}" "${QWEN3[@]}" --tokens 4096
+unset PYTORCH_CUDA_ALLOC_CONF
 
 # The 4096-token MoE shapes first, then the two other benchmarks, then the 16384-token shapes:
 # if the budget runs out, every benchmark has figures.

@@ -42,30 +42,19 @@ run_step() {
     collect
 }
 
-# install_pydantic_wheels DIR: the image has no pydantic (app.config needs it): install the wheels
-# carried under DIR, once per name, into /tmp/moerl-site (appended to PYTHONPATH). Exits 2 if
-# pydantic is missing and DIR holds no wheels.
+# install_pydantic_wheels DIR: install the wheels carried under DIR (pydantic, which the image lacks
+# and app.config needs, and a newer transformers), once per name, into /tmp/moerl-site, put first on
+# PYTHONPATH so they win over the image's own. Exits 2 if pydantic is missing and DIR holds no wheels.
 install_pydantic_wheels() {
     local dir=$1 wheels
-    "$PY" -c "import pydantic" 2>/dev/null && return
     wheels=$(find "$dir" -type f -name '*.whl' 2>/dev/null | awk -F/ '{split($NF, a, "-"); if (!seen[tolower(a[1])]++) print}')
     if [[ -z "$wheels" ]]; then
+        "$PY" -c "import pydantic" 2>/dev/null && return
         say "ABORT: pydantic is missing and no wheels under $dir (carry $dir; see BENCHMARKS.md)"
         exit 2
     fi
     # shellcheck disable=SC2086
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/moerl-site $wheels 2>&1 | tee -a "$LOG"
-    export PYTHONPATH="$PYTHONPATH:/tmp/moerl-site"
-}
-
-# check_imports MODULE...: import them all in one process, so a missing package stops the run
-# here, in seconds, not minutes into a benchmark. Exits 2 if any fails.
-check_imports() {
-    local mods
-    mods=$(IFS=,; echo "$*")
-    if ! "$PY" -c "import ${mods//,/, }" 2>&1 | tee -a "$LOG"; then
-        say "ABORT: the benchmark modules do not import here (see above)"
-        exit 2
-    fi
+    export PYTHONPATH="/tmp/moerl-site:$PYTHONPATH"
 }

@@ -44,6 +44,20 @@ def test_bench_moe_cli_writes_result(tmp_path) -> None:
     assert "ratio ours/transformers-eager" in result.output
 
 
+def test_bench_moe_in_bf16_reports_its_error_against_fp32(tmp_path) -> None:
+    args = ["moe", "--family", "qwen3", "--hidden", "32", "--intermediate", "16", "--experts", "8", "--topk", "2",
+            "--tokens", "64", "--dtype", "bfloat16", "--iters", "1", "--warmup", "0", "--out-dir", str(tmp_path)]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(next(tmp_path.glob("moe-*.json")).read_text())
+    acc = {f["name"]: f for f in doc["figures"] if f["name"].startswith("accuracy:")}
+    assert {"accuracy:ours", "accuracy:transformers-eager"} <= set(acc)
+    for f in acc.values():
+        assert 0 < f["rel_err_vs_fp32"] < 0.05  # bf16 rounding: not zero, far below a wrong layer
+        assert 0 <= f["topk_differs_frac"] <= 1
+    assert "top-k differs on" in result.output
+
+
 def test_bench_moe_profile_adds_top_ops_without_changing_ratios(tmp_path) -> None:
     args = ["moe", "--hidden", "32", "--intermediate", "16", "--experts", "4", "--topk", "2", "--tokens", "16",
             "--iters", "1", "--warmup", "0", "--profile", "--out-dir", str(tmp_path)]

@@ -196,8 +196,11 @@ def test_gpu_and_efa_counts_match_the_instance_table(synth):
     roll_efa = min(INSTANCE_TABLE[t].efa_interfaces for t in roll.instance_types) if roll.efa else 0
     assert int(engine["resources"]["limits"].get(EFA_RESOURCE, 0)) == roll_efa
     quota = synth.get("ResourceQuota", "moerl-accelerators")["spec"]["hard"]
+    feed = synth.get("Deployment", "moerl-feed")["spec"]["template"]["spec"]["containers"]
+    feed_gpus = sum(int(c["resources"]["limits"].get("nvidia.com/gpu", 0)) for c in feed)
+    assert feed_gpus == synth.plan.feed_gpus  # the held-out evaluation engine
     assert int(quota["requests.nvidia.com/gpu"]) == synth.plan.trainer_nodes * gpus + synth.plan.rollout_replicas * int(
-        engine["resources"]["limits"]["nvidia.com/gpu"])
+        engine["resources"]["limits"]["nvidia.com/gpu"]) + feed_gpus
 
 
 def test_trainer_gang_restarts_whole_and_resumes(prod):
@@ -244,14 +247,14 @@ def test_probes_and_disruption_budgets_exist(synth):
     (c,) = synth.get("Deployment", "moerl-env")["spec"]["template"]["spec"]["containers"]
     assert c["readinessProbe"] and c["livenessProbe"]
     pdbs = {d["metadata"]["name"]: d["spec"]["selector"]["matchLabels"] for d in synth.kinds("PodDisruptionBudget")}
-    for name in ("moerl-rollout", "moerl-env"):
+    for name in ("moerl-rollout", "moerl-env", "moerl-feed"):
         dep = synth.get("Deployment", name)
         assert pdbs[name] == dep["spec"]["template"]["metadata"]["labels"]
 
 
 def test_no_pod_runs_privileged_or_as_root(synth):
     templates = synth.pod_templates()
-    assert len(templates) == 3 + synth.plan.trainer_nodes
+    assert len(templates) == 4 + synth.plan.trainer_nodes  # buffer, env pool, rollout, feed, trainer tasks
     for name, tpl in templates.items():
         pod = tpl["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True, name
@@ -284,7 +287,7 @@ def test_redis_buffer_is_persistent_password_protected_and_fenced(synth):
     assert "stringData" not in json.dumps(synth.docs) and not synth.kinds("Secret")  # no credential in dist/
     (rule,) = synth.get("NetworkPolicy", "moerl-buffer")["spec"]["ingress"]
     allowed = {p["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for p in rule["from"]}
-    assert allowed == {"moerl-rollout", "moerl-trainer", "moerl-env"}
+    assert allowed == {"moerl-rollout", "moerl-trainer", "moerl-env", "moerl-feed"}
     # the selectors really match those pods' labels
     for name, tpl in synth.pod_templates().items():
         if name.split("/")[0] in allowed:
@@ -350,7 +353,8 @@ def test_charts_and_torchx_component_agree(prod):
     dep = prod.get("Deployment", "moerl-rollout")["spec"]["template"]["spec"]
     engine = next(c for c in dep["containers"] if c["name"] == "engine")
     assert engine["image"] == plan.images["rollout"]
-    assert engine["command"] == engine_command("sglang", plan.wl.rollout.model_path, 30000, plan.gpus_per_rollout)
+    model = plan.wl.rollout.model_path or plan.run.model.path
+    assert engine["command"] == engine_command("sglang", model, 30000, plan.gpus_per_rollout)
     assert trainer_command(CLUSTER_CONFIG, 1, 8, 29500, True).startswith("torchrun ")
 
 
@@ -421,7 +425,8 @@ def test_cdk8s_yaml_app_synthesizes_into_the_cli_outdir(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     names = sorted(p.name for p in out.glob("*.k8s.yaml"))
-    assert names == ["buffer.k8s.yaml", "cluster.k8s.yaml", "envpool.k8s.yaml", "rollout.k8s.yaml", "trainer.k8s.yaml"]
+    assert names == ["buffer.k8s.yaml", "cluster.k8s.yaml", "envpool.k8s.yaml", "feed.k8s.yaml", "rollout.k8s.yaml",
+                     "trainer.k8s.yaml"]
     job = next(d for d in _load(out) if d["kind"] == "Job")
     assert len(job["spec"]["tasks"]) == load_config("staging").pools["train-gpu"].max_size
     # reproducible: a second synth (in this process) writes the same bytes, so dist/ diffs are real
@@ -474,7 +479,11 @@ def test_container_commands_use_existing_cli_options(prod):
 # -- the TorchX component on its own ----------------------------------------------------------------
 
 
-def test_local_job_materializes_both_roles():
+def test_local_job_materializes_every_role_without_path():
+    """`.venv/bin/torchx run -s local_cwd ...:job` with the venv not on PATH: every role starts
+    through the interpreter running torchx, never through `torchrun` / `moerl` looked up on PATH."""
+    import sys
+
     from torchx.runner import get_runner
 
     with get_runner() as runner:
@@ -482,9 +491,16 @@ def test_local_job_materializes_both_roles():
                                        ["--config", "run.yaml", "--model_path", "/m", "--rollout_replicas", "2"],
                                        scheduler="local_cwd")
     roles = info._app.roles
-    assert [r.name for r in roles] == ["trainer", "rollout"]
-    assert "moerl train --config run.yaml --resume" in roles[0].args[-1]
-    assert "moerl engine --model-path /m" in roles[1].args[-1] and roles[1].num_replicas == 2
+    assert [r.name for r in roles] == ["trainer", "rollout", "feed"]
+    py = sys.executable
+    assert roles[0].args[-1].startswith(f"{py} -m torch.distributed.run ")
+    assert f"-m app.cli train --config run.yaml --resume" in roles[0].args[-1]
+    assert f"{py} -m app.cli engine --model-path /m" in roles[1].args[-1] and roles[1].num_replicas == 2
+    assert f"{py} -m app.cli rollout --config run.yaml" in roles[1].args[-1]
+    assert [roles[2].entrypoint, *roles[2].args[:4]] == [py, "-m", "app.cli", "feed", "--config"]
+    for r in roles:
+        words = " ".join([r.entrypoint, *r.args]).replace(";", " ").replace("&", " ").split()
+        assert "torchrun" not in words and "moerl" not in words, r.name
     # each rollout replica gets its own worker id (task-lease consumer name)
     ids = {r.args[-1].split("--worker-id ")[1].split()[0] for r in info.request.role_params["rollout"]}
     assert len(ids) == 2

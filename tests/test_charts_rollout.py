@@ -220,7 +220,8 @@ def test_bench_jobs_drive_their_own_fleet(example):
 
 
 def _workloads(tmp_path: Path, run: str, text: str) -> Path:
-    (tmp_path / "run.yaml").write_text(run)
+    # A base model the engine can name (workloads no longer default to a Hub id).
+    (tmp_path / "run.yaml").write_text(run + "\nmodel: {path: Qwen/Qwen3-30B-A3B}\n")
     p = tmp_path / "w.yaml"
     p.write_text(text + f"\nrun_config: {tmp_path / 'run.yaml'}\n")
     return p
@@ -259,4 +260,4 @@ def test_the_default_rollout_engine_command_parses_with_sglang_arguments(env):
     cmd = engine_container(plan, plan.engine, leader=True)["command"]
     ns = parse_launch_server(cmd)
     assert ns.tp_size == plan.gpus_per_rollout and ns.moe_a2a_backend == "none" and ns.nnodes == 1
-    assert ns.model_path == plan.wl.rollout.model_path and ns.port == plan.wl.rollout.engine_port
+    assert ns.model_path == (plan.wl.rollout.model_path or plan.run.model.path) and ns.port == plan.wl.rollout.engine_port

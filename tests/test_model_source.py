@@ -175,3 +175,42 @@ def test_hub_id_resolves_from_the_offline_hub_cache(hf_dir, tmp_path):
     assert child.returncode != 0
     assert "FileNotFoundError: model.path 'acme/not-cached': no local directory of that name" in err
     assert "HF_HUB_OFFLINE" in err  # huggingface_hub's own reason
+
+
+
+def test_the_trainer_starts_from_an_s3_model_path(s3_model, hf_dir, tmp_path, redis_server, monkeypatch):
+    """`moerl train` with model.path an s3:// prefix (the cluster recipes' form): the checkpoint is
+    downloaded to model.cache_dir, and the sharded trainer's first published version is it."""
+    import threading
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from app.config import RunConfig
+    from app.storage import open_store
+    from app.storage.policy import download_policy
+    from app.trainer.loop import run_training
+    from helpers import fake_producer, single_rank_env
+
+    cfg = RunConfig.model_validate({
+        "run_id": "s3-start", "store_url": f"file://{tmp_path}/store",
+        "model": {"path": s3_model, "cache_dir": str(tmp_path / "cache")},
+        "buffer": {"redis_url": redis_server}, "rollout": {"group_size": 2},
+        "trainer": {"steps": 1, "groups_per_step": 1, "batch_timeout_s": 60},
+    })
+    single_rank_env(monkeypatch)
+    stop = threading.Event()
+    producer = threading.Thread(target=fake_producer, args=(redis_server, "s3-start", stop, 2), daemon=True)
+    producer.start()
+    try:
+        run_training(cfg, tmp_path / "run")
+    finally:
+        stop.set()
+        producer.join(10)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert any((tmp_path / "cache").rglob("config.json"))  # downloaded to the node-local cache
+    v0 = download_policy(open_store(cfg.store_url), "s3-start", 0, tmp_path / "v0")
+    got = {k: v for f in v0.glob("*.safetensors") for k, v in load_file(f).items()}
+    want = {k: v for f in hf_dir.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

@@ -17,7 +17,7 @@ from infra.config import POOL_LABEL, load_config
 os.environ.setdefault("JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION", "1")
 
 
-def workloads(tmp_path: Path, text: str = "", run: str = "task: {reward_model: /models/rm}") -> Path:
+def workloads(tmp_path: Path, text: str = "", run: str = "{task: {reward_model: /models/rm}, model: {path: /models/base}}") -> Path:
     (tmp_path / "run.yaml").write_text(run)
     p = tmp_path / "workloads.yaml"
     p.write_text(text + f"\nrun_config: {tmp_path / 'run.yaml'}\n")
@@ -81,7 +81,7 @@ def test_run_config_points_workers_at_the_service_and_quota_counts_its_gpus(synt
 
 
 def test_no_reward_model_no_deployment(tmp_path):
-    plan = load_workloads(load_config("dev"), workloads(tmp_path, run="{}"))
+    plan = load_workloads(load_config("dev"), workloads(tmp_path, run="{model: {path: /models/base}}"))
     build(plan, tmp_path / "dist")
     assert not find(docs(tmp_path / "dist"), "Deployment", "moerl-reward-model")
     assert plan.reward_model_gpus == 0

@@ -6,6 +6,7 @@ sample carries them (``Sample.routed_experts``: [P + C - 1, layers, top_k], narr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import numpy as np
@@ -121,3 +122,76 @@ def test_worker_stops_when_the_engine_returns_no_routed_experts(tmp_path, redis_
         stop_process(proc)
     assert isinstance(fatal, EngineMisconfigured) and "--enable-return-routed-experts" in str(fatal)
     assert stats.groups_published == 0 and buf.stats()["leased"] == 0 and buf.stats()["queued"] == 2
+
+
+def test_trainer_replays_the_engines_routing_and_reports_mismatches(tmp_path, redis_server, ckpts, monkeypatch):
+    """Trainer side (issue 14 part 6): samples from the built-in engine carry its routing; the
+    trainer's step routes every MoE layer by it (the same weights: its own router agrees on
+    every token), and a replay of other experts is followed (the loss changes) and counted."""
+    import torch
+    import torch.distributed as dist
+
+    from app.buffer.redis_server import free_port
+    from app.model.checkpoint import load_policy
+    from app.model.config import moe_layer_ids
+    from app.model.parallel import EPContext
+    from app.trainer.batch import collate_groups
+    from app.trainer.step import train_step
+    from app.trainer.train import init_distributed
+    from helpers import single_rank_env
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_engine_process(ckpts[0], port, tmp_path / "engine.log", "--enable-return-routed-experts")
+    cfg = make_config(tmp_path, redis_server, url, routing_replay=True)
+    cfg.model.path = str(ckpts[0])
+    buf = ExperienceBuffer.from_config(cfg)
+    buf.put_tasks(make_tasks(2))
+
+    async def go():
+        async with EngineClient(url) as client:
+            return await RolloutWorker(cfg, buf, client, "w-rr-train", score_fn=lambda t, c: float(len(c) % 2),
+                                       max_groups=2).run()
+
+    try:
+        asyncio.run(go())
+    finally:
+        stop_process(proc)
+    groups = [g for gs in drain_buffer(buf)[0].values() for g in gs]
+    single_rank_env(monkeypatch)
+    init_distributed(timeout_s=60)
+    try:
+        cfg.trainer.grad_clip = 1e9
+        model = load_policy(ckpts[0], cfg.router, EPContext.local())
+        layers = moe_layer_ids(model.config)
+        batch = collate_groups(groups, moe_layers=layers)
+        assert batch.routed_experts.shape[2:] == (len(layers), model.config.num_experts_per_tok)
+
+        def step(b):
+            _, stats = train_step(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0), b, pad_id=0)
+            return stats
+
+        same = step(batch)
+        assert same["routing_replay_mismatch"] == 0.0  # one set of weights: the engine's routing is the trainer's
+        shifted = collate_groups(groups, moe_layers=layers)
+        valid = shifted.routed_experts >= 0
+        shifted.routed_experts[valid] = (shifted.routed_experts[valid] + 1) % model.config.num_experts
+        other = step(shifted)
+        assert other["routing_replay_mismatch"] > 0.5
+
+        def logp(b, replay):
+            from app.model.policy import routing_replay
+
+            with torch.no_grad(), routing_replay(model, b.routed_experts.unbind(2)) if replay else contextlib.nullcontext():
+                return model.sequence_logprobs(b.input_ids, b.attention_mask, b.completion_mask)[0]
+
+        # replaying the engine's routing is the trainer's own routing; replaying other experts is followed
+        torch.testing.assert_close(logp(batch, True), logp(batch, False), rtol=0, atol=1e-6)
+        assert (logp(shifted, True) - logp(batch, False)).abs().max() > 1e-6
+    finally:
+        dist.destroy_process_group()
+    # a group whose samples lack the routing cannot be collated for replay (it is skipped, not trained)
+    for s in groups[0].samples:
+        s.routed_experts = None
+    with pytest.raises(ValueError, match="no routed_experts"):
+        collate_groups(groups[:1], moe_layers=layers)

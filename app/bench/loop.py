@@ -209,7 +209,7 @@ def wait_initial_policy(loop, timeout_s: float = 600.0) -> None:
 def run_moerl(loop, feeder, base: Path, seconds: float, before: dict) -> dict:
     """Run the embedded loop for ``seconds`` of training wall-clock; returns its result row.
 
-    ``loop`` is an `EmbeddedLoop` whose redis-server runs; ``feeder`` (app/run.py `TaskFeeder`)
+    ``loop`` is an `EmbeddedLoop` whose redis-server runs; ``feeder`` (app/feed.py `TaskFeeder`)
     keeps its task queue topped up, as in `moerl run`.
 
     Raises:

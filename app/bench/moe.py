@@ -15,6 +15,9 @@ FLOPs counted (the expert GEMMs only; the router's T*E*H GEMM and elementwise wo
     per forward  = 3 GEMMs x 2 flops x T x (K + n_shared) x H x I
     per backward = 2 x forward (input and weight gradients)
     TFLOP/s = 3 x forward FLOPs x iterations / seconds / 1e12
+Accuracy (bf16 runs): each implementation against an fp32 copy of itself on the same input:
+relative L2 error of the output and the fraction of tokens whose top-k experts differ
+(`accuracy_vs_fp32`), so the bf16 figures say what they cost.
 Timing: `torch.cuda.Event` pairs around the timed iterations on CUDA (after warm-up, one
 synchronize at the end), `time.perf_counter` on CPU.
 With `--profile`, one more forward+backward of ours runs under `torch.profiler`; its top 20
@@ -145,6 +148,50 @@ def compare_outputs(ours: nn.Module, stock: nn.Module, x: torch.Tensor, grad: to
     return results
 
 
+def _topk_of(module: nn.Module):
+    """A forward hook on ``module.gate`` that keeps the last [T, K] integer tensor it returns
+    (our Router's ``topk_idx``; transformers' routers return their indices in a tuple)."""
+    seen: dict = {}
+
+    def find(out):
+        if isinstance(out, torch.Tensor):
+            return out if not out.is_floating_point() and out.dim() == 2 else None
+        if isinstance(out, (tuple, list)):
+            return next((t for t in map(find, out) if t is not None), None)
+        return find(getattr(out, "topk_idx", None)) if hasattr(out, "topk_idx") else None
+
+    handle = module.gate.register_forward_hook(lambda _m, _i, out: seen.__setitem__("idx", find(out)))
+    return seen, handle
+
+
+@torch.no_grad()
+def accuracy_vs_fp32(module: nn.Module, x: torch.Tensor) -> dict:
+    """How a low-precision layer departs from the same layer in fp32 on the same input: relative
+    L2 error of the output, ||y - y_fp32|| / ||y_fp32||, and the fraction of tokens whose top-k
+    expert set differs (a flipped expert changes a token's output by far more than rounding).
+
+    Args:
+        module: the layer in the run's dtype (bf16); copied to fp32 for the reference.
+        x: [1, T, H] input in the run's dtype.
+    """
+    ref = copy.deepcopy(module).float()
+    got_idx, h1 = _topk_of(module)
+    ref_idx, h2 = _topk_of(ref)
+    try:
+        y = module(x.detach()).float()
+        y_ref = ref(x.detach().float())
+    finally:
+        h1.remove()
+        h2.remove()
+    if isinstance(y, tuple):  # transformers' DeepseekV3MoE returns a tensor; guard for tuples
+        y, y_ref = y[0], y_ref[0]
+    out = {"rel_err_vs_fp32": float((y - y_ref).norm() / y_ref.norm().clamp_min(1e-30))}
+    a, b = got_idx.get("idx"), ref_idx.get("idx")
+    if a is not None and b is not None and a.shape == b.shape:
+        out["topk_differs_frac"] = float((a.sort(-1).values != b.sort(-1).values).any(-1).float().mean())
+    return out
+
+
 def stock_block(config, implementation: str) -> nn.Module:
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
@@ -210,6 +257,11 @@ def run(shape: Shape, out_dir: str = "runs/bench") -> dict:
             ours(x).backward(grad)
 
         figures.extend(profile_top(one_step, device, top=20))
+    if dtype != torch.float32:  # what bf16 costs each implementation against its own fp32 self
+        for name, module in variants:
+            if name == "ours" or name in ("transformers-eager", "transformers-grouped_mm") and name in {
+                    f["name"] for f in figures}:
+                figures.append({"name": f"accuracy:{name}", **accuracy_vs_fp32(module, x)})
     agreement = compare_outputs(variants[0][1], variants[1][1], x, grad)
     notes.append("ours vs transformers-eager on the same input: " + ", ".join(f"{k}={v:.3g}" for k, v in agreement.items()))
     timed = [f for f in figures if not f["name"].startswith("profile:")]
@@ -217,7 +269,7 @@ def run(shape: Shape, out_dir: str = "runs/bench") -> dict:
     ratios = {}
     if "ours" in by_name:
         for f in timed:
-            if f["name"] != "ours":
+            if f["name"] != "ours" and "tokens_per_s" in f:
                 ratios[f"ours/{f['name']} tokens_per_s"] = by_name["ours"]["tokens_per_s"] / f["tokens_per_s"]
     matmul_n = 8192 if device.type == "cuda" else 512
     matmul = {"name": "dense_matmul", "n": matmul_n, "tflops": dense_matmul_tflops(device, dtype, matmul_n)}
@@ -233,6 +285,10 @@ def run(shape: Shape, out_dir: str = "runs/bench") -> dict:
           f"({shape.iters} iters after {shape.warmup} warm-up)")
     print(f"{'variant':<26}{'ms/iter':>12}{'tokens/s':>14}{'TFLOP/s':>10}")
     for f in timed:
+        if f["name"].startswith("accuracy:"):
+            print(f"{f['name']:<26} rel. error vs fp32 {f['rel_err_vs_fp32']:.3g}, top-k differs on "
+                  f"{f.get('topk_differs_frac', float('nan')):.2%} of tokens")
+            continue
         print(f"{f['name']:<26}{f['ms_per_iter']:>12.2f}{f['tokens_per_s']:>14.0f}{f['tflops']:>10.3f}")
     print(f"{'dense_matmul ' + str(matmul_n) + '^3':<26}{'':>12}{'':>14}{matmul['tflops']:>10.3f}")
     for f in figures:

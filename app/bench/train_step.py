@@ -79,19 +79,17 @@ def model_config(name: str, layers: int | None = None, experts: int | None = Non
         return tiny_config("tiny-qwen3-moe", **MODELS[name])
     if name not in REAL:
         raise ValueError(f"--model must be one of {sorted(MODELS) + list(REAL)}, got {name!r}")
-    from app.model.config import real_config
+    from app.model.config import deepseek_v3_config, qwen3_30b_a3b_config
 
-    config = real_config(name, num_hidden_layers=layers)
-    if name == "deepseek-v3" and layers is not None:
-        config.first_k_dense_replace = min(1, layers)
-    if experts is not None:
-        if config.model_type == "qwen3_moe":
-            config.num_experts = experts
-        else:
-            config.n_routed_experts = experts
-            if experts % config.n_group or experts // config.n_group < 2:
-                config.n_group = config.topk_group = 1
-            config.topk_group = min(config.topk_group, config.n_group)
+    if name == "qwen3-30b-a3b":
+        config = qwen3_30b_a3b_config(layers, **({"num_experts": experts} if experts else {}))
+    else:
+        over: dict = {"first_k_dense_replace": min(1, layers)} if layers is not None else {}
+        if experts:
+            # Keep DeepSeek-V3's 8 groups (top 4) when they still hold >= 2 experts each.
+            groups = dict(n_group=8, topk_group=4) if experts % 8 == 0 and experts // 8 >= 2 else dict(n_group=1, topk_group=1)
+            over.update(n_routed_experts=experts, **groups)
+        config = deepseek_v3_config(layers, **over)
     validate_config(config, 1)
     return config
 
@@ -295,13 +293,15 @@ def _peer(bench: TrainStepBench, config, device: torch.device):
     return step
 
 
-def _time(step, bench: TrainStepBench, device: torch.device) -> tuple[float, float | None, object]:
-    """(seconds per step, peak GB or None, the last step's result) after ``bench.warmup`` steps."""
+def _time(step, bench: TrainStepBench, device: torch.device) -> tuple[float, tuple | None, object]:
+    """(seconds per step, (peak allocated GB, peak reserved GB) or None, the last step's result)
+    after ``bench.warmup`` steps."""
     out = None
     for _ in range(bench.warmup):
         out = step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # reserved memory of the timed steps only
         torch.cuda.reset_peak_memory_stats(device)
     marks = Marks(device)
     marks.mark()
@@ -309,7 +309,8 @@ def _time(step, bench: TrainStepBench, device: torch.device) -> tuple[float, flo
         out = step()
     marks.mark()
     seconds = marks.intervals()[0] / bench.iters
-    peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    peak = ((torch.cuda.max_memory_allocated(device) / 1e9, torch.cuda.max_memory_reserved(device) / 1e9)
+            if device.type == "cuda" else None)
     return seconds, peak, out
 
 
@@ -319,13 +320,24 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _predicted_gb(bench: TrainStepBench, config) -> float | None:
-    """`moerl plan`'s per-GPU prediction for this step's layout (one GPU), or None without it."""
+def _predicted(bench: TrainStepBench, config) -> dict:
+    """`moerl plan`'s prediction for this step's one-GPU layout (app/plan/memory.py): live tensors
+    at the peak (compare with max_memory_allocated) and device memory (with the allocator's
+    fragmentation and CUDA's overhead; compare with max_memory_reserved), GB."""
+    from app.config import ParallelConfig
+    from app.layout import resolve_layout
+    from app.plan.memory import PlanInput, plan_memory
+
     try:
-        from app.plan.memory import predict_step_memory
-    except ImportError:
-        return None
-    return predict_step_memory(config, bench)
+        plan = plan_memory(PlanInput(
+        config=config, layout=resolve_layout(ParallelConfig(), 1), gpus_per_node=1,
+        rollouts_per_gpu=bench.groups * bench.group_size, seq_len=bench.prompt_len + bench.completion_len,
+        micro_batch_tokens=bench.micro_batch_tokens or None, activation_checkpointing=bench.activation_checkpointing,
+        logprob_chunk_tokens=bench.logprob_chunk_tokens, algorithm="grpo", ep_backend="local",
+        compute_dtype=bench.dtype, log_entropy=True))
+    except ValueError as e:  # a layout the plan does not model (e.g. a row longer than the micro-batch)
+        return {"tensors_gb": float("nan"), "device_gb": float("nan"), "phase": f"not planned: {e}"}
+    return {"tensors_gb": plan.tensors_peak / 1e9, "device_gb": plan.predicted / 1e9, "phase": plan.peak_phase}
 
 
 def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
@@ -371,10 +383,14 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
         del step, model
         _free(device)
         peer_s = peer_peak = None
+        peer_note = None
         if bench.peer:
-            peer_step = _peer(bench, config, device)
-            peer_s, peer_peak, _ = _time(peer_step, bench, device)
-            del peer_step
+            try:
+                peer_step = _peer(bench, config, device)
+                peer_s, peer_peak, _ = _time(peer_step, bench, device)
+                del peer_step
+            except torch.cuda.OutOfMemoryError as e:  # the stock step may not fit where ours does
+                peer_note = f"stock transformers step ran out of memory: {str(e).splitlines()[0][:160]}"
             _free(device)
         dense_n = bench.dense_n or (8192 if device.type == "cuda" else 512)
         dense_tflops = dense_matmul_tflops(device, dtype, dense_n)
@@ -390,10 +406,13 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
     flops = step_flops(config, counts["active"], n_rows, seq_len)
     tokens = n_rows * seq_len
     ours_tflops = flops / ours_s / 1e12
-    predicted = _predicted_gb(bench, config)
+    predicted = _predicted(bench, config)
     figures = [
         {"name": "ours", "ms_per_step": ours_s * 1e3, "tokens_per_s": tokens / ours_s, "model_tflops": ours_tflops,
-         "mfu_vs_dense": ours_tflops / dense_tflops, "peak_memory_gb": ours_peak, "predicted_memory_gb": predicted,
+         "mfu_vs_dense": ours_tflops / dense_tflops, "peak_memory_gb": ours_peak[0] if ours_peak else None,
+         "peak_reserved_gb": ours_peak[1] if ours_peak else None,
+         "plan_tensors_gb": predicted["tensors_gb"], "plan_device_gb": predicted["device_gb"],
+         "plan_peak_phase": predicted["phase"],
          "applied": bool(applied), "loss": stats.get("loss"), "micro_batches": stats.get("micro_batches")},
         {"name": "dense_matmul", "n": dense_n, "tflops": dense_tflops},
         *profiled,
@@ -403,10 +422,11 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
         peer_tflops = flops / peer_s / 1e12
         figures.insert(1, {"name": "stock_transformers", "ms_per_step": peer_s * 1e3, "tokens_per_s": tokens / peer_s,
                            "model_tflops": peer_tflops, "mfu_vs_dense": peer_tflops / dense_tflops,
-                           "peak_memory_gb": peer_peak})
+                           "peak_memory_gb": peer_peak[0] if peer_peak else None})
         ratios["ours tokens/s / stock transformers tokens/s"] = peer_s / ours_s
-    if ours_peak is not None and predicted is not None:
-        ratios["moerl plan predicted / measured peak memory"] = predicted / ours_peak
+    if ours_peak is not None:
+        ratios["moerl plan tensors / measured max_memory_allocated"] = predicted["tensors_gb"] / ours_peak[0]
+        ratios["moerl plan device memory / measured max_memory_reserved"] = predicted["device_gb"] / ours_peak[1]
     notes = [
         "FLOPs/step = 6 x N_active x tokens + 12 x layers x heads x head_dim x seq_len x tokens "
         "(PaLM app. B; N_active excludes the input embedding and norms, routed experts x K/E; recompute not counted)",
@@ -417,6 +437,8 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
         f"experts: {experts_impl}; routed experts {config.num_experts if config.model_type == 'qwen3_moe' else config.n_routed_experts}"
         f" top-{config.num_experts_per_tok}",
     ]
+    if peer_note:
+        notes.append(peer_note)
     if ours_peak is None:
         notes.append("peak memory: not measured on CPU")
     if not math.isfinite(stats.get("loss", float("nan"))):
@@ -436,8 +458,9 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
         print(f"{f['name']:<20}{f['ms_per_step']:>10.1f}{f['tokens_per_s']:>12,.0f}{f['model_tflops']:>10.1f}"
               f"{f['mfu_vs_dense']:>8.1%}{peak:>10}")
     print(f"dense matmul {dense_n}^3 {bench.dtype}: {dense_tflops:.1f} TFLOP/s")
-    if predicted is not None:
-        print(f"moerl plan predicts {predicted:.1f} GB for this step")
+    print(f"moerl plan: {predicted['tensors_gb']:.1f} GB of tensors at its peak ({predicted['phase']}), "
+          f"{predicted['device_gb']:.1f} GB of device memory"
+          + (f"; measured {ours_peak[0]:.1f} GB allocated, {ours_peak[1]:.1f} GB reserved" if ours_peak else ""))
     if profiled:
         print(f"profile of one step of ours, top {len(profiled)} by self {'device' if device.type == 'cuda' else 'CPU'} time:")
         for f in profiled:

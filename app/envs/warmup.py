@@ -168,6 +168,11 @@ def run_warmup(cfg: RunConfig, out: Path, threads: int | None = 1, log=print) ->
         torch.set_num_threads(threads)
     torch.manual_seed(cfg.task.seed)
     train, heldout = make_splits(cfg.task)
+    if cfg.model.path:  # a Hub id or an s3:// prefix: downloaded to the cache first
+        from app.model.source import resolve_model_path
+
+        cfg = cfg.model_copy(deep=True)
+        cfg.model.path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
     model = build_base_policy(cfg)
     # A loaded checkpoint keeps its own tokenizer if it has one; presets use the character one.
     has_own = cfg.model.path and (Path(cfg.model.path) / "tokenizer.json").is_file()

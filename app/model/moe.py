@@ -82,6 +82,8 @@ class MoEBlock(nn.Module):
         last_aux_loss: scalar fp32 `router.aux_loss_coef * load-balancing loss` of the last forward
             (in the graph; add it to the loss), or None when the coefficient is 0.
         last_tokens_per_expert: [E_local] int64 rows each local expert processed in the last forward.
+        last_replay_mismatch: [2] fp32 of the last replayed forward: tokens whose replayed experts
+            differ from this router's own choice, and replayed tokens (routing replay metric).
     """
 
     def __init__(self, config: PretrainedConfig, router: RouterConfig, ep: EPContext,
@@ -139,6 +141,7 @@ class MoEBlock(nn.Module):
         self.last_topk_idx: Tensor | None = None
         self.last_aux_loss: Tensor | None = None
         self.last_tokens_per_expert: Tensor | None = None
+        self.last_replay_mismatch: Tensor | None = None
         # Expert loads of this rank's tokens since the last update_expert_bias() (only when bias
         # updates are on). A plain attribute, made at first use: no garbage after meta-device init.
         self.expert_load: Tensor | None = None
@@ -180,6 +183,8 @@ class MoEBlock(nn.Module):
             replay = self._check_replay(replay, shape)
         routing = self.gate(x, replay)
         self.last_topk_idx = routing.topk_idx.detach()
+        if replay is not None:
+            self.last_replay_mismatch = self._replay_mismatch(routing)
         if self.router_cfg.aux_loss_coef > 0:
             self.last_aux_loss = self.router_cfg.aux_loss_coef * load_balancing_loss(
                 routing.scores, routing.topk_idx, self.family
@@ -217,6 +222,15 @@ class MoEBlock(nn.Module):
             dist.all_reduce(load, group=self.ep.group)
         self.gate.update_bias(load, rate)
         self.expert_load.zero_()
+
+    @torch.no_grad()
+    def _replay_mismatch(self, routing) -> Tensor:
+        """[2] float: tokens whose replayed top-k set differs from the one this router would
+        choose now, and replayed tokens (slots all >= 0; -1 rows are padding or the unfed last token)."""
+        own = self.gate.own_topk(routing.scores)
+        valid = (routing.topk_idx >= 0).all(-1)
+        differs = (own.sort(-1).values != routing.topk_idx.sort(-1).values).any(-1) & valid
+        return torch.stack([differs.sum(), valid.sum()]).float()
 
     def _check_replay(self, idx: Tensor, shape: torch.Size) -> Tensor:
         expected = (*shape[:-1], self.top_k)

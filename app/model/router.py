@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 FAMILIES = ("qwen3_moe", "deepseek_v3")
@@ -40,6 +41,11 @@ class Routing:
     scores: Tensor
     topk_idx: Tensor
     topk_weights: Tensor
+
+
+# A pytree node, so that FSDP2 (the router is an FSDP unit of its own, app/trainer/parallel.py)
+# finds the tensors of a Routing output and hooks their backward to re-gather the weight.
+pytree.register_dataclass(Routing)
 
 
 def softmax_topk(logits: Tensor, top_k: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -141,6 +147,15 @@ class Router(nn.Module):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         weights = weights * self.routed_scaling_factor
         return Routing(logits, scores, idx, weights)
+
+    @torch.no_grad()
+    def own_topk(self, scores: Tensor) -> Tensor:
+        """The experts this router selects from its ``scores`` [T, E] fp32 (softmax or sigmoid, as
+        `forward` returns them): [T, K] int64, the same selection `forward` makes without replay."""
+        if self.family == "qwen3_moe":
+            return torch.topk(scores, self.top_k, dim=-1)[1]
+        return group_limited_topk(scores, self.e_score_correction_bias.float(), self.top_k, self.n_group,
+                                  self.topk_group)
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: Tensor, rate: float) -> None:

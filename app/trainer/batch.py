@@ -38,6 +38,10 @@ class TrainBatch:
         group_ids: ``[B]`` int64, index of the row's group within this batch.
         policy_versions: ``[B]`` int64, the weight version that generated each sample.
         sample_ids: the samples' deterministic ids, in row order.
+        routed_experts: with routing replay, ``[B, L, n_moe_layers, K]`` int64: the experts the
+            engine routed each token to in each MoE layer (position t: the token at t), -1 where
+            there are none (padding, and the last token, which the engine never fed through the
+            model); None without replay.
     """
 
     input_ids: Tensor
@@ -49,6 +53,7 @@ class TrainBatch:
     group_ids: Tensor
     policy_versions: Tensor
     sample_ids: list[str]
+    routed_experts: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -62,7 +67,8 @@ class TrainBatch:
 
 
 def collate_groups(
-    groups: list, pad_id: int = 0, scale_by_std: bool = True, max_len: int | None = None
+    groups: list, pad_id: int = 0, scale_by_std: bool = True, max_len: int | None = None,
+    moe_layers: list[int] | None = None,
 ) -> TrainBatch:
     """Collate whole groups (``app.buffer.records.Group``) into one padded `TrainBatch`.
 
@@ -77,6 +83,9 @@ def collate_groups(
         pad_id: token id used for padding (masked out everywhere).
         scale_by_std: divide advantages by the group's reward std (see `group_advantages`).
         max_len: if set, a row longer than this is an error (protects memory).
+        moe_layers: with routing replay, the decoder-layer indices of the MoE layers: each
+            sample's ``routed_experts`` (app.buffer.records, ``[P + C - 1, num_layers, K]``) is
+            collated into `TrainBatch.routed_experts`.
 
     Returns:
         A `TrainBatch` with ``B = total samples``; with no groups, ``B = 0`` and ``L = 1``.
@@ -84,8 +93,9 @@ def collate_groups(
     Raises:
         ValueError: a group has no samples; a sample has no prompt tokens, a logprob count or a
             loss_mask length that differs from its completion length, a loss_mask value other
-            than 0 or 1, a non-finite reward or logprob; or a row is longer than ``max_len``.
-            The message names the sample id.
+            than 0 or 1, a non-finite reward or logprob; a row is longer than ``max_len``; or,
+            with ``moe_layers``, a sample has no routed experts or ones of the wrong shape. The
+            message names the sample id.
     """
     rows: list[tuple] = []
     for g_index, group in enumerate(groups):
@@ -132,6 +142,7 @@ def collate_groups(
             rollout_logprobs[i, p : p + c] = torch.tensor(s.logprobs, dtype=torch.float32) * mask
     rewards = torch.tensor([float(s.reward) for _, s in rows], dtype=torch.float32)
     group_ids = torch.tensor([g for g, _ in rows], dtype=torch.int64)
+    routed = _routed_experts([s for _, s in rows], L, moe_layers) if moe_layers is not None else None
     return TrainBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -142,7 +153,30 @@ def collate_groups(
         group_ids=group_ids,
         policy_versions=torch.tensor([int(s.policy_version) for _, s in rows], dtype=torch.int64),
         sample_ids=[s.sample_id for _, s in rows],
+        routed_experts=routed,
     )
+
+
+def _routed_experts(samples: list, length: int, moe_layers: list[int]) -> Tensor:
+    """[B, length, n_moe, K] int64 of the samples' engine routing (-1 where none)."""
+    from app.buffer.records import decode_routed_experts
+
+    out = None
+    for i, s in enumerate(samples):
+        if getattr(s, "routed_experts", None) is None:
+            raise ValueError(f"sample {s.sample_id!r}: routing replay is on but the sample has no routed_experts")
+        try:
+            ids = torch.from_numpy(decode_routed_experts(s.routed_experts))
+        except ValueError as e:
+            raise ValueError(f"sample {s.sample_id!r}: {e}") from None
+        fed = len(s.prompt_ids) + len(s.completion_ids) - 1
+        if ids.dim() != 3 or ids.shape[0] != fed or ids.shape[1] <= max(moe_layers):
+            raise ValueError(f"sample {s.sample_id!r}: routed_experts of shape {list(ids.shape)}, expected "
+                             f"[{fed}, >{max(moe_layers)}, K]")
+        if out is None:
+            out = torch.full((len(samples), length, len(moe_layers), ids.shape[2]), -1, dtype=torch.int64)
+        out[i, :fed] = ids[:, moe_layers]
+    return out
 
 
 def split_groups(groups: list, n_ranks: int) -> list[list]:
@@ -177,10 +211,12 @@ def select_rows(batch: TrainBatch, rows: Tensor, length: int) -> TrainBatch:
     """The sub-batch of ``rows`` (int64 ``[b]`` indices) cut to the first ``length`` positions
     (rows are right-padded, so a cut at the longest selected row drops only padding).
     ``group_ids`` keep their batch-wide values; advantages were computed over whole groups."""
-    token = ("input_ids", "attention_mask", "completion_mask", "rollout_logprobs")
+    token = ("input_ids", "attention_mask", "completion_mask", "rollout_logprobs", "routed_experts")
     fields = {}
     for k, v in vars(batch).items():
-        if k in token:
+        if v is None:
+            fields[k] = None
+        elif k in token:
             fields[k] = v[rows, :length]
         elif isinstance(v, Tensor):
             fields[k] = v[rows]

@@ -50,7 +50,8 @@ class Critic(nn.Module):
             seen tokens ``< t`` (computed from the hidden state at ``t - 1``); position 0 is 0.
         """
         hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        v = self.value_head(hidden[:, :-1].float()).squeeze(-1)
+        # In the head's dtype (fp32, or bf16 under FSDP's mixed precision), then fp32 values.
+        v = self.value_head(hidden[:, :-1].to(self.value_head.weight.dtype)).float().squeeze(-1)
         return nn.functional.pad(v, (1, 0), value=0.0)
 
 

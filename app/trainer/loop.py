@@ -202,9 +202,10 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
     """
     from app.buffer import ExperienceBuffer
     from app.layout import resolve_layout
-    from app.model.config import num_routed_experts
+    from app.model.config import moe_layer_ids, num_routed_experts
     from app.model.parallel import init_ep
-    from app.storage import open_store
+    from app.model.source import resolve_model_path
+    from app.storage import mark_done, open_store
     from app.storage.policy import latest_policy_version
     from app.trainer.models import build_critic_parts, build_policy_model, build_reference, policy_config
     from app.trainer.parallel import build_mesh
@@ -218,7 +219,10 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
     cfg = cfg.validated()
     t = cfg.trainer
     rank, world, device = init_distributed(timeout_s=t.batch_timeout_s + 600)
-    path = cfg.model.path
+    # A Hub id or an s3:// prefix is downloaded to this host's cache first (one process per host).
+    path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir)) if cfg.model.path else None
+    if t.critic_path:
+        t.critic_path = str(resolve_model_path(t.critic_path, cfg.model.cache_dir))
     config = policy_config(cfg, path)
     layout = resolve_layout(t.parallel, world, num_routed_experts(config))
     mesh = build_mesh(layout, device.type)
@@ -260,6 +264,8 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
         modules["critic"] = (critic.module, critic.optimizer)
     pad_id = getattr(config, "pad_token_id", None) or 0
     dtype = getattr(torch, cfg.model.dtype)
+    # Routing replay (rollout.routing_replay): samples carry the engine's experts of every layer.
+    moe_layers = moe_layer_ids(config) if cfg.rollout.routing_replay else None
 
     state = TrainState()
     trained: set[str] = set()  # rank 0: "task_id/attempt" of every group this lineage trained on
@@ -330,7 +336,8 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
                 def keep(g) -> bool:
                     nonlocal commit_point
                     commit_point = newer_entry(commit_point, g.entry_id)
-                    return usable(g, state, cfg.buffer.max_staleness, pad_id, trained=trained, skipped=skipped)
+                    return usable(g, state, cfg.buffer.max_staleness, pad_id, trained=trained, skipped=skipped,
+                                  moe_layers=moe_layers)
 
                 try:
                     groups, wait_s = take_groups(buffer, cfg, state.version, lambda: stop_requested, keep)
@@ -344,7 +351,8 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
                 payload["stop"] = True
             msg = scatter_groups(payload, rank)
             t0 = time.perf_counter()
-            batch = collate_groups(msg["parts"][rank], pad_id=pad_id, scale_by_std=t.scale_by_std)
+            batch = collate_groups(msg["parts"][rank], pad_id=pad_id, scale_by_std=t.scale_by_std,
+                                   moe_layers=moe_layers)
             lr = step_lr(t, state.step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -417,6 +425,8 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
                 f.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if rank == 0 and state.step >= t.steps:
+        mark_done(store, cfg.run_id, state.step, state.version)  # the feeder (app/feed.py) stops on it
     return state
 
 
@@ -430,7 +440,7 @@ def step_lr(t, step: int) -> float:
 
 
 def usable(group, state: TrainState, max_staleness: int, pad_id: int, *,
-           trained: set[str] | None = None, skipped: list | None = None) -> bool:
+           trained: set[str] | None = None, skipped: list | None = None, moe_layers: list[int] | None = None) -> bool:
     """Rank 0's check of one group before it is scattered: not trained on before by this
     lineage (``trained`` holds "task_id/attempt" keys), within ``max_staleness`` (the buffer
     enforces it already; this guards the contract), not an all-"error" group, and well-formed
@@ -450,7 +460,7 @@ def usable(group, state: TrainState, max_staleness: int, pad_id: int, *,
         reason = "error"
     else:
         try:
-            collate_groups([group], pad_id=pad_id)
+            collate_groups([group], pad_id=pad_id, moe_layers=moe_layers)
         except ValueError as e:
             state.malformed += 1
             log.warning("skipping malformed group %s/%s: %s", group.task_id, group.attempt, e)

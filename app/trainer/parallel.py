@@ -17,8 +17,8 @@ applies it to a model, in the way torchtitan composes FSDP2 with EP
 * gradient division is off: the loss is already normalised by the global completion-token
   count (app/trainer/step.py), so the reduce-scatter SUMs;
 * activation checkpointing per decoder layer through transformers' own
-  ``activation_checkpointing_enable`` (non-reentrant), with a selective policy that keeps the
-  all-to-all outputs of dispatch and combine (torchtitan's SAC keeps the same ops).
+  ``activation_checkpointing_enable`` (non-reentrant); ``selective`` keeps the all-to-all outputs
+  of dispatch and combine for the recompute (torchtitan's selective policy keeps the same ops).
 
 The returned module is the original transformers model (parameter names unchanged), with FSDP's
 hooks; `register_fsdp_forward_method` makes ``sequence_logprobs`` gather the root unit too.
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -121,22 +120,9 @@ def expert_placement(block: nn.Module, efsdp: int):
     return None
 
 
-def _selective_policy(ctx, op, *args, **kwargs):
-    """Selective activation checkpointing: keep the outputs of the EP all-to-alls (dispatch and
-    combine, and their backward partners), recompute everything else."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    if op in _SAVED_OPS:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-_SAVED_OPS = {torch.ops._c10d_functional.all_to_all_single.default, torch.ops._c10d_functional.wait_tensor.default}
-
-
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     """Per decoder layer: ``full`` recomputes the layer in backward, ``selective`` keeps the
-    dispatch/combine all-to-all outputs (`_selective_policy`); ``none`` does nothing.
+    dispatch/combine all-to-all outputs (app/model/dispatch/exchange_cache.py); ``none`` does nothing.
 
     Raises:
         ValueError: unknown mode.
@@ -145,9 +131,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         return
     kwargs: dict = {"use_reentrant": False}
     if mode == "selective":
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+        from app.model.dispatch.exchange_cache import checkpoint_contexts
 
-        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _selective_policy)
+        kwargs["context_fn"] = checkpoint_contexts
     elif mode != "full":
         raise ValueError(f"trainer.activation_checkpointing must be none, full or selective, got {mode!r}")
     model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -183,16 +169,22 @@ def parallelize(model: nn.Module, mesh: TrainerMesh, compute_dtype: torch.dtype,
         raise ValueError(f"{type(trunk).__name__} has no .layers: not a transformers decoder stack")
 
     shard_experts_over_ep(model, mesh)
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    # cast_forward_inputs=False (as torchtitan's decoders): each module casts what it needs itself
+    # (the router upcasts to fp32, the experts keep their gate weights in fp32), and an activation
+    # checkpoint's recompute, which runs without FSDP's forward hooks, sees the same dtypes.
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    # With one shard there is nothing to free after forward: keep the unsharded copies (saves the
+    # backward's re-gather); with several, reshard (the memory FSDP exists for).
+    reshard = mesh.layout.dp_shard > 1 or mesh.layout.dp_replicate > 1
     for layer in trunk.layers:
         block = layer.mlp
         if isinstance(block, MoEBlock):
-            fully_shard(block.gate, mesh=mesh.dense, mp_policy=fp32)
-            fully_shard(block.experts, mesh=mesh.experts, mp_policy=mp,
+            fully_shard(block.gate, mesh=mesh.dense, mp_policy=fp32, reshard_after_forward=reshard)
+            fully_shard(block.experts, mesh=mesh.experts, mp_policy=mp, reshard_after_forward=reshard,
                         shard_placement_fn=expert_placement(block, mesh.layout.efsdp))
-        fully_shard(layer, mesh=mesh.dense, mp_policy=mp)
-    fully_shard(model, mesh=mesh.dense, mp_policy=mp)
+        fully_shard(layer, mesh=mesh.dense, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh.dense, mp_policy=mp, reshard_after_forward=reshard)
     if causal_lm:
         register_fsdp_forward_method(model, "sequence_logprobs")
     for m in model.modules():

@@ -24,6 +24,7 @@ policy and the critic per micro-batch (their parameters are disjoint, so one bac
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -32,6 +33,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from app.config import RunConfig
+from app.model.policy import routing_replay
 from app.trainer.batch import TrainBatch, plan_micro_batches, select_rows
 from app.trainer.grpo import finish_stats, grpo_loss
 
@@ -127,7 +129,9 @@ def train_step(
         norm was not finite; the optimizer step is then skipped and the gradients dropped.
         ``stats`` are whole-batch figures, identical on every rank: ``loss`` (full-batch),
         ``grad_norm`` (before clipping; NaN when skipped), ``entropy`` (with
-        ``trainer.log_entropy``), ``micro_batches``, the per-token means of
+        ``trainer.log_entropy``), ``micro_batches``, ``routing_replay_mismatch`` (with
+        ``rollout.routing_replay``: the fraction of replayed (token, MoE layer) pairs whose
+        experts this router would not have chosen), the per-token means of
         `grpo.finish_stats`; with a critic also ``vf_loss``, ``vf_clip_frac``, ``value``,
         ``return``, ``value_error`` and ``critic_grad_norm``.
     """
@@ -149,52 +153,25 @@ def train_step(
     sums: dict[str, Tensor] = {}
     maxima: dict[str, Tensor] = {}
     applied = True
+    replay_counts = torch.zeros(2)
     for rows, mb in micro:
-        logp, ent, _ = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.completion_mask,
-                                               with_entropy=t.log_entropy, **kw)
-        ref_logp = None
-        if ref_model is not None:
-            with torch.no_grad():
-                ref_logp = ref_model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.completion_mask, **kw)[0]
-        policy_kw = dict(
-            clip_eps_low=t.clip_eps_low, clip_eps_high=t.clip_eps_high, loss_agg=t.loss_agg,
-            denominator=denominator, rollout_logprobs=mb.rollout_logprobs, tis_cap=t.tis_cap,
-            ref_logprobs=ref_logp, kl_coef=t.kl_coef,
-        )
-        vout = None
-        if critic is None:
-            out = grpo_loss(logp, logp.detach(), mb.advantages, mb.completion_mask, **policy_kw)
-        else:
-            from app.trainer.ppo import ppo_policy_loss, value_loss
-
-            tg = _slice_targets(targets, rows, mb)
-            values = critic.module(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
-            out = ppo_policy_loss(logp, logp.detach(), tg.advantages, mb.completion_mask, **policy_kw)
-            vout = value_loss(values, tg.values, tg.returns, mb.completion_mask, t.value_clip,
-                              denominator=counts[0])
-        loss = out.loss
-        aux = [m.last_aux_loss for m in model.modules() if getattr(m, "last_aux_loss", None) is not None]
-        if aux and cfg.router.aux_loss_coef > 0:
-            # Each micro-batch's aux loss covers its tokens; the ranks' and micro-batches' sum is their mean.
-            loss = loss + torch.stack(aux).sum() / (_world() * len(micro))
-        step_sums = dict(out.sums)
-        if ent is not None:
-            step_sums["entropy"] = (ent * mb.completion_mask).sum()
-        step_sums["loss"] = loss.detach()
-        if vout is not None:
-            step_sums.update({k: v for k, v in vout.sums.items() if k != "tokens"})
-            loss = loss + vout.loss
+        # Routing replay: the MoE layers route by the engine's experts for this micro-batch, in
+        # the forward and in any recompute of its backward.
+        replay = (routing_replay(model, mb.routed_experts.unbind(2)) if mb.routed_experts is not None
+                  else contextlib.nullcontext())
+        with replay:
+            ok, step_sums, out_maxima = _micro_step(cfg, model, mb, rows, denominator, counts, kw, ref_model,
+                                                    critic, targets, len(micro))
+            if mb.routed_experts is not None:
+                replay_counts += sum(m.last_replay_mismatch.cpu() for m in model.modules()
+                                     if getattr(m, "last_replay_mismatch", None) is not None)
         for k, v in step_sums.items():
-            sums[k] = sums.get(k, 0) + v.detach().float()
-        for k, v in out.maxima.items():
-            maxima[k] = torch.maximum(maxima[k], v.detach().float()) if k in maxima else v.detach().float()
-
-        bad = _all_reduce(torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=loss.device),
-                          dist.ReduceOp.MAX)
-        if bad.item() > 0:
+            sums[k] = sums.get(k, 0) + v
+        for k, v in out_maxima.items():
+            maxima[k] = torch.maximum(maxima[k], v) if k in maxima else v
+        if not ok:
             applied = False  # every rank agrees: no backward anywhere, no optimizer step
             break
-        loss.backward()
 
     params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = critic_grad_norm = float("nan")
@@ -222,10 +199,59 @@ def train_step(
     full_loss = float(reduced.pop("loss"))
     stats = finish_stats(reduced, dict(zip(mkeys, mvec.cpu())))
     stats.update(loss=full_loss, grad_norm=grad_norm, micro_batches=float(len(micro)))
+    if cfg.rollout.routing_replay:  # how often the trainer's own router would have differed (every rank)
+        replay_counts = _all_reduce(replay_counts.to(counts.device)).cpu()
+        stats["routing_replay_mismatch"] = float(replay_counts[0] / replay_counts[1].clamp(min=1))
     if critic is not None:
         stats["critic_grad_norm"] = critic_grad_norm
     return applied, stats
 
+
+def _micro_step(cfg: RunConfig, model: nn.Module, mb: TrainBatch, rows, denominator: Tensor, counts: Tensor,
+                kw: dict, ref_model, critic, targets, n_micro: int) -> tuple[bool, dict, dict]:
+    """Forward, loss and backward of one micro-batch (collective). Returns (finite on every rank,
+    detached fp32 sums, maxima); when a loss is not finite on some rank, no rank runs backward."""
+    t = cfg.trainer
+    logp, ent, _ = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.completion_mask,
+                                           with_entropy=t.log_entropy, **kw)
+    ref_logp = None
+    if ref_model is not None:
+        with torch.no_grad():
+            ref_logp = ref_model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.completion_mask, **kw)[0]
+    policy_kw = dict(
+        clip_eps_low=t.clip_eps_low, clip_eps_high=t.clip_eps_high, loss_agg=t.loss_agg,
+        denominator=denominator, rollout_logprobs=mb.rollout_logprobs, tis_cap=t.tis_cap,
+        ref_logprobs=ref_logp, kl_coef=t.kl_coef,
+    )
+    vout = None
+    if critic is None:
+        out = grpo_loss(logp, logp.detach(), mb.advantages, mb.completion_mask, **policy_kw)
+    else:
+        from app.trainer.ppo import ppo_policy_loss, value_loss
+
+        tg = _slice_targets(targets, rows, mb)
+        values = critic.module(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
+        out = ppo_policy_loss(logp, logp.detach(), tg.advantages, mb.completion_mask, **policy_kw)
+        vout = value_loss(values, tg.values, tg.returns, mb.completion_mask, t.value_clip, denominator=counts[0])
+    loss = out.loss
+    aux = [m.last_aux_loss for m in model.modules() if getattr(m, "last_aux_loss", None) is not None]
+    if aux and cfg.router.aux_loss_coef > 0:
+        # Each micro-batch's aux loss covers its tokens; the ranks' and micro-batches' sum is their mean.
+        loss = loss + torch.stack(aux).sum() / (_world() * n_micro)
+    step_sums = dict(out.sums)
+    if ent is not None:
+        step_sums["entropy"] = (ent * mb.completion_mask).sum()
+    step_sums["loss"] = loss.detach()
+    if vout is not None:
+        step_sums.update({k: v for k, v in vout.sums.items() if k != "tokens"})
+        loss = loss + vout.loss
+    sums = {k: v.detach().float() for k, v in step_sums.items()}
+    maxima = {k: v.detach().float() for k, v in out.maxima.items()}
+    bad = _all_reduce(torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=loss.device), dist.ReduceOp.MAX)
+    if bad.item() > 0:
+        return False, sums, maxima
+    loss.backward()
+    return True, sums, maxima
 
 def _ppo_targets(cfg: RunConfig, critic: nn.Module, batch: TrainBatch, micro: list[tuple]):
     """Critic values of every row (gradient-free pass over the micro-batches), then GAE and the

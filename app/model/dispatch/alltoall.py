@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 from torch import Tensor
 
-from app.model.dispatch import Dispatched, at_least_fp32
+from app.model.dispatch import Dispatched, at_least_fp32, exchange_cache
 from app.model.dispatch.permute import RowMap, permute, row_map, unpermute
 from app.model.parallel import EPContext
 
@@ -30,12 +30,31 @@ from app.model.parallel import EPContext
 def all_to_all(x: Tensor, output_splits: list[int], input_splits: list[int], group) -> Tensor:
     """Differentiable all_to_all_single along dim 0. x [sum(input_splits), ...] -> [sum(output_splits), ...].
 
-    Uses torch's functional collective (``_c10d_functional.all_to_all_single``, whose backward is
-    the all-to-all with the splits swapped), so selective activation checkpointing can keep its
-    output instead of redoing the exchange (app/trainer/parallel.py).
+    torch's functional collective (its backward is the all-to-all with the splits swapped). Inside
+    a selectively checkpointed layer the output is kept, and the recompute replays it instead of
+    exchanging again (app/model/dispatch/exchange_cache.py).
     """
-    out = fc.all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group)
-    return fc.wait_tensor(out)
+    if exchange_cache.replaying():
+        def backward(grad: Tensor) -> Tensor:
+            return fc.wait_tensor(fc.all_to_all_single(grad, input_splits, output_splits, group))
+
+        return exchange_cache.ReplayedAllToAll.apply(x, [exchange_cache.take("rows")], backward)
+    out = fc.wait_tensor(fc.all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group))
+    exchange_cache.keep("rows", out)
+    return out
+
+
+def _exchange_counts(send_counts: Tensor, group) -> Tensor:
+    """[E] rows this rank sends to each global expert -> [2, E] (sent, received) on the host: the
+    split sizes all_to_all_single needs (the one host sync of a dispatch; replayed, not redone,
+    in a selectively checkpointed recompute)."""
+    if exchange_cache.replaying():
+        return exchange_cache.take("counts")
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    both = torch.stack([send_counts, recv_counts]).cpu()
+    exchange_cache.keep("counts", both)
+    return both
 
 
 def _regroup(x: Tensor, sizes: list[int], rows: int, cols: int) -> Tensor:
@@ -71,10 +90,8 @@ class AllToAllDispatcher:
         counts.scatter_add_(0, key, torch.ones_like(key))
         send_counts = counts[: self.num_experts].contiguous()
 
-        # recv_counts[s * E_local + e]: rows rank s sends to my local expert e.
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.ep.group)
-        both = torch.stack([send_counts, recv_counts]).cpu()  # the one host sync
+        # both[1][s * E_local + e]: rows rank s sends to my local expert e.
+        both = _exchange_counts(send_counts, self.ep.group)
         send_splits = both[0].view(size, e_local).sum(1).tolist()
         recv_sizes = both[1].tolist()
         recv_splits = both[1].view(size, e_local).sum(1).tolist()
@@ -85,7 +102,7 @@ class AllToAllDispatcher:
         send_w = at_least_fp32(topk_weights.reshape(-1)).index_select(0, slot_of_row)
         recv_x = all_to_all(send_x, recv_splits, send_splits, self.ep.group)
         recv_w = all_to_all(send_w, recv_splits, send_splits, self.ep.group)
-        tokens_per_expert = recv_counts.view(size, e_local).sum(0)
+        tokens_per_expert = both[1].to(x.device).view(size, e_local).sum(0)
         return Dispatched(
             x=_regroup(recv_x, recv_sizes, size, e_local),
             weights=_regroup(recv_w, recv_sizes, size, e_local),

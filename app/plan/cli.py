@@ -1,0 +1,298 @@
+"""`moerl plan`: the trainer's per-GPU memory budget, or (``--traffic``) the weight-sync budget.
+
+The model comes from ``--model`` (a preset name or a Hugging Face config.json, directory or
+file, read from local files only) or from the run config's ``model`` section (``--config``); the
+layout and the micro-batching from the run config's ``trainer`` section, each overridden by its
+flag. Exit status: 0 it fits (``--traffic``: ``--publish-every`` keeps staleness within
+``--max-staleness`` on the network path), 1 it does not, 2 bad input (one line naming the flag or
+the field).
+
+``--traffic`` is a flag of the same command rather than a sub-command because it needs the same
+model and node count as the memory plan and only a few flags more; ``moerl plan`` stays one
+command with one way to name the model.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+cli = typer.Typer(add_completion=False, help="Per-GPU memory of the trainer for a model and layout "
+                  "(and, with --traffic, the weight-sync traffic budget).")
+
+
+def _fail(message: str) -> None:
+    print(f"moerl plan: {message}", file=sys.stderr)
+    raise typer.Exit(2)
+
+
+def _model(model: str | None, run, num_layers: int | None, overrides: list[str]):
+    """The HF config of ``--model`` or of the run config's model section, with overrides applied."""
+    from app.model.config import PRESETS, REAL_PRESETS, load_hf_config, real_config, tiny_config, validate_config
+
+    if model is None:
+        if run is None:
+            raise ValueError("give --model (a preset or a config.json) or --config (a run config)")
+        if run.model.path:
+            if not Path(run.model.path).exists():
+                raise ValueError(f"model.path {run.model.path!r} is not a local path; moerl plan reads local "
+                                 f"files only (pass --model with a config.json)")
+            config = load_hf_config(run.model.path)
+        else:
+            config = tiny_config(run.model.preset)
+    elif model in REAL_PRESETS:
+        config = real_config(model)
+    elif model in PRESETS:
+        config = tiny_config(model)
+    elif Path(model).exists():
+        config = load_hf_config(model)
+    else:
+        raise ValueError(f"--model {model!r} is neither a preset {REAL_PRESETS + PRESETS} nor a local config.json")
+    if num_layers is not None:
+        overrides = [f"num_hidden_layers={num_layers}", *overrides]
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not hasattr(config, key):
+            raise ValueError(f"--set {item!r}: expected FIELD=VALUE with a field of {type(config).__name__}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        setattr(config, key, value)
+    if config.model_type == "deepseek_v3" and config.first_k_dense_replace >= config.num_hidden_layers:
+        raise ValueError(f"num_hidden_layers={config.num_hidden_layers} leaves no MoE layer after "
+                         f"first_k_dense_replace={config.first_k_dense_replace} (--set first_k_dense_replace=N)")
+    validate_config(config, ep_size=1)
+    return config
+
+
+def _gib(n: float) -> str:
+    return f"{n / 1024**3:,.2f}"
+
+
+@cli.command()
+def plan(
+    config_path: Path = typer.Option(None, "--config", help="Run config YAML (its model and trainer sections)."),
+    model: str = typer.Option(None, "--model", help="Preset (qwen3-30b-a3b, deepseek-v3, tiny-*) or an HF "
+                              "config.json (file or directory)."),
+    num_layers: int = typer.Option(None, "--num-layers", min=1, help="Fewer decoder layers at the same widths."),
+    overrides: list[str] = typer.Option([], "--set", help="FIELD=VALUE override of the model config (repeatable)."),
+    nodes: int = typer.Option(1, "--nodes", min=1, help="Trainer nodes."),
+    gpus_per_node: int = typer.Option(8, "--gpus-per-node", min=1, help="GPUs per trainer node."),
+    ep: int = typer.Option(None, "--ep", min=1, help="trainer.parallel.ep."),
+    dp_shard: int = typer.Option(None, "--dp-shard", help="trainer.parallel.dp_shard (-1: world / dp_replicate)."),
+    dp_replicate: int = typer.Option(None, "--dp-replicate", min=1, help="trainer.parallel.dp_replicate."),
+    ep_backend: str = typer.Option(None, "--ep-backend", help="auto | local | alltoall | deepep (auto: deepep "
+                                   "when ep > 1, as on the GPU images)."),
+    micro_batch_tokens: int = typer.Option(None, "--micro-batch-tokens", min=1,
+                                           help="trainer.micro_batch_tokens (default: one micro-batch)."),
+    activation_checkpointing: str = typer.Option(None, "--activation-checkpointing", help="none | full | selective."),
+    logprob_chunk_tokens: int = typer.Option(None, "--logprob-chunk-tokens", min=1,
+                                             help="trainer.logprob_chunk_tokens."),
+    rollouts_per_gpu: int = typer.Option(8, "--rollouts-per-gpu", min=1, help="Sequences each GPU trains per step."),
+    seq_len: int = typer.Option(8192, "--seq-len", min=1, help="Tokens per sequence (prompt + completion)."),
+    algorithm: str = typer.Option(None, "--algorithm", help="grpo | ppo (ppo adds a critic)."),
+    dtype: str = typer.Option(None, "--dtype", help="Compute dtype, bfloat16 | float32 (default: model.dtype of "
+                              "--config, else bfloat16)."),
+    gpu_memory_gib: float = typer.Option(None, "--gpu-memory-gib", help="Device memory, GiB (default: p5en's "
+                                         "H200, infra/instances.py)."),
+    fragmentation: float = typer.Option(None, "--fragmentation", help="Allocator reserve over live tensors "
+                                        "(default 1.33, default allocator; 1.13 measured with "
+                                        "expandable_segments:True)."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    detail: bool = typer.Option(False, "--detail", help="Also list one decoder layer's saved tensors per kind."),
+    traffic: bool = typer.Option(False, "--traffic", help="Print the weight-sync traffic budget instead."),
+    rollout_nodes: int = typer.Option(1, "--rollout-nodes", min=1, help="--traffic: rollout nodes receiving versions."),
+    link_gbps: float = typer.Option(None, "--link-gbps", help="--traffic: per-node network rate, Gbit/s "
+                                    "(default 3200, p5en EFA)."),
+    s3_gbps_per_node: float = typer.Option(None, "--s3-gbps-per-node", help="--traffic: per-node S3 rate, Gbit/s "
+                                           "(default 100; app/plan/traffic.py says why)."),
+    step_s: float = typer.Option(60.0, "--step-s", help="--traffic: trainer step time, seconds."),
+    publish_every: int = typer.Option(None, "--publish-every", min=1, help="--traffic: steps between versions "
+                                      "(default trainer.publish_every)."),
+    max_staleness: int = typer.Option(None, "--max-staleness", min=0, help="--traffic: buffer.max_staleness."),
+    generation_s: float = typer.Option(None, "--generation-s", help="--traffic: seconds from a rollout's start "
+                                       "to the buffer (default --step-s)."),
+    load_s: float = typer.Option(0.0, "--load-s", help="--traffic: engine load time per version, seconds."),
+) -> None:
+    """Print the per-GPU memory budget (exit 0 fits, 1 does not, 2 bad input)."""
+    from pydantic import ValidationError
+
+    from app.config import ParallelConfig, RunConfig
+    from app.layout import resolve_layout
+    from app.model.config import num_routed_experts
+
+    try:
+        run = RunConfig.load(config_path) if config_path else RunConfig()
+        if dtype is not None or not config_path:
+            if (dtype or "bfloat16") not in ("bfloat16", "float32"):
+                raise ValueError(f"--dtype must be bfloat16 or float32, got {dtype!r}")
+            run.model.dtype = dtype or "bfloat16"
+        cfg = _model(model, run if config_path else None, num_layers, overrides)
+        par = run.trainer.parallel.model_dump()
+        par.update({k: v for k, v in dict(ep=ep, dp_shard=dp_shard, dp_replicate=dp_replicate,
+                                          ep_backend=ep_backend).items() if v is not None})
+        try:
+            parallel = ParallelConfig(**par)
+        except ValidationError as e:  # name the field the flag sets
+            raise ValueError(f"trainer.parallel.{e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}") from None
+        layout = resolve_layout(parallel, nodes * gpus_per_node, num_routed_experts(cfg))
+        if traffic:
+            _print_traffic(cfg, run, nodes, rollout_nodes, link_gbps, s3_gbps_per_node, step_s, publish_every,
+                           max_staleness, generation_s, load_s, json_out)
+            return
+        _print_memory(cfg, run, layout, gpus_per_node, parallel, micro_batch_tokens, activation_checkpointing,
+                      logprob_chunk_tokens, rollouts_per_gpu, seq_len, algorithm, gpu_memory_gib, fragmentation,
+                      json_out, detail)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+
+
+def _print_memory(cfg, run, layout, gpus_per_node, parallel, micro_batch_tokens, activation_checkpointing,
+                  logprob_chunk_tokens, rollouts_per_gpu, seq_len, algorithm, gpu_memory_gib, fragmentation,
+                  json_out, detail):
+    from rich.console import Console
+    from rich.table import Table
+
+    from app.plan.memory import FRAGMENTATION, PlanInput, constants, plan_memory
+    from infra.instances import instance_spec
+
+    t = run.trainer
+    backend = parallel.ep_backend
+    if backend == "auto":
+        backend = "deepep" if layout.ep > 1 else "local"
+    inp = PlanInput(
+        config=cfg, layout=layout, gpus_per_node=gpus_per_node, rollouts_per_gpu=rollouts_per_gpu, seq_len=seq_len,
+        micro_batch_tokens=micro_batch_tokens if micro_batch_tokens is not None else t.micro_batch_tokens,
+        activation_checkpointing=activation_checkpointing or t.activation_checkpointing,
+        logprob_chunk_tokens=logprob_chunk_tokens or t.logprob_chunk_tokens,
+        algorithm=algorithm or t.algorithm, ep_backend=backend, compute_dtype=run.model.dtype,
+        log_entropy=t.log_entropy,
+        gpu_memory_gib=gpu_memory_gib if gpu_memory_gib is not None else instance_spec("p5en.48xlarge").gpu_memory_gib,
+        fragmentation=FRAGMENTATION if fragmentation is None else fragmentation,
+    )
+    p = plan_memory(inp)
+    if json_out:
+        print(json.dumps(p.to_json(), indent=1))
+    else:
+        console = Console(width=160)
+        m, lay = p.micro_batch, layout
+        console.print(
+            f"[bold]{cfg.model_type}[/] {cfg.num_hidden_layers} layers, {p.params.total / 1e9:.2f} B params "
+            f"({p.params.experts / 1e9:.2f} B routed experts) | world {lay.world} = {lay.world // gpus_per_node} x "
+            f"{gpus_per_node}, dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard}, ep {lay.ep}, efsdp "
+            f"{lay.efsdp}, {inp.ep_backend} | {inp.rollouts_per_gpu} x {inp.seq_len} tokens per GPU in "
+            f"{p.micro_batches} micro-batches of {m.seqs} x {m.seq_len} = {m.tokens} tokens | checkpointing "
+            f"{inp.activation_checkpointing} | {inp.algorithm} | {inp.compute_dtype}")
+        table = Table(title="Per-GPU memory (GiB)", show_lines=False)
+        for col, kw in (("term", {}), ("GiB", dict(justify="right")), ("in peak", dict(justify="center")),
+                        ("formula", dict(overflow="fold", max_width=70))):
+            table.add_column(col, **kw)
+        peak = p.peak_phase
+        for key, term in p.terms.items():
+            table.add_row(term.name, _gib(term.bytes), "x" if key in p.phases[peak] else "", term.formula)
+        console.print(table)
+        phases = Table(title="Phases (GiB of live tensors)")
+        phases.add_column("phase")
+        phases.add_column("GiB", justify="right")
+        for name in p.phases:
+            phases.add_row(("[bold]" if name == peak else "") + name, _gib(p.phase_bytes(name)))
+        console.print(phases)
+        c = constants() | {"FRAGMENTATION": inp.fragmentation}
+        summary = Table(title="Total", show_header=False)
+        summary.add_column("")
+        summary.add_column("", justify="right")
+        summary.add_row(f"tensors at the peak ({peak}; compare max_memory_allocated)", _gib(p.tensors_peak))
+        summary.add_row(f"x FRAGMENTATION {c['FRAGMENTATION']} (compare max_memory_reserved)", _gib(p.reserved))
+        nccl = c["NCCL_OVERHEAD_GIB"] if layout.world > 1 else 0.0
+        summary.add_row(f"+ CUDA_OVERHEAD_GIB {c['CUDA_OVERHEAD_GIB']} + NCCL_OVERHEAD_GIB {nccl}", _gib(p.overhead))
+        summary.add_row("[bold]predicted device memory", _gib(p.predicted))
+        summary.add_row("capacity (--gpu-memory-gib)", _gib(p.capacity))
+        summary.add_row("headroom", _gib(p.headroom))
+        summary.add_row("[bold]verdict", "[green]FITS" if p.fits else "[red]DOES NOT FIT")
+        console.print(summary)
+        console.print("constants (app/plan/memory.py): " + ", ".join(f"{k}={v}" for k, v in c.items()))
+        if detail:
+            for kind, terms in p.layer_detail.items():
+                d = Table(title=f"One {kind} layer's saved tensors, one micro-batch (bytes)")
+                d.add_column("tensor")
+                d.add_column("bytes", justify="right")
+                d.add_column("formula", overflow="fold")
+                for term in terms:
+                    d.add_row(term.name, f"{term.bytes:,}", term.formula)
+                d.add_row("[bold]total", f"{sum(x.bytes for x in terms):,}", "")
+                console.print(d)
+    if not p.fits:
+        raise typer.Exit(1)
+
+
+def _print_traffic(cfg, run, nodes, rollout_nodes, link_gbps, s3_gbps_per_node, step_s, publish_every,
+                   max_staleness, generation_s, load_s, json_out):
+    from rich.console import Console
+    from rich.table import Table
+
+    from app.plan import traffic as tr
+
+    dtype_bytes = 2 if run.model.dtype == "bfloat16" else 4
+    t = tr.TrafficInput(
+        trainer_nodes=nodes, rollout_nodes=rollout_nodes,
+        link_gbps=link_gbps if link_gbps is not None else tr.LINK_GBPS_P5EN,
+        s3_gbps_per_node=s3_gbps_per_node if s3_gbps_per_node is not None else tr.S3_GBPS_PER_NODE,
+        step_s=step_s, publish_every=publish_every or run.trainer.publish_every,
+        max_staleness=run.buffer.max_staleness if max_staleness is None else max_staleness,
+        generation_s=step_s if generation_s is None else generation_s, load_s=load_s,
+    )
+    t.check()
+    v = tr.version_bytes(cfg, dtype_bytes)
+    v8 = tr.fp8_version_bytes(cfg)
+    rows = []
+    per_hour = tr.versions_per_hour(t)
+    for path, path8 in zip(tr.paths(v, t), tr.paths(v8, t)):
+        pmin = tr.min_publish_every(path.latency_s, t)
+        rows.append(dict(
+            path=path.name, link_bytes=path.link_bytes, seconds=path.seconds, fp8_seconds=path8.seconds,
+            latency_s=path.latency_s, staleness=tr.staleness(path.latency_s, t), min_publish_every=pmin,
+            s3_bytes_per_version=path.s3_bytes, s3_bytes_per_hour=path.s3_bytes * per_hour,
+            s3_bytes_per_hour_at_min=(path.s3_bytes * tr.versions_per_hour(t, pmin)) if pmin else None,
+        ))
+    network_ok = rows[0]["staleness"] <= t.max_staleness
+    if json_out:
+        print(json.dumps(dict(
+            model=dict(model_type=cfg.model_type, num_hidden_layers=cfg.num_hidden_layers),
+            input=dict(trainer_nodes=t.trainer_nodes, rollout_nodes=t.rollout_nodes, link_gbps=t.link_gbps,
+                       s3_gbps_per_node=t.s3_gbps_per_node, step_s=t.step_s, publish_every=t.publish_every,
+                       max_staleness=t.max_staleness, generation_s=t.generation_s, load_s=t.load_s,
+                       publish_dtype=run.model.dtype),
+            version_bytes=v, fp8_version_bytes=v8, versions_per_hour=per_hour, paths=rows,
+            network_within_staleness=network_ok), indent=1))
+    else:
+        console = Console(width=160)
+        console.print(
+            f"[bold]{cfg.model_type}[/] {cfg.num_hidden_layers} layers | one version: {v / 1e12:.3f} TB "
+            f"{run.model.dtype}, {v8 / 1e12:.3f} TB FP8 (e4m3, 128x128 block scales) | {t.trainer_nodes} trainer + "
+            f"{t.rollout_nodes} rollout nodes | link {t.link_gbps:g} Gbit/s, S3 {t.s3_gbps_per_node:g} Gbit/s per "
+            f"node | step {t.step_s:g} s, publish every {t.publish_every} step(s) = {per_hour:.1f} versions/h, "
+            f"generation {t.generation_s:g} s, load {t.load_s:g} s, max_staleness {t.max_staleness}")
+        table = Table(title="Weight sync per version")
+        for col in ("path", "busiest link (GB)", "time (s)", "time FP8 (s)", "latency L (s)",
+                    f"staleness at P={t.publish_every}", "min P (steps)", "S3 GB/version", "S3 TB/hour",
+                    "S3 TB/hour at min P"):
+            table.add_column(col, justify="right" if col != "path" else "left")
+        for r in rows:
+            table.add_row(
+                r["path"], f"{r['link_bytes'] / 1e9:,.1f}", f"{r['seconds']:,.1f}", f"{r['fp8_seconds']:,.1f}",
+                f"{r['latency_s']:,.1f}", str(r["staleness"]),
+                str(r["min_publish_every"]) if r["min_publish_every"] else "none",
+                f"{r['s3_bytes_per_version'] / 1e9:,.1f}", f"{r['s3_bytes_per_hour'] / 1e12:,.2f}",
+                f"{r['s3_bytes_per_hour_at_min'] / 1e12:,.2f}" if r["s3_bytes_per_hour_at_min"] is not None else "-")
+        console.print(table)
+        console.print("staleness = ceil((L + generation + step) / (P * step)); formulas and assumptions: "
+                      "app/plan/traffic.py")
+        console.print("[green]network path keeps staleness within max_staleness" if network_ok else
+                      f"[red]network path exceeds max_staleness at P={t.publish_every}; min P: "
+                      f"{rows[0]['min_publish_every'] or 'none (max_staleness 0)'}")
+    if not network_ok:
+        raise typer.Exit(1)

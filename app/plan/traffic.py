@@ -1,0 +1,183 @@
+"""Weight-sync traffic budget (issue 21, item 4): what one policy version costs to ship from the
+trainer to every rollout node, over the network or through S3, and how often it can be published
+without letting rollouts go staler than ``buffer.max_staleness``.
+
+Bytes per version (`version_bytes`): every parameter of the policy in the publish dtype (the
+router included; what `app/trainer/publish.py` writes is a cast of the fp32 master weights), plus
+DeepSeek-V3's ``e_score_correction_bias`` [E] in fp32 per MoE layer. The FP8 figure
+(`fp8_version_bytes`) is the layout of the official DeepSeek-V3 checkpoint (its
+``quantization_config``: e4m3 weights, one fp32 ``weight_scale_inv`` per 128 x 128 block) applied
+to every linear weight and routed expert; embeddings, LM head, norms and the router stay bf16.
+
+Per version, with V bytes, N_t trainer nodes, N_r rollout nodes, B the per-node link (EFA) rate,
+R the per-node S3 rate, P the publish interval in steps and t_s the trainer step time:
+
+- direct push: every trainer node sends its 1/N_t of the version to every rollout node; the
+  trainer nodes' links carry ``V * N_r / N_t`` each: ``t = V * N_r / (N_t * B)``.
+- broadcast tree: the version travels a binary tree of rollout nodes rooted at the trainer,
+  pipelined in buckets of `BUCKET_BYTES` (NCCL broadcast, as SGLang's
+  ``update_weights_from_distributed`` receives it); every link carries V once:
+  ``t = (V + depth * bucket) / B`` with ``depth = ceil(log2(N_r + 1))``.
+- S3: the trainer nodes upload the version (``V / (N_t * R)``), then every rollout node downloads
+  it (``V / R``, nodes in parallel): ``t = V / (N_t * R) + V / R``. S3 bytes per version:
+  ``V`` written + ``V * N_r`` read; the network paths write ``V`` (the durable copy) and read
+  nothing (an engine that restarts reads one more V).
+- Delivery latency ``L = t + load_s`` (the engines' pause-load-resume, measured separately).
+
+Staleness: version v is published at ``v * P * t_s`` and served from ``L`` later until v + 1
+arrives, so a rollout with version v starts before ``(v + 1) * P * t_s + L``. It reaches the buffer
+after the generation time G and waits at most one step t_s for the trainer to take it, so it is
+taken before ``(v + 1) * P * t_s + L + G + t_s``, when the trainer holds at most version
+``v + ceil((L + G + t_s) / (P * t_s))``. The worst-case staleness is therefore
+``s = ceil((L + G + t_s) / (P * t_s))`` (1 for an instant fleet publishing every step, as it
+should be), and ``s <= max_staleness`` needs ``P >= (L + G + t_s) / (max_staleness * t_s)``; P must
+also leave a sync the time to finish (``P * t_s >= L``). max_staleness 0 cannot be met by an
+asynchronous fleet.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+from app.model.config import DEEPSEEK_V3_FP8_BLOCK, moe_layer_ids, num_routed_experts
+from app.plan.params import param_shapes
+
+BUCKET_BYTES = 1024**3  # broadcast pipeline bucket (assumption; Miles/slime bucket sizes are of this order)
+# p5en.48xlarge: 3200 Gbps of EFA per node (Amazon EC2 P5en instance page; infra/instances.py
+# lists its 16 EFA network cards).
+LINK_GBPS_P5EN = 3200.0
+# Default S3 rate per node: each S3 connection tops out at 5 Gbps ("Maximizing Amazon S3 transfer
+# throughput to Amazon EC2 instances", AWS re:Post), and S3 traffic leaves through the ENA
+# interface of one network card (the EFA cards carry no S3 traffic; EC2 user guide, "Maximize
+# network bandwidth on accelerated instances"), a p5en card being 3200 / 16 = 200 Gbps. 100 Gbps
+# (20 parallel ranged GETs at the cap, half the card) is what we assume a tuned client reaches.
+S3_GBPS_PER_NODE = 100.0
+
+
+def version_bytes(config: PretrainedConfig, dtype_bytes: int = 2) -> int:
+    """Bytes of one published version in a dtype of ``dtype_bytes`` (see the module docstring)."""
+    n = sum(p.numel for p in param_shapes(config)) * dtype_bytes
+    if config.model_type == "deepseek_v3":
+        n += 4 * num_routed_experts(config) * len(moe_layer_ids(config))
+    return n
+
+
+def fp8_version_bytes(config: PretrainedConfig, block: tuple[int, int] = DEEPSEEK_V3_FP8_BLOCK) -> int:
+    """Bytes of one version in DeepSeek-V3's FP8 checkpoint layout (module docstring)."""
+    bo, bi = block
+    n = 0
+    for p in param_shapes(config):
+        if p.role == "experts":  # per expert: gate and up [I, H] each, or down [H, I]
+            e, rows, cols = p.shape
+            mats = [(rows // 2, cols), (rows // 2, cols)] if p.name.endswith("gate_up_proj") else [(rows, cols)]
+            n += sum(e * (r * c + 4 * math.ceil(r / bo) * math.ceil(c / bi)) for r, c in mats)
+        elif p.role in ("attention", "mlp", "shared") and len(p.shape) == 2:
+            r, c = p.shape
+            n += r * c + 4 * math.ceil(r / bo) * math.ceil(c / bi)
+        else:
+            n += 2 * p.numel
+    if config.model_type == "deepseek_v3":
+        n += 4 * num_routed_experts(config) * len(moe_layer_ids(config))
+    return n
+
+
+@dataclass(frozen=True)
+class TrafficInput:
+    """The fleet and the schedule.
+
+    Attributes:
+        trainer_nodes: N_t.
+        rollout_nodes: N_r (every rollout node receives every version).
+        link_gbps: per-node network rate B, Gbit/s.
+        s3_gbps_per_node: per-node S3 rate R, Gbit/s.
+        step_s: trainer step time t_s, seconds.
+        publish_every: P, steps between versions.
+        max_staleness: ``buffer.max_staleness``.
+        generation_s: G, seconds from a rollout's start to its group in the buffer.
+        load_s: engine-side load time per version, seconds.
+    """
+
+    trainer_nodes: int
+    rollout_nodes: int
+    link_gbps: float = LINK_GBPS_P5EN
+    s3_gbps_per_node: float = S3_GBPS_PER_NODE
+    step_s: float = 60.0
+    publish_every: int = 1
+    max_staleness: int = 1
+    generation_s: float = 60.0
+    load_s: float = 0.0
+
+    def check(self) -> None:
+        """Raises ValueError naming the CLI flag that is out of range."""
+        checks = [
+            (self.trainer_nodes >= 1, f"--nodes must be >= 1, got {self.trainer_nodes}"),
+            (self.rollout_nodes >= 1, f"--rollout-nodes must be >= 1, got {self.rollout_nodes}"),
+            (self.link_gbps > 0, f"--link-gbps must be > 0, got {self.link_gbps}"),
+            (self.s3_gbps_per_node > 0, f"--s3-gbps-per-node must be > 0, got {self.s3_gbps_per_node}"),
+            (self.step_s > 0, f"--step-s must be > 0, got {self.step_s}"),
+            (self.publish_every >= 1, f"--publish-every must be >= 1, got {self.publish_every}"),
+            (self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}"),
+            (self.generation_s >= 0, f"--generation-s must be >= 0, got {self.generation_s}"),
+            (self.load_s >= 0, f"--load-s must be >= 0, got {self.load_s}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class Path:
+    """One way of shipping a version.
+
+    Attributes:
+        name: ``broadcast tree``, ``direct push`` or ``S3``.
+        link_bytes: bytes on the busiest node link per version.
+        seconds: transfer time per version.
+        latency_s: transfer + load: publish to served.
+        s3_bytes: bytes written to + read from S3 per version.
+    """
+
+    name: str
+    link_bytes: int
+    seconds: float
+    latency_s: float
+    s3_bytes: int
+
+
+def staleness(latency_s: float, t: TrafficInput, publish_every: int | None = None) -> int:
+    """Worst-case staleness ``ceil((L + G + t_s) / (P * t_s))`` (module docstring)."""
+    p = t.publish_every if publish_every is None else publish_every
+    return math.ceil((latency_s + t.generation_s + t.step_s) / (p * t.step_s))
+
+
+def min_publish_every(latency_s: float, t: TrafficInput) -> int | None:
+    """Smallest P with ``staleness <= max_staleness`` and ``P * t_s >= L``; None if none exists."""
+    if t.max_staleness < 1:
+        return None
+    x = latency_s + t.generation_s + t.step_s
+    return max(math.ceil(x / (t.max_staleness * t.step_s)), math.ceil(latency_s / t.step_s), 1)
+
+
+def paths(nbytes: int, t: TrafficInput) -> list[Path]:
+    """The three ways to ship ``nbytes`` per version to the fleet."""
+    t.check()
+    link = t.link_gbps * 1e9 / 8
+    s3 = t.s3_gbps_per_node * 1e9 / 8
+    depth = math.ceil(math.log2(t.rollout_nodes + 1))
+    tree = (nbytes + depth * min(BUCKET_BYTES, nbytes)) / link
+    direct = nbytes * t.rollout_nodes / (t.trainer_nodes * link)
+    via_s3 = nbytes / (t.trainer_nodes * s3) + nbytes / s3
+    return [
+        Path("broadcast tree", nbytes, tree, tree + t.load_s, nbytes),
+        Path("direct push", math.ceil(nbytes * t.rollout_nodes / t.trainer_nodes), direct, direct + t.load_s, nbytes),
+        Path("S3", nbytes, via_s3, via_s3 + t.load_s, nbytes * (1 + t.rollout_nodes)),
+    ]
+
+
+def versions_per_hour(t: TrafficInput, publish_every: int | None = None) -> float:
+    """``3600 / (P * t_s)``."""
+    p = t.publish_every if publish_every is None else publish_every
+    return 3600.0 / (p * t.step_s)

@@ -1,0 +1,66 @@
+"""TorchX local as the README documents it: `.venv/bin/torchx run -s local_cwd
+app/torchx_component.py:job ...` with redis-server started first and the venv NOT on PATH. The
+trainer makes its steps (so the feeder queued prompts and the rollout role generated them), the
+trainer leaves its done marker and the feeder exits on it; Ctrl-C stops the rest."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from app.chaos import make_base_policy
+from app.run import embedded_default
+from app.storage import open_store, read_done
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_torchx_local_job_trains_with_the_feeder_and_no_venv_on_path(local_redis, tmp_path):
+    cfg = embedded_default()
+    cfg.run_id, cfg.trainer.steps = "torchx", 3
+    cfg.buffer.redis_url = local_redis.url
+    cfg.store_url = f"file://{tmp_path / 'store'}"
+    cfg.rollout.policy_cache_dir = str(tmp_path / "policy-cache")
+    cfg.task.train_size = 100
+    base = make_base_policy(cfg, tmp_path / "base")
+    cfg.model.path = str(base)
+    cfg.save(tmp_path / "run.yaml")
+    torchx = Path(sys.executable).parent / "torchx"
+    env = {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([str(torchx), "run", "-s", "local_cwd", "app/torchx_component.py:job",
+                             "--config", str(tmp_path / "run.yaml"), "--model_path", str(base)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("feed/0") and '"feed":' in line:
+                break  # the feeder's last line: it saw the trainer's done marker
+        out = "".join(lines)
+        assert "command not found" not in out, out[-3000:]
+        feed = json.loads(next(x for x in lines if '"feed":' in x).split(" ", 1)[1])["feed"]
+        assert feed["done"] is True and feed["queued"] > 0
+        assert '"done": true' in out and "rank0 step 3 v3" in out
+        assert read_done(open_store(cfg.store_url), cfg.run_id)["step"] == 3
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: torchx stops every role it started
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
