@@ -28,7 +28,8 @@ RUN = "env: {name: calculator}\ntask: {name: basic_arithmetic, params: {operator
 def docs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("envpool")
     (tmp / "run.yaml").write_text(RUN)
-    (tmp / "workloads.yaml").write_text(f"env: {{replicas: 3, port: 8090}}\nrun_config: {tmp / 'run.yaml'}\n")
+    (tmp / "workloads.yaml").write_text(f"env: {{replicas: 3, port: 8090}}\nrollout: {{model_path: Qwen/Qwen3-30B-A3B}}\n"
+                                       f"run_config: {tmp / 'run.yaml'}\n")
     cfg = load_config("dev")
     plan = load_workloads(cfg, tmp / "workloads.yaml")
     build(plan, tmp / "dist")
