@@ -35,7 +35,7 @@ def moerl_cmd(python: str = "") -> list[str]:
 
 
 def trainer_command(config: str, nnodes: int, nproc_per_node: int, rdzv_port: int, resume: bool,
-                    run_dir: str = "", python: str = "") -> str:
+                    run_dir: str = "", python: str = "", metrics_port: int = 0) -> str:
     """The trainer's shell command: torchrun starting `moerl train` on every GPU of the node.
 
     Rendezvous is c10d on rank 0's host; `${rank0_env}` is a TorchX macro that becomes
@@ -44,6 +44,7 @@ def trainer_command(config: str, nnodes: int, nproc_per_node: int, rdzv_port: in
     (torchx.specs.macros, torchx.components.dist.ddp).
     torchrun's own restarts are off: a failed rank restarts the whole gang, which resumes.
     run_dir: `moerl train --run-dir` (metrics, local staging); "" keeps its default.
+    metrics_port: `moerl train --metrics-port` (rank 0's Prometheus endpoint); 0: none.
     python: "" runs the image's `torchrun` and `moerl` from PATH; an interpreter path runs
         ``python -m torch.distributed.run ... -m app.cli train`` (nothing taken from PATH).
     """
@@ -57,6 +58,8 @@ def trainer_command(config: str, nnodes: int, nproc_per_node: int, rdzv_port: in
     ]
     if run_dir:
         cmd += ["--run-dir", run_dir]
+    if metrics_port:
+        cmd += ["--metrics-port", str(metrics_port)]
     if resume:
         cmd.append("--resume")
     # Quote everything except the endpoint, whose ${...} bash must expand.
@@ -153,6 +156,7 @@ def trainer(
     max_retries: int = 10,
     name: str = "moerl-trainer",
     python: str = "",
+    metrics_port: int = 0,
 ) -> specs.AppDef:
     """The trainer gang: `nnodes` replicas x `nproc_per_node` ranks of `moerl train --config`.
 
@@ -165,6 +169,7 @@ def trainer(
         efa, hugepages_mib: EFA devices and 2 MiB hugepages (MiB) per replica; 0 locally.
         cpu, mem_mb: vCPU and memory (MB) per replica.
         python: "" (images: `torchrun` and `moerl` on PATH) or the interpreter to run them with.
+        metrics_port: rank 0's Prometheus endpoint (`moerl train --metrics-port`); 0: none.
 
     Raises:
         ValueError: a count below 1, or gpus neither 0 nor nproc_per_node.
@@ -180,7 +185,7 @@ def trainer(
         name=TRAINER_ROLE,
         image=image,
         entrypoint="bash",
-        args=["-c", trainer_command(config, nnodes, nproc_per_node, rdzv_port, resume, run_dir, python)],
+        args=["-c", trainer_command(config, nnodes, nproc_per_node, rdzv_port, resume, run_dir, python, metrics_port)],
         num_replicas=nnodes,
         resource=trainer_resource(gpus, efa, hugepages_mib, cpu, mem_mb),
         port_map={"c10d": rdzv_port},

@@ -25,6 +25,7 @@ BUFFER_SERVICE = "moerl-buffer"
 REWARD_MODEL_SERVICE = "moerl-reward-model"  # charts8s/rewardmodel.py, when task.reward_model is set
 ENV_SERVICE = "moerl-env"  # charts8s/envpool.py
 REDIS_PORT = 6379
+MODEL_CACHE = "/tmp/moerl-model-cache"  # on every pod's writable /tmp volume
 
 
 def cluster_run_config(plan: Plan) -> RunConfig:
@@ -32,7 +33,7 @@ def cluster_run_config(plan: Plan) -> RunConfig:
 
     buffer.redis_url -> the buffer Service; rollout.engine_url -> SGLang on loopback;
     store_url -> the checkpoint bucket under run_prefix; model.path -> rollout.model_path if set;
-    rollout.policy_cache_dir -> the volume both rollout containers mount;
+    rollout.policy_cache_dir -> the volume both rollout containers mount; model.cache_dir -> /tmp;
     rollout.reward_url -> the reward-model Service (when task.reward_model is set);
     env.url -> the env pool's Service (when env.name is set: `moerl env` pods).
     """
@@ -42,6 +43,9 @@ def cluster_run_config(plan: Plan) -> RunConfig:
     run.store_url = f"s3://{plan.cfg.checkpoint_bucket}/{plan.cfg.run_prefix}"
     if plan.wl.rollout.model_path:
         run.model.path = plan.wl.rollout.model_path
+    # An s3:// or Hub base model is downloaded onto the pod's writable /tmp volume (instance-store
+    # NVMe on GPU nodes), once per node (app/model/source.py).
+    run.model.cache_dir = MODEL_CACHE
     # Policy versions land on the pod's shared /models volume, where the engine container reads them.
     run.rollout.policy_cache_dir = "/models/policy-cache"
     if run.task.reward_model:

@@ -19,9 +19,11 @@ from constructs import Construct
 from torchx.schedulers.kubernetes_scheduler import app_to_resource, sanitize_for_serialization
 
 from app.buffer.experience import PASSWORD_ENV
+from app.metrics import METRICS_PORT
 from app.torchx_component import CLUSTER_CONFIG, trainer
 from charts8s.cluster import run_config_volume
 from charts8s.kube import api_object, k8s_module
+from charts8s.monitoring import metrics_port
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 from charts8s.volcano import VolcanoJob
 from charts8s.workloads import Plan
@@ -46,6 +48,7 @@ def trainer_appdef(plan: Plan):
         # Leave room for the kubelet, system daemons and the device plugins.
         cpu=spec.vcpus - 8, mem_mb=int(spec.memory_gib * 1024 * 0.9) - hugepages,
         rdzv_port=plan.wl.trainer.rdzv_port, max_retries=plan.wl.trainer.max_retries, name=JOB_NAME,
+        metrics_port=METRICS_PORT,
     )
 
 
@@ -93,6 +96,8 @@ def place_gang(job: dict, plan: Plan) -> dict:
                        {"name": PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
                            "name": plan.wl.buffer.password_secret, "key": "password"}}}]
         task["template"]["metadata"]["labels"].update(labels("moerl-trainer"))
+        if task["name"].endswith("-0"):  # rank 0 (replica 0) serves the run's figures (charts8s/monitoring.py)
+            ctr.setdefault("ports", []).append(metrics_port())
     return job
 
 

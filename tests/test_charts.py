@@ -336,7 +336,7 @@ def test_charts_and_torchx_component_agree(prod):
              "--efa", str(plan.efa_per_trainer), "--hugepages_mib", str(prod.cfg.pools["train-gpu"].hugepages_2mi),
              "--cpu", str(train.vcpus - 8), "--mem_mb",
              str(int(train.memory_gib * 1024 * 0.9) - prod.cfg.pools["train-gpu"].hugepages_2mi),
-             "--run_dir", "/tmp/moerl-run"],
+             "--run_dir", "/tmp/moerl-run", "--metrics_port", "9464"],
             scheduler="kubernetes", cfg={"queue": "default", "namespace": prod.cfg.namespace,
                                          "service_account": prod.cfg.trainer_service_account},
         )

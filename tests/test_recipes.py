@@ -25,9 +25,11 @@ from infra.config import load_config
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {"qwen3-30b-a3b-grpo": "dev", "deepseek-v3-grpo": "prod"}
 # (world, ep, efsdp, experts) each recipe is written for: Qwen3-30B-A3B has 128 routed experts, DeepSeek-V3 256.
+PROMPT_TOKENS = 512  # the recipes' datasets: prompts of a few hundred tokens
+MODELS = {"qwen3-30b-a3b-grpo": "qwen3-30b-a3b", "deepseek-v3-grpo": "deepseek-v3"}  # moerl plan's presets
 LAYOUT = {"qwen3-30b-a3b-grpo": (8, 8, 1, 128), "deepseek-v3-grpo": (128, 64, 2, 256)}
 CLUSTER_FIELDS = {("buffer", "redis_url"), ("rollout", "engine_url"), ("store_url",), ("rollout", "policy_cache_dir"),
-                  ("model", "path")}
+                  ("model", "path"), ("model", "cache_dir")}
 os.environ.setdefault("JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION", "1")
 
 
@@ -77,11 +79,15 @@ def test_recipes_keep_the_buffer_rule_for_their_save_interval():
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_recipe_passes_moerl_plan(name):
-    """For the lead after merging branch `plan`: `moerl plan` must accept each recipe."""
-    from app.cli import COMMANDS
-
-    if "plan" not in COMMANDS:
-        pytest.skip("moerl plan (app/plan.py, branch plan) is not merged yet")
-    proc = subprocess.run([sys.executable, "-m", "app.cli", "plan", "--config", str(ROOT / "recipes" / f"{name}.yaml")],
+    """`moerl plan` finds each recipe's trainer layout fitting its GPUs (141 GB H200) at the
+    recipe's rollouts per GPU and their length (a prompt budget of PROMPT_TOKENS + max_new_tokens)."""
+    recipe = RunConfig.load(ROOT / "recipes" / f"{name}.yaml")
+    world, _, _, _ = LAYOUT[name]
+    nodes = world // 8
+    per_gpu = recipe.trainer.groups_per_step * recipe.rollout.group_size // world
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "plan", "--config", str(ROOT / "recipes" / f"{name}.yaml"),
+                           "--model", MODELS[name], "--nodes", str(nodes), "--rollouts-per-gpu", str(per_gpu),
+                           "--seq-len", str(PROMPT_TOKENS + recipe.rollout.max_new_tokens)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "FITS" in proc.stdout

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import socket
+import threading
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -56,6 +57,9 @@ def train(
     config: Path = typer.Option(..., "--config", exists=True, dir_okay=False, help="Run config YAML."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest training state."),
     run_dir: Path = typer.Option(None, "--run-dir", help="Where metrics.jsonl goes; default runs/<run_id>."),
+    metrics_port: int = typer.Option(0, "--metrics-port", min=0, max=65535,
+                                     help="Rank 0 serves Prometheus /metrics here and copies metrics.jsonl "
+                                          "and tensorboard/ to the run's store prefix each minute; 0: off."),
 ) -> None:
     """Run one trainer rank. Start every rank with torchrun (world = trainer.parallel's
     dp_replicate x dp_shard; app/layout.py)."""
@@ -65,9 +69,17 @@ def train(
         level=logging.INFO, format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(message)s"
     )
     state = None
+    stop_export, exporter = threading.Event(), None
     try:
         cfg = RunConfig.load(config)
-        state = run_training(cfg, run_dir or Path("runs") / cfg.run_id, resume=resume)
+        run_dir = run_dir or Path("runs") / cfg.run_id
+        if metrics_port and int(os.environ.get("RANK", "0")) == 0:
+            from app.metrics import export_forever
+
+            exporter = threading.Thread(target=export_forever, args=(run_dir, cfg.run_id, metrics_port, cfg.store_url),
+                                        kwargs={"stop": stop_export}, daemon=True, name="metrics")
+            exporter.start()
+        state = run_training(cfg, run_dir, resume=resume)
         from app.model.dispatch.deepep import release_buffers
 
         release_buffers()  # DeepEP's destroy is collective: every rank, before the group goes
@@ -76,6 +88,9 @@ def train(
         typer.echo(f"moerl train (rank {os.environ.get('RANK', '0')}): {e}", err=True)
         raise SystemExit(1) from None  # (typer.Exit escapes app.cli's click group)
     finally:
+        stop_export.set()  # a last copy of the figures to the store
+        if exporter is not None:
+            exporter.join(timeout=60)
         if dist.is_initialized():
             dist.destroy_process_group()
     if state is not None and int(os.environ.get("RANK", "0")) == 0:
