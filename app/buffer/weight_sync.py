@@ -1,0 +1,121 @@
+"""The weight-sync control plane on the run's Redis: who serves what, and each network push.
+
+The trainer does not know the engines and never calls them; the rollout workers do not know the
+trainer. They meet here (protocol: app/trainer/weight_sync.py), every key under
+``{prefix}:{run_id}:wsync:``:
+
+    engines        hash worker_id -> JSON `Registration`: an engine its worker offers for pushes
+                   (its group ranks, the version it serves, the group epoch it belongs to), with
+                   a deadline (``until``, epoch seconds) the worker keeps renewing; a registration
+                   past its deadline is ignored (worker or engine gone).
+    push           JSON of the current push: ``{id, version, state, time, group?, buckets?,
+                   progress?, error?, engines?}``, written by the trainer only. ``state`` moves
+                   prepare -> (cancelled | join -> send | send) -> done | failed.
+    plan:<push id> JSON list of buckets ``[{names, dtypes, shapes}]`` of that push (expires).
+    acks:<push id> hash worker_id -> JSON ``{state, ...}`` (ready | busy | joined | done |
+                   failed), written by the workers only (expires).
+
+Every value is JSON; every write is one Redis command, so a reader never sees half a record.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# Plans and acks of old pushes expire: nothing reads them once a newer push exists.
+RECORD_TTL_S = 3600
+
+
+@dataclass
+class Registration:
+    """An engine offered for network pushes by its rollout worker.
+
+    Attributes:
+        worker_id: the worker (one per engine).
+        ranks: the engine's ranks in a weight-update group (SGLang: its tp_size; built-in: 1).
+        version: the policy version the engine serves (its /model_info weight_version), or None.
+        epoch: the group epoch the engine is a member of, or None.
+        until: epoch seconds after which the registration no longer counts.
+    """
+
+    worker_id: str
+    ranks: int
+    version: int | None
+    epoch: int | None
+    until: float
+
+
+class SyncBoard:
+    """Reads and writes of the weight-sync keys of one run.
+
+    Args:
+        client: a ``redis.Redis`` client with ``decode_responses=True`` (the buffer's own,
+            ``ExperienceBuffer.r``; redis-py clients are thread-safe).
+        prefix, run_id: the buffer's key prefix and run (``{prefix}:{run_id}:wsync:``).
+    """
+
+    def __init__(self, client, prefix: str, run_id: str):
+        self.r = client
+        self.k = f"{prefix}:{run_id}:wsync:"
+
+    @classmethod
+    def of(cls, buffer) -> "SyncBoard":
+        """The board next to an `app.buffer.ExperienceBuffer` (same Redis, same run)."""
+        return cls(buffer.r, buffer.prefix, buffer.run_id)
+
+    # -- engines (workers write, the trainer reads) -------------------------------------------
+    def register(self, reg: Registration) -> None:
+        """Offer (or renew) an engine; see `Registration`."""
+        self.r.hset(self.k + "engines", reg.worker_id, json.dumps(asdict(reg)))
+
+    def unregister(self, worker_id: str) -> None:
+        """Withdraw an engine (its worker drains or stops)."""
+        self.r.hdel(self.k + "engines", worker_id)
+
+    def engines(self, now: float | None = None) -> dict[str, Registration]:
+        """Registrations whose deadline has not passed, by worker id."""
+        now = time.time() if now is None else now
+        out = {}
+        for worker_id, raw in self.r.hgetall(self.k + "engines").items():
+            try:
+                reg = Registration(**json.loads(raw))
+            except (TypeError, ValueError):
+                continue  # a record of another version: not ours to trust
+            if reg.until > now:
+                out[worker_id] = reg
+        return out
+
+    # -- the push (the trainer writes, workers read) ------------------------------------------
+    def set_push(self, record: dict[str, Any]) -> None:
+        """Make ``record`` (with ``id``, ``version``, ``state``) the current push."""
+        self.r.set(self.k + "push", json.dumps({**record, "time": time.time()}))
+
+    def push(self) -> dict[str, Any] | None:
+        """The current push record, or None before the first."""
+        raw = self.r.get(self.k + "push")
+        return json.loads(raw) if raw else None
+
+    def set_plan(self, push_id: str, buckets: list[dict[str, list]]) -> None:
+        """The buckets of push ``push_id``: ``[{names, dtypes, shapes}]`` in send order."""
+        self.r.set(self.k + f"plan:{push_id}", json.dumps(buckets), ex=RECORD_TTL_S)
+
+    def plan(self, push_id: str) -> list[dict[str, list]] | None:
+        """The buckets of push ``push_id`` (None if not written or expired)."""
+        raw = self.r.get(self.k + f"plan:{push_id}")
+        return json.loads(raw) if raw else None
+
+    # -- acknowledgements (workers write, the trainer reads) ---------------------------------
+    def ack(self, push_id: str, worker_id: str, state: str, **fields: Any) -> None:
+        """Worker ``worker_id``'s answer to push ``push_id`` (ready, busy, joined, done, failed)."""
+        key = self.k + f"acks:{push_id}"
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(key, worker_id, json.dumps({"state": state, "time": time.time(), **fields}))
+        pipe.expire(key, RECORD_TTL_S)
+        pipe.execute()
+
+    def acks(self, push_id: str) -> dict[str, dict[str, Any]]:
+        """Every worker's latest answer to push ``push_id``."""
+        return {w: json.loads(v) for w, v in self.r.hgetall(self.k + f"acks:{push_id}").items()}
