@@ -14,8 +14,12 @@ trainer. They meet here (protocol: app/trainer/weight_sync.py), every key under
     plan:<push id> JSON list of buckets ``[{names, dtypes, shapes}]`` of that push (expires).
     acks:<push id> hash worker_id -> JSON ``{state, ...}`` (ready | busy | joined | done |
                    failed), written by the workers only (expires).
+    events         stream: one entry per change of ``push``; workers block on it (XREAD) instead
+                   of polling, so a prepare reaches them at once.
+    ack-events     stream: one entry per ack; the trainer blocks on it while it waits.
 
-Every value is JSON; every write is one Redis command, so a reader never sees half a record.
+Every value is JSON; a record and its event go in one MULTI/EXEC, so a reader never sees half a
+record, and an event is never seen before its record.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from typing import Any
 
 # Plans and acks of old pushes expire: nothing reads them once a newer push exists.
 RECORD_TTL_S = 3600
+# Event streams are capped (approximately): readers only need the entries since their last read.
+EVENTS_MAXLEN = 1000
 
 
 @dataclass
@@ -91,7 +97,20 @@ class SyncBoard:
     # -- the push (the trainer writes, workers read) ------------------------------------------
     def set_push(self, record: dict[str, Any]) -> None:
         """Make ``record`` (with ``id``, ``version``, ``state``) the current push."""
-        self.r.set(self.k + "push", json.dumps({**record, "time": time.time()}))
+        pipe = self.r.pipeline(transaction=True)
+        pipe.set(self.k + "push", json.dumps({**record, "time": time.time()}))
+        pipe.xadd(self.k + "events", {"push": record["id"], "state": record["state"]},
+                  maxlen=EVENTS_MAXLEN, approximate=True)
+        pipe.execute()
+
+    def wait(self, stream: str, last: str | None, timeout_s: float) -> str:
+        """Block until stream ``"events"`` or ``"ack-events"`` has an entry after ``last`` (None:
+        after now), at most ``timeout_s``; returns the id to pass next time."""
+        if last is None:
+            newest = self.r.xrevrange(self.k + stream, count=1)
+            last = newest[0][0] if newest else "0-0"
+        got = self.r.xread({self.k + stream: last}, count=1000, block=max(1, int(timeout_s * 1000)))
+        return got[0][1][-1][0] if got else last
 
     def push(self) -> dict[str, Any] | None:
         """The current push record, or None before the first."""
@@ -114,6 +133,8 @@ class SyncBoard:
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(key, worker_id, json.dumps({"state": state, "time": time.time(), **fields}))
         pipe.expire(key, RECORD_TTL_S)
+        pipe.xadd(self.k + "ack-events", {"push": push_id, "worker": worker_id, "state": state},
+                  maxlen=EVENTS_MAXLEN, approximate=True)
         pipe.execute()
 
     def acks(self, push_id: str) -> dict[str, dict[str, Any]]:

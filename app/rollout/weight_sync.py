@@ -54,6 +54,7 @@ class PushMember:
         self.last_push: str | None = None
         self.dirty = False  # the engine holds partly updated weights: reload before serving
         self._renew_at = 0.0
+        self._event: str | None = None  # last entry read from the board's events stream
 
     async def _board(self, method: str, *args, **kwargs):
         fn = getattr(self.board, method)
@@ -71,7 +72,7 @@ class PushMember:
                     self.ranks = None  # ask again: the engine may have restarted
                 except Exception as e:  # noqa: BLE001 - Redis hiccup: try again at the next poll
                     log.warning("%s: weight-sync board error: %s", self.w.worker_id, e)
-                await self.w._sleep_or_stop(self.cfg.poll_s)
+                    await self.w._sleep_or_stop(self.cfg.poll_s)
         finally:
             try:
                 await self._board("unregister", self.w.worker_id)
@@ -92,6 +93,8 @@ class PushMember:
         push = await self._board("push")
         if push and push["state"] == "prepare" and push["id"] != self.last_push:
             await self.take(push)
+            return
+        self._event = await self._board("wait", "events", self._event, self.cfg.poll_s)  # a change, or poll_s
 
     async def _engine_ranks(self) -> int | None:
         """The engine's ranks in a weight-update group (its tp_size), or None when it cannot
@@ -172,7 +175,7 @@ class PushMember:
                         return "untouched"
                 if push["state"] == "send":
                     return await self._receive(push)
-            await asyncio.sleep(0.02)
+            self._event = await self._board("wait", "events", self._event, 0.5)
         return "untouched"
 
     async def _join(self, pid: str, group: dict) -> bool:

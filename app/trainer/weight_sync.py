@@ -166,11 +166,13 @@ class WeightPusher:
     def _wait_acks(self, push_id: str, workers: set[str], final: set[str], timeout_s: float) -> dict[str, dict]:
         """Acks of ``workers`` once each is in a ``final`` state, or at ``timeout_s`` what there is."""
         deadline = time.monotonic() + timeout_s
+        last = None
         while True:
             acks = {w: a for w, a in self.board.acks(push_id).items() if w in workers}
-            if all(w in acks and acks[w]["state"] in final for w in workers) or time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if all(w in acks and acks[w]["state"] in final for w in workers) or left <= 0:
                 return acks
-            time.sleep(0.02)
+            last = self.board.wait("ack-events", last, min(left, 0.5))
 
     def _drop_group(self) -> None:
         if self.group is not None:
