@@ -273,3 +273,31 @@ def test_buckets_hold_their_bound_and_round_trip():
     assert all(torch.equal(a, b) for a, b in zip(back, tensors[:2]))
     with pytest.raises(ValueError, match="bytes"):
         unpack_bucket(pack_bucket(tensors[:2]), [[2, 3]], [torch.float32])
+
+
+def test_registrations_expire_in_redis_and_events_wake_a_reader(redis_server):
+    """The board's registrations expire by Redis' clock (no host clock compared); a push
+    change is an event a blocked reader wakes on."""
+    import time
+
+    import redis
+
+    from app.buffer.weight_sync import Registration, SyncBoard
+
+    board = SyncBoard(redis.Redis.from_url(redis_server, decode_responses=True), "moerl", "t")
+    board.register(Registration("w0", 8, 3, None), ttl_s=0.3)
+    board.register(Registration("w1", 1, None, 2), ttl_s=30)
+    assert board.engines() == {"w0": Registration("w0", 8, 3, None), "w1": Registration("w1", 1, None, 2)}
+    time.sleep(0.5)
+    assert set(board.engines()) == {"w1"}
+    assert board.r.smembers(board.k + "engine-ids") == {"w1"}  # the expired one is dropped from the set
+    board.unregister("w1")
+    assert board.engines() == {}
+    last = board.wait("events", None, 0.01)  # nothing yet: returns at once with the stream's position
+    t0 = time.monotonic()
+    assert board.wait("events", last, 0.2) == last and time.monotonic() - t0 >= 0.15  # timed out
+    board.set_push({"id": "p1", "version": 4, "state": "prepare"})
+    assert board.wait("events", last, 5.0) != last  # woken by the change
+    assert board.push()["state"] == "prepare"
+    board.ack("p1", "w0", "ready", ranks=8)
+    assert board.acks("p1")["w0"]["ranks"] == 8

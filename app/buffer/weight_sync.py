@@ -4,10 +4,12 @@ The trainer does not know the engines and never calls them; the rollout workers 
 trainer. They meet here (protocol: app/trainer/weight_sync.py), every key under
 ``{prefix}:{run_id}:wsync:``:
 
-    engines        hash worker_id -> JSON `Registration`: an engine its worker offers for pushes
-                   (its group ranks, the version it serves, the group epoch it belongs to), with
-                   a deadline (``until``, epoch seconds) the worker keeps renewing; a registration
-                   past its deadline is ignored (worker or engine gone).
+    engine:<id>    JSON `Registration` of worker ``id``'s engine, offered for pushes (its group
+                   ranks, the version it serves, the group epoch it belongs to), with a Redis
+                   expiry the worker keeps renewing (``weight_sync.engine_ttl_s``): a worker or
+                   engine that is gone drops out by itself, and no clock is compared across hosts.
+    engine-ids     set of the worker ids that registered (members whose key expired are removed
+                   when read).
     push           JSON of the current push: ``{id, version, state, time, group?, buckets?,
                    progress?, error?, engines?}``, written by the trainer only. ``state`` moves
                    prepare -> (cancelled | join -> send | send) -> done | failed.
@@ -44,14 +46,12 @@ class Registration:
         ranks: the engine's ranks in a weight-update group (SGLang: its tp_size; built-in: 1).
         version: the policy version the engine serves (its /model_info weight_version), or None.
         epoch: the group epoch the engine is a member of, or None.
-        until: epoch seconds after which the registration no longer counts.
     """
 
     worker_id: str
     ranks: int
     version: int | None
     epoch: int | None
-    until: float
 
 
 class SyncBoard:
@@ -73,25 +73,36 @@ class SyncBoard:
         return cls(buffer.r, buffer.prefix, buffer.run_id)
 
     # -- engines (workers write, the trainer reads) -------------------------------------------
-    def register(self, reg: Registration) -> None:
-        """Offer (or renew) an engine; see `Registration`."""
-        self.r.hset(self.k + "engines", reg.worker_id, json.dumps(asdict(reg)))
+    def register(self, reg: Registration, ttl_s: float) -> None:
+        """Offer (or renew) an engine for ``ttl_s`` seconds; see `Registration`."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.set(self.k + f"engine:{reg.worker_id}", json.dumps(asdict(reg)), px=max(1, int(ttl_s * 1000)))
+        pipe.sadd(self.k + "engine-ids", reg.worker_id)
+        pipe.execute()
 
     def unregister(self, worker_id: str) -> None:
         """Withdraw an engine (its worker drains or stops)."""
-        self.r.hdel(self.k + "engines", worker_id)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(self.k + f"engine:{worker_id}")
+        pipe.srem(self.k + "engine-ids", worker_id)
+        pipe.execute()
 
-    def engines(self, now: float | None = None) -> dict[str, Registration]:
-        """Registrations whose deadline has not passed, by worker id."""
-        now = time.time() if now is None else now
-        out = {}
-        for worker_id, raw in self.r.hgetall(self.k + "engines").items():
+    def engines(self) -> dict[str, Registration]:
+        """Registrations that have not expired, by worker id."""
+        ids = sorted(self.r.smembers(self.k + "engine-ids"))
+        if not ids:
+            return {}
+        out, gone = {}, []
+        for worker_id, raw in zip(ids, self.r.mget([self.k + f"engine:{w}" for w in ids])):
+            if raw is None:
+                gone.append(worker_id)
+                continue
             try:
-                reg = Registration(**json.loads(raw))
+                out[worker_id] = Registration(**json.loads(raw))
             except (TypeError, ValueError):
                 continue  # a record of another version: not ours to trust
-            if reg.until > now:
-                out[worker_id] = reg
+        if gone:
+            self.r.srem(self.k + "engine-ids", *gone)
         return out
 
     # -- the push (the trainer writes, workers read) ------------------------------------------

@@ -70,6 +70,7 @@ class PushMember:
                 except EngineError as e:
                     log.warning("%s: engine call failed outside a push: %s", self.w.worker_id, e)
                     self.ranks = None  # ask again: the engine may have restarted
+                    await self.w._sleep_or_stop(self.cfg.poll_s)
                 except Exception as e:  # noqa: BLE001 - Redis hiccup: try again at the next poll
                     log.warning("%s: weight-sync board error: %s", self.w.worker_id, e)
                     await self.w._sleep_or_stop(self.cfg.poll_s)
@@ -86,15 +87,20 @@ class PushMember:
             self.ranks = await self._engine_ranks()
             if self.ranks is None:
                 return
-        if time.monotonic() >= self._renew_at:
-            await self._board("register", Registration(
-                self.w.worker_id, self.ranks, self.w.engine_version, self.epoch, time.time() + self.cfg.engine_ttl_s))
-            self._renew_at = time.monotonic() + self.cfg.engine_ttl_s / 3
+        await self._renew()
         push = await self._board("push")
         if push and push["state"] == "prepare" and push["id"] != self.last_push:
             await self.take(push)
             return
         self._event = await self._board("wait", "events", self._event, self.cfg.poll_s)  # a change, or poll_s
+
+    async def _renew(self, force: bool = False) -> None:
+        """Renew the registration (at most every engine_ttl_s / 3 unless ``force``); also during a
+        long push, so the engine is still offered when the next one is prepared."""
+        if force or time.monotonic() >= self._renew_at:
+            await self._board("register", Registration(self.w.worker_id, self.ranks, self.w.engine_version, self.epoch),
+                              self.cfg.engine_ttl_s)
+            self._renew_at = time.monotonic() + self.cfg.engine_ttl_s / 3
 
     async def _engine_ranks(self) -> int | None:
         """The engine's ranks in a weight-update group (its tp_size), or None when it cannot
@@ -123,9 +129,8 @@ class PushMember:
             w._may_generate.clear()
             paused = False
             try:
-                budget = self.cfg.ready_timeout_s - (time.time() - push["time"]) - 0.5
-                try:
-                    await asyncio.wait_for(w._idle.wait(), max(0.05, budget))
+                try:  # from when this worker saw the prepare: no clock is compared across hosts
+                    await asyncio.wait_for(w._idle.wait(), max(0.05, self.cfg.ready_timeout_s - 0.5))
                 except asyncio.TimeoutError:
                     await self._board("ack", pid, w.worker_id, "busy")
                     return
@@ -213,6 +218,7 @@ class PushMember:
                 for k, bucket in enumerate(plan if ok else []):
                     w._mark_paused(self.cfg.timeout_s + 30)
                     last = k == len(plan) - 1
+                    await self._renew()
                     ok, message = await w.client.update_weights_from_distributed(
                         bucket["names"], bucket["dtypes"], bucket["shapes"], self.group_name,
                         load_format=push.get("load_format"), flush_cache=last,
@@ -230,6 +236,7 @@ class PushMember:
                 w.stats.weight_updates += 1
                 w.stats.pushes_received += 1
                 await self._board("ack", pid, w.worker_id, "done", version=version)
+                await self._renew(force=True)  # the new version and epoch, before the next prepare
                 log.info("%s: engine now at policy v%d (network push)", w.worker_id, version)
                 return "updated"
         w.stats.pushes_failed += 1
