@@ -214,6 +214,8 @@ for name in {NOT_IN_GPU_IMAGE!r}:
 import torch
 from transformers import AutoModelForCausalLM
 import app.bench.cli, app.bench.weight_sync_gpu
+from app.storage import open_store
+open_store("file://{tmp_path / 'store'}")  # the disk path's store, without boto3
 from app.bench.weight_sync import real_width_config
 from app.trainer.publish import plan_version
 from app.weight_group import plan_buckets

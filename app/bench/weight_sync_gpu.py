@@ -11,6 +11,7 @@ and pinned host<->device copies of the same number of bytes.
 
 from __future__ import annotations
 
+import shutil
 import socket
 import statistics
 import time
@@ -42,12 +43,12 @@ def _receiver(config, dtype_name: str, inbox, outbox, work: str) -> None:
     from app.rollout.engine_weight_sync import hf_slots, load_named
     from app.storage import open_store
     from app.storage.policy import download_policy
-    from app.weight_group import open_group, parse_dtype, unpack_bucket
+    from app.weight_group import bucket_bytes, open_group, parse_dtype, unpack_bucket
 
     torch.cuda.set_device(0)
     model = _model(config, DTYPES[dtype_name])
     slots = hf_slots(model)
-    buffers = group = None
+    buffers = group = host = None
     outbox.put("ready")
     while True:
         msg = inbox.get()
@@ -66,12 +67,13 @@ def _receiver(config, dtype_name: str, inbox, outbox, work: str) -> None:
             _, port = msg
             group = open_group("gloo", "127.0.0.1", port, 2, 1, "bench", timeout_s=600)
             outbox.put("joined")
-        elif kind == "gloo":  # one version: every bucket over the group
+        elif kind == "gloo":  # one version: every bucket over the group, into one pinned buffer
             for meta in msg[1]:
                 types = [parse_dtype(d) for d in meta["dtypes"]]
-                from app.weight_group import bucket_bytes
-
-                flat = torch.empty(bucket_bytes(meta["shapes"], types), dtype=torch.uint8, pin_memory=True)
+                n = bucket_bytes(meta["shapes"], types)
+                if host is None or host.numel() < n:
+                    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+                flat = host[:n]
                 group.broadcast(flat)
                 load_named(slots, list(zip(meta["names"], unpack_bucket(flat, meta["shapes"], types))))
             torch.cuda.synchronize()
@@ -82,6 +84,7 @@ def _receiver(config, dtype_name: str, inbox, outbox, work: str) -> None:
             for f in sorted(path.glob("*.safetensors")):
                 load_named(slots, list(load_file(str(f), device="cuda").items()))
             torch.cuda.synchronize()
+            shutil.rmtree(Path(work) / "recv" / f"v{version - 1}", ignore_errors=True)  # the disk is finite
             outbox.put("done")
         elif kind == "sums":
             outbox.put(_check_sums(model, msg[1]))
