@@ -204,37 +204,49 @@ def test_weight_sync_bench_writes_result(tmp_path):
     assert doc["shape"]["bytes_per_version"] > 0 and doc["shape"]["engines"] == 1
 
 
-def test_weight_sync_gpu_mode_plans_the_real_width_model_with_gpu_image_packages(tmp_path):
-    """The GPU mode's modules import without the packages the GPU image lacks, and its plan of
-    Qwen3-30B-A3B at 2 layers (built on the meta device here) is the whole model in bf16."""
+def test_weight_sync_gpu_mode_runs_with_gpu_image_packages_and_plans_the_real_width_model(tmp_path):
+    """The GPU mode without the packages the GPU image lacks: its sender and receiver processes
+    run every path and the receiver's check on the CPU with a tiny model (CPU tensors shared
+    through the same queue stand in for CUDA IPC; only the device differs), and its plan of
+    Qwen3-30B-A3B at 2 layers (on the meta device) is the whole model in bf16."""
     code = f"""
-import sys
+import json, sys
+from pathlib import Path
 for name in {NOT_IN_GPU_IMAGE!r}:
     sys.modules[name] = None
 import torch
 from transformers import AutoModelForCausalLM
-import app.bench.cli, app.bench.weight_sync_gpu
-from app.storage import open_store
-open_store("file://{tmp_path / 'store'}")  # the disk path's store, without boto3
-from app.bench.weight_sync import real_width_config
+import app.bench.cli
+from app.bench.weight_sync import WeightSyncBench, real_width_config
+from app.bench.weight_sync_gpu import run_gpu
+from app.model.config import tiny_config
 from app.trainer.publish import plan_version
 from app.weight_group import plan_buckets
-config = real_width_config(2)
-with torch.device("meta"):
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-tensors = plan_version(model, None, torch.bfloat16).tensors
-buckets = plan_buckets([t.nbytes for t in tensors], 512 * 2**20)
-params = sum(p.numel() for p in model.parameters())
-print(params, sum(t.nbytes for t in tensors), len(buckets), max(sum(tensors[i].nbytes for i in b) for b in buckets))
+if __name__ == "__main__":
+    shape, figures, ratios, _ = run_gpu(WeightSyncBench(model="qwen3-30b-a3b", versions=1, bucket_mb=0.01,
+                                        dtype="bfloat16"), Path({str(tmp_path)!r}), device="cpu",
+                                        config=tiny_config("tiny-qwen3-moe"))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(real_width_config(2), dtype=torch.bfloat16)
+    tensors = plan_version(model, None, torch.bfloat16).tensors
+    buckets = plan_buckets([t.nbytes for t in tensors], 512 * 2**20)
+    print(json.dumps({{"shape": shape, "figures": figures, "ratios": ratios,
+                      "params": sum(p.numel() for p in model.parameters()), "bytes": sum(t.nbytes for t in tensors),
+                      "largest": max(sum(tensors[i].nbytes for i in b) for b in buckets)}}))
 """
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+    script = tmp_path / "gpu_mode.py"  # a file, not -c: the receiver is a spawned process
+    script.write_text(code)
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    params, nbytes, n_buckets, largest = map(int, proc.stdout.split()[-4:])
-    assert 1.8e9 < params < 1.95e9  # 2 layers of Qwen3-30B-A3B (reference/trainer-scale-2026-12.md: 1.87 B)
-    assert nbytes == 2 * params
-    assert largest <= 512 * 2**20 or largest == 151936 * 2048 * 2  # only a lone tensor (embeddings) is larger
-    assert n_buckets >= nbytes // (512 * 2**20)
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert [f["name"] for f in got["figures"]] == ["cuda-ipc", "gloo-staged", "disk", "baseline copies"]
+    assert all(positive(f["s_per_version"]) for f in got["figures"])
+    assert all(positive(v) for v in got["ratios"].values())
+    assert got["shape"]["buckets"] > 10  # 10 KiB buckets: the plan split the version
+    assert 1.8e9 < got["params"] < 1.95e9  # 2 layers of Qwen3-30B-A3B (reference/trainer-scale-2026-12.md: 1.87 B)
+    assert got["bytes"] == 2 * got["params"]
+    assert got["largest"] <= 512 * 2**20 or got["largest"] == 151936 * 2048 * 2  # only a lone embedding is larger
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh")], cwd=tmp_path, capture_output=True,
                           text=True, timeout=60, env={**os.environ, "DRY_RUN": "1", "STEPS": "weight-sync"})
     (words,) = [line.split() for line in proc.stdout.splitlines() if line.strip()]

@@ -22,11 +22,21 @@ import torch
 from app.bench.common import DTYPES
 
 
-def _model(config, dtype: torch.dtype):
+def _model(config, dtype: torch.dtype, device: str):
     from transformers import AutoModelForCausalLM
 
-    with torch.device("cuda"):
+    with torch.device(device):
         return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _host_buffer(nbytes: int) -> torch.Tensor:
+    """A host staging buffer: pinned where CUDA is (fast and asynchronous copies)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
 
 def _check_sums(model, names: list[str]) -> list[float]:
@@ -36,7 +46,7 @@ def _check_sums(model, names: list[str]) -> list[float]:
     return [float(slots[n][0][slots[n][1]].float().sum()) for n in names]
 
 
-def _receiver(config, dtype_name: str, inbox, outbox, work: str) -> None:
+def _receiver(config, dtype_name: str, inbox, outbox, work: str, device: str) -> None:
     """The second process: a model on the GPU that takes versions by each path."""
     from safetensors.torch import load_file
 
@@ -45,8 +55,9 @@ def _receiver(config, dtype_name: str, inbox, outbox, work: str) -> None:
     from app.storage.policy import download_policy
     from app.weight_group import bucket_bytes, open_group, parse_dtype, unpack_bucket
 
-    torch.cuda.set_device(0)
-    model = _model(config, DTYPES[dtype_name])
+    if device.startswith("cuda"):
+        torch.cuda.set_device(0)
+    model = _model(config, DTYPES[dtype_name], device)
     slots = hf_slots(model)
     buffers = group = host = None
     outbox.put("ready")
@@ -61,7 +72,7 @@ def _receiver(config, dtype_name: str, inbox, outbox, work: str) -> None:
             _, slot, nbytes, meta = msg
             views = unpack_bucket(buffers[slot][:nbytes], meta["shapes"], [parse_dtype(d) for d in meta["dtypes"]])
             load_named(slots, list(zip(meta["names"], views)))
-            torch.cuda.synchronize()
+            _sync(device)
             outbox.put(("free", slot))
         elif kind == "gloo-join":
             _, port = msg
@@ -72,18 +83,18 @@ def _receiver(config, dtype_name: str, inbox, outbox, work: str) -> None:
                 types = [parse_dtype(d) for d in meta["dtypes"]]
                 n = bucket_bytes(meta["shapes"], types)
                 if host is None or host.numel() < n:
-                    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+                    host = _host_buffer(n)
                 flat = host[:n]
                 group.broadcast(flat)
                 load_named(slots, list(zip(meta["names"], unpack_bucket(flat, meta["shapes"], types))))
-            torch.cuda.synchronize()
+            _sync(device)
             outbox.put("done")
         elif kind == "disk":
             _, store_url, version, names = msg
             path = download_policy(open_store(store_url), "bench", version, Path(work) / "recv" / f"v{version}")
             for f in sorted(path.glob("*.safetensors")):
-                load_named(slots, list(load_file(str(f), device="cuda").items()))
-            torch.cuda.synchronize()
+                load_named(slots, list(load_file(str(f), device=device).items()))
+            _sync(device)
             shutil.rmtree(Path(work) / "recv" / f"v{version - 1}", ignore_errors=True)  # the disk is finite
             outbox.put("done")
         elif kind == "sums":
@@ -92,28 +103,31 @@ def _receiver(config, dtype_name: str, inbox, outbox, work: str) -> None:
         group.close()
 
 
-def _bandwidths(nbytes: int) -> dict[str, float]:
-    """GB/s of a device-to-device copy, and of pinned host->device / device->host copies, of
+def _bandwidths(nbytes: int, device: str) -> dict[str, float]:
+    """GB/s of a device-to-device copy, and of (pinned) host->device / device->host copies, of
     ``nbytes`` bytes (best of 3)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
-    h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    h = _host_buffer(nbytes)
     out = {}
     for name, fn in (("d2d", lambda: b.copy_(a)), ("h2d", lambda: a.copy_(h, non_blocking=True)),
                      ("d2h", lambda: h.copy_(a, non_blocking=True))):
         best = float("inf")
         for _ in range(3):
-            torch.cuda.synchronize()
+            _sync(device)
             t0 = time.perf_counter()
             fn()
-            torch.cuda.synchronize()
+            _sync(device)
             best = min(best, time.perf_counter() - t0)
         out[name] = nbytes / best / 1e9
     return out
 
 
-def run_gpu(b, work: Path):
-    """The GPU measurement. Returns (shape, figures, ratios, notes)."""
+def run_gpu(b, work: Path, device: str = "cuda", config=None):
+    """The GPU measurement. Returns (shape, figures, ratios, notes).
+
+    ``device`` and ``config`` exist for the tests, which run the same two processes on the CPU
+    with a tiny model (default: the GPU and `real_width_config(b.layers)`)."""
     import torch.multiprocessing as mp
 
     from app.bench.weight_sync import real_width_config
@@ -122,13 +136,15 @@ def run_gpu(b, work: Path):
     from app.weight_group import dtype_name, open_group, pack_bucket, plan_buckets
 
     dtype = DTYPES[b.dtype if b.dtype != "float32" else "bfloat16"]
-    config = real_width_config(b.layers)
+    config = config or real_width_config(b.layers)
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
-    receiver = ctx.Process(target=_receiver, args=(config, dtype_name(dtype), inbox, outbox, str(work)), daemon=True)
+    receiver = ctx.Process(target=_receiver, args=(config, dtype_name(dtype), inbox, outbox, str(work), device),
+                           daemon=True)
     receiver.start()
-    torch.cuda.set_device(0)
-    model = _model(config, dtype)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(0)
+    model = _model(config, dtype, device)
     tensors = plan_version(model, None, dtype).tensors
     limit = int(b.bucket_mb * 2**20)
     buckets = plan_buckets([t.nbytes for t in tensors], limit)
@@ -149,7 +165,7 @@ def run_gpu(b, work: Path):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1e-3)
-        torch.cuda.synchronize()
+        _sync(device)
 
     def verify(path: str) -> None:
         inbox.put(("sums", probe))
@@ -159,7 +175,7 @@ def run_gpu(b, work: Path):
 
     times: dict[str, list[float]] = {"cuda-ipc": [], "gloo-staged": [], "disk": []}
     # cuda-ipc: two shared GPU staging buffers, used in turn
-    staging = [torch.empty(biggest, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    staging = [torch.empty(biggest, dtype=torch.uint8, device=device) for _ in range(2)]
     inbox.put(("ipc-buffers", staging))
     free = [True, True]
     for v in range(b.versions + 1):
@@ -170,7 +186,7 @@ def run_gpu(b, work: Path):
             while not free[slot]:
                 free[outbox.get(timeout=600)[1]] = True
             flat = pack_bucket([piece(i) for i in idx], staging[slot])
-            torch.cuda.synchronize()
+            _sync(device)
             free[slot] = False
             inbox.put(("ipc", slot, flat.numel(), meta[k]))
         while not all(free):
@@ -186,7 +202,7 @@ def run_gpu(b, work: Path):
     inbox.put(("gloo-join", port))
     group = open_group("gloo", "127.0.0.1", port, 2, 0, "bench", timeout_s=600)
     assert outbox.get(timeout=600) == "joined"
-    host = torch.empty(biggest, dtype=torch.uint8, pin_memory=True)
+    host = _host_buffer(biggest)
     for v in range(b.versions + 1):
         perturb()
         t0 = time.perf_counter()
@@ -212,7 +228,7 @@ def run_gpu(b, work: Path):
     verify("disk")
     inbox.put(("stop",))
     receiver.join(60)
-    bw = _bandwidths(min(nbytes, 4 * 2**30))
+    bw = _bandwidths(min(nbytes, 4 * 2**30), device)
     med = {k: statistics.median(v) for k, v in times.items()}
     figures = [{"name": k, "s_per_version": s, "GB_per_s": nbytes / s / 1e9} for k, s in med.items()]
     figures.append({"name": "baseline copies", "s_per_version": nbytes / (bw["d2d"] * 1e9),
@@ -224,7 +240,8 @@ def run_gpu(b, work: Path):
         "gloo-staged GB/s / pinned d2h GB/s": nbytes / med["gloo-staged"] / 1e9 / bw["d2h"],
     }
     shape = {"params": sum(p.numel() for p in model.parameters()), "bytes_per_version": nbytes,
-             "buckets": len(buckets), "largest_bucket_bytes": biggest, "gpu": torch.cuda.get_device_name(0)}
+             "buckets": len(buckets), "largest_bucket_bytes": biggest,
+             "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None}
     notes = [
         "two processes on one GPU: NCCL refuses two ranks on one device, so the cluster's NCCL-over-EFA push is "
         "not measured here; cuda-ipc is the same-GPU path SGLang uses (update_weights_from_tensor), gloo-staged "
