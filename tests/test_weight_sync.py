@@ -250,8 +250,8 @@ def test_network_push_failure_and_store_fallback(cluster):
     assert "w1" not in r3["pushed"] and "w1" in r3["failed"], r3
     # engine 0: all of v3, or (its push failed) reloaded v2 from the store; paused until then
     wait_for(lambda: not (c.tmp / "engine-0.paused").exists(), 30, "engine 0 continued")
-    v = ref.check(c.url(0))
-    assert v == (3 if "w0" in r3["pushed"] else 2), (v, r3)
+    v = ref.check(c.url(0))  # what it serves is what it reports, whichever it is
+    assert v in (2, 3) and ("w0" not in r3["pushed"] or v == 3), (v, r3)
 
     # 3. the next version goes to engine 0 alone: the group is rebuilt without the dead engine
     r4 = c.push(4, store=False)

@@ -123,6 +123,7 @@ def run(b: WeightSyncBench, out_dir: str = "runs/bench") -> dict:
     check(b)
     scratch = Path(b.work_dir) if b.work_dir else Path(tempfile.mkdtemp(prefix="weight-sync-", dir="runs"
                                                                             if Path("runs").is_dir() else None))
+    scratch = scratch.resolve()  # redis-server and the engines resolve paths from their own cwd
     scratch.mkdir(parents=True, exist_ok=True)
     try:
         if b.device.startswith("cuda"):

@@ -144,8 +144,8 @@ class PushMember:
                 await self._board("ack", pid, w.worker_id, "ready", ranks=self.ranks, epoch=self.epoch)
                 if await self._follow(pid) == "dirty":
                     self.dirty = True
-            except EngineError as e:
-                log.warning("%s: push %s: engine call failed: %s", w.worker_id, pid, e)
+            except Exception as e:  # noqa: BLE001 - before the send phase: the weights are untouched
+                log.warning("%s: push %s: %s: %s", w.worker_id, pid, type(e).__name__, e)
                 self.epoch = self.group_name = None
             finally:
                 while self.dirty and not w._stop.is_set():
@@ -204,13 +204,14 @@ class PushMember:
         return True
 
     async def _receive(self, push: dict) -> str:
-        """The send phase for this engine (see the module doc)."""
+        """The send phase for this engine (see the module doc). Any failure once the session is
+        open (the engine's, or the board's) counts as partly loaded weights: "dirty"."""
         w, pid, version = self.w, push["id"], int(push["version"])
-        plan = await self._board("plan", pid)
         t = self.cfg.timeout_s + 10
-        message = "no bucket plan on the board"
-        if plan:
-            try:
+        ok, message = False, "no bucket plan on the board"
+        try:
+            plan = await self._board("plan", pid)
+            if plan:
                 ok, message = await w.client.begin_weight_update(timeout_s=t)
                 if not ok:  # a session left open by an earlier failed push
                     await w.client.end_weight_update(timeout_s=t)
@@ -229,20 +230,26 @@ class PushMember:
                 ended, end_message = await w.client.end_weight_update(timeout_s=t)
                 if ok and not ended:
                     ok, message = False, f"end_weight_update: {end_message}"
-            except EngineError as e:
-                ok, message = False, str(e)
-            if ok:
-                w.engine_version = version
-                w.stats.weight_updates += 1
-                w.stats.pushes_received += 1
+        except Exception as e:  # noqa: BLE001 - engine or Redis: the weights are not known to be whole
+            ok, message = False, f"{type(e).__name__}: {e}"
+        if ok:
+            w.engine_version = version
+            w.stats.weight_updates += 1
+            w.stats.pushes_received += 1
+            log.info("%s: engine now at policy v%d (network push)", w.worker_id, version)
+            try:
                 await self._board("ack", pid, w.worker_id, "done", version=version)
                 await self._renew(force=True)  # the new version and epoch, before the next prepare
-                log.info("%s: engine now at policy v%d (network push)", w.worker_id, version)
-                return "updated"
+            except Exception as e:  # noqa: BLE001 - the engine has v<version>; the trainer counts it missing
+                log.warning("%s: could not ack the push of v%d: %s", w.worker_id, version, e)
+            return "updated"
         w.stats.pushes_failed += 1
         log.warning("%s: push of v%d failed (%s); reloading from the store before serving", w.worker_id, version,
                     message)
-        await self._board("ack", pid, w.worker_id, "failed", message=message[:500])
+        try:
+            await self._board("ack", pid, w.worker_id, "failed", message=message[:500])
+        except Exception:  # noqa: BLE001 - the trainer times out on it instead
+            pass
         if self.group_name is not None:
             try:
                 await w.client.destroy_weights_update_group(self.group_name, timeout_s=self.cfg.timeout_s)

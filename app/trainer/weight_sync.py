@@ -91,7 +91,8 @@ class PushResult:
         version: the policy version pushed.
         sent: False when nobody was pushed to (no engine registered or ready, or the group failed
             before the first bucket).
-        pushed: workers whose engines acknowledged serving ``version``.
+        pushed: workers whose engines acknowledged serving ``version`` before the push ended (an
+            engine's own registration on the board says what it serves).
         left_out: registered workers that were not ready in time (or busy).
         failed: members whose push failed (the group, or their engine's load).
         epoch: the group epoch used (None without a group).
@@ -161,6 +162,7 @@ class WeightPusher:
         self.members: dict[str, tuple[int, int]] = {}  # worker -> (rank_offset, ranks)
         self.group_info: dict = {}  # the push record's "group" of the current epoch
         self._staging: torch.Tensor | None = None
+        self.last = PushResult(-1)  # the latest push's outcome
 
     # ------------------------------------------------------------------ rank 0: the board
     def _wait_acks(self, push_id: str, workers: set[str], final: set[str], timeout_s: float) -> dict[str, dict]:
@@ -234,11 +236,13 @@ class WeightPusher:
     def _finish(self, record: dict, error: str | None) -> None:
         """Rank 0: step 4: the members' outcome, and the push record's last state."""
         result = self.last
-        members = set(self.members) if error is None else set(record["group"]["members"])
+        members = set(record["group"]["members"])
         if error is not None:
             result.error = error
             self._drop_group()
-            acks = {}
+            # Live members answer at once (their receive fails when the group closes, or they had
+            # everything); a dead one never does: a short grace, not the full timeout.
+            acks = self._wait_acks(record["id"], members, {"done", "failed"}, min(self.cfg.timeout_s, 2.0))
         else:
             acks = self._wait_acks(record["id"], members, {"done", "failed"}, self.cfg.timeout_s)
         result.pushed = sorted(w for w, a in acks.items() if a["state"] == "done")
