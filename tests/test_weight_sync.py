@@ -15,6 +15,9 @@ and not those of the version before):
 4. engine 1 restarts (as its Deployment would): its worker reloads v2 from the store (the
    newest stored version: it missed v3 and v4) and it serves that, labelled v2;
 5. v5 reaches both again (the group rebuilt with it).
+
+And the training loop's call site: every version offered over the network, every
+``store_every``-th (and the first and the last) in the store.
 """
 
 from __future__ import annotations
@@ -296,3 +299,60 @@ def _answers(url: str) -> bool:
         return httpx.get(url + "/model_info", timeout=5).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_the_loop_pushes_every_version_and_stores_every_nth(tmp_path, redis_server, monkeypatch):
+    """The training loop's call site (one rank, in process): each version is offered to the
+    registered engines first (a stand-in worker answers busy, so the push is cancelled and
+    counted as left out), and only every store_every-th version, the first and the last reach
+    the store."""
+    import threading
+
+    import torch.distributed as dist
+
+    from app.buffer import ExperienceBuffer
+    from app.buffer.weight_sync import Registration, SyncBoard
+    from app.storage import open_store, policy_versions
+    from app.trainer.loop import run_training
+    from helpers import fake_producer, single_rank_env
+
+    cfg = RunConfig.model_validate({
+        "run_id": "loop-ws", "store_url": f"file://{tmp_path}/store", "buffer": {"redis_url": redis_server},
+        "rollout": {"group_size": 2},
+        "trainer": {"steps": 5, "groups_per_step": 1, "keep_versions": 10, "batch_timeout_s": 60},
+        "weight_sync": {"mode": "network", "store_every": 2, "ready_timeout_s": 2.0, "master_address": "127.0.0.1"},
+    })
+    board = SyncBoard.of(ExperienceBuffer.from_config(cfg))
+    stop = threading.Event()
+    seen: list[int] = []
+
+    def busy_worker() -> None:
+        last = None
+        while not stop.is_set():
+            board.register(Registration("wfake", 1, None, None), ttl_s=30)
+            push = board.push()
+            if push and push["state"] == "prepare" and push["id"] != last:
+                last = push["id"]
+                seen.append(push["version"])
+                board.ack(push["id"], "wfake", "busy")
+            time.sleep(0.02)
+
+    single_rank_env(monkeypatch)
+    threads = [threading.Thread(target=fake_producer, args=(redis_server, cfg.run_id, stop, 2), daemon=True),
+               threading.Thread(target=busy_worker, daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        state = run_training(cfg, tmp_path / "run")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert state.version == 5
+    assert seen == [1, 2, 3, 4, 5]  # every version but the first was offered over the network
+    assert policy_versions(open_store(cfg.store_url), cfg.run_id) == [0, 2, 4, 5]
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["pushed_engines"], r["push_left_out"]) for r in lines] == [(0, 1)] * 5
+    assert board.push()["state"] == "cancelled" and board.push()["version"] == 5
