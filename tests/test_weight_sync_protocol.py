@@ -208,7 +208,7 @@ def test_flush_refused_under_an_in_place_pause_fails_the_update_and_keeps_the_ve
                 names, ["float32"] * 3, [list(sent[n].shape) for n in names], name, "flattened_bucket", "5", True)
             await asyncio.to_thread(thread.join, 30)
             engine.resume()
-            (completion, version), = await running
+            (completion, _), = await running
             return got, engine.weight_version, len(completion.token_ids)
         finally:
             await engine.stop()

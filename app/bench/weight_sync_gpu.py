@@ -90,7 +90,7 @@ def _receiver(config, dtype_name: str, inbox, outbox, work: str, device: str) ->
             _sync(device)
             outbox.put("done")
         elif kind == "disk":
-            _, store_url, version, names = msg
+            _, store_url, version = msg
             path = download_policy(open_store(store_url), "bench", version, Path(work) / "recv" / f"v{version}")
             for f in sorted(path.glob("*.safetensors")):
                 load_named(slots, list(load_file(str(f), device=device).items()))
@@ -221,7 +221,7 @@ def run_gpu(b, work: Path, device: str = "cuda", config=None):
         perturb()
         t0 = time.perf_counter()
         publish_version(model, None, v, store=store, run_id="bench", work_dir=work / "publish", keep=1, dtype=dtype)
-        inbox.put(("disk", store_url, v, probe))
+        inbox.put(("disk", store_url, v))
         assert outbox.get(timeout=1200) == "done"
         if v:
             times["disk"].append(time.perf_counter() - t0)
