@@ -38,6 +38,7 @@ from app.buffer.redis_server import free_port
 from app.config import RunConfig
 from helpers import join_world
 
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 STEP = 0.01  # every parameter moves by this much per version (trainer and reference alike)
 PROMPT = [1, 20, 21, 22, 23]
