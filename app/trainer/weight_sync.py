@@ -11,7 +11,8 @@ rank 0 is the source rank of the group and writes one push record per version. O
 version N (``weight_sync.mode: network``; every trainer rank calls `WeightPusher.push`, only
 rank 0 talks to Redis and the group):
 
-1. prepare: rank 0 writes ``{id, version N, state: prepare}``. Each registered worker stops
+1. prepare: rank 0 writes ``{id, version N, state: prepare}`` (workers block on the board's
+   event stream, so they see it at once). Each registered worker stops
    admitting requests, waits for its own in-flight requests (so no sequence mixes two
    versions), writes its pause marker (app/rollout/probe.py), pauses its engine
    (``rollout.pause_mode``) and acks ``ready`` with its ranks and group epoch; a worker that
@@ -32,7 +33,10 @@ rank 0 talks to Redis and the group):
    trainer rank gathers the tensors in publish.py's order and way (a dense tensor with
    ``full_tensor()``, an expert tensor only over the expert-data-parallel ranks, each EP
    rank's block then sent to rank 0 point to point), and rank 0 broadcasts each bucket as
-   soon as it is full.
+   soon as it is full. Memory: rank 0 holds one staging buffer of at most ``bucket_bytes``
+   (a single larger tensor travels alone) besides the tensor being gathered, which is what
+   publish.py holds too (a full dense tensor, or one EP rank's expert block); the other ranks
+   hold only their gathered tensor.
 4. done: rank 0 waits (``weight_sync.timeout_s``) for the members' acks and writes ``state:
    done`` with each engine's outcome; each worker continues its engine and clears its marker.
 
