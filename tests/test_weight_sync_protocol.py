@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from packaging.version import Version
 
 from app.buffer.redis_server import free_port
 from app.rollout.engine_client import EngineClient
@@ -223,7 +222,8 @@ def test_our_trainer_side_talks_to_sglangs_own_group_and_bucket_code():
     from the wheel, receive a flattened bucket from app.weight_group over a real gloo group."""
     import torch.distributed as dist
 
-    common = {"torch": torch, "torch_release": Version(torch.__version__).release}
+    release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:3])  # what packaging's .release gives
+    common = {"torch": torch, "torch_release": release}
     init_custom_process_group = wheel_function("srt/utils/common.py", "init_custom_process_group", common)
     bucket = wheel_module("srt/weight_sync/tensor_bucket.py")
     receive = wheel_function(RUNNER, "WeightUpdater._receive_bucketed_weights_from_distributed",
