@@ -231,6 +231,34 @@ class TrainerConfig(Section):
     keep_states: int = Field(2, ge=1, description="Complete training states kept in the store.")
 
 
+class WeightSyncConfig(Section):
+    """How policy versions reach the engines (protocol: app/trainer/weight_sync.py).
+
+    ``store``: every version goes to the object store and each rollout worker downloads it and
+    has its engine load it from disk. ``network``: the trainer also pushes every version to the
+    registered engines over a torch.distributed group (SGLang's weight-update routes), and every
+    ``store_every``-th version (and the first and last) still goes to the store, ``latest``
+    last: the durable copy engines that start or miss a push load from. The trainer and the
+    rollout workers both read this section, so their timeouts agree.
+    """
+
+    mode: Literal["store", "network"] = "store"
+    store_every: int = Field(1, ge=1, description="network: versions between store copies (1: every one).")
+    bucket_bytes: int = Field(512 * 1024**2, ge=1, description="Most bytes one broadcast carries (a bucket); "
+                              "a single larger tensor travels alone. Miles' default is 512 MiB.")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Group backend: auto is nccl when the trainer runs on CUDA, else gloo.")
+    master_address: str | None = Field(None, description="Address engines reach the trainer's source rank "
+                                       "at; None: $POD_IP, else this host's name resolved.")
+    master_port: int = Field(0, ge=0, le=65535, description="Rendezvous port on the source rank (0: a free one).")
+    ready_timeout_s: float = Field(30.0, gt=0.0, description="How long the trainer waits for engines to "
+                                   "pause for a push; those not ready are left out of it.")
+    timeout_s: float = Field(120.0, gt=0.0, description="Bound of the group's join and of each bucket "
+                             "(every live rank fails the push after it, none hangs).")
+    poll_s: float = Field(0.2, gt=0.0, description="How often a rollout worker reads the push record.")
+    engine_ttl_s: float = Field(15.0, gt=0.0, description="A registration not renewed for this long is ignored.")
+
+
 class TaskConfig(Section):
     """Where prompts and rewards come from, and the supervised warm-up of the tiny policy.
 
@@ -307,6 +335,7 @@ class RunConfig(Section):
     task: TaskConfig = TaskConfig()
     env: EnvConfig = EnvConfig()
     feed: FeedConfig = FeedConfig()
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
 
     @model_validator(mode="before")
     @classmethod

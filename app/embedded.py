@@ -90,6 +90,7 @@ class EmbeddedLoop:
         argv = moerl_argv(
             "engine", "--model-path", str(model_path), "--port", str(port),
             "--weight-version", str(version), "--threads", "1", "--seed", str(self.cfg.task.seed + i),
+            "--weight-sync-timeout", str(self.cfg.weight_sync.timeout_s),
         )
         if self.cfg.rollout.engine.max_running_requests:
             argv += ["--max-running-requests", str(self.cfg.rollout.engine.max_running_requests)]

@@ -71,7 +71,8 @@ if [[ "$DRY_RUN" != 1 ]]; then
     fi
     # What the three benchmarks import when they run, so a missing package stops us here, in seconds.
     check_imports app.cli app.bench.cli app.bench.moe app.bench.train_step app.bench.engine app.config \
-        app.model.policy app.model.checkpoint app.trainer.train app.storage.policy app.rollout.sampler
+        app.model.policy app.model.checkpoint app.trainer.train app.storage.policy app.rollout.sampler \
+        app.bench.weight_sync app.bench.weight_sync_gpu app.weight_group app.rollout.engine_weight_sync
 fi
 
 GPU=(--dtype bfloat16 --device cuda)
@@ -105,6 +106,10 @@ step 120 "train-step small" train-step --model small --groups 8 --group-size 8 -
     --completion-len 384 --iters 5 --warmup 2 --profile "${GPU[@]}"
 step 120 "engine small" engine --model small --batch-sizes 1,8,64 --prompt-len 128 --output-len 128 --repeats 3 \
     --work-dir "$SCRATCH/engine" "${GPU[@]}"
+# Not in the default STEPS (run it with STEPS=weight-sync): a Qwen3-30B-A3B-width version (2 layers,
+# 3.7 GB bf16) from this process's GPU memory to a second process on the same GPU (issue 21).
+step 300 "weight-sync qwen3-30b-a3b" weight-sync --model qwen3-30b-a3b --layers 2 --versions 3 --bucket-mb 512 \
+    --work-dir "$SCRATCH/weight-sync" "${GPU[@]}"
 step 75 "moe deepseek-v3 E=32 T=16384" "${MOE[@]}" "${DSV3[@]}" --experts 32 --tokens 16384
 step 60 "moe deepseek-v3 E=8 T=16384" "${MOE[@]}" "${DSV3[@]}" --experts 8 --tokens 16384
 step 60 "moe qwen3-30b-a3b E=128 T=16384" "${MOE[@]}" "${QWEN3[@]}" --tokens 16384 --profile

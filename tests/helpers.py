@@ -7,10 +7,12 @@ and spawned worker processes inherit that path.
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 from pathlib import Path
 
+import httpx
 import torch
 
 from app.buffer.records import Group, Sample, Task
@@ -202,3 +204,22 @@ class EnvServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+class Recorder(httpx.AsyncBaseTransport):
+    """The built-in engine in-process (ASGI); keeps every (path, request JSON, status, response JSON)."""
+
+    def __init__(self, app):
+        self.inner = httpx.ASGITransport(app=app)
+        self.calls: list[tuple[str, object, int, object]] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        body = await response.aread()
+        sent = json.loads(request.content) if request.content else None
+        try:
+            got = json.loads(body)
+        except ValueError:
+            got = body.decode()
+        self.calls.append((request.url.path, sent, response.status_code, got))
+        return httpx.Response(response.status_code, headers=response.headers, content=body, request=request)

@@ -5,7 +5,14 @@ orjson, zmq, ... (its ``__init__``), so
 - `api_types()`: ``sglang/api/v1/api_types.py`` (imports only typing and msgspec) loaded by path:
   the JSON contract of /generate, /model_info, ... (``X.from_json_value`` raises
   ``JsonContractError`` on a violation, as the server answers 400);
-- `io_struct_fields`: the request dataclasses of ``srt/managers/io_struct.py``, read with ``ast``;
+- `io_struct_fields` / `io_struct_required`: the request dataclasses of ``srt/managers/io_struct.py``,
+  read with ``ast``;
+- `http_routes`: every route of ``srt/entrypoints/http_server.py`` with its methods and the
+  ``io_struct`` type of its JSON body (``obj: Annotated[X, Body()]``);
+- `function_strings`: the string constants of one function or method (the messages SGLang answers);
+- `wheel_function` / `wheel_module`: one function's source, or one dependency-free module, from
+  the wheel, compiled here (SGLang's own ``init_custom_process_group`` and
+  ``FlattenedTensorBucket`` run in the weight-sync tests);
 - `server_argument_parser`: an ``argparse`` parser of ``python -m sglang.launch_server`` built from
   the field declarations ``ServerArgs`` collects (``srt/server_args.py`` ``_INPUT_NAMESPACES``,
   ``srt/arg_groups/fields/*.py``) with the rules of ``add_cli_args_from_dataclass``
@@ -64,6 +71,94 @@ def io_struct_fields(name: str) -> dict[str, str]:
             out.update(io_struct_fields(base.id))
     out.update({n.target.id: ast.unparse(n.annotation) for n in _annotated(classes[name])})
     return out
+
+
+@cache
+def io_struct_required(name: str) -> set[str]:
+    """Fields of ``io_struct.py`` class ``name`` (bases included) that have no default."""
+    classes = _classes(sglang_dir() / "srt" / "managers" / "io_struct.py")
+    out: set[str] = set()
+    for base in classes[name].bases:
+        if isinstance(base, ast.Name) and base.id in classes:
+            out |= io_struct_required(base.id)
+    for n in _annotated(classes[name]):
+        if n.value is None:
+            out.add(n.target.id)
+        else:
+            out.discard(n.target.id)
+    return out
+
+
+@cache
+def http_routes() -> dict[str, dict]:
+    """Path -> ``{"methods": [...], "body": io_struct class name or None}`` of every route
+    ``http_server.py`` declares with ``@app.get/post/put/api_route``."""
+    tree = ast.parse((sglang_dir() / "srt" / "entrypoints" / "http_server.py").read_text())
+    routes: dict[str, dict] = {}
+    for fn in tree.body:
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        body = None
+        for arg in fn.args.args:
+            ann = arg.annotation
+            if isinstance(ann, ast.Subscript) and ast.unparse(ann.value) == "Annotated":
+                first = ann.slice.elts[0] if isinstance(ann.slice, ast.Tuple) else ann.slice
+                if "Body" in ast.unparse(ann.slice):
+                    body = ast.unparse(first)
+        for dec in fn.decorator_list:
+            if not (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute)
+                    and ast.unparse(dec.func.value) == "app" and dec.args):
+                continue
+            kind = dec.func.attr
+            if kind == "api_route":
+                kw = {k.arg: k.value for k in dec.keywords}
+                methods = ast.literal_eval(kw["methods"]) if "methods" in kw else ["GET"]
+            elif kind in ("get", "post", "put", "delete"):
+                methods = [kind.upper()]
+            else:
+                continue
+            if not isinstance(dec.args[0], ast.Constant):
+                continue  # a computed path (none of the weight-update routes)
+            path = dec.args[0].value
+            entry = routes.setdefault(path, {"methods": [], "body": body})
+            entry["methods"] = sorted(set(entry["methods"]) | set(methods))
+    return routes
+
+
+def _function_node(relpath: str, qualname: str) -> ast.AST:
+    tree = ast.parse((sglang_dir() / relpath).read_text())
+    node: ast.AST = tree
+    for part in qualname.split("."):
+        node = next(n for n in node.body if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                    and n.name == part)
+    return node
+
+
+def function_strings(relpath: str, qualname: str) -> set[str]:
+    """Every string constant in function ``qualname`` (``Class.method`` for a method) of
+    ``sglang/<relpath>``; adjacent literals are one constant, as Python joins them."""
+    node = _function_node(relpath, qualname)
+    return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+
+def wheel_function(relpath: str, qualname: str, namespace: dict):
+    """Function ``qualname`` of ``sglang/<relpath>`` compiled into ``namespace`` (which must hold
+    the module globals it uses) and returned; a method becomes a plain function of ``self``."""
+    node = _function_node(relpath, qualname)
+    node.decorator_list = []
+    code = compile(ast.Module(body=[node], type_ignores=[]), str(sglang_dir() / relpath), "exec")
+    exec(code, namespace)  # noqa: S102 - SGLang's own source, from the pinned wheel
+    return namespace[node.name]
+
+
+@cache
+def wheel_module(relpath: str) -> ModuleType:
+    """A module of the wheel that imports nothing of SGLang's, loaded from its file."""
+    path = sglang_dir() / relpath
+    spec = importlib.util.spec_from_file_location("sglang_" + relpath.replace("/", "_")[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def literal_values(annotation: str) -> list:

@@ -174,6 +174,10 @@ for args in (["train-step", "--groups", "1", "--group-size", "2", "--prompt-len"
     (["engine", "--output-len", "1"], "--output-len"),
     (["engine", "--repeats", "0"], "--repeats"),
     (["engine", "--prompt-len", "500", "--output-len", "100"], "max_position_embeddings"),
+    (["weight-sync", "--model", "qwen3-30b-a3b"], "--model"),
+    (["weight-sync", "--engines", "0"], "--engines"),
+    (["weight-sync", "--bucket-mb", "0"], "--bucket-mb"),
+    (["weight-sync", "--device", "cuda"], "--device"),
 ])
 def test_bad_flags_give_one_error_naming_the_flag(tmp_path, args, flag):
     if "cuda" in args:
@@ -185,6 +189,71 @@ def test_bad_flags_give_one_error_naming_the_flag(tmp_path, args, flag):
     assert r.exit_code == 2, r.output
     assert flag in r.output
     assert not list(tmp_path.iterdir()), "nothing may be written for a bad flag"
+
+
+def test_weight_sync_bench_writes_result(tmp_path):
+    """One engine and worker as processes: the network and store paths each deliver versions
+    (the bench itself fails unless every engine acked each push and serves the last version)."""
+    r = invoke("weight-sync", "--engines", "1", "--versions", "1", "--work-dir", str(tmp_path / "work"),
+               "--out-dir", str(tmp_path / "out"))
+    assert r.exit_code == 0, r.output
+    doc = only_result(tmp_path / "out", "weight_sync")
+    assert [f["name"] for f in doc["figures"]] == ["network (first: builds the group)", "network", "store (baseline)"]
+    assert all(positive(f["s_per_version"]) for f in doc["figures"])
+    assert positive(doc["ratios"]["store s / network s per version"])
+    assert doc["shape"]["bytes_per_version"] > 0 and doc["shape"]["engines"] == 1
+
+
+def test_weight_sync_gpu_mode_runs_with_gpu_image_packages_and_plans_the_real_width_model(tmp_path):
+    """The GPU mode without the packages the GPU image lacks: its sender and receiver processes
+    run every path and the receiver's check on the CPU with a tiny model (CPU tensors shared
+    through the same queue stand in for CUDA IPC; only the device differs), and its plan of
+    Qwen3-30B-A3B at 2 layers (on the meta device) is the whole model in bf16."""
+    code = f"""
+import json, sys
+from pathlib import Path
+for name in {NOT_IN_GPU_IMAGE!r}:
+    sys.modules[name] = None
+import torch
+from transformers import AutoModelForCausalLM
+import app.bench.cli
+from app.bench.weight_sync import WeightSyncBench, real_width_config
+from app.bench.weight_sync_gpu import run_gpu
+from app.model.config import tiny_config
+from app.trainer.publish import plan_version
+from app.weight_group import plan_buckets
+if __name__ == "__main__":
+    shape, figures, ratios, _ = run_gpu(WeightSyncBench(model="qwen3-30b-a3b", versions=1, bucket_mb=0.01,
+                                        dtype="bfloat16"), Path({str(tmp_path)!r}), device="cpu",
+                                        config=tiny_config("tiny-qwen3-moe"))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(real_width_config(2), dtype=torch.bfloat16)
+    tensors = plan_version(model, None, torch.bfloat16).tensors
+    buckets = plan_buckets([t.nbytes for t in tensors], 512 * 2**20)
+    print(json.dumps({{"shape": shape, "figures": figures, "ratios": ratios,
+                      "params": sum(p.numel() for p in model.parameters()), "bytes": sum(t.nbytes for t in tensors),
+                      "largest": max(sum(tensors[i].nbytes for i in b) for b in buckets)}}))
+"""
+    script = tmp_path / "gpu_mode.py"  # a file, not -c: the receiver is a spawned process
+    script.write_text(code)
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert [f["name"] for f in got["figures"]] == ["cuda-ipc", "gloo-staged", "disk", "baseline copies"]
+    assert all(positive(f["s_per_version"]) for f in got["figures"])
+    assert all(positive(v) for v in got["ratios"].values())
+    assert got["shape"]["buckets"] > 10  # 10 KiB buckets: the plan split the version
+    assert 1.8e9 < got["params"] < 1.95e9  # 2 layers of Qwen3-30B-A3B (reference/trainer-scale-2026-12.md: 1.87 B)
+    assert got["bytes"] == 2 * got["params"]
+    assert got["largest"] <= 512 * 2**20 or got["largest"] == 151936 * 2048 * 2  # only a lone embedding is larger
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh")], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "DRY_RUN": "1", "STEPS": "weight-sync"})
+    (words,) = [line.split() for line in proc.stdout.splitlines() if line.strip()]
+    bench = typer.main.get_command(cli)
+    params = bench.get_command(bench.make_context("bench", ["weight-sync"], resilient_parsing=True),
+                               "weight-sync").make_context("weight-sync", words[5:]).params
+    assert params["device"] == "cuda" and params["model"] == "qwen3-30b-a3b" and params["layers"] == 2
 
 
 def test_page_cache_helpers(tmp_path):

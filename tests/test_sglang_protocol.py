@@ -10,41 +10,20 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from importlib.metadata import version
 from pathlib import Path
 
-import httpx
 import pytest
 
 from app.envs.tokenizer import BOS_ID
 from app.rollout import engine_client, engine_server
 from app.rollout.engine_client import EngineClient
 from app.rollout.engine_server import Engine, create_app, load_checkpoint
-from helpers import tiny_moe_checkpoint
+from helpers import Recorder, tiny_moe_checkpoint
 from sglang_oracle import api_types, io_struct_fields, literal_values
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class Recorder(httpx.AsyncBaseTransport):
-    """The built-in engine in-process (ASGI); keeps every (path, request JSON, status, response JSON)."""
-
-    def __init__(self, app):
-        self.inner = httpx.ASGITransport(app=app)
-        self.calls: list[tuple[str, object, int, object]] = []
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        response = await self.inner.handle_async_request(request)
-        body = await response.aread()
-        sent = json.loads(request.content) if request.content else None
-        try:
-            got = json.loads(body)
-        except ValueError:
-            got = body.decode()
-        self.calls.append((request.url.path, sent, response.status_code, got))
-        return httpx.Response(response.status_code, headers=response.headers, content=body, request=request)
 
 
 @pytest.fixture(scope="module")

@@ -213,3 +213,26 @@ def ep_train_step(
         typer.echo(f"moerl bench ep-train-step: error: {e}", err=True)
         raise SystemExit(2) from None
     close_group()
+
+
+@cli.command("weight-sync")
+def weight_sync(
+    model: str = typer.Option("tiny", help="cpu: tiny | medium (~85 M params) | small (~0.5 B); cuda: qwen3-30b-a3b."),
+    layers: int = typer.Option(2, help="Decoder layers of the real-width model (--device cuda)."),
+    engines: int = typer.Option(2, help="Built-in engines (and rollout workers) to push to (--device cpu)."),
+    versions: int = typer.Option(3, help="Timed versions per path (the median is reported)."),
+    bucket_mb: float = typer.Option(64.0, help="weight_sync.bucket_bytes, in MiB."),
+    dtype: str = typer.Option("float32", help="Published dtype: float32 | bfloat16 (cuda: bfloat16)."),
+    device: str = typer.Option("cpu", help="cpu (engines as processes) | cuda (two processes on one GPU)."),
+    work_dir: str = typer.Option("", help="Scratch directory (default: a temporary one, removed after)."),
+    out_dir: str = typer.Option("runs/bench", help="Where the JSON result goes."),
+) -> None:
+    """Seconds per policy version: the network path (SGLang's weight-update group) vs the store path."""
+    from app.bench.weight_sync import WeightSyncBench, run
+
+    try:
+        run(WeightSyncBench(model=model, layers=layers, engines=engines, versions=versions, bucket_mb=bucket_mb,
+                            dtype=dtype, device=device, work_dir=work_dir), out_dir=out_dir)
+    except ValueError as e:
+        typer.echo(f"moerl bench weight-sync: error: {e}", err=True)
+        raise SystemExit(2) from None

@@ -16,6 +16,11 @@ docs "SGLang Native APIs"):
 - ``/update_weights_from_disk`` {model_path, weight_version (string)} answers {success,
   message, num_paused_requests}, HTTP 400 when success is false. SGLang reloads the whole
   checkpoint on every call, so this one is never retried: after a timeout ask `weight_version`;
+- the weight-update group (SGLang ``io_struct``: ``InitWeightsUpdateGroupReqInput``,
+  ``BeginWeightUpdateReqInput``, ``UpdateWeightsFromDistributedReqInput``,
+  ``EndWeightUpdateReqInput``, ``DestroyWeightsUpdateGroupReqInput``): each answers {success,
+  message}, HTTP 400 when success is false; none is ever retried (a join or a receive waits for
+  the trainer's side of a collective: sending it twice would wait for a broadcast that never comes);
 - ``/pause_generation`` {mode: abort | retract | in_place} (``{}`` means abort),
   ``/continue_generation``, ``/flush_cache``, ``/health_generate`` (SGLang waits while paused and
   answers 503 after 20 s), ``/model_info`` (``/get_model_info`` is SGLang's deprecated alias).
@@ -274,6 +279,63 @@ class EngineClient:
         except ValueError:
             return False, f"HTTP {r.status_code}: {r.text[:300]}"
         return bool(data.get("success")), str(data.get("message", ""))
+
+    async def _control(self, path: str, body: dict, timeout_s: float | None) -> tuple[bool, str]:
+        """POST a weight-update control call once; (success, message) as the engine answered.
+
+        Raises:
+            EngineError: no answer (``timed_out`` set when ``timeout_s`` ran out) or HTTP 5xx.
+        """
+        r = await self._request("POST", path, json=body, ok_statuses=(200, 400), timeout_s=timeout_s, retries=0)
+        try:
+            data = r.json()
+        except ValueError:
+            return False, f"HTTP {r.status_code}: {r.text[:300]}"
+        return bool(data.get("success")), str(data.get("message", ""))
+
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+        backend: str, *, timeout_s: float | None = None,
+    ) -> tuple[bool, str]:
+        """Join the engine's ranks (``rank_offset`` + tp_rank) to a weight-update group of
+        ``world_size`` ranks whose rank 0 serves its rendezvous at ``master_address:master_port``.
+        Returns once every rank joined (or the engine gave up)."""
+        return await self._control("/init_weights_update_group", {
+            "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": group_name, "backend": backend}, timeout_s)
+
+    async def destroy_weights_update_group(self, group_name: str, *, timeout_s: float | None = None) -> tuple[bool, str]:
+        """Leave weight-update group ``group_name``."""
+        return await self._control("/destroy_weights_update_group", {"group_name": group_name}, timeout_s)
+
+    async def begin_weight_update(self, *, timeout_s: float | None = None) -> tuple[bool, str]:
+        """Open the update session SGLang 0.5.23 requires around update_weights_from_distributed."""
+        return await self._control("/begin_weight_update", {"selector": "all"}, timeout_s)
+
+    async def end_weight_update(self, *, timeout_s: float | None = None) -> tuple[bool, str]:
+        """Close the update session."""
+        return await self._control("/end_weight_update", {}, timeout_s)
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, *,
+        load_format: str | None = None, flush_cache: bool = False, weight_version: int | None = None,
+        timeout_s: float | None = None,
+    ) -> tuple[bool, str]:
+        """Receive one bucket from the group's rank 0 and load it (names: Hugging Face tensor
+        names; dtypes: torch dtype names, e.g. "bfloat16"; load_format "flattened_bucket": one
+        broadcast of their bytes back to back). ``weight_version`` (sent as a string) is taken by
+        the engine only when the call succeeds; ``flush_cache`` drops the prefix cache after it."""
+        body: dict[str, Any] = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+                                "group_name": group_name, "flush_cache": bool(flush_cache)}
+        if load_format is not None:
+            body["load_format"] = load_format
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return await self._control("/update_weights_from_distributed", body, timeout_s)
+
+    async def server_info(self) -> dict:
+        """GET /server_info: the server's resolved arguments (tp_size, ...) and startup_time."""
+        return (await self._request("GET", "/server_info")).json()
 
     async def pause_generation(self, mode: str = "abort") -> None:
         """POST /pause_generation {mode} (SGLang io_struct.PauseGenerationReqInput): ``abort``

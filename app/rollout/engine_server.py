@@ -20,6 +20,13 @@ so that `app.rollout.engine_client.EngineClient` serves this engine and a real S
 - ``POST /update_weights_from_disk`` {``model_path``, ``weight_version`` (string)?}:
   ``{success, message, num_paused_requests}``, HTTP 400 when success is false. Every call
   reloads the checkpoint (as SGLang); a failed load leaves the previous weights serving.
+- The weight-update group (SGLang's ``io_struct`` request types; app/rollout/engine_weight_sync.py):
+  ``POST /init_weights_update_group`` {``master_address``, ``master_port``, ``rank_offset``,
+  ``world_size``, ``group_name``, ``backend``}, ``/destroy_weights_update_group`` {``group_name``},
+  ``/begin_weight_update`` {``selector``}, ``/end_weight_update`` {},
+  ``/update_weights_from_distributed`` {``names``, ``dtypes``, ``shapes``, ``group_name``,
+  ``load_format`` (null or "flattened_bucket"), ``flush_cache``, ``weight_version``}: each answers
+  ``{success, message}``, HTTP 400 when success is false.
 - ``GET /health_generate``: 200 once a one-token request (or any other sequence) makes
   progress, 503 after ``--health-check-timeout`` (20 s) without: so 503 while paused, as SGLang.
   ``GET /health`` is the same unless ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false``.
@@ -58,7 +65,10 @@ import typer
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from app.rollout.engine_weight_sync import (NO_SESSION, NOT_FLUSHED, EngineWeightGroups, WeightLoadError,
+                                            hf_slots, load_named)
 from app.rollout.sampler import Completion, DecodeBatch, RoutingCapture, SamplingParams
+from app.weight_group import GroupError
 
 log = logging.getLogger("moerl.engine")
 
@@ -189,12 +199,14 @@ class Engine:
             others to join its prefill.
         capture_routing: keep the experts each token was routed to (SGLang's
             ``--enable-return-routed-experts``).
+        weight_sync_timeout_s: bound of every weight-update group join and receive
+            (app/rollout/engine_weight_sync.py).
     """
 
     def __init__(
         self, loaded: LoadedModel, *, weight_version: str = "0", max_batch: int = 64,
         device: str = "cpu", dtype: str = "float32", seed: int = 0, batch_wait_s: float = 0.005,
-        capture_routing: bool = False,
+        capture_routing: bool = False, weight_sync_timeout_s: float = 60.0,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -221,6 +233,9 @@ class Engine:
         self._drained: asyncio.Event | None = None  # set while no row is live
         self.model_lock: asyncio.Lock | None = None  # held during a forward and a weight swap
         self._loop_task: asyncio.Task | None = None
+        self.weight_groups = EngineWeightGroups(weight_sync_timeout_s, device)
+        self._slots: tuple[torch.nn.Module, dict] | None = None  # (model, hf_slots(model))
+        self.started = time.time()  # /server_info startup_time: a restart changes it (as SGLang)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -427,6 +442,59 @@ class Engine:
             self._poke()
         log.info("now serving %s as weight_version %s", model_path, self.weight_version)
         return True, f"loaded {model_path} as weight_version {self.weight_version}"
+
+    def _hf_slots(self) -> dict:
+        model = self.loaded.model
+        if self._slots is None or self._slots[0] is not model:
+            self._slots = (model, hf_slots(model))
+        return self._slots[1]
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+        load_format: str | None = None, weight_version: str | None = None, flush_cache: bool = True,
+    ) -> tuple[bool, str]:
+        """Receive tensors from weight-update group ``group_name`` and load them by HF name
+        (SGLang's /update_weights_from_distributed; app/rollout/engine_weight_sync.py).
+
+        Only inside a begin/end session. Not paused: admission stops and live rows finish
+        first (SGLang's model-update lock); paused: at once. ``weight_version`` is taken only
+        when the whole call succeeds; with ``flush_cache`` a batch still holding rows (an
+        in_place pause) fails the call after the load, as SGLang's flush does.
+
+        Returns:
+            (success, message); on a failed load the weights are partly updated.
+        """
+        groups = self.weight_groups
+        if not groups.session:
+            return False, NO_SESSION
+        self.updates += 1
+        self._poke()
+        try:
+            while not self.paused and not self._drained.is_set():
+                await asyncio.sleep(0.01)
+            try:
+                named = await asyncio.to_thread(groups.receive, names, dtypes, shapes, group_name, load_format)
+            except (ValueError, GroupError) as e:
+                log.warning("update_weights_from_distributed: %s", e)
+                return False, f"Failed to receive weights: {e}"
+            async with self.model_lock:
+                try:
+                    load_named(self._hf_slots(), named)
+                except WeightLoadError as e:
+                    self.stats.failed_weight_loads += 1
+                    return False, (f"Failed to update parameter online: {e}. The full weights of the ModelRunner "
+                                   "are partially updated. Please discard the whole weights.")
+                if flush_cache and len(self.batch):
+                    return False, NOT_FLUSHED
+                if weight_version is not None:
+                    self.weight_version = str(weight_version)
+                    self.stats.weight_loads += 1
+                    log.info("now serving weight_version %s (received over %s)", self.weight_version, group_name)
+        finally:
+            self.updates -= 1
+            self._poke()
+        message = "Succeeded to update parameter online."
+        return True, message + (f" Weight version updated to {weight_version}." if weight_version is not None else "")
 
     async def health(self, timeout_s: float) -> bool:
         """SGLang's /health_generate: a one-token request; healthy when it, or any other
@@ -645,6 +713,7 @@ def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> Fa
             yield
         finally:
             await engine.stop()
+            engine.weight_groups.close()
 
     app = FastAPI(lifespan=lifespan, title="moerl built-in engine (SGLang API subset)")
 
@@ -694,6 +763,82 @@ def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> Fa
         return JSONResponse(
             {"success": ok, "message": message, "num_paused_requests": 0}, status_code=200 if ok else 400
         )
+
+    async def control_body(request: Request) -> dict | None:
+        try:
+            body = await request.json()
+        except ValueError:
+            return None
+        return body if isinstance(body, dict) else None
+
+    def answer(ok: bool, message: str) -> JSONResponse:
+        return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
+
+    def bad_field(body: dict, name: str, kind: type | tuple, required: bool = True) -> str | None:
+        """The problem with field ``name`` of a control body, or None."""
+        if name not in body:
+            return f"{name} is required" if required else None
+        value = body[name]
+        if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+            return f"{name} must be {getattr(kind, '__name__', kind)}, got {value!r}"
+        return None
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        body = await control_body(request)
+        if body is None:
+            return answer(False, "request body must be a JSON object")
+        problem = next((p for p in (
+            bad_field(body, "master_address", str), bad_field(body, "master_port", int),
+            bad_field(body, "rank_offset", int), bad_field(body, "world_size", int),
+            bad_field(body, "group_name", str, False), bad_field(body, "backend", str, False)) if p), None)
+        if problem:
+            return answer(False, problem)
+        ok, message = await asyncio.to_thread(
+            engine.weight_groups.init_group, body["master_address"], body["master_port"], body["rank_offset"],
+            body["world_size"], body.get("group_name", "weight_update_group"), body.get("backend", "nccl"))
+        return answer(ok, message)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request):
+        body = await control_body(request)
+        if body is None or bad_field(body, "group_name", str, False):
+            return answer(False, "group_name must be a string")
+        return answer(*engine.weight_groups.destroy_group(body.get("group_name", "weight_update_group")))
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: Request):
+        body = await control_body(request)
+        if body is None or body.get("selector", "all") not in ("all", "target"):
+            return answer(False, "selector must be 'all' or 'target' (the built-in engine has no draft model)")
+        return answer(*engine.weight_groups.begin())
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(request: Request):
+        return answer(*engine.weight_groups.end())
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        body = await control_body(request)
+        if body is None:
+            return answer(False, "request body must be a JSON object")
+        problem = next((p for p in (
+            bad_field(body, "names", list), bad_field(body, "dtypes", list), bad_field(body, "shapes", list),
+            bad_field(body, "group_name", str, False), bad_field(body, "flush_cache", bool, False),
+            bad_field(body, "abort_all_requests", bool, False)) if p), None)
+        if problem:
+            return answer(False, problem)
+        version = body.get("weight_version")
+        if version is not None and not isinstance(version, str):  # Optional[str] in SGLang
+            return answer(False, f"weight_version must be a string, got {version!r}")
+        if body.get("abort_all_requests"):
+            return answer(False, "abort_all_requests is not supported by the built-in engine; pause first")
+        if body.get("selector", "all") not in ("all", "target"):
+            return answer(False, "selector must be 'all' or 'target' (the built-in engine has no draft model)")
+        ok, message = await engine.update_weights_from_distributed(
+            body["names"], body["dtypes"], body["shapes"], body.get("group_name", "weight_update_group"),
+            body.get("load_format"), version, body.get("flush_cache", True))
+        return answer(ok, message)
 
     @app.get("/health")
     async def health():
@@ -773,6 +918,11 @@ def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> Fa
             "failed_weight_loads": s.failed_weight_loads,
             "aborted": s.aborted,
             "retracted": s.retracted,
+            "received_weight_buckets": engine.weight_groups.received_buckets,
+            "tp_size": 1,
+            "pp_size": 1,
+            "dp_size": 1,
+            "startup_time": engine.started,
             "weight_version": engine.weight_version,
         }
 
@@ -796,6 +946,9 @@ def serve(
     threads: int = typer.Option(0, "--threads", min=0, help="torch CPU threads (0: torch's default)."),
     routed_experts: bool = typer.Option(False, "--enable-return-routed-experts",
                                         help="Return the routed experts of requests that ask (as SGLang)."),
+    weight_sync_timeout: float = typer.Option(60.0, "--weight-sync-timeout", min=0.1,
+                                              help="Seconds a weight-update group join or receive may take "
+                                              "(not an SGLang flag: SGLang uses torch's 30 min default)."),
     health_timeout: float = typer.Option(HEALTH_TIMEOUT_S, "--health-check-timeout", min=0.1,
                                          help="Seconds /health_generate waits (SGLANG_HEALTH_CHECK_TIMEOUT)."),
 ) -> None:
@@ -821,7 +974,7 @@ def serve(
     except FileNotFoundError as e:
         raise typer.BadParameter(str(e), param_hint="--model-path") from None
     engine = Engine(loaded, weight_version=weight_version, max_batch=max_batch, device=device, dtype=dtype,
-                    seed=seed, capture_routing=routed_experts)
+                    seed=seed, capture_routing=routed_experts, weight_sync_timeout_s=weight_sync_timeout)
     log.info("serving %s (weight_version %s) on %s:%d, max_batch %d", model_path, weight_version, host, port, max_batch)
     t0 = time.monotonic()
     uvicorn.run(create_app(engine, health_timeout), host=host, port=port, log_level="warning")

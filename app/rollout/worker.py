@@ -89,6 +89,8 @@ class WorkerStats:
     tasks_dropped: int = 0  # ... of which dropped after buffer.max_failures
     weight_updates: int = 0
     weight_update_failures: int = 0
+    pushes_received: int = 0  # versions that came over the network (app/rollout/weight_sync.py)
+    pushes_failed: int = 0
     buffer_errors: int = 0
 
 
@@ -264,6 +266,8 @@ class RolloutWorker:
         # A weight update whose answer never came: (version, when it may be sent again).
         self._unanswered_update: tuple[int, float] | None = None
         self._routing_shape: tuple[int, int] | None = None  # (layers, top_k) of the served model
+        # Held by whoever changes the engine's weights: the disk path or a network push.
+        self.weights_lock = asyncio.Lock()
         # One thread for every buffer call: the buffer object is not assumed thread-safe.
         self._buffer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="buffer")
 
@@ -366,6 +370,13 @@ class RolloutWorker:
         return dest.resolve()
 
     async def sync_policy(self) -> None:
+        """`_sync_policy` unless a network push holds the weights (then at the next poll)."""
+        if self.weights_lock.locked():
+            return
+        async with self.weights_lock:
+            await self._sync_policy()
+
+    async def _sync_policy(self) -> None:
         """Bring the engine to the buffer's current policy version if it lags (see module doc).
 
         An update whose answer did not come in time is not sent again blindly: SGLang goes on
@@ -641,6 +652,11 @@ class RolloutWorker:
         inflight: dict[asyncio.Task, Task] = {}
         next_poll = 0.0
         next_extend = time.monotonic() + self.cfg.buffer.lease_ms / 3000
+        pushes = None
+        if self.cfg.weight_sync.mode == "network":
+            from app.rollout.weight_sync import PushMember
+
+            pushes = asyncio.create_task(PushMember(self).run())
         try:
             await self.warm_up()  # before the first lease: the first batch must not be timeouts
             while not self._stop.is_set():
@@ -676,7 +692,11 @@ class RolloutWorker:
                     break
 
                 free = self.r.inflight_tasks() - len(inflight)
-                if free <= 0 or self._engine_suspect or self._env_suspect or self._stop.is_set():
+                # No new leases while the weights change (a push waits for in-flight work).
+                if (free <= 0 or self._engine_suspect or self._env_suspect or self._stop.is_set()
+                        or not self._may_generate.is_set()):
+                    if not self._may_generate.is_set() and not inflight:
+                        await asyncio.sleep(0.05)
                     continue
                 try:
                     if not await self._buf("has_capacity"):
@@ -693,6 +713,9 @@ class RolloutWorker:
                     inflight[asyncio.create_task(self.rollout(task))] = task
         finally:
             await self._drain(inflight)
+            if pushes is not None:
+                self._stop.set()
+                await asyncio.gather(pushes, return_exceptions=True)
         return self.stats
 
     async def _drain(self, inflight: dict[asyncio.Task, Task]) -> None:

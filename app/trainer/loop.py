@@ -9,7 +9,9 @@ once).
 
 Policy versions (DESIGN.md §3): version 0 is the initial policy, published before the first
 step if the store has none; every ``trainer.publish_every`` steps the next version is published
-and announced.
+and announced. With ``weight_sync.mode: network`` each version is first pushed to the
+registered engines (app/trainer/weight_sync.py) and only every ``weight_sync.store_every``-th
+one (and the last) is published to the store.
 
 Training state and resume: every ``trainer.save_every`` steps (and after the last) the sharded
 model and optimizer state of every module, each rank's RNG state, and rank 0's `TrainState`, the
@@ -31,6 +33,7 @@ precede it were rolled back (their groups are trained again). app/ledger.py audi
 Metrics: one JSON line per step in ``<run_dir>/metrics.jsonl`` (rank 0), whole-batch figures:
   step, policy_version, applied (False: non-finite step skipped), bad_steps, time (unix s);
   groups, samples, reward_mean, reward_max, completion_len_mean, staleness_mean, staleness_max;
+  push_s, pushed_engines, push_failed_engines, push_left_out (network weight sync only);
   loss, pg_loss, tokens, clip_frac, ratio, ratio_max, approx_kl (k3, old||current),
   mismatch_kl (k3, engine||trainer), tis, tis_max, tis_trunc_frac, entropy, kl_ref (kl_coef>0),
   grad_norm (before clipping), lr, micro_batches; PPO: vf_loss, vf_clip_frac, value, return,
@@ -302,6 +305,22 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
             keep=t.keep_versions, dtype=dtype, buffer=buffer, tokenizer_source=path,
         )
 
+    # weight_sync.mode network: every version is also pushed to the engines over the network,
+    # and only every store_every-th (and the last) goes to the store (app/trainer/weight_sync.py).
+    pusher = None
+    if cfg.weight_sync.mode == "network":
+        from app.buffer.weight_sync import SyncBoard
+        from app.trainer.weight_sync import WeightPusher
+
+        pusher = WeightPusher(cfg.weight_sync, rank, device, board=SyncBoard.of(buffer) if rank == 0 else None)
+
+    def push(version: int) -> dict:
+        if pusher is None:
+            return {}
+        r = pusher.push(model, mesh, version, dtype)
+        return {"push_s": r.seconds, "pushed_engines": len(r.pushed), "push_failed_engines": len(r.failed),
+                "push_left_out": len(r.left_out)}
+
     def save() -> float:
         meta = {"train_state": asdict(state), "policy_version": state.version, "commit_point": commit_point}
         try:
@@ -386,8 +405,11 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
                 })
             give_up = state.bad_in_row >= t.max_bad_steps
             publish_s = save_s = 0.0
+            push_meta: dict = {}
             if not give_up and (state.step % t.publish_every == 0 or state.step == t.steps):
-                uri, publish_s = publish(state.version + 1)
+                push_meta = push(state.version + 1)
+                if pusher is None or (state.version + 1) % cfg.weight_sync.store_every == 0 or state.step == t.steps:
+                    uri, publish_s = publish(state.version + 1)
                 state.version += 1
             if not give_up and (state.step % t.save_every == 0 or state.step == t.steps):
                 save_s = save()
@@ -398,7 +420,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
                     "time": time.time(), "step": state.step, "policy_version": state.version,
                     "applied": applied, "bad_steps": state.bad_steps, **msg["meta"],
                     **{k: v for k, v in stats.items()}, "lr": lr,
-                    "wait_s": wait_s, "step_s": step_s, "publish_s": publish_s, "save_s": save_s,
+                    "wait_s": wait_s, "step_s": step_s, "publish_s": publish_s, "save_s": save_s, **push_meta,
                     "samples_total": state.samples, "overstale_dropped": state.overstale,
                     "malformed_groups": state.malformed, "error_groups": state.error_groups,
                     "duplicate_groups": state.duplicates, "buffer": buffer.stats(),
@@ -420,6 +442,8 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
     except Stop:
         log.info("stop requested: ending at step %d, policy v%d", state.step, state.version)
     finally:
+        if pusher is not None:
+            pusher.close()
         for f in (metrics_file, trained_file):
             if f is not None:
                 f.close()

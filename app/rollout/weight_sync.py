@@ -1,0 +1,281 @@
+"""Network weight sync, the rollout worker's side: offer the engine for pushes, and drive the
+engine through each push (protocol and failure semantics: app/trainer/weight_sync.py).
+
+A `PushMember` runs beside the worker's main loop (``weight_sync.mode: network``) as one asyncio
+task. Every ``weight_sync.poll_s`` it renews the engine's registration on the board
+(app/buffer/weight_sync.py) and reads the push record; for a new ``prepare`` it takes the
+worker's weights lock (the disk path takes the same one: one weight change at a time), stops
+the worker's generation, waits for its in-flight requests, pauses the engine
+(``rollout.pause_mode``) under the pause marker, acks ``ready``, and follows the trainer:
+join the group (``/init_weights_update_group``, after destroying its previous one), then
+``/begin_weight_update``, one ``/update_weights_from_distributed`` per bucket (the version on
+the last), ``/end_weight_update``, ack ``done``, continue.
+
+What the engine serves is never claimed: the worker's ``engine_version`` moves to N only on a
+complete push. A push that fails after it began leaves the engine's weights partly new
+(SGLang's own words), so the member keeps the engine paused, holds the weights lock (the disk
+path cannot continue it either) and reloads the newest stored version from the store
+(``/update_weights_from_disk`` with that version), retrying every poll until it succeeds; only
+then does the engine generate again. The engine's ``startup_time`` (/server_info) tells a
+restarted engine (which holds no group) from the one that joined.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from app.buffer.weight_sync import Registration, SyncBoard
+from app.rollout.engine_client import EngineError
+
+log = logging.getLogger("moerl.rollout.weight_sync")
+
+
+class PushMember:
+    """The network-push side of one rollout worker (see the module doc).
+
+    Args:
+        worker: the `app.rollout.worker.RolloutWorker` (its client, buffer, events, weights
+            lock, pause marker, version, store download and stats are used).
+        board: the run's `SyncBoard` (default: next to ``worker.buffer``).
+    """
+
+    def __init__(self, worker, board: SyncBoard | None = None):
+        self.w = worker
+        self.cfg = worker.cfg.weight_sync
+        self.board = board or SyncBoard.of(worker.buffer)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wsync")
+        self.ranks: int | None = None  # the engine's ranks in a group (None: not offered)
+        self.started: float | None = None  # the engine's startup_time when it joined its group
+        self.epoch: int | None = None
+        self.group_name: str | None = None
+        self.last_push: str | None = None
+        self.dirty = False  # the engine holds partly updated weights: reload before serving
+        self._renew_at = 0.0
+        self._event: str | None = None  # last entry read from the board's events stream
+
+    async def _board(self, method: str, *args, **kwargs):
+        fn = getattr(self.board, method)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+
+    # -- the loop ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Until the worker stops: renew the registration, take new pushes; then withdraw."""
+        try:
+            while not self.w._stop.is_set():
+                try:
+                    await self.step()
+                except EngineError as e:
+                    log.warning("%s: engine call failed outside a push: %s", self.w.worker_id, e)
+                    self.ranks = None  # ask again: the engine may have restarted
+                    await self.w._sleep_or_stop(self.cfg.poll_s)
+                except Exception as e:  # noqa: BLE001 - Redis hiccup: try again at the next poll
+                    log.warning("%s: weight-sync board error: %s", self.w.worker_id, e)
+                    await self.w._sleep_or_stop(self.cfg.poll_s)
+        finally:
+            try:
+                await self._board("unregister", self.w.worker_id)
+            except Exception:  # noqa: BLE001 - the registration expires anyway
+                pass
+            self._pool.shutdown(wait=False)
+
+    async def step(self) -> None:
+        """One poll: (re)register the engine, take a new ``prepare`` push."""
+        if self.ranks is None:
+            self.ranks = await self._engine_ranks()
+            if self.ranks is None:
+                return
+        await self._renew()
+        push = await self._board("push")
+        if push and push["state"] == "prepare" and push["id"] != self.last_push:
+            await self.take(push)
+            return
+        self._event = await self._board("wait", "events", self._event, self.cfg.poll_s)  # a change, or poll_s
+
+    async def _renew(self, force: bool = False) -> None:
+        """Renew the registration (at most every engine_ttl_s / 3 unless ``force``); also during a
+        long push, so the engine is still offered when the next one is prepared."""
+        if force or time.monotonic() >= self._renew_at:
+            await self._board("register", Registration(self.w.worker_id, self.ranks, self.w.engine_version, self.epoch),
+                              self.cfg.engine_ttl_s)
+            self._renew_at = time.monotonic() + self.cfg.engine_ttl_s / 3
+
+    async def _engine_ranks(self) -> int | None:
+        """The engine's ranks in a weight-update group (its tp_size), or None when it cannot
+        join one (SGLang refuses pipeline stages and data-parallel replicas there)."""
+        info = await self.w.client.server_info()
+        if info.get("pp_size", 1) != 1 or info.get("dp_size", 1) != 1:
+            log.error("%s: engine has pp_size %s / dp_size %s: SGLang's weight-update group takes neither; "
+                      "this engine gets versions from the store only", self.w.worker_id,
+                      info.get("pp_size"), info.get("dp_size"))
+            return None
+        if info.get("startup_time") != self.started:
+            self.epoch = self.group_name = None  # a new engine process: it holds no group
+        self.started = info.get("startup_time")
+        return int(info.get("tp_size", 1))
+
+    # -- one push ----------------------------------------------------------------------------
+    async def take(self, push: dict) -> None:
+        """Take part in push ``push`` (a prepare record), or ack busy."""
+        pid = push["id"]
+        self.last_push = pid
+        w = self.w
+        if w.weights_lock.locked():  # a load from the store is under way
+            await self._board("ack", pid, w.worker_id, "busy")
+            return
+        async with w.weights_lock:
+            w._may_generate.clear()
+            paused = False
+            try:
+                try:  # from when this worker saw the prepare: no clock is compared across hosts
+                    await asyncio.wait_for(w._idle.wait(), max(0.05, self.cfg.ready_timeout_s - 0.5))
+                except asyncio.TimeoutError:
+                    await self._board("ack", pid, w.worker_id, "busy")
+                    return
+                self.ranks = await self._engine_ranks()
+                if self.ranks is None:
+                    await self._board("ack", pid, w.worker_id, "busy")
+                    return
+                w._mark_paused(self.cfg.ready_timeout_s + self.cfg.timeout_s + 30)
+                await w.client.pause_generation(w.r.pause_mode)
+                paused = True
+                await self._board("ack", pid, w.worker_id, "ready", ranks=self.ranks, epoch=self.epoch)
+                if await self._follow(pid) == "dirty":
+                    self.dirty = True
+            except Exception as e:  # noqa: BLE001 - before the send phase: the weights are untouched
+                log.warning("%s: push %s: %s: %s", w.worker_id, pid, type(e).__name__, e)
+                self.epoch = self.group_name = None
+            finally:
+                while self.dirty and not w._stop.is_set():
+                    if await self.restore():
+                        break
+                    await w._sleep_or_stop(self.cfg.poll_s * 5)
+                if not self.dirty:
+                    if paused:
+                        try:
+                            await w.client.continue_generation()
+                        except EngineError as e:
+                            log.warning("%s: continue after push failed: %s", w.worker_id, e)
+                            w._engine_suspect = True
+                    w._mark_paused(None)
+                    w._may_generate.set()
+
+    async def _follow(self, pid: str) -> str:
+        """After ``ready``: join, receive, ack. Returns "updated", "untouched" (the weights did
+        not change: left out, cancelled, or the group failed before sending) or "dirty"."""
+        deadline = time.monotonic() + self.cfg.ready_timeout_s + 2 * self.cfg.timeout_s + 10
+        w = self.w
+        while time.monotonic() < deadline:
+            push = await self._board("push")
+            if push is None or push["id"] != pid or push["state"] in ("cancelled", "failed", "done"):
+                return "untouched"
+            if push["state"] in ("join", "send"):
+                group = push["group"]
+                if w.worker_id not in group["members"]:
+                    return "untouched"  # not ready in time: this push goes without us
+                if self.epoch != group["epoch"]:
+                    if push["state"] == "send" or not await self._join(pid, group):
+                        return "untouched"
+                if push["state"] == "send":
+                    return await self._receive(push)
+            self._event = await self._board("wait", "events", self._event, 0.5)
+        return "untouched"
+
+    async def _join(self, pid: str, group: dict) -> bool:
+        """Leave the engine's old group, join ``group``; ack joined or failed."""
+        w = self.w
+        if self.group_name is not None:
+            try:
+                await w.client.destroy_weights_update_group(self.group_name, timeout_s=self.cfg.timeout_s)
+            except EngineError:
+                pass  # a broken or forgotten group: the new one has another name anyway
+        self.epoch = self.group_name = None
+        ok, message = await w.client.init_weights_update_group(
+            group["master_address"], group["master_port"], group["members"][w.worker_id], group["world_size"],
+            group["name"], group["backend"], timeout_s=self.cfg.timeout_s + 10)
+        if not ok:
+            log.warning("%s: could not join weight-update group %s: %s", w.worker_id, group["name"], message)
+            await self._board("ack", pid, w.worker_id, "failed", message=message)
+            return False
+        self.epoch, self.group_name = group["epoch"], group["name"]
+        await self._board("ack", pid, w.worker_id, "joined", epoch=self.epoch)
+        return True
+
+    async def _receive(self, push: dict) -> str:
+        """The send phase for this engine (see the module doc). Any failure once the session is
+        open (the engine's, or the board's) counts as partly loaded weights: "dirty"."""
+        w, pid, version = self.w, push["id"], int(push["version"])
+        t = self.cfg.timeout_s + 10
+        ok, message = False, "no bucket plan on the board"
+        try:
+            plan = await self._board("plan", pid)
+            if plan:
+                ok, message = await w.client.begin_weight_update(timeout_s=t)
+                if not ok:  # a session left open by an earlier failed push
+                    await w.client.end_weight_update(timeout_s=t)
+                    ok, message = await w.client.begin_weight_update(timeout_s=t)
+                for k, bucket in enumerate(plan if ok else []):
+                    w._mark_paused(self.cfg.timeout_s + 30)
+                    last = k == len(plan) - 1
+                    await self._renew()
+                    ok, message = await w.client.update_weights_from_distributed(
+                        bucket["names"], bucket["dtypes"], bucket["shapes"], self.group_name,
+                        load_format=push.get("load_format"), flush_cache=last,
+                        weight_version=version if last else None, timeout_s=t)
+                    if not ok:
+                        message = f"bucket {k + 1}/{len(plan)}: {message}"
+                        break
+                ended, end_message = await w.client.end_weight_update(timeout_s=t)
+                if ok and not ended:
+                    ok, message = False, f"end_weight_update: {end_message}"
+        except Exception as e:  # noqa: BLE001 - engine or Redis: the weights are not known to be whole
+            ok, message = False, f"{type(e).__name__}: {e}"
+        if ok:
+            w.engine_version = version
+            w.stats.weight_updates += 1
+            w.stats.pushes_received += 1
+            log.info("%s: engine now at policy v%d (network push)", w.worker_id, version)
+            try:
+                await self._board("ack", pid, w.worker_id, "done", version=version)
+                await self._renew(force=True)  # the new version and epoch, before the next prepare
+            except Exception as e:  # noqa: BLE001 - the engine has v<version>; the trainer counts it missing
+                log.warning("%s: could not ack the push of v%d: %s", w.worker_id, version, e)
+            return "updated"
+        w.stats.pushes_failed += 1
+        log.warning("%s: push of v%d failed (%s); reloading from the store before serving", w.worker_id, version,
+                    message)
+        try:
+            await self._board("ack", pid, w.worker_id, "failed", message=message[:500])
+        except Exception:  # noqa: BLE001 - the trainer times out on it instead
+            pass
+        if self.group_name is not None:
+            try:
+                await w.client.destroy_weights_update_group(self.group_name, timeout_s=self.cfg.timeout_s)
+            except EngineError:
+                pass
+        self.epoch = self.group_name = None
+        return "dirty"
+
+    async def restore(self) -> bool:
+        """Reload the newest stored version into the (paused) engine; True once it serves it."""
+        w = self.w
+        try:
+            current = await w._buf("current_policy")
+            if current is None:
+                return False
+            version = int(current[0])
+            path = await asyncio.to_thread(w._download, version)
+            w._mark_paused(w.r.weight_update_timeout_s + 60)
+            ok, message = await w.client.update_weights_from_disk(str(path), version,
+                                                                  timeout_s=w.r.weight_update_timeout_s)
+        except Exception as e:  # noqa: BLE001 - store, Redis or engine: retried while paused
+            ok, message = False, repr(e)
+        if not ok:
+            log.warning("%s: reload from the store failed (%s); the engine stays paused", w.worker_id, message)
+            return False
+        w.engine_version = version
+        self.dirty = False
+        log.info("%s: engine reloaded policy v%d from the store after a failed push", w.worker_id, version)
+        return True

@@ -1,0 +1,303 @@
+"""The weight-update group routes against SGLang 0.5.23's own definitions (tests/sglang_oracle.py):
+
+- the routes the client calls are SGLang's (path, method, io_struct body type) and the built-in
+  engine serves each of them;
+- every body the client sends uses only fields of that io_struct type, with its required ones
+  and their types; every answer has the fields of the matching ``*ReqOutput``;
+- the built-in engine's refusals are SGLang's own messages (update outside a session, a second
+  session, ending none, destroying an unknown group, a flush refused by an in_place pause);
+- a real gloo group between our trainer side (app/weight_group.py) and SGLang's own
+  ``init_custom_process_group`` and bucket receive, compiled from the wheel, carries a
+  flattened bucket exactly;
+- the bucket helpers (plan, pack, unpack) hold their bounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.buffer.redis_server import free_port
+from app.rollout.engine_client import EngineClient
+from app.rollout.engine_server import Engine, create_app, load_checkpoint
+from app.rollout.engine_weight_sync import NO_GROUP, NO_OPEN_SESSION, NO_SESSION, NOT_FLUSHED, SESSION_OPEN
+from app.weight_group import dtype_name, open_group, pack_bucket, plan_buckets, unpack_bucket
+from helpers import Recorder, tiny_moe_checkpoint
+from sglang_oracle import function_strings, http_routes, io_struct_fields, io_struct_required, wheel_function, wheel_module
+
+ROUTES = {  # what the client calls -> SGLang's request type of that route
+    "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
+    "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+}
+SCHEDULER = "srt/managers/scheduler_components/weight_updater.py"
+RUNNER = "srt/model_executor/model_runner_components/weight_updater.py"
+TYPES = {"str": str, "int": int, "bool": bool, "List[str]": list, "List[List[int]]": list}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_moe_checkpoint(tmp_path_factory.mktemp("wsproto") / "m", seed=0, max_position_embeddings=64)
+
+
+def hf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path / "model.safetensors")
+
+
+def exchange(ckpt: Path):
+    """The client against an in-process built-in engine and our trainer side in a thread: a
+    full push in two updates (a flattened bucket, then per tensor), plus the refusals."""
+    engine = Engine(load_checkpoint(ckpt), weight_version="0", max_batch=8, weight_sync_timeout_s=20)
+    recorder = Recorder(create_app(engine, health_timeout_s=0.5))
+    sent = {k: v + 1.0 for k, v in sorted(hf_tensors(ckpt).items())}  # new weights: the old ones + 1
+    names = list(sent)
+    first, second = names[: len(names) // 2], names[len(names) // 2:]
+    port, name = free_port(), "moerl-test-e1"
+    results: dict = {}
+
+    def trainer_side() -> None:
+        group = open_group("gloo", "127.0.0.1", port, 2, 0, name, timeout_s=20)
+        group.broadcast(pack_bucket([sent[n] for n in first]))
+        for n in second:  # load_format null: one broadcast per tensor, in the names' order
+            group.broadcast(sent[n].contiguous())
+        group.close()
+
+    async def go():
+        await engine.start()
+        try:
+            async with EngineClient("http://engine", transport=recorder, retries=0, timeout_s=30) as c:
+                results["outside"] = await c.update_weights_from_distributed(
+                    first, ["float32"] * len(first), [list(sent[n].shape) for n in first], name)
+                results["end_none"] = await c.end_weight_update()
+                results["destroy_unknown"] = await c.destroy_weights_update_group("no-such-group")
+                thread = threading.Thread(target=trainer_side)
+                thread.start()
+                results["init"] = await c.init_weights_update_group("127.0.0.1", port, 1, 2, name, "gloo")
+                results["begin"] = await c.begin_weight_update()
+                results["begin_again"] = await c.begin_weight_update()
+                results["bucket"] = await c.update_weights_from_distributed(
+                    first, [dtype_name(sent[n].dtype) for n in first], [list(sent[n].shape) for n in first], name,
+                    load_format="flattened_bucket")
+                results["version_after_bucket"] = await c.weight_version()
+                results["per_tensor"] = await c.update_weights_from_distributed(
+                    second, [dtype_name(sent[n].dtype) for n in second], [list(sent[n].shape) for n in second],
+                    name, flush_cache=True, weight_version=7)
+                results["end"] = await c.end_weight_update()
+                results["destroy"] = await c.destroy_weights_update_group(name)
+                await asyncio.to_thread(thread.join, 30)
+                results["version"] = await c.weight_version()
+        finally:
+            await engine.stop()
+        return recorder.calls
+
+    calls = asyncio.run(go())
+    return calls, results, engine, sent
+
+
+@pytest.fixture(scope="module")
+def pushed(ckpt):
+    return exchange(ckpt)
+
+
+def test_the_routes_are_sglangs_and_the_built_in_engine_serves_them(ckpt):
+    routes = http_routes()
+    engine = Engine(load_checkpoint(ckpt))
+    ours = {(r.path, m) for r in create_app(engine).routes if hasattr(r, "methods") for m in r.methods}
+    for path, body in ROUTES.items():
+        assert routes[path] == {"methods": ["POST"], "body": body}, path
+        assert (path, "POST") in ours, path
+
+
+def test_bodies_use_sglang_io_struct_fields(pushed):
+    calls = pushed[0]
+    seen = set()
+    for path, body, _, _ in calls:
+        if path not in ROUTES:
+            continue
+        seen.add(path)
+        fields = io_struct_fields(ROUTES[path])
+        assert set(body) <= set(fields), (path, set(body) - set(fields))
+        assert io_struct_required(ROUTES[path]) <= set(body), path
+        for key, value in body.items():
+            ann = fields[key]
+            if ann in TYPES:
+                assert isinstance(value, TYPES[ann]) and not (TYPES[ann] is int and isinstance(value, bool)), (key, value)
+            if ann == "Optional[str]":
+                assert value is None or isinstance(value, str), (key, value)
+    assert seen == set(ROUTES)
+    updates = [b for p, b, _, _ in calls if p == "/update_weights_from_distributed"]
+    assert {b.get("load_format") for b in updates} == {None, "flattened_bucket"}
+    # SGLang's receiver resolves each dtype with getattr(torch, name)
+    assert all(isinstance(getattr(torch, d), torch.dtype) for b in updates for d in b["dtypes"])
+    assert [b.get("weight_version") for b in updates][-1] == "7"
+
+
+def test_answers_have_sglang_output_fields(pushed):
+    calls = pushed[0]
+    for path, _, status, got in calls:
+        if path in ROUTES:
+            out = ROUTES[path].replace("ReqInput", "ReqOutput")
+            assert set(got) == set(io_struct_fields(out)) - set(io_struct_fields("BaseReq")), path
+            assert status == (200 if got["success"] else 400), (path, status, got)
+
+
+def test_refusals_are_sglangs_messages(pushed):
+    results = pushed[1]
+    assert results["outside"] == (False, NO_SESSION)
+    assert NO_SESSION in function_strings(SCHEDULER, "SchedulerWeightUpdaterManager.update_weights_from_distributed")
+    assert results["begin_again"] == (False, SESSION_OPEN)
+    assert SESSION_OPEN in function_strings(SCHEDULER, "SchedulerWeightUpdaterManager.begin_weight_update")
+    assert results["end_none"] == (False, NO_OPEN_SESSION)
+    assert NO_OPEN_SESSION in function_strings(SCHEDULER, "SchedulerWeightUpdaterManager.end_weight_update")
+    assert results["destroy_unknown"] == (False, NO_GROUP)
+    assert NO_GROUP in function_strings(RUNNER, "WeightUpdater.destroy_weights_update_group")
+    assert NOT_FLUSHED in function_strings(SCHEDULER, "SchedulerWeightUpdaterManager.flush_cache_after_weight_update")
+
+
+def test_a_push_loads_every_tensor_and_the_version_only_at_the_end(pushed):
+    _, results, engine, sent = pushed
+    for key in ("init", "begin", "bucket", "per_tensor", "end", "destroy"):
+        assert results[key][0], (key, results[key])
+    assert results["version_after_bucket"] == 0  # no weight_version on the first update
+    assert results["version"] == 7
+    from app.rollout.engine_weight_sync import hf_slots
+
+    slots = hf_slots(engine.loaded.model)
+    for name, value in sent.items():
+        target, index, _ = slots[name]
+        torch.testing.assert_close(target[index], value, rtol=0, atol=0, msg=name)
+
+
+def test_flush_refused_under_an_in_place_pause_fails_the_update_and_keeps_the_version(ckpt):
+    """SGLang flushes after the load; rows held by an in_place pause make the flush, and so the
+    call, fail, and the version is not taken (the worker waits for its own requests first)."""
+    engine = Engine(load_checkpoint(ckpt), weight_version="0", max_batch=8, weight_sync_timeout_s=20)
+    sent = hf_tensors(ckpt)
+    names = list(sent)[:3]
+    port, name = free_port(), "moerl-test-flush"
+
+    def trainer_side() -> None:
+        group = open_group("gloo", "127.0.0.1", port, 2, 0, name, timeout_s=20)
+        group.broadcast(pack_bucket([sent[n] for n in names]))
+        group.close()
+
+    async def go():
+        from app.rollout.sampler import SamplingParams
+
+        await engine.start()
+        try:
+            running = asyncio.ensure_future(engine.submit([[1, 5, 6]], [SamplingParams(max_new_tokens=40, ignore_eos=True)]))
+            while engine.live_rows == 0:
+                await asyncio.sleep(0.005)
+            await engine.pause("in_place")
+            thread = threading.Thread(target=trainer_side)
+            thread.start()
+            assert (await asyncio.to_thread(engine.weight_groups.init_group, "127.0.0.1", port, 1, 2, name, "gloo"))[0]
+            engine.weight_groups.begin()
+            got = await engine.update_weights_from_distributed(
+                names, ["float32"] * 3, [list(sent[n].shape) for n in names], name, "flattened_bucket", "5", True)
+            await asyncio.to_thread(thread.join, 30)
+            engine.resume()
+            (completion, _), = await running
+            return got, engine.weight_version, len(completion.token_ids)
+        finally:
+            await engine.stop()
+
+    got, version, generated = asyncio.run(go())
+    assert got == (False, NOT_FLUSHED)
+    assert version == "0" and generated == 40
+
+
+def test_our_trainer_side_talks_to_sglangs_own_group_and_bucket_code():
+    """SGLang's init_custom_process_group and _receive_bucketed_weights_from_distributed, compiled
+    from the wheel, receive a flattened bucket from app.weight_group over a real gloo group."""
+    import torch.distributed as dist
+
+    release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:3])  # what packaging's .release gives
+    common = {"torch": torch, "torch_release": release}
+    init_custom_process_group = wheel_function("srt/utils/common.py", "init_custom_process_group", common)
+    bucket = wheel_module("srt/weight_sync/tensor_bucket.py")
+    receive = wheel_function(RUNNER, "WeightUpdater._receive_bucketed_weights_from_distributed",
+                             {"torch": torch, "FlattenedTensorBucket": bucket.FlattenedTensorBucket})
+    sent = [("a.weight", torch.randn(3, 5)), ("b.weight", torch.randn(8).to(torch.bfloat16)),
+            ("c.weight", torch.arange(6, dtype=torch.float32).view(2, 3))]
+    port, name = free_port(), f"moerl-sglang-interop-{free_port()}"
+    got: dict = {}
+
+    def engine_side() -> None:
+        pg = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=1,
+                                       group_name=name, timeout=timedelta(seconds=20))
+        me = type("Runner", (), {"_model_update_group": {name: pg}, "device": "cpu"})()
+        got["tensors"] = receive(me, names=[n for n, _ in sent], dtypes=[dtype_name(t.dtype) for _, t in sent],
+                                 shapes=[list(t.shape) for _, t in sent], group_name=name)
+        dist.destroy_process_group(pg)
+
+    thread = threading.Thread(target=engine_side)
+    thread.start()
+    group = open_group("gloo", "127.0.0.1", port, 2, 0, name, timeout_s=20)
+    group.broadcast(pack_bucket([t for _, t in sent]))
+    thread.join(30)
+    group.close()
+    assert [n for n, _ in got["tensors"]] == [n for n, _ in sent]
+    for (_, want), (_, have) in zip(sent, got["tensors"]):
+        assert have.dtype == want.dtype and torch.equal(have, want)
+
+
+def test_buckets_hold_their_bound_and_round_trip():
+    sizes = [100, 300, 50, 700, 20, 20]
+    buckets = plan_buckets(sizes, limit=400)
+    assert [i for b in buckets for i in b] == list(range(len(sizes)))  # every tensor once, in order
+    for b in buckets:
+        assert sum(sizes[i] for i in b) <= 400 or len(b) == 1  # only a lone tensor may exceed the bound
+    assert buckets == [[0, 1], [2], [3], [4, 5]]
+    with pytest.raises(ValueError, match="bucket limit"):
+        plan_buckets(sizes, 0)
+    tensors = [torch.randn(2, 3), torch.randn(5).to(torch.bfloat16), torch.arange(4, dtype=torch.int64)]
+    flat = pack_bucket(tensors[:2])
+    assert flat.dtype == torch.uint8 and flat.numel() == 24 + 10
+    with pytest.raises(ValueError, match="unaligned"):  # bf16 ends at byte 34: an int64 cannot follow
+        pack_bucket(tensors)
+    with pytest.raises(ValueError, match="unaligned"):  # SGLang's receiver refuses it too
+        unpack_bucket(torch.empty(66, dtype=torch.uint8), [[2, 3], [5], [4]],
+                      [torch.float32, torch.bfloat16, torch.int64])
+    back = unpack_bucket(pack_bucket(tensors[:2]), [[2, 3], [5]], [torch.float32, torch.bfloat16])
+    assert all(torch.equal(a, b) for a, b in zip(back, tensors[:2]))
+    with pytest.raises(ValueError, match="bytes"):
+        unpack_bucket(pack_bucket(tensors[:2]), [[2, 3]], [torch.float32])
+
+
+def test_registrations_expire_in_redis_and_events_wake_a_reader(redis_server):
+    """The board's registrations expire by Redis' clock (no host clock compared); a push
+    change is an event a blocked reader wakes on."""
+    import time
+
+    import redis
+
+    from app.buffer.weight_sync import Registration, SyncBoard
+
+    board = SyncBoard(redis.Redis.from_url(redis_server, decode_responses=True), "moerl", "t")
+    board.register(Registration("w0", 8, 3, None), ttl_s=0.3)
+    board.register(Registration("w1", 1, None, 2), ttl_s=30)
+    assert board.engines() == {"w0": Registration("w0", 8, 3, None), "w1": Registration("w1", 1, None, 2)}
+    time.sleep(0.5)
+    assert set(board.engines()) == {"w1"}
+    assert board.r.smembers(board.k + "engine-ids") == {"w1"}  # the expired one is dropped from the set
+    board.unregister("w1")
+    assert board.engines() == {}
+    last = board.wait("events", None, 0.01)  # nothing yet: returns at once with the stream's position
+    t0 = time.monotonic()
+    assert board.wait("events", last, 0.2) == last and time.monotonic() - t0 >= 0.15  # timed out
+    board.set_push({"id": "p1", "version": 4, "state": "prepare"})
+    assert board.wait("events", last, 5.0) != last  # woken by the change
+    assert board.push()["state"] == "prepare"
+    board.ack("p1", "w0", "ready", ranks=8)
+    assert board.acks("p1")["w0"]["ranks"] == 8
