@@ -49,7 +49,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # shellcheck source=scripts/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-STEPS="${STEPS:-moe train-step engine}"  # also: real (issue 13: train-step at real widths)
+STEPS="${STEPS:-moe train-step engine}"  # also: real-qwen3 real-dsv3 real-moe (issue 13, real widths), weight-sync
 
 # step CAP_S LABEL ARGS...: run `python3 -m app.cli bench ARGS...` under a timeout (if in STEPS).
 step() {
@@ -85,15 +85,15 @@ QWEN3=(--family qwen3 --hidden 2048 --intermediate 768 --experts 128 --topk 8)
 # (1 dense + 1 MoE), 32 routed experts = what one GPU holds at EP 8 (all 256 do not fit one H200).
 ROLL=(--groups 1 --group-size 8 --prompt-len 512 --completion-len 7680 --micro-batch-tokens 16384 --iters 3 --warmup 1)
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True   # less allocator slack (moerl plan's FRAGMENTATION)
-step 120 "real qwen3-30b-a3b AC none" train-step --model qwen3-30b-a3b --layers 4 "${ROLL[@]}" "${GPU[@]}"
-step 120 "real qwen3-30b-a3b AC full" train-step --model qwen3-30b-a3b --layers 4 --activation-checkpointing full \
+step 120 "real-qwen3 qwen3-30b-a3b AC none" train-step --model qwen3-30b-a3b --layers 4 "${ROLL[@]}" "${GPU[@]}"
+step 120 "real-qwen3 qwen3-30b-a3b AC full" train-step --model qwen3-30b-a3b --layers 4 --activation-checkpointing full \
     "${ROLL[@]}" "${GPU[@]}"
-step 150 "real deepseek-v3 AC full" train-step --model deepseek-v3 --layers 2 --experts 32 --activation-checkpointing full \
+step 150 "real-dsv3 deepseek-v3 AC full" train-step --model deepseek-v3 --layers 2 --experts 32 --activation-checkpointing full \
     "${ROLL[@]}" "${GPU[@]}"
-step 150 "real deepseek-v3 AC selective" train-step --model deepseek-v3 --layers 2 --experts 32 \
+step 150 "real-dsv3 deepseek-v3 AC selective" train-step --model deepseek-v3 --layers 2 --experts 32 \
     --activation-checkpointing selective "${ROLL[@]}" "${GPU[@]}"
-step 60 "real moe deepseek-v3 accuracy" "${MOE[@]}" "${DSV3[@]}" --experts 32 --tokens 4096
-step 60 "real moe qwen3-30b-a3b accuracy" "${MOE[@]}" "${QWEN3[@]}" --tokens 4096
+step 60 "real-moe deepseek-v3 accuracy" "${MOE[@]}" "${DSV3[@]}" --experts 32 --tokens 4096
+step 60 "real-moe qwen3-30b-a3b accuracy" "${MOE[@]}" "${QWEN3[@]}" --tokens 4096
 unset PYTORCH_CUDA_ALLOC_CONF
 
 # The 4096-token MoE shapes first, then the two other benchmarks, then the 16384-token shapes:
