@@ -399,6 +399,7 @@ def _workloads(tmp_path: Path, text: str, run: str | None = None) -> Path:
     ("rollout: {replicas: 5}", None, "rollout.replicas=5 exceeds pools.rollout-gpu.max_size=2"),
     ("env: {replicas: 100, cpu: 4}", None, "env.replicas=100 exceeds the env-cpu pool's capacity"),
     ("trainer: {nodes: 1}", "trainer: {parallel: {ep: 3}}", "trainer.parallel.ep=3 must divide trainer.parallel.dp_shard=8"),
+    ("", "weight_sync: {mode: network}", "weight_sync.mode='network'"),
     ("images: {rollout: '1.dkr.ecr.us-east-2.amazonaws.com/moerl/rollout'}", None, "images.rollout: image"),
     ("images: {env: 'registry:5000/moerl/env'}", None, "has no tag"),
     ("images: {trainer: 'moerl/trainer:latest'}", None, "mutable tag 'latest'"),
