@@ -215,15 +215,15 @@ def upload_run_metrics(run_dir: str | Path, store: ObjectStore | str, run_id: st
 
 
 def export_forever(run_dir: str | Path, run_id: str, port: int, store_url: str | None = None,
-                   upload_every_s: float = 60.0, stop: threading.Event | None = None) -> None:
-    """Serve the trainer's figures from `run_dir`/metrics.jsonl on `port` and, with `store_url`,
+                   upload_every_s: float = 60.0, stop: threading.Event | None = None, addr: str = "0.0.0.0") -> None:
+    """Serve the trainer's figures from `run_dir`/metrics.jsonl on `addr`:`port` and, with `store_url`,
     copy the run's metrics to the store every `upload_every_s` seconds and once more at stop.
 
     Blocks until `stop` is set (None: forever). For a sidecar or a thread next to rank 0.
     """
     stop = stop or threading.Event()
     metrics = RunMetrics(run_id)
-    server = serve(metrics, port)
+    server = serve(metrics, port, addr)
     follow(Path(run_dir) / "metrics.jsonl", metrics, stop)
     try:
         while not stop.wait(upload_every_s if store_url else 3600):

@@ -89,15 +89,19 @@ def engine_command(engine: str, model_path: str | None, port: int, tp_size: int,
     return sglang_command(EngineLayout(profile, gpus_per_node=tp_size), model_path, port=port)
 
 
-def worker_command(config: str, worker_id: str, pause_marker: str | None = None, python: str = "") -> list[str]:
+def worker_command(config: str, worker_id: str, pause_marker: str | None = None, python: str = "",
+                   metrics_port: int = 0) -> list[str]:
     """The moerl rollout worker (leases prompt groups, calls the engine on loopback, publishes).
 
     worker_id: unique per worker (its task-lease consumer name), e.g. the pod name.
     pause_marker: the file the engine's probes read while the worker holds it paused
         (`app.rollout.probe`); None: no marker.
+    metrics_port: the worker's Prometheus endpoint (`moerl rollout --metrics-port`); 0: none.
     """
     cmd = [*moerl_cmd(python), "rollout", "--config", config, "--worker-id", worker_id]
-    return cmd + (["--pause-marker", pause_marker] if pause_marker else [])
+    if pause_marker:
+        cmd += ["--pause-marker", pause_marker]
+    return cmd + (["--metrics-port", str(metrics_port)] if metrics_port else [])
 
 
 def trainer_resource(gpus: int, efa: int, hugepages_mib: int, cpu: int, mem_mb: int) -> specs.Resource:

@@ -34,11 +34,13 @@ import cdk8s
 from constructs import Construct
 
 from app.buffer.experience import PASSWORD_ENV
+from app.metrics import METRICS_PORT
 from app.rollout.engine_args import EngineLayout, sglang_command
 from app.torchx_component import CLUSTER_CONFIG, EFA_ENV, EFA_RESOURCE, HUGEPAGES_RESOURCE, NVSHMEM_EFA_ENV, worker_command
 from charts8s.cluster import run_config_volume
 from charts8s.kube import api_object, k8s_module
 from charts8s.lws import leader_worker_set
+from charts8s.monitoring import metrics_port
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 from charts8s.workloads import CACHE_GI, TMP_GI, Plan
 
@@ -150,7 +152,8 @@ def worker_container(plan: Plan) -> dict:
     return {
         "name": "worker", "image": plan.images["rollout"], "imagePullPolicy": "IfNotPresent",
         # The pod name is the worker id (its task-lease consumer name); the kubelet expands $(POD_NAME).
-        "command": worker_command(CLUSTER_CONFIG, "$(POD_NAME)", PAUSE_MARKER),
+        "command": worker_command(CLUSTER_CONFIG, "$(POD_NAME)", PAUSE_MARKER, metrics_port=METRICS_PORT),
+        "ports": [metrics_port()],  # scraped by the moerl-rollout PodMonitor (charts8s/monitoring.py)
         "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}, secret_env],
         "resources": {"requests": res, "limits": res},
         "securityContext": container_security(),

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 import httpx
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.buffer.records import Group, Sample, Task
 from app.buffer.redis_server import free_port
@@ -223,3 +225,14 @@ class Recorder(httpx.AsyncBaseTransport):
             got = body.decode()
         self.calls.append((request.url.path, sent, response.status_code, got))
         return httpx.Response(response.status_code, headers=response.headers, content=body, request=request)
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """GET http://127.0.0.1:port/metrics and parse it with prometheus_client's own text parser:
+    (sample name, sorted label items) -> value."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(body):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out

@@ -261,3 +261,26 @@ def test_the_default_rollout_engine_command_parses_with_sglang_arguments(env):
     ns = parse_launch_server(cmd)
     assert ns.tp_size == plan.gpus_per_rollout and ns.moe_a2a_backend == "none" and ns.nnodes == 1
     assert ns.model_path == (plan.wl.rollout.model_path or plan.run.model.path) and ns.port == plan.wl.rollout.engine_port
+
+
+def test_the_worker_serves_the_port_its_podmonitor_scrapes(example):
+    """The leader's worker container runs `moerl rollout --metrics-port` on the named port the
+    moerl-rollout PodMonitor (charts8s/monitoring.py) scrapes, in a pod its selector matches."""
+    from app.metrics import METRICS_PORT
+    from charts8s.monitoring import SCRAPED, metrics_port
+    from charts8s.placement import labels
+
+    assert "moerl-rollout" in SCRAPED
+    # The run's engines (the bench pair's engines are driven by the bench Jobs, without a worker).
+    leaders = [pod for name, role, pod in engine_pods(example) if name == "moerl-rollout" and role == "leader"]
+    assert leaders
+    for pod in leaders:
+        (worker,) = [c for c in pod["containers"] if c["name"] == "worker"]
+        assert worker["ports"] == [metrics_port()]
+        cmd = worker["command"]
+        assert cmd[cmd.index("--metrics-port") + 1] == str(METRICS_PORT)
+    templates = [d["spec"]["template"] for d in example.kind("Deployment") if d["metadata"]["name"] == "moerl-rollout"]
+    templates += [d["spec"]["leaderWorkerTemplate"]["leaderTemplate"] for d in example.kind("LeaderWorkerSet")
+                  if d["metadata"]["name"] == "moerl-rollout"]
+    for t in templates:
+        assert labels("moerl-rollout").items() <= t["metadata"]["labels"].items()

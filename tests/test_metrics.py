@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.request
 
 import boto3
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from app.metrics import RunMetrics, follow, serve, upload_run_metrics
 from app.storage import open_store
+from helpers import scrape
 
 RECORDS = [
     {"time": 1000.0, "step": 1, "policy_version": 1, "reward_mean": 0.25, "staleness_mean": 0.5, "staleness_max": 1,
@@ -23,16 +22,6 @@ RECORDS = [
      "samples_total": 192, "publish_s": 0.0,
      "buffer": {"queued": 30, "leased": 16, "ready": 5, "requeued": 5, "released": 1, "issued": 140}},
 ]
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    """GET /metrics and parse it with prometheus_client's parser: (sample name, sorted labels) -> value."""
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for family in text_string_to_metric_families(body):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 @pytest.fixture

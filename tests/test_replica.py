@@ -72,9 +72,13 @@ def test_replica_ran_what_dist_holds(replica):
             "moerl-trainer-trainer-0-0"} <= pods
     assert "moerl-rollout-2" in pods  # the deleted rollout pod's replacement
     assert sum(p["name"] == "moerl-trainer-trainer-0-0" for p in s["pods"]) == 2  # the gang, restarted
+    # /metrics listens on its pod's address (the pods share the host's): trainer rank 0, each worker
+    metrics_at = "network: --metrics-addr {} (its pod's address)".format
     assert set(s["substitutions"]) == {
         "engine: engine: SGLang -> moerl engine (dropped --tp-size)",
-        "trainer-0: GPUs: 8 per pod -> torchrun --nproc-per-node 2",
+        *(f"trainer-0: {metrics_at(p['ip'])}; GPUs: 8 per pod -> torchrun --nproc-per-node 2"
+          for p in s["pods"] if p["name"] == "moerl-trainer-trainer-0-0"),
+        *(f"worker: {metrics_at(p['ip'])}" for p in s["pods"] if p["name"].startswith("moerl-rollout-")),
         f"redis: network: redis-server --bind {next(p['ip'] for p in s['pods'] if p['name'] == 'moerl-buffer-0')} (its pod's address)",
     }
     templates = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
@@ -89,7 +93,8 @@ def test_replica_ran_what_dist_holds(replica):
     first = (Path(rollout0["dir"]) / "logs" / "worker.log").read_text().splitlines()[0]
     # the manifest's own command, its mount paths mapped into the pod's directory
     assert first.endswith(f"moerl rollout --config {rollout0['dir']}/volumes/run-config/run.yaml --worker-id moerl-rollout-0"
-                          f" --pause-marker {rollout0['dir']}/volumes/state/engine-paused")
+                          f" --pause-marker {rollout0['dir']}/volumes/state/engine-paused --metrics-port 9464"
+                          f" --metrics-addr {rollout0['ip']}")
     assert worker["command"][:2] == ["moerl", "rollout"]
     # S3 only through Pod Identity credentials, for the two associated service accounts
     assert set(s["pod_identity_calls"]) == {"moerl-trainer", "moerl-rollout"}

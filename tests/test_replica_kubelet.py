@@ -59,6 +59,15 @@ def test_substitutions_engine_gpus_and_listen_address():
     assert s.argv(["redis-server", "--port", "6379"], {}, "127.10.0.2")[0][-2:] == ["--bind", "127.10.0.2"]
     with pytest.raises(PodError, match="--model-path"):
         s.argv(["python3", "-m", "sglang.launch_server", "--port", "1"], {}, "ip")
+    # /metrics on the pod's own address: a word of its own, or inside torchrun's bash -c line
+    argv, note = s.argv(["moerl", "rollout", "--metrics-port", "9464", "--worker-id", "w"], {}, "127.10.0.4")
+    assert argv == ["moerl", "rollout", "--metrics-port", "9464", "--metrics-addr", "127.10.0.4", "--worker-id", "w"]
+    assert note == "network: --metrics-addr 127.10.0.4 (its pod's address)"
+    argv, note = s.argv(["bash", "-c", "torchrun --nproc-per-node=8 -m app.cli train --metrics-port 9464"], gpu, "127.10.0.5")
+    assert argv[2] == "torchrun --nproc-per-node=2 -m app.cli train --metrics-port 9464 --metrics-addr 127.10.0.5"
+    assert note.startswith("network: --metrics-addr 127.10.0.5") and "8 per pod" in note
+    kept = ["moerl", "rollout", "--metrics-port", "9464", "--metrics-addr", "0.0.0.0"]
+    assert s.argv(kept, {}, "127.10.0.4") == (kept, None)
 
 
 def _pod(name: str, containers: list[dict], **spec) -> dict:

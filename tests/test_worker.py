@@ -29,7 +29,7 @@ from app.config import RunConfig
 from app.envs.tokenizer import BOS_ID
 from app.rollout.engine_client import EngineClient, EngineError, wait_until_healthy
 from app.rollout.worker import RolloutWorker, score_with_timeout
-from helpers import engine_argv, tiny_moe_checkpoint
+from helpers import engine_argv, scrape, tiny_moe_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 G = 4
@@ -264,6 +264,56 @@ def test_new_policy_version_is_loaded_and_stamped(tmp_path, redis_server, engine
     groups, _ = drain_buffer(buf)
     assert len(groups) == 2
     assert all(s.policy_version == 1 for gs in groups.values() for g in gs for s in g.samples)
+
+
+def test_worker_serves_its_counters_and_weight_update_seconds(tmp_path, monkeypatch, redis_server, engine, ckpts):
+    """`run_worker(metrics_port=...)`: /metrics (read with prometheus_client's parser) carries the
+    worker's published groups and one weight-update duration; SIGTERM drains and closes the port."""
+    from app.rollout.worker import run_worker
+    from app.storage import open_store, publish_policy
+
+    (tmp_path / "stub_rewards.py").write_text(STUB_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = make_config(tmp_path, redis_server, engine, reward_fn="stub_rewards:score")
+    buf = ExperienceBuffer.from_config(cfg)
+    buf.announce_policy(1, publish_policy(open_store(cfg.store_url), cfg.run_id, 1, ckpts[1]))
+    buf.put_tasks(make_tasks(200))
+    port = free_port()
+    run = (("run_id", cfg.run_id),)
+    published = ("moerl_rollout_events_total", (("event", "groups_published"), *run))
+
+    def scrape_or_none():
+        try:
+            return scrape(port)
+        except OSError:
+            return None  # not listening yet
+
+    async def go():
+        runner = asyncio.create_task(run_worker(cfg, engine, "w-metrics", metrics_port=port, metrics_every_s=0.1))
+        deadline = time.monotonic() + 120
+        while True:
+            assert not runner.done(), runner.result()
+            assert time.monotonic() < deadline, "no groups on /metrics"
+            m = await asyncio.to_thread(scrape_or_none)
+            if m and m.get(published, 0) >= 2:
+                break
+            await asyncio.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)  # the worker's own handler: drain, then return
+        return m, await asyncio.wait_for(runner, 60)
+
+    try:
+        m, stats = asyncio.run(go())
+    finally:
+        async def back_to_a():
+            async with EngineClient(engine) as client:
+                await client.update_weights_from_disk(str(ckpts[0]), 0)
+        asyncio.run(back_to_a())
+    assert 2 <= m[published] <= stats.groups_published
+    assert m[("moerl_rollout_events_total", (("event", "weight_updates"), *run))] == stats.weight_updates == 1
+    assert m[("moerl_rollout_weight_update_seconds_count", run)] == 1
+    assert m[("moerl_rollout_weight_update_seconds_sum", run)] > 0
+    with pytest.raises(OSError):
+        scrape(port)  # the endpoint went away with the worker
 
 
 def test_task_the_engine_refuses_is_consumed_not_recycled(tmp_path, redis_server, engine):

@@ -74,9 +74,30 @@ class Substitutions:
         """redis-cli's default host is the pod's own loopback: point it at the pod's address."""
         return [re.sub(r"\bredis-cli\b(?! -h)", f"redis-cli -h {pod_ip}", a) for a in cmd]
 
+    @staticmethod
+    def metrics_addr(argv: list[str], pod_ip: str) -> tuple[list[str], str | None]:
+        """moerl's /metrics (``--metrics-port``) listens on every address of its pod; here the pods
+        share the host's addresses, so it gets ``--metrics-addr <pod address>``, as a word of
+        its own or inside a ``bash -c`` line (torchrun's trainer). Returns (argv, note or None)."""
+        if any("--metrics-addr" in a for a in argv):
+            return argv, None
+        if "--metrics-port" in argv[:-1]:
+            i = argv.index("--metrics-port") + 2
+            out = [*argv[:i], "--metrics-addr", pod_ip, *argv[i:]]
+        else:
+            out = [re.sub(r"(--metrics-port[ =]\d+)", rf"\1 --metrics-addr {pod_ip}", a) for a in argv]
+        if out == argv:
+            return argv, None
+        return out, f"network: --metrics-addr {pod_ip} (its pod's address)"
+
     def argv(self, argv: list[str], container: dict, pod_ip: str) -> tuple[list[str], str | None]:
         """``argv`` with the engine, GPU and listen-address substitutions applied; returns
         (argv, note or None)."""
+        argv, metrics_note = self.metrics_addr(argv, pod_ip)
+        argv, note = self._substituted(argv, container, pod_ip)
+        return argv, "; ".join(n for n in (metrics_note, note) if n) or None
+
+    def _substituted(self, argv: list[str], container: dict, pod_ip: str) -> tuple[list[str], str | None]:
         if Path(argv[0]).name == "redis-server" and "--bind" not in argv:
             # It listens on every address of its pod; here the pods share the host's addresses.
             return [*argv, "--bind", pod_ip], f"network: redis-server --bind {pod_ip} (its pod's address)"

@@ -231,12 +231,14 @@ class RolloutWorker:
         pause_marker: a file this worker keeps, while it holds the engine paused for a weight
             update, holding the time (epoch seconds) by which it will have continued it; the
             engine's probes (`app.rollout.probe`) read it, so a long load never fails them.
+        metrics: an ``app.metrics.RunMetrics`` that gets the duration (s) of every disk weight
+            update that succeeded; None: none recorded.
     """
 
     def __init__(
         self, cfg: RunConfig, buffer: Any, client: EngineClient, worker_id: str, *,
         score_fn: ScoreFn | None = None, store: Any = None, max_groups: int | None = None,
-        pause_marker: str | os.PathLike | None = None,
+        pause_marker: str | os.PathLike | None = None, metrics: Any = None,
     ):
         self.cfg = cfg
         self.r = cfg.rollout
@@ -247,6 +249,7 @@ class RolloutWorker:
         self.store = store
         self.max_groups = max_groups
         self.stats = WorkerStats()
+        self.metrics = metrics
         self.fatal: Exception | None = None  # set when the worker stopped on an EngineMisconfigured
         self.engine_version: int | None = None
         self.cache_dir = Path(cfg.rollout.policy_cache_dir).resolve() / worker_id
@@ -424,6 +427,7 @@ class RolloutWorker:
             await self._idle.wait()
             self._mark_paused(timeout + 60.0)
             await self.client.pause_generation(self.r.pause_mode)
+            started = time.monotonic()
             try:
                 ok, message = await self.client.update_weights_from_disk(str(path), version, timeout_s=timeout)
             except EngineError as e:
@@ -438,6 +442,8 @@ class RolloutWorker:
         if ok:
             self.engine_version = version
             self.stats.weight_updates += 1
+            if self.metrics is not None:
+                self.metrics.observe_weight_update(time.monotonic() - started)
             log.info("%s: engine now at policy v%d", self.worker_id, version)
             return
         self.stats.weight_update_failures += 1
@@ -742,8 +748,13 @@ class RolloutWorker:
 
 
 async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_groups: int | None = None,
-                     pause_marker: str | None = None) -> WorkerStats:
+                     pause_marker: str | None = None, metrics_port: int = 0, metrics_addr: str = "0.0.0.0",
+                     metrics_every_s: float = 5.0) -> WorkerStats:
     """Connect to the buffer and the engine, run a `RolloutWorker` until SIGTERM/SIGINT, drain.
+
+    metrics_port: serve the worker's counters (WorkerStats, refreshed every `metrics_every_s`
+        seconds and once more at exit) and its weight-update durations on
+        ``http://<metrics_addr>:<port>/metrics`` (app.metrics); 0: no endpoint.
 
     Raises:
         ValueError: ``rollout.reward_fn`` cannot be imported, or ``store_url`` is invalid.
@@ -763,8 +774,21 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
         # One connection per in-flight group, plus the control calls (versions, health, updates).
         max_connections=cfg.rollout.inflight_tasks() + 8,
     )
+    metrics = server = reporter = None
+    if metrics_port:
+        from app.metrics import RunMetrics, serve
+
+        metrics = RunMetrics(cfg.run_id)
+        server = serve(metrics, metrics_port, metrics_addr)  # OSError (port taken) before any task is leased
     worker = RolloutWorker(cfg, buffer, client, worker_id, score_fn=score_fn, store=store, max_groups=max_groups,
-                           pause_marker=pause_marker)
+                           pause_marker=pause_marker, metrics=metrics)
+    if metrics is not None:
+        async def report() -> None:
+            while True:
+                metrics.observe_worker_stats(asdict(worker.stats))
+                await asyncio.sleep(metrics_every_s)
+
+        reporter = asyncio.create_task(report())
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.request_stop)
@@ -781,6 +805,10 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
             raise worker.fatal
         return stats
     finally:
+        if metrics is not None:
+            reporter.cancel()
+            metrics.observe_worker_stats(asdict(worker.stats))
+            server.shutdown()
         await client.aclose()
         close = getattr(buffer, "close", None)
         if callable(close):
@@ -798,6 +826,9 @@ def rollout(
     max_groups: int = typer.Option(None, "--max-groups", min=1, help="Exit after publishing this many groups."),
     pause_marker: str = typer.Option(None, "--pause-marker", help="File kept while the engine is paused for a "
                                      "weight update (read by its probes: `python -m app.rollout.probe`)."),
+    metrics_port: int = typer.Option(0, "--metrics-port", min=0, max=65535,
+                                     help="Serve Prometheus /metrics on this port (0: none)."),
+    metrics_addr: str = typer.Option("0.0.0.0", "--metrics-addr", help="Address /metrics listens on."),
 ) -> None:
     """Lease prompt groups, generate through the engine, score, publish; drain on SIGTERM."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -806,5 +837,6 @@ def rollout(
     except (FileNotFoundError, ValueError) as e:
         raise typer.BadParameter(str(e), param_hint="--config") from None
     url = engine_url or cfg.rollout.engine_url
-    stats = asyncio.run(run_worker(cfg, url, worker_id, max_groups=max_groups, pause_marker=pause_marker))
+    stats = asyncio.run(run_worker(cfg, url, worker_id, max_groups=max_groups, pause_marker=pause_marker,
+                                   metrics_port=metrics_port, metrics_addr=metrics_addr))
     print(json.dumps({"worker_id": worker_id, **asdict(stats)}), flush=True)

@@ -60,6 +60,7 @@ def train(
     metrics_port: int = typer.Option(0, "--metrics-port", min=0, max=65535,
                                      help="Rank 0 serves Prometheus /metrics here and copies metrics.jsonl "
                                           "and tensorboard/ to the run's store prefix each minute; 0: off."),
+    metrics_addr: str = typer.Option("0.0.0.0", "--metrics-addr", help="Address rank 0's /metrics listens on."),
 ) -> None:
     """Run one trainer rank. Start every rank with torchrun (world = trainer.parallel's
     dp_replicate x dp_shard; app/layout.py)."""
@@ -77,7 +78,7 @@ def train(
             from app.metrics import export_forever
 
             exporter = threading.Thread(target=export_forever, args=(run_dir, cfg.run_id, metrics_port, cfg.store_url),
-                                        kwargs={"stop": stop_export}, daemon=True, name="metrics")
+                                        kwargs={"stop": stop_export, "addr": metrics_addr}, daemon=True, name="metrics")
             exporter.start()
         state = run_training(cfg, run_dir, resume=resume)
         from app.model.dispatch.deepep import release_buffers
