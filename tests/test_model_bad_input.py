@@ -60,6 +60,16 @@ def _with(preset: str, **fields):
         ("tiny-qwen3-moe", {"n_group": 4}, 1, r"config\.n_group: 4 is not implemented by the qwen3_moe router"),
         ("tiny-qwen3-moe", {"topk_group": 2}, 1, r"config\.topk_group: 2"),
         ("tiny-qwen3-moe", {"routed_scaling_factor": 2.5}, 1, r"config\.routed_scaling_factor: 2\.5"),
+        # Sizes: zero or negative widths would build empty tensors or divide by zero later.
+        ("tiny-qwen3-moe", {"hidden_size": 0}, 1, r"config\.hidden_size: must be a positive integer, got 0"),
+        ("tiny-qwen3-moe", {"vocab_size": -3}, 1, r"config\.vocab_size: must be a positive integer, got -3"),
+        ("tiny-qwen3-moe", {"num_hidden_layers": 0}, 1, r"config\.num_hidden_layers: must be a positive"),
+        ("tiny-qwen3-moe", {"num_attention_heads": 0}, 1, r"config\.num_attention_heads: must be a positive"),
+        ("tiny-qwen3-moe", {"head_dim": 0}, 1, r"config\.head_dim: must be a positive"),
+        ("tiny-qwen3-moe", {"moe_intermediate_size": 0}, 1, r"config\.moe_intermediate_size: must be a positive"),
+        ("tiny-deepseek-v3", {"intermediate_size": -1}, 1, r"config\.intermediate_size: must be a positive"),
+        ("tiny-deepseek-v3", {"kv_lora_rank": 0}, 1, r"config\.kv_lora_rank: must be a positive"),
+        ("tiny-deepseek-v3", {"qk_rope_head_dim": 0}, 1, r"config\.qk_rope_head_dim: must be a positive"),
     ],
 )
 def test_validate_config_names_the_field(preset, fields, ep_size, message):
@@ -86,6 +96,18 @@ def test_router_setting_in_config_json_is_refused(tmp_path, preset, field, value
         ckpt.check_checkpoint(out)
     with pytest.raises(ValueError, match=rf"config\.{field}"):
         load_policy(out, RouterConfig(), LOCAL)
+
+
+def test_config_json_field_of_the_wrong_type_names_file_and_field(tmp_path):
+    """transformers 5 checks field types when it reads config.json (huggingface_hub's strict
+    dataclasses); that error is not a ValueError and must not escape as a traceback."""
+    from app.model.config import load_hf_config
+
+    config = tiny_config("tiny-qwen3-moe").to_dict()
+    config["num_hidden_layers"] = "two"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json: not a readable Hugging Face config: .*num_hidden_layers"):
+        load_hf_config(tmp_path)
 
 
 def test_unknown_preset_and_model_type():

@@ -494,6 +494,11 @@ def test_cli_does_not_fit_exits_1():
     ((), "--model"),
     (("--model", "qwen3-30b-a3b", "--traffic", "--step-s", "0"), "--step-s"),
     (("--model", "qwen3-30b-a3b", "--rollouts-per-gpu", "0"), "rollouts-per-gpu"),
+    (("--model", "qwen3-30b-a3b", "--set", "num_hidden_layers=abc"), "--set 'num_hidden_layers=abc'"),
+    (("--model", "qwen3-30b-a3b", "--set", "num_experts_per_tok=2.5"), "--set 'num_experts_per_tok=2.5'"),
+    (("--model", "qwen3-30b-a3b", "--set", "hidden_size=0"), "config.hidden_size"),
+    (("--model", "qwen3-30b-a3b", "--set", "vocab_size=-1"), "config.vocab_size"),
+    (("--model", "qwen3-30b-a3b", "--num-layers", "1", "--set", "num_hidden_layers=0"), "config.num_hidden_layers"),
 ])
 def test_cli_bad_input_exits_2_naming_the_flag(args, message):
     r = _plan(*args)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, DeepseekV3Config, PretrainedConfig, Qwen3MoeConfig
 
 from app.envs.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
@@ -152,6 +153,19 @@ ROUTER_SETTINGS: dict[str, dict[str, tuple[Any, ...]]] = {
 }
 
 
+# Widths and counts each family's modules are built from: a zero or negative one would build
+# empty tensors or divide by zero far from the config. None is allowed where the family means
+# "absent" by it (head_dim: hidden_size / heads; q_lora_rank: no query compression).
+_SIZE_FIELDS = {
+    "qwen3_moe": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                  "intermediate_size", "moe_intermediate_size"),
+    "deepseek_v3": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                    "moe_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                    "qk_rope_head_dim", "v_head_dim"),
+}
+_OPTIONAL_SIZES = ("head_dim", "q_lora_rank")
+
+
 def validate_config(config: PretrainedConfig, ep_size: int) -> None:
     """Check that a config can be built with ``ep_size`` expert-parallel ranks.
 
@@ -160,7 +174,7 @@ def validate_config(config: PretrainedConfig, ep_size: int) -> None:
     Raises:
         ValueError: one message naming the first offending field, e.g.
             ``config.num_experts (8) is not divisible by trainer.parallel.ep (3)``. Checked: model_type is
-            supported; ep.size >= 1; experts divisible by ep.size; 1 <= num_experts_per_tok <=
+            supported; ep.size >= 1; the widths and counts in `_SIZE_FIELDS` are positive integers; experts divisible by ep.size; 1 <= num_experts_per_tok <=
             experts; attention heads divisible by kv heads; for DeepSeek-V3 also n_group divides
             n_routed_experts with >= 2 experts per group (the group score is the sum of the top 2),
             1 <= topk_group <= n_group, the selected groups hold >= num_experts_per_tok experts,
@@ -176,6 +190,12 @@ def validate_config(config: PretrainedConfig, ep_size: int) -> None:
         )
     if not isinstance(ep_size, int) or ep_size < 1:
         raise ValueError(f"trainer.parallel.ep: must be a positive integer, got {ep_size!r}")
+    for field in _SIZE_FIELDS[model_type]:
+        value = getattr(config, field, None)
+        if value is None and field in _OPTIONAL_SIZES:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"config.{field}: must be a positive integer, got {value!r}")
     for field, implemented in ROUTER_SETTINGS[model_type].items():
         value = getattr(config, field, implemented[0])
         if value not in implemented:
@@ -403,8 +423,9 @@ def load_hf_config(path: str | Path) -> PretrainedConfig:
         raise FileNotFoundError(f"{path}: no config.json there (expected an HF checkpoint directory or its config.json)")
     try:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)  # a directory or the file itself
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{file}: not a readable Hugging Face config: {e}") from None
+    except (OSError, ValueError, KeyError, TypeError, StrictDataclassError) as e:  # the last: a field's type
+        detail = " ".join(str(e).split())
+        raise ValueError(f"{file}: not a readable Hugging Face config: {detail}") from None
     try:
         validate_config(config, ep_size=1)
     except ValueError as e:

@@ -31,6 +31,8 @@ def _fail(message: str) -> None:
 
 def _model(model: str | None, run, num_layers: int | None, overrides: list[str]):
     """The HF config of ``--model`` or of the run config's model section, with overrides applied."""
+    from huggingface_hub.errors import StrictDataclassError
+
     from app.model.config import PRESETS, REAL_PRESETS, load_hf_config, real_config, tiny_config, validate_config
 
     if model is None:
@@ -61,7 +63,10 @@ def _model(model: str | None, run, num_layers: int | None, overrides: list[str])
             value = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
-        setattr(config, key, value)
+        try:
+            setattr(config, key, value)
+        except StrictDataclassError as e:  # transformers 5 checks the field's type
+            raise ValueError(f"--set {item!r}: {' '.join(str(e).split())}") from None
     if config.model_type == "deepseek_v3" and config.first_k_dense_replace >= config.num_hidden_layers:
         raise ValueError(f"num_hidden_layers={config.num_hidden_layers} leaves no MoE layer after "
                          f"first_k_dense_replace={config.first_k_dense_replace} (--set first_k_dense_replace=N)")
