@@ -41,8 +41,13 @@ def embedded_default() -> RunConfig:
     EP=2 over gloo (two trainer ranks, each holding half of the experts), two rollout workers,
     GRPO groups of 8, short answers. A new policy version every step: the engines load it about
     one step later, so samples are typically 1-2 versions old; max_staleness 2 (corrected by
-    truncated importance sampling) keeps most of them, and back-pressure at two steps' worth of
-    finished groups stops the workers from running further ahead.
+    truncated importance sampling) keeps most of them.
+
+    The training state is saved every 5 steps, not every step: a DCP save of both ranks took a
+    fifth of the loop's CPU per step at save_every 1 (BENCHMARKS.md, `bench loop --profile`), and
+    a trainer killed between saves redoes at most 4 steps from groups still in Redis. Taken
+    groups stay in Redis until the save that covers them, so back-pressure holds
+    (save_every + 1) steps' worth of groups, the least the config allows.
     """
     cfg = RunConfig()
     cfg.trainer.parallel.ep = 2  # two trainer ranks (dp_shard -1 -> one FSDP shard per EP rank)
@@ -55,7 +60,8 @@ def embedded_default() -> RunConfig:
     # Built-in engines decode 32 sequences together here: 4 groups of 8 in flight per worker.
     cfg.rollout.engine.max_running_requests = 32
     cfg.buffer.max_staleness = 2
-    cfg.buffer.capacity_groups = 2 * cfg.trainer.groups_per_step
+    cfg.trainer.save_every = 5
+    cfg.buffer.capacity_groups = (cfg.trainer.save_every + 1) * cfg.trainer.groups_per_step
     return cfg
 
 
