@@ -102,15 +102,16 @@ def test_attribute_weights_samples_by_each_threads_cpu(tmp_path):
         "malformed line\n")
     sampled = parse_raw(raw, "engine")
     assert set(sampled) == {11, 12, 13} and sampled[12][0] == "asyncio_0"
-    # Thread 11 used 1.0 CPU-s, 12 used 3.0 (more CPU per sample: py-spy sees it less often),
+    # Thread 11 used 1.0 CPU-s, 12 used 3.0 (more CPU per sample than 11),
     # 13 ended inside the window, 14 has no Python frames (0.5 s); the process used 5.0 in all.
     cpu0 = (10.0, {11: 1.0, 12: 1.0, 13: 0.0, 14: 0.0})
     cpu1 = (15.0, {11: 2.0, 12: 4.0, 14: 0.5})
     p = attribute("engine-0", 1, cpu0, cpu1, sampled)
     assert math.isclose(p.cpu_s, 5.0)
     acts = p.activities
-    assert math.isclose(acts["HTTP + JSON (uvicorn, FastAPI)"], 0.75, abs_tol=1e-3)
-    assert math.isclose(acts["event loop (select, scheduling)"], 0.25, abs_tol=1e-3)
+    # Thread 11's select samples wait in epoll: its CPU goes to the samples where it ran.
+    assert math.isclose(acts["HTTP + JSON (uvicorn, FastAPI)"], 1.0, abs_tol=1e-3)
+    assert "event loop (select, scheduling)" not in acts
     assert math.isclose(acts["decode forward + sampling"], 3.0, abs_tol=1e-3)
     assert math.isclose(acts["prefill forward"], 0.5, abs_tol=1e-3)  # the rest: 5 - 4 - 0.5
     assert math.isclose(acts["threads without Python frames (gloo, OpenMP, C)"], 0.5, abs_tol=1e-3)
@@ -148,3 +149,19 @@ def test_parse_raw_of_real_py_spy_output(tmp_path):
     for _, c in sampled.values():
         counts.update(c)
     assert sum(counts.values()) > 10
+
+
+def test_samples_blocked_in_a_wait_get_no_cpu(tmp_path):
+    """A thread sampled mostly in a queue wait (py-spy counts a woken thread waiting for a core
+    as active) gets all of its CPU time on the samples where it ran."""
+    raw = tmp_path / "engine-0.txt"
+    raw.write_text(
+        "thread (12): asyncio_0;Thread.run (threading.py:982);_worker (concurrent/futures/thread.py:81) 30\n"
+        "thread (12): asyncio_0;_worker (concurrent/futures/thread.py:83);DecodeBatch.step (app/rollout/sampler.py:316) 10\n"
+        "thread (13): idle;_worker (concurrent/futures/thread.py:81) 5\n")
+    sampled = parse_raw(raw, "engine")
+    p = attribute("engine-0", 1, (0.0, {12: 0.0, 13: 0.0}), (2.5, {12: 2.0, 13: 0.5}), sampled)
+    assert math.isclose(p.activities["decode forward + sampling"], 2.0)
+    # A thread seen only waiting keeps its (small) CPU time there, so the total still adds up.
+    assert math.isclose(p.activities["waiting (blocked, or runnable without a core)"], 0.5)
+    assert math.isclose(sum(p.activities.values()), 2.5)

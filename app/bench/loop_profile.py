@@ -11,9 +11,10 @@ Attribution: a thread's CPU seconds are split over activities in proportion to i
 (each stack goes to the first rule of its role in `RULES` that matches one of its frames);
 threads that ended inside the window are covered by the process's CPU time, split like the
 samples of the threads that were not measured. On a loaded machine py-spy also counts a thread
-that is runnable but waiting for a core as active, so wake-up points (event-loop select, thread
-hand-offs) are over-counted there: weighting by each thread's measured CPU bounds that to the
-thread's real CPU time.
+that is runnable but waiting for a core as active, at the line where it blocked: samples whose
+innermost frame is a blocking wait (`WAIT_LEAVES`: a queue get, epoll, a condition) get none
+of the thread's CPU time, and weighting by each thread's measured CPU keeps every activity
+within its thread's real CPU time.
 """
 
 from __future__ import annotations
@@ -75,6 +76,12 @@ RULES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     ],
 }
 OTHER = "other (unmatched)"
+# A stack whose innermost Python frame is one of these waits in C (a queue, epoll, a condition
+# variable): no CPU is spent there. py-spy still counts it as active while the woken thread
+# waits for a core on a loaded machine, so these samples get none of the thread's CPU time.
+WAITING = "waiting (blocked, or runnable without a core)"
+WAIT_LEAVES = ("_worker (concurrent/futures/thread.py", "select (selectors.py", "wait (threading.py",
+               "RewardPool._serve (app/rollout/worker.py", "get (queue.py")
 IMPORTS = ("start-up: imports", ("<frozen importlib._bootstrap",))
 for _rules in RULES.values():
     _rules.insert(0, IMPORTS)
@@ -118,7 +125,8 @@ def parse_raw(path: Path, kind: str) -> dict[int, tuple[str, collections.Counter
         name = head.split(":", 1)[1].strip() if ":" in head else (frames[1] if len(frames) > 1 else "?")
         if tid not in out:
             out[tid] = (name, collections.Counter())
-        out[tid][1][activity(kind, frames[1:])] += int(count)
+        waiting = len(frames) > 1 and frames[-1].startswith(WAIT_LEAVES)
+        out[tid][1][WAITING if waiting else activity(kind, frames[1:])] += int(count)
     return out
 
 
@@ -154,14 +162,16 @@ def attribute(name: str, pid: int, cpu0: tuple[float, dict], cpu1: tuple[float, 
     threads = []
     measured = 0.0
     unmeasured: collections.Counter = collections.Counter()  # samples of threads that ended in the window
-    for tid, (tname, counts) in sampled.items():
+    for tid, (tname, all_counts) in sampled.items():
+        busy = {a: c for a, c in all_counts.items() if a != WAITING}
+        counts = busy or dict(all_counts)  # only waiting samples: keep them, CPU must go somewhere
         n = sum(counts.values())
         if tid in cpu1[1]:  # a thread that started inside the window: all of its CPU time is in it
             s = max(cpu1[1][tid] - cpu0[1].get(tid, 0.0), 0.0)
             measured += s
             for a, c in counts.items():
                 acts[a] += s * c / n
-            threads.append([tname, round(s, 3), n])
+            threads.append([tname, round(s, 3), sum(all_counts.values())])
         else:
             unmeasured.update(counts)
     # CPU of threads py-spy never saw in Python (gloo, OpenMP, C extensions' own threads).
