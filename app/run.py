@@ -39,23 +39,35 @@ def embedded_default() -> RunConfig:
     """The run config of `make run`: the tiny recipe of app/envs/__init__.py on 2 CPU cores.
 
     EP=2 over gloo (two trainer ranks, each holding half of the experts), two rollout workers,
-    GRPO groups of 8, short answers. A new policy version every step: the engines load it about
-    one step later, so samples are typically 1-2 versions old; max_staleness 2 (corrected by
-    truncated importance sampling) keeps most of them, and back-pressure at two steps' worth of
-    finished groups stops the workers from running further ahead.
+    GRPO groups of 8, short answers. The rest is tuned for 2 cores (BENCHMARKS.md, `moerl bench
+    loop --profile`: where each step's CPU went):
+
+    * a new policy version every 2 steps: publishing (per-tensor gathers over gloo, files,
+      announce) and both engines' reloads came to a quarter of the loop's CPU per step when
+      every step published. Samples are then typically 1-2 versions old; max_staleness 2
+      (corrected by truncated importance sampling) keeps almost all of them;
+    * the training state is saved every 2 steps: a DCP save of both ranks is ~90 ms of CPU, a
+      fifth of the loop's CPU at one save per step; a trainer killed between saves redoes at most
+      one step from groups still in Redis;
+    * back-pressure at (save_every + 2) steps' worth of groups: taken groups stay in Redis until
+      the save that covers them, and with only the minimum (save_every + 1) the workers could
+      never have the next batch ready when the trainer asked (it waited 30-40 % of each step);
+    * engines decode up to 64 sequences together (8 groups in flight per worker): a decode step
+      of 64 rows costs 1.4x one of 32 on this CPU (`moerl bench engine`).
     """
     cfg = RunConfig()
     cfg.trainer.parallel.ep = 2  # two trainer ranks (dp_shard -1 -> one FSDP shard per EP rank)
     cfg.trainer.steps = 400
     cfg.trainer.groups_per_step = 8
     cfg.trainer.lr = 4e-4
+    cfg.trainer.publish_every = 2
+    cfg.trainer.save_every = 2
     cfg.rollout.group_size = 8
     cfg.rollout.max_new_tokens = 8
     cfg.rollout.policy_poll_s = 0.5
-    # Built-in engines decode 32 sequences together here: 4 groups of 8 in flight per worker.
-    cfg.rollout.engine.max_running_requests = 32
+    cfg.rollout.engine.max_running_requests = 64
     cfg.buffer.max_staleness = 2
-    cfg.buffer.capacity_groups = 2 * cfg.trainer.groups_per_step
+    cfg.buffer.capacity_groups = (cfg.trainer.save_every + 2) * cfg.trainer.groups_per_step
     return cfg
 
 

@@ -48,7 +48,7 @@ def test_loop_bench_runs_both_legs(tmp_path):
     out = tmp_path / "out"
     r = invoke("--seconds", "4", "--workers", "1", "--config", str(tiny_config(tmp_path / "run.yaml")),
                "--cache", str(tmp_path / "cache"), "--work-dir", str(tmp_path / "work"),
-               "--out-dir", str(out))
+               "--out-dir", str(out), "--rounds", "1")
     assert r.exit_code == 0, r.output
     files = sorted(out.glob("loop-*.json"))
     assert len(files) == 1, files
@@ -66,6 +66,15 @@ def test_loop_bench_runs_both_legs(tmp_path):
         before = doc["shape"]["heldout_reward_before"]
         assert math.isclose(f["gain_points"], 100 * (f["heldout_reward_after"] - before)), name
         assert not f["step_cap_hit"], name
+        # The machine's state during the leg, and the quiet mark that follows from it.
+        load = f["load"]
+        assert load["window_s"] > 0 and load["cores"] == doc["shape"]["cores"], name
+        assert load["others_cores"] >= 0 and load["load_max"] >= load["load_mean"] >= 0, name
+        assert f["quiet"] == (load["others_cores"] <= doc["shape"]["quiet_share"] * load["cores"]), name
+        assert f["round"] == 1 and not f["profiled"], name
+    assert [f["position"] for f in doc["figures"]] == [1, 2] and doc["figures"][0]["name"] == "moerl"
+    assert doc["quiet"] == all(f["quiet"] for f in doc["figures"])
+    assert ("NOT QUIET" in r.output) == (not doc["quiet"])
     ratios = doc["ratios"]
     assert math.isclose(ratios["samples_per_s moerl/trl"], legs["moerl"]["samples_per_s"] / legs["trl"]["samples_per_s"])
     after_m, after_t = legs["moerl"]["heldout_reward_after"], legs["trl"]["heldout_reward_after"]
@@ -84,7 +93,8 @@ def test_loop_bench_runs_both_legs(tmp_path):
 
 def test_loop_bench_refuses_bad_flags_before_work(tmp_path):
     for args, flag in ((["--seconds", "0"], "--seconds"), (["--workers", "0"], "--workers"),
-                       (["--config", str(tmp_path / "missing.yaml")], "--config")):
+                       (["--config", str(tmp_path / "missing.yaml")], "--config"), (["--rounds", "0"], "--rounds"),
+                       (["--wait-quiet", "-1"], "--wait-quiet")):
         r = CliRunner().invoke(cli, ["loop", *args, "--out-dir", str(tmp_path / "out")])
         assert r.exit_code == 2, (args, r.output)
         assert flag in r.output

@@ -83,3 +83,36 @@ def test_return_logprob_must_be_a_boolean(checkpoint):
         parse_generate({"input_ids": [1, 20, 30], "return_logprob": "no"}, loaded)
     *_, logprob = parse_generate({"input_ids": [1, 20, 30], "return_logprob": True}, loaded)
     assert logprob is True
+
+
+def test_a_new_version_of_the_served_model_skips_the_checks_not_the_weights(checkpoint, tmp_path, monkeypatch):
+    """A weight update whose config and tensor headers equal the served checkpoint's skips the
+    policy checks (they passed already) and reuses the tokenizer; its weights are the new ones.
+    A checkpoint that differs in any of those is checked in full."""
+    import app.model.checkpoint as ckpt_mod
+    from safetensors.torch import load_file, save_file
+
+    from app.envs.tokenizer import save_tokenizer
+
+    v1 = edited(checkpoint, tmp_path / "v1")
+    save_tokenizer(v1)
+    served = load_checkpoint(v1)
+    assert served.signature is not None and served.tokenizer is not None
+    v2 = edited(v1, tmp_path / "v2")
+    for f in v2.glob("*.safetensors"):
+        save_file({k: t + 0.5 for k, t in load_file(f).items()}, f, metadata={"format": "pt"})
+
+    def refuse(*a, **k):
+        raise AssertionError("check_checkpoint ran for an unchanged structure")
+
+    monkeypatch.setattr(ckpt_mod, "check_checkpoint", refuse)
+    new = load_checkpoint(v2, like=served)
+    assert new.tokenizer is served.tokenizer and new.signature == served.signature
+    embed = "model.embed_tokens.weight"
+    assert torch.allclose(new.model.state_dict()[embed], served.model.state_dict()[embed] + 0.5)
+    # Different headers (a shape changed): the checks run, and refuse the tensor by name.
+    monkeypatch.undo()
+    bad = edited(checkpoint, tmp_path / "shape", hidden_size=128)
+    with pytest.raises(ValueError, match=r"tensor model\.\S+ has shape"):
+        load_checkpoint(bad, like=served)
+

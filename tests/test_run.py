@@ -67,7 +67,10 @@ def test_run_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4
-    assert summary["policy_version"] == 4
+    # A version every trainer.publish_every steps and after the last step (v0 is the start).
+    every = embedded_default().trainer.publish_every
+    version = len([s for s in range(1, 5) if s % every == 0 or s == 4])
+    assert summary["policy_version"] == version
     assert summary["held_out_prompts"] == 40
     assert 0.0 <= summary["held_out_reward_before"] <= 1.0
     assert 0.0 <= summary["held_out_reward_after"] <= 1.0
@@ -79,8 +82,8 @@ def test_run_end_to_end(tmp_path):
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     # the last policy version is a complete HF checkpoint in the store
     latest = out / "store" / "e2e" / "policy" / "latest"
-    assert latest.read_text().strip() == "4"
-    assert (out / "final" / "v4" / "config.json").exists()
+    assert latest.read_text().strip() == str(version)
+    assert (out / "final" / f"v{version}" / "config.json").exists()
     # every staleness the trainer saw is within the bound
     bound = embedded_default().buffer.max_staleness
     for line in lines:

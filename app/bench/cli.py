@@ -120,17 +120,21 @@ def loop(
     config: str = typer.Option("", help="Run config YAML (default: the embedded default of `moerl run`)."),
     cache: str = typer.Option("runs/cache", help="Warm-up checkpoint cache (shared with `moerl run`)."),
     work_dir: str = typer.Option("", help="Run directories of both legs (default <out-dir>/loop-<time>)."),
-    max_steps: int = typer.Option(0, help="Trainer step cap of both legs (0: max(20, 20 * seconds))."),
+    max_steps: int = typer.Option(0, help="Trainer step cap of both legs (0: max(100, 200 * seconds))."),
+    rounds: int = typer.Option(2, help="Rounds of both legs, in the order moerl trl | trl moerl | ... (ABBA)."),
+    wait_quiet: float = typer.Option(0.0, help="Before each leg, wait up to this many seconds for a quiet machine."),
+    profile: bool = typer.Option(False, help="py-spy breakdown of the first moerl leg (CPU ms per step per activity)."),
     out_dir: str = typer.Option("runs/bench", help="Where the JSON result goes."),
 ) -> None:
-    """The embedded loop vs TRL's GRPOTrainer, same model, task and recipe, equal wall-clock."""
+    """The embedded loop vs TRL's GRPOTrainer, same model, task and recipe, equal wall-clock;
+    records the machine's load during each leg and warns when it was not quiet."""
     from app.bench.loop import LoopBench, run
     from app.embedded import RoleFailed
 
     try:
         run(LoopBench(seconds=seconds, workers=workers, config=config, cache=cache, work_dir=work_dir,
-                      max_steps=max_steps), out_dir=out_dir)
-    except ValueError as e:
+                      max_steps=max_steps, rounds=rounds, wait_quiet_s=wait_quiet, profile=profile), out_dir=out_dir)
+    except (ValueError, FileNotFoundError) as e:
         typer.echo(f"moerl bench loop: error: {e}", err=True)
         raise SystemExit(2) from None
     except RoleFailed as e:

@@ -46,12 +46,24 @@ How the comparison is kept fair:
   (moerl: every role process and its children plus redis-server, psutil, up to the stop
   signal; TRL: ``time.process_time()``), the cores it actually got, and samples per CPU-second.
 
+* same machine state, measured: the legs run ``rounds`` times in the order moerl, trl, trl,
+  moerl, ... (ABBA: each system goes first as often as second, so a trend in the machine's load
+  favours neither), and each leg records the 1-minute load average before and during it and the
+  CPU time everything else on the machine used meanwhile (app/bench/machine.py). A leg where the
+  others used more than ``QUIET_SHARE`` (10 %) of the cores is marked ``quiet: false``, and the
+  benchmark prints a warning: its figures say how the two systems share a busy machine, not how
+  fast they are. ``--wait-quiet S`` waits up to S seconds before each leg for a quiet 10 s.
+  Ratios are of each system's means over its legs (and per round).
+
 Differences that remain, by design of each system: moerl generates with its own engine
 (continuous batching over HTTP) while the trainer trains (rollouts at most
 ``buffer.max_staleness`` versions behind, with truncated importance sampling against the
 engine's logprobs); TRL generates with ``model.generate`` on the training model between steps,
-always on-policy. The legs run one after the other on a machine that may be shared: the load
-average before each leg is recorded in the result's notes.
+always on-policy.
+
+``--profile`` also runs py-spy on every role process of the first moerl leg and splits the
+loop's CPU per step over activities (app/bench/loop_profile.py); py-spy takes CPU itself, so a
+profiled leg's throughput is marked ``profiled`` and is not one to quote.
 """
 
 from __future__ import annotations
@@ -82,6 +94,9 @@ class LoopBench:
         max_steps: trainer step cap of both legs (0: ``max(100, 200 * seconds)``, far above what
             either leg reaches on a CPU, so the deadline ends a leg); a leg that hits the cap
             says so in the result.
+        rounds: how many times each leg runs, in the order of `leg_order`.
+        wait_quiet_s: before each leg, wait up to this many seconds for a quiet machine (0: no).
+        profile: py-spy breakdown of the first moerl leg (app/bench/loop_profile.py).
     """
 
     seconds: float = 180.0
@@ -90,6 +105,9 @@ class LoopBench:
     cache: str = "runs/cache"
     work_dir: str = ""
     max_steps: int = 0
+    rounds: int = 2
+    wait_quiet_s: float = 0.0
+    profile: bool = False
 
     def validate(self) -> None:
         """Raises ValueError naming the flag if an input is out of range or missing."""
@@ -101,6 +119,10 @@ class LoopBench:
             raise ValueError(f"--max-steps must be >= 0, got {self.max_steps}")
         if self.config and not Path(self.config).is_file():
             raise ValueError(f"--config: {self.config} is not a file")
+        if self.rounds < 1:
+            raise ValueError(f"--rounds must be >= 1, got {self.rounds}")
+        if not (self.wait_quiet_s >= 0 and math.isfinite(self.wait_quiet_s)):
+            raise ValueError(f"--wait-quiet must be a number >= 0, got {self.wait_quiet_s}")
 
     def step_cap(self) -> int:
         # Small test configs make TRL take over 20 steps/s on an idle machine: keep the cap well
@@ -206,15 +228,56 @@ def wait_initial_policy(loop, timeout_s: float = 600.0) -> None:
     raise RoleFailed(f"trainer published no policy v0 within {timeout_s:.0f}s")
 
 
-def run_moerl(loop, feeder, base: Path, seconds: float, before: dict) -> dict:
+def role_pids(loop) -> dict[str, int]:
+    """Role name -> pid of every live role process of ``loop`` that runs Python: the trainer's
+    ranks (torchrun's children, ``trainer-rank<i>`` in start order), ``engine-<i>``, ``worker-<i>``."""
+    import psutil
+
+    out = {}
+    for name, proc in loop.sup.procs.items():
+        if not proc.alive():
+            continue
+        if name == "trainer":
+            try:
+                ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                         if "train" in c.cmdline() and "torch.distributed.run" not in " ".join(c.cmdline())]
+            except psutil.Error:
+                ranks = []
+            for i, c in enumerate(sorted(ranks, key=lambda c: c.create_time())):
+                out[f"trainer-rank{i}"] = c.pid
+        elif name.startswith(("engine-", "worker-")):
+            out[name] = proc.pid
+    return out
+
+
+def phase_medians(records: list[dict]) -> dict:
+    """Median seconds per trainer step of each phase in metrics.jsonl (wait for groups, step,
+    publish, save) and of the whole step-to-step interval."""
+    import statistics
+
+    out = {}
+    for k in ("wait_s", "step_s", "publish_s", "save_s"):
+        vals = [r[k] for r in records if r.get(k) is not None]
+        out[k] = round(statistics.median(vals), 4) if vals else float("nan")
+    times = [r["time"] for r in records]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    out["interval_s"] = round(statistics.median(gaps), 4) if gaps else float("nan")
+    return out
+
+
+def run_moerl(loop, feeder, base: Path, seconds: float, before: dict, profile_dir: Path | None = None) -> dict:
     """Run the embedded loop for ``seconds`` of training wall-clock; returns its result row.
 
     ``loop`` is an `EmbeddedLoop` whose redis-server runs; ``feeder`` (app/feed.py `TaskFeeder`)
-    keeps its task queue topped up, as in `moerl run`.
+    keeps its task queue topped up, as in `moerl run`. The row's CPU time counts every role
+    process with its children, redis-server, and this process (the supervisor and the feeder,
+    the part `moerl run` itself plays). With ``profile_dir``, py-spy profiles the window and the
+    row gets a ``profile`` (see `profile_summary`).
 
     Raises:
         RoleFailed: a role failed (the message carries its log tail).
     """
+    from app.bench.machine import LoadMonitor
     from app.embedded import RoleFailed
     from app.run import held_out_reward, latest_local_policy
 
@@ -224,16 +287,48 @@ def run_moerl(loop, feeder, base: Path, seconds: float, before: dict) -> dict:
     loop.start_rollout(base)
     setup_s = time.monotonic() - t_setup
     pids = [p.pid for p in loop.sup.procs.values() if p.alive()] + [loop.redis.proc.pid]
-    cpu0 = tree_cpu_s(pids)
+    profiler = None
+    if profile_dir is not None:
+        from app.bench.loop_profile import LoopProfiler
+
+        profiler = LoopProfiler(role_pids(loop), profile_dir)
+        # py-spy starts once every role has settled (first imports, first reward call, first
+        # weight load): a quarter of the window, at most 20 s.
+        profile_at = time.time() + min(seconds / 4, 20.0)
+        redis_cpu0 = self_cpu0 = 0.0
+
+    def spy_pids() -> set[int]:
+        return {p.pid for p in profiler.procs.values()} if profiler else set()  # empty until it starts
+
+    def own_cpu() -> float:  # the leg's processes (py-spy too, so that it does not count as a tenant)
+        return tree_cpu_s(pids + sorted(spy_pids())) + time.process_time()
+
+    def own_pids() -> set[int]:
+        import psutil
+
+        found = set(pids) | spy_pids()
+        for pid in list(found):
+            try:
+                found |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+            except psutil.Error:
+                pass
+        return found
+
+    monitor = LoadMonitor(own_cpu, own_pids).start()
+    cpu0 = tree_cpu_s(pids) + time.process_time()
     t0 = time.time()
     deadline = t0 + seconds
     last_print = t0
     records: list[dict] = []
     # Until the deadline, and at least one step (the TRL leg always makes one too).
+    profile_t0 = None
     while not loop.trainer_done():
         loop.check_roles()
         feeder.top_up()
         now = time.time()
+        if profiler is not None and profile_t0 is None and now >= profile_at:
+            profiler.start()
+            profile_t0, redis_cpu0, self_cpu0 = now, tree_cpu_s([loop.redis.proc.pid]), time.process_time()
         if now >= deadline:
             records = loop.metrics()
             if records or now > deadline + loop.cfg.trainer.batch_timeout_s:
@@ -245,7 +340,14 @@ def run_moerl(loop, feeder, base: Path, seconds: float, before: dict) -> dict:
             last_print = now
         time.sleep(0.5)
     # CPU is measured up to the stop signal, over the steps recorded by then.
-    cpu_s, cpu_wall_s, records = tree_cpu_s(pids) - cpu0, time.time() - t0, loop.metrics()
+    cpu_s, cpu_wall_s, records = tree_cpu_s(pids) + time.process_time() - cpu0, time.time() - t0, loop.metrics()
+    load = monitor.stop()
+    profile = None
+    if profile_t0 is not None:
+        extra_cpu = {"redis-server": tree_cpu_s([loop.redis.proc.pid]) - redis_cpu0,
+                     "bench process (supervisor, feeder, load monitor)": time.process_time() - self_cpu0}
+        profile = profile_summary(profiler.stop(), extra_cpu, [r for r in records if r["time"] >= profile_t0],
+                                  time.time() - profile_t0)
     cpu = (records[-1]["samples_total"] if records else 0, cpu_s, cpu_wall_s)
     # SIGTERM: every rank finishes its step in flight, publishes it, and exits.
     code = loop.sup.procs["trainer"].stop(grace_s=loop.cfg.trainer.batch_timeout_s)
@@ -261,9 +363,31 @@ def run_moerl(loop, feeder, base: Path, seconds: float, before: dict) -> dict:
         "train_reward_last10": sum(tail) / len(tail) if tail else float("nan"),
         "staleness_mean": sum(r.get("staleness_mean", 0.0) for r in records) / len(records),
         "overstale_dropped": last.get("overstale_dropped", 0),
+        "dropped_stale_in_buffer": last.get("buffer", {}).get("dropped_stale", 0),
+        "trainer_median_s": phase_medians([r for r in records if r["time"] >= t0]),
+        "load": load.as_dict(),
+        "quiet": load.quiet,
+        "profiled": profile is not None,
     }
+    if profile is not None:
+        extra["profile"] = profile
     return leg_figures("moerl", last["step"], last["samples_total"], last["time"] - t0, setup_s, after,
                        before, last["step"] >= loop.cfg.trainer.steps, cpu, extra)
+
+
+def profile_summary(profiles, extra_cpu_s: dict[str, float], records: list[dict], window_s: float) -> dict:
+    """The ``profile`` of a result row: CPU ms per trainer step per role and activity (both
+    engines, both workers and both ranks summed; ``extra_cpu_s``: CPU-only processes), each role
+    process's split, and the window."""
+    from app.bench.loop_profile import per_step_table
+
+    steps = len(records)
+    return {
+        "steps": steps,
+        "window_s": round(window_s, 2),
+        "per_step": per_step_table(profiles, extra_cpu_s, steps),
+        "roles": [asdict(p) for p in profiles],
+    }
 
 
 # -- leg 2: TRL's GRPOTrainer ------------------------------------------------------------------
@@ -348,6 +472,7 @@ def run_trl(cfg, base: Path, out_dir: Path, seconds: float, before: dict) -> dic
     from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
     from trl import GRPOTrainer
 
+    from app.bench.machine import LoadMonitor
     from app.envs.tasks import make_splits
     from app.envs.tokenizer import load_tokenizer, save_tokenizer
     from app.run import held_out_reward
@@ -360,16 +485,19 @@ def run_trl(cfg, base: Path, out_dir: Path, seconds: float, before: dict) -> dic
 
         t0 = end = cpu0 = cpu = 0.0
         last_print = 0.0
+        monitor = load = None
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.t0 = self.last_print = time.time()
             self.cpu0 = time.process_time()  # every thread of this process
+            self.monitor = LoadMonitor(time.process_time).start()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.end = now = time.time()
             self.cpu = time.process_time() - self.cpu0
-            if now - self.t0 >= seconds:
+            if now - self.t0 >= seconds or state.global_step >= args.max_steps:
                 control.should_training_stop = True
+                self.load = self.load or self.monitor.stop()
             if now - self.last_print >= 15:
                 console.print(f"  trl:   {now - self.t0:5.0f}s  step {state.global_step}")
                 self.last_print = now
@@ -395,6 +523,7 @@ def run_trl(cfg, base: Path, out_dir: Path, seconds: float, before: dict) -> dic
     trainer.remove_callback(PrinterCallback)  # one dict per step is too much on a terminal
     setup_s = time.monotonic() - t_setup
     trainer.train()
+    load = deadline.load or deadline.monitor.stop()
     steps = trainer.state.global_step
     final = out_dir / "final"
     trainer.model.save_pretrained(str(final))
@@ -402,7 +531,8 @@ def run_trl(cfg, base: Path, out_dir: Path, seconds: float, before: dict) -> dic
     after = held_out_reward(cfg, final)
     logs = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     tail = logs[-10:]
-    extra = {"train_reward_last10": sum(tail) / len(tail) if tail else float("nan"), "threads": cores()}
+    extra = {"train_reward_last10": sum(tail) / len(tail) if tail else float("nan"), "threads": cores(),
+             "load": load.as_dict(), "quiet": load.quiet, "profiled": False}
     window = deadline.end - deadline.t0
     return leg_figures("trl", steps, steps * batch, window, setup_s, after, before, steps >= t.steps,
                        (steps * batch, deadline.cpu, window), extra)
@@ -415,81 +545,175 @@ def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
+def leg_order(rounds: int) -> list[tuple[int, str]]:
+    """``(round, leg)`` in the order they run: moerl, trl, then trl, moerl, and so on (ABBA), so
+    that each system runs first in half of the rounds (round 0 starts with moerl: its set-up
+    makes the warm-up checkpoint both legs start from)."""
+    order = []
+    for r in range(rounds):
+        order += [(r, leg) for leg in (("moerl", "trl") if r % 2 == 0 else ("trl", "moerl"))]
+    return order
+
+
+def mean_of(rows: list[dict], key: str) -> float:
+    """Mean of ``key`` over ``rows`` (NaN values left out; NaN if none is left)."""
+    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def comparison(rows: list[dict]) -> dict:
+    """The ratios of the result: of each system's means over its legs, and samples/s per round."""
+    m = [r for r in rows if r["name"] == "moerl"]
+    t = [r for r in rows if r["name"] == "trl"]
+    ratios = {
+        "samples_per_s moerl/trl": ratio(mean_of(m, "samples_per_s"), mean_of(t, "samples_per_s")),
+        "samples_per_cpu_s moerl/trl": ratio(mean_of(m, "samples_per_cpu_s"), mean_of(t, "samples_per_cpu_s")),
+        "heldout_reward_after moerl/trl": ratio(mean_of(m, "heldout_reward_after"),
+                                                mean_of(t, "heldout_reward_after")),
+        "gain_points moerl-trl": mean_of(m, "gain_points") - mean_of(t, "gain_points"),
+    }
+    rounds = sorted({r["round"] for r in rows})
+    if len(rounds) > 1:
+        for n in rounds:
+            mr = [r for r in m if r["round"] == n]
+            tr = [r for r in t if r["round"] == n]
+            ratios[f"samples_per_s moerl/trl round {n}"] = ratio(mean_of(mr, "samples_per_s"),
+                                                                 mean_of(tr, "samples_per_s"))
+    return ratios
+
+
+def moerl_leg(bench: LoopBench, cfg, run_dir: Path, base: Path | None, before: dict | None, profile: bool):
+    """One moerl leg in its own run directory (its own redis-server and store). The first leg
+    makes (or reuses) the warm-up checkpoint and measures its held-out reward; later ones reuse
+    both. Returns ``(row, base, before, the leg's config)``."""
+    from app.embedded import EmbeddedLoop
+    from app.feed import make_feeder
+    from app.run import start_from_base
+
+    cfg = cfg.model_copy(deep=True)
+    cfg.store_url = f"file://{run_dir / 'store'}"
+    cfg.rollout.policy_cache_dir = str(run_dir / "policy-cache")
+    loop = EmbeddedLoop(cfg, run_dir, workers=bench.workers)
+    try:
+        if base is None:
+            base, before, feeder = start_from_base(loop, Path(bench.cache).resolve(), "of the warm-up checkpoint",
+                                                   out=console)
+        else:
+            loop.start_redis()
+            loop.cfg.model.path = str(base)
+            loop.write_config()
+            feeder = make_feeder(loop.cfg, base, loop.buffer, cache_dir=loop.run_dir)
+            feeder.top_up()
+        console.print(f"moerl leg: {bench.seconds:g}s (EP={cfg.trainer.parallel.ep}, {bench.workers} workers)"
+                      + (", py-spy on every role" if profile else ""))
+        row = run_moerl(loop, feeder, base, bench.seconds, before, run_dir / "profile" if profile else None)
+    finally:
+        loop.close()
+    return row, base, before, loop.cfg
+
+
 def run(bench: LoopBench, out_dir: str | os.PathLike = "runs/bench") -> Path:
-    """Run both legs, print the comparison and write the result file; returns its path.
+    """Run the legs (`leg_order`), print the comparison and write the result file; returns its path.
 
     Raises:
         ValueError: a bad flag or config (before any work starts).
         RoleFailed: a moerl role failed.
+        FileNotFoundError: ``profile`` without py-spy installed.
     """
     from transformers.utils import logging as hf_logging
 
-    from app.embedded import EmbeddedLoop
-    from app.run import start_from_base
+    from app.bench.machine import QUIET_SHARE, LoadWindow, wait_quiet
 
     bench.validate()
     cfg = load_config(bench)
     hf_logging.disable_progress_bar()  # weight-loading bars of every evaluation
     grpo_args(cfg, Path(out_dir) / "unused", 1)  # refuse a recipe TRL cannot mirror, before any work
+    if bench.profile:
+        from app.bench.loop_profile import LoopProfiler
+
+        LoopProfiler({}, Path(out_dir))  # py-spy missing: say so before any work
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     work = Path(bench.work_dir or Path(out_dir) / f"loop-{stamp}").resolve()
     if work.exists() and any(work.iterdir()):
         raise ValueError(f"--work-dir: {work} is not empty")
-    notes = []
-    cfg.store_url = f"file://{work / 'moerl' / 'store'}"
-    cfg.rollout.policy_cache_dir = str(work / "moerl" / "policy-cache")
+    notes: list[str] = []
+    base = before = leg_cfg = None
+    rows: list[dict] = []
+    for i, (r, leg) in enumerate(leg_order(bench.rounds)):
+        suffix = "" if r == 0 else f"-{r + 1}"
+        if bench.wait_quiet_s > 0:
+            probe = wait_quiet(bench.wait_quiet_s)
+            notes.append(f"before {leg} (round {r + 1}), waited up to {bench.wait_quiet_s:g}s for a quiet "
+                         f"machine: last probe {probe.describe()}")
+        if leg == "moerl":
+            row, base, before, leg_cfg = moerl_leg(bench, cfg, work / f"moerl{suffix}", base, before,
+                                                   bench.profile and r == 0)
+        else:
+            console.print(f"trl leg: {bench.seconds:g}s (GRPOTrainer, {cores()} threads)")
+            row = run_trl(leg_cfg, base, work / f"trl{suffix}", bench.seconds, before)
+        row.update({"round": r + 1, "position": 1 + i % 2})
+        rows.append(row)
+        load = LoadWindow(**row["load"]).describe()
+        console.print(f"  {leg} (round {r + 1}): {load}")
+        notes.append(f"{leg} round {r + 1} ({'first' if i % 2 == 0 else 'second'}): {load}")
 
-    loop = EmbeddedLoop(cfg, work / "moerl", workers=bench.workers)
-    try:
-        base, before, feeder = start_from_base(loop, Path(bench.cache).resolve(), "of the warm-up checkpoint",
-                                               out=console)
-        notes.append(f"load average before the moerl leg: {load_now():.2f} ({cores()} cores)")
-        console.print(f"moerl leg: {bench.seconds:g}s (EP={cfg.trainer.parallel.ep}, {bench.workers} workers)")
-        moerl = run_moerl(loop, feeder, base, bench.seconds, before)
-    finally:
-        loop.close()
-    cfg = loop.cfg  # model.path = the warm-up checkpoint
-    notes.append(f"load average before the trl leg: {load_now():.2f}")
-    console.print(f"trl leg: {bench.seconds:g}s (GRPOTrainer, {cores()} threads)")
-    trl = run_trl(cfg, base, work / "trl", bench.seconds, before)
-
-    ratios = {
-        "samples_per_s moerl/trl": ratio(moerl["samples_per_s"], trl["samples_per_s"]),
-        "samples_per_cpu_s moerl/trl": ratio(moerl["samples_per_cpu_s"], trl["samples_per_cpu_s"]),
-        "heldout_reward_after moerl/trl": ratio(moerl["heldout_reward_after"], trl["heldout_reward_after"]),
-        "gain_points moerl-trl": moerl["gain_points"] - trl["gain_points"],
-    }
+    ratios = comparison(rows)
+    quiet = all(row["quiet"] for row in rows)
+    if not quiet:
+        notes.insert(0, f"NOT QUIET: other processes used more than {QUIET_SHARE:.0%} of the cores during "
+                        "at least one leg; these figures show how both systems share a busy machine, "
+                        "not how fast they are on an idle one")
     notes += [
-        f"held-out reward of the warm-up checkpoint (both legs start there): {before['mean_reward']:.4f} "
-        f"sampled at T={cfg.rollout.temperature}, {before['greedy']:.4f} greedy, n={before['n']}",
-        "samples_per_s = samples trained in the window / window length; the window of each leg "
-        "ends with the step in flight at the deadline (see app/bench/loop.py)",
+        (f"held-out reward of the warm-up checkpoint (both legs start there): {before['mean_reward']:.4f} "
+         f"sampled at T={leg_cfg.rollout.temperature}, {before['greedy']:.4f} greedy, n={before['n']}"),
+        ("samples_per_s = samples trained in the window / window length; the window of each leg "
+         "ends with the step in flight at the deadline (see app/bench/loop.py); ratios are of each "
+         "system's means over its legs"),
         f"run directories under {work}",
     ]
     shape = {
-        **asdict(bench), "task": cfg.task.name, "base_checkpoint": str(base), "ep": cfg.trainer.parallel.ep,
-        "group_size": cfg.rollout.group_size, "groups_per_step": cfg.trainer.groups_per_step,
-        "lr": cfg.trainer.lr, "max_new_tokens": cfg.rollout.max_new_tokens,
-        "temperature": cfg.rollout.temperature, "heldout_prompts": before["n"],
+        **asdict(bench), "task": leg_cfg.task.name, "base_checkpoint": str(base), "ep": leg_cfg.trainer.parallel.ep,
+        "group_size": leg_cfg.rollout.group_size, "groups_per_step": leg_cfg.trainer.groups_per_step,
+        "lr": leg_cfg.trainer.lr, "max_new_tokens": leg_cfg.rollout.max_new_tokens,
+        "temperature": leg_cfg.rollout.temperature, "heldout_prompts": before["n"],
         "heldout_reward_before": before["mean_reward"], "heldout_greedy_before": before["greedy"],
-        "cores": cores(),
+        "cores": cores(), "quiet_share": QUIET_SHARE,
+        "publish_every": leg_cfg.trainer.publish_every, "save_every": leg_cfg.trainer.save_every,
     }
-    path = write_result("loop", shape, [moerl, trl], ratios, notes, out_dir=out_dir)
-    print_table(before, moerl, trl, ratios, path)
+    path = write_result("loop", shape, rows, ratios, notes, out_dir=out_dir, extra={"quiet": quiet})
+    print_table(before, rows, ratios, quiet, path)
     return path
 
 
-def print_table(before: dict, moerl: dict, trl: dict, ratios: dict, path: Path) -> None:
+def print_table(before: dict, rows: list[dict], ratios: dict, quiet: bool, path: Path) -> None:
     console.rule("moerl bench loop")
     console.print(f"held-out mean reward at the start (warm-up checkpoint): {before['mean_reward']:.3f} "
                   f"over {before['n']} prompts")
-    console.print(f"{'leg':<6} {'steps':>6} {'samples':>8} {'window s':>9} {'samples/s':>10} {'cores':>6} "
-                  f"{'samples/cpu-s':>14} {'held-out after':>15} {'gain pts':>9}")
-    for f in (moerl, trl):
-        console.print(f"{f['name']:<6} {f['steps']:>6} {f['samples_trained']:>8} {f['train_window_s']:>9.1f} "
-                      f"{f['samples_per_s']:>10.2f} {f['cores_used']:>6.2f} {f['samples_per_cpu_s']:>14.2f} "
-                      f"{f['heldout_reward_after']:>15.3f} {f['gain_points']:>+9.1f}")
+    console.print(f"{'leg':<6} {'round':>5} {'steps':>6} {'samples':>8} {'window s':>9} {'samples/s':>10} "
+                  f"{'cores':>6} {'samples/cpu-s':>14} {'held-out after':>15} {'gain pts':>9} "
+                  f"{'load':>5} {'others':>7}")
+    for f in rows:
+        mark = "" if f["quiet"] else " NOT QUIET"
+        mark += " (profiled)" if f.get("profiled") else ""
+        console.print(f"{f['name']:<6} {f['round']:>5} {f['steps']:>6} {f['samples_trained']:>8} "
+                      f"{f['train_window_s']:>9.1f} {f['samples_per_s']:>10.2f} {f['cores_used']:>6.2f} "
+                      f"{f['samples_per_cpu_s']:>14.2f} {f['heldout_reward_after']:>15.3f} {f['gain_points']:>+9.1f} "
+                      f"{f['load']['load_mean']:>5.2f} {f['load']['others_cores']:>7.2f}{mark}")
     for k, v in ratios.items():
         console.print(f"{k}: {v:.2f}")
+    for f in rows:
+        if f.get("profile"):
+            print_profile(f["profile"])
+    if not quiet:
+        console.print("[bold red]warning:[/] the machine was NOT QUIET during at least one leg (others above "
+                      "the threshold in the 'others' column, cores); do not quote these figures as an idle "
+                      "machine's")
     console.print(f"result: {path}")
 
+
+def print_profile(profile: dict, top: int = 30) -> None:
+    """The profile's per-step table: CPU ms per trainer step per role and activity."""
+    console.print(f"profile: {profile['steps']} steps in {profile['window_s']:.0f}s; CPU ms per trainer step")
+    for row in profile["per_step"][:top]:
+        console.print(f"  {row['role']:<52.52} {row['activity']:<55.55} {row['cpu_ms_per_step']:>8.1f} "
+                      f"{100 * row['share']:>5.1f}%")

@@ -74,8 +74,9 @@ def versions() -> dict:
 
 
 def write_result(benchmark: str, shape: dict, figures: list[dict], ratios: dict | None = None,
-                 notes: list[str] | None = None, out_dir: str | os.PathLike = DEFAULT_DIR) -> Path:
-    """Write one result file and return its path.
+                 notes: list[str] | None = None, out_dir: str | os.PathLike = DEFAULT_DIR,
+                 extra: dict | None = None) -> Path:
+    """Write one result file and return its path; ``extra`` adds top-level keys (e.g. ``quiet``).
 
     Raises:
         ValueError: `benchmark` is empty or a figure lacks a "name".
@@ -94,6 +95,7 @@ def write_result(benchmark: str, shape: dict, figures: list[dict], ratios: dict 
         "figures": figures,
         "ratios": ratios or {},
         "notes": notes or [],
+        **(extra or {}),
     }
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

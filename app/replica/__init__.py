@@ -73,6 +73,10 @@ def small_run_config(steps: int, base: Path):
     cfg.trainer.steps = steps
     cfg.trainer.save_every = 2  # the trainer kill lands after an unsaved step: the resume rolls it back
     cfg.buffer.capacity_groups = (cfg.trainer.save_every + 1) * cfg.trainer.groups_per_step
+    # The dev cluster recipe's version per step and engine batch (recipes/dev-tiny-grpo.yaml),
+    # not the embedded default's tuning for 2 CPU cores.
+    cfg.trainer.publish_every = 1
+    cfg.rollout.engine.max_running_requests = 32
     cfg.buffer.lease_ms = 4000
     cfg.buffer.stale_policy = "requeue"  # a stale group is generated again: no prompt is dropped
     cfg.rollout.drain_grace_s = 5.0

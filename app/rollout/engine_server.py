@@ -90,19 +90,59 @@ class LoadedModel:
     eos_ids: list[int]
     vocab_size: int
     max_positions: int
+    # What the checks of `load_checkpoint` looked at (`checkpoint_signature`), and a digest of
+    # the tokenizer files: a later version with the same ones skips those checks and reuses
+    # the tokenizer (see `load_checkpoint`'s ``like``).
+    signature: tuple | None = None
+    tokenizer_digest: str | None = None
 
 
 # config.json model_type values of the policies app/model builds (checked like the trainer does).
 POLICY_MODEL_TYPES = ("qwen3_moe", "deepseek_v3")
 
 
-def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
+def checkpoint_signature(path: Path) -> tuple | None:
+    """config.json (parsed) and every tensor's (name, dtype, shape) from the safetensors
+    headers of ``path``: all that `check_checkpoint` decides on. None if a file cannot be read
+    (the full checks then run and name the problem)."""
+    from safetensors import safe_open
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+        tensors = []
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as h:
+                tensors += [(k, h.get_slice(k).get_dtype(), tuple(h.get_slice(k).get_shape())) for k in h.keys()]
+    except Exception:  # noqa: BLE001 - unreadable or torn: the full checks name what is wrong
+        return None
+    return json.dumps(config, sort_keys=True), tuple(sorted(tensors))
+
+
+def _tokenizer_digest(path: Path) -> str | None:
+    import hashlib
+
+    files = [path / n for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")]
+    if not any(f.is_file() for f in files):
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes() if f.is_file() else b"-")
+    return h.hexdigest()
+
+
+def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32",
+                    like: LoadedModel | None = None) -> LoadedModel:
     """Load an HF checkpoint directory with stock transformers (and its tokenizer if present).
 
     Args:
         path: directory with config.json and *.safetensors (a published policy version).
         device: "cpu", "cuda" or "cuda:N".
         dtype: "float32", "bfloat16" or "auto" (the checkpoint's own dtype).
+        like: the checkpoint served now. A new version with the same `checkpoint_signature`
+            (config and every tensor's name, dtype and shape) passed the policy checks already
+            and skips them, and identical tokenizer files reuse its tokenizer: a weight update
+            of the same model then costs the weight load alone. transformers still refuses
+            missing, unexpected or mis-shaped weights.
 
     Raises:
         FileNotFoundError: ``path`` is not a directory with a config.json, or a shard is missing.
@@ -116,7 +156,9 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32
         raise FileNotFoundError(f"model_path {str(path)!r}: no config.json (expected an HF checkpoint dir)")
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
     model_type = json.loads((path / "config.json").read_text()).get("model_type")
-    if model_type in POLICY_MODEL_TYPES:
+    signature = checkpoint_signature(path)
+    same = like is not None and signature is not None and signature == like.signature
+    if model_type in POLICY_MODEL_TYPES and not same:
         # Our policy families: the trainer's own checks (config fields, shards, every tensor's
         # name and shape) before anything is loaded, with the offending field or tensor named.
         from app.model.checkpoint import check_checkpoint
@@ -129,9 +171,13 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32
         detail = "; ".join(f"{k}: {sorted(map(str, v))[:3]}" for k, v in problems.items())
         raise ValueError(f"model_path {str(path)!r}: weights do not match config.json ({detail})")
     model = model.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer.json").is_file() or (
-        path / "tokenizer_config.json"
-    ).is_file() else None
+    digest = _tokenizer_digest(path)
+    if same and digest is not None and digest == like.tokenizer_digest:
+        tokenizer = like.tokenizer
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer.json").is_file() or (
+            path / "tokenizer_config.json"
+        ).is_file() else None
     cfg = model.config
     eos = getattr(model.generation_config, "eos_token_id", None) if model.generation_config else None
     if eos is None:
@@ -142,6 +188,7 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32
         path=str(path), model=model, tokenizer=tokenizer,
         pad_id=int(pad) if pad is not None else 0, eos_ids=eos_ids,
         vocab_size=int(cfg.vocab_size), max_positions=int(getattr(cfg, "max_position_embeddings", 1 << 30)),
+        signature=signature, tokenizer_digest=digest,
     )
 
 
@@ -406,7 +453,7 @@ class Engine:
         """
         version = None if weight_version is None else str(weight_version)
         try:
-            new = await asyncio.to_thread(load_checkpoint, model_path, self.device, self.dtype)
+            new = await asyncio.to_thread(load_checkpoint, model_path, self.device, self.dtype, self.loaded)
             if self.capture_routing:
                 capture = RoutingCapture(new.model)
         except Exception as e:  # noqa: BLE001 - reported to the caller, old weights stay
