@@ -85,11 +85,12 @@ QWEN3=(--family qwen3 --hidden 2048 --intermediate 768 --experts 128 --topk 8)
 # (1 dense + 1 MoE), 32 routed experts = what one GPU holds at EP 8 (all 256 do not fit one H200).
 ROLL=(--groups 1 --group-size 8 --prompt-len 512 --completion-len 7680 --micro-batch-tokens 16384 --iters 3 --warmup 1)
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True   # less allocator slack (moerl plan's FRAGMENTATION)
-step 120 "real-qwen3 qwen3-30b-a3b AC none" train-step --model qwen3-30b-a3b --layers 4 "${ROLL[@]}" "${GPU[@]}"
+# --profile: one more step of ours and of the stock model under torch.profiler, split by kernel family.
+step 150 "real-qwen3 qwen3-30b-a3b AC none" train-step --model qwen3-30b-a3b --layers 4 --profile "${ROLL[@]}" "${GPU[@]}"
 step 120 "real-qwen3 qwen3-30b-a3b AC full" train-step --model qwen3-30b-a3b --layers 4 --activation-checkpointing full \
     "${ROLL[@]}" "${GPU[@]}"
-step 150 "real-dsv3 deepseek-v3 AC full" train-step --model deepseek-v3 --layers 2 --experts 32 --activation-checkpointing full \
-    "${ROLL[@]}" "${GPU[@]}"
+step 180 "real-dsv3 deepseek-v3 AC full" train-step --model deepseek-v3 --layers 2 --experts 32 --activation-checkpointing full \
+    --profile "${ROLL[@]}" "${GPU[@]}"
 step 150 "real-dsv3 deepseek-v3 AC selective" train-step --model deepseek-v3 --layers 2 --experts 32 \
     --activation-checkpointing selective "${ROLL[@]}" "${GPU[@]}"
 step 60 "real-moe deepseek-v3 accuracy" "${MOE[@]}" "${DSV3[@]}" --experts 32 --tokens 4096

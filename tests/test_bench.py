@@ -73,9 +73,15 @@ def test_train_step_bench_writes_result(tmp_path):
     assert positive(by["dense_matmul"]["tflops"])
     assert doc["ratios"]["ours tokens/s / stock transformers tokens/s"] == pytest.approx(
         ours["tokens_per_s"] / stock["tokens_per_s"])
-    profiled = [f for f in doc["figures"] if f["name"].startswith("profile:")]
-    assert 0 < len(profiled) <= 15 and all(f["calls"] >= 1 for f in profiled)
-    assert [f["self_ms"] for f in profiled] == sorted((f["self_ms"] for f in profiled), reverse=True)
+    for prefix in ("profile", "peer_profile"):  # ours, then the stock step, each split by kernel family
+        profiled = [f for f in doc["figures"] if f["name"].startswith(prefix + ":")]
+        assert 0 < len(profiled) <= 20 and all(f["calls"] >= 1 for f in profiled)
+        assert [f["self_ms"] for f in profiled] == sorted((f["self_ms"] for f in profiled), reverse=True)
+        families = [f for f in doc["figures"] if f["name"].startswith(prefix + "_family:")]
+        total = by[prefix + "_total:kernels"]["self_ms"]
+        assert families and sum(f["self_ms"] for f in families) == pytest.approx(total)
+        assert profiled[0]["self_ms"] <= total <= sum(f["self_ms"] for f in profiled) + total
+        assert by[prefix + "_total:wall"]["self_ms"] > 0
     shape = doc["shape"]
     assert shape["rows"] == 4 and shape["seq_len"] == 8 and shape["tokens_per_step"] == 32
     assert doc["ratios"]["ours model TFLOP/s / dense matmul TFLOP/s (MFU)"] == pytest.approx(ours["mfu_vs_dense"])
@@ -306,3 +312,19 @@ def test_results_json_of_the_gpu_script_is_a_list_of_documents(tmp_path):
     subprocess.run([sys.executable, "-c", body, str(src), str(tmp_path / "results.json")], check=True, timeout=60)
     docs = json.loads((tmp_path / "results.json").read_text())
     assert [d["figures"][0]["name"] for d in docs] == ["0", "1"]
+
+
+def test_kernel_families_name_the_kernels_of_a_step():
+    from app.bench.common import kernel_family
+
+    assert kernel_family("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
+    assert kernel_family("nvjet_tst_192x192_64x3_1x2_h_bz_coopB_TNN") == "gemm"
+    assert kernel_family("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>") == "attention"
+    assert kernel_family("_gather_sum_kernel") == "triton"
+    assert kernel_family("void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, float>") == "softmax_reduce"
+    assert kernel_family("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
+    assert kernel_family("Memcpy DtoD (Device -> Device)") == "copy_cast"
+    assert kernel_family("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>") == "elementwise"
+    assert kernel_family("ncclDevKernel_AllGather_RING_LL") == "collective"
+    assert kernel_family("void at::native::_scatter_gather_elementwise_kernel<128, 4>") == "copy_cast"
+    assert kernel_family("void at::native::radixSortKVInPlace<-2, -1, 128, 32>") == "other"
