@@ -320,7 +320,7 @@ def test_kernel_families_name_the_kernels_of_a_step():
     assert kernel_family("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
     assert kernel_family("nvjet_tst_192x192_64x3_1x2_h_bz_coopB_TNN") == "gemm"
     assert kernel_family("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>") == "attention"
-    assert kernel_family("_gather_sum_kernel") == "triton"
+    assert kernel_family("_gather_sum_kernel") == "triton" and kernel_family("_logit_grad_kernel") == "triton"
     assert kernel_family("void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, float>") == "softmax_reduce"
     assert kernel_family("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
     assert kernel_family("Memcpy DtoD (Device -> Device)") == "copy_cast"

@@ -82,7 +82,7 @@ def dense_matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, iters:
 KERNEL_FAMILIES = (
     ("attention", ("flash", "fmha", "attention", "attn")),
     ("gemm", ("gemm", "xmma", "nvjet", "cutlass", "wgmma", "splitk", "grouped_mm", "kernel2")),
-    ("triton", ("triton", "_gather_sum", "swiglu")),
+    ("triton", ("triton", "_gather_sum", "swiglu", "_logit_")),
     ("optimizer", ("multi_tensor", "adam")),
     ("softmax_reduce", ("softmax", "reduce", "logsumexp", "norm")),
     ("collective", ("nccl",)),

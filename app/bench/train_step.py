@@ -232,14 +232,14 @@ def _ours(bench: TrainStepBench, config, device: torch.device):
     from app.model.parallel import EPContext
     from app.model.policy import build_policy
     from app.trainer.parallel import build_mesh, parallelize
-    from app.trainer.step import train_step
+    from app.trainer.step import build_optimizer, train_step
 
     cfg = bench.run_config()
     mesh = build_mesh(resolve_layout(cfg.trainer.parallel, 1), device.type)
     model = build_policy(config, cfg.router, EPContext.local(), device=device, dtype=torch.float32, seed=bench.seed)
     parallelize(model, mesh, DTYPES[bench.dtype], bench.activation_checkpointing)
     # lr tiny: the weights barely move, so every timed step does the same work.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
+    optimizer = build_optimizer(model.parameters(), 1e-7, cfg.trainer.adam_betas, cfg.trainer.weight_decay, device)
     batch = _batch(bench, config, cfg)
 
     def step():
@@ -273,7 +273,9 @@ def _peer(bench: TrainStepBench, config, device: torch.device):
     if bench.activation_checkpointing != "none":
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
+    # Fused on CUDA, as transformers' Trainer defaults to (optim="adamw_torch_fused").
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7, betas=tuple(cfg.trainer.adam_betas),
+                                  weight_decay=cfg.trainer.weight_decay, fused=device.type == "cuda" or None)
     batch = _batch(bench, config, cfg)
     plan = plan_micro_batches(batch, cfg.trainer.micro_batch_tokens)
     tokens = batch.completion_mask.sum()
@@ -379,7 +381,7 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
 
         experts_impl = "grouped_mm" if blocks and grouped_mm_supported(local(blocks[0][1].experts.gate_up_proj).to(dtype)) else "loop"
         ours_s, ours_peak, (applied, stats) = _time(step, bench, device)
-        profiled = profile_top(step, device) if bench.profile else []
+        profiled = profile_top(step, device, top=20, families=True) if bench.profile else []
         del step, model
         _free(device)
         peer_s = peer_peak = None
@@ -388,6 +390,8 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
             try:
                 peer_step = _peer(bench, config, device)
                 peer_s, peer_peak, _ = _time(peer_step, bench, device)
+                if bench.profile:
+                    profiled += profile_top(peer_step, device, top=20, prefix="peer_profile", families=True)
                 del peer_step
             except torch.cuda.OutOfMemoryError as e:  # the stock step may not fit where ours does
                 peer_note = f"stock transformers step ran out of memory: {str(e).splitlines()[0][:160]}"
@@ -462,7 +466,14 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
           f"{predicted['device_gb']:.1f} GB of device memory"
           + (f"; measured {ours_peak[0]:.1f} GB allocated, {ours_peak[1]:.1f} GB reserved" if ours_peak else ""))
     if profiled:
-        print(f"profile of one step of ours, top {len(profiled)} by self {'device' if device.type == 'cuda' else 'CPU'} time:")
-        for f in profiled:
-            print(f"  {f['self_ms']:>10.2f} ms {f['share']:>6.1%} {f['calls']:>6}x  {f['name'][len('profile:'):]}")
+        unit = "device" if device.type == "cuda" else "CPU"
+        for prefix, who in (("profile", "ours"), ("peer_profile", "stock transformers")):
+            rows = [f for f in profiled if f["name"].split(":", 1)[0] == prefix]
+            if not rows:
+                continue
+            print(f"profile of one step of {who}, top {len(rows)} by self {unit} time:")
+            for f in rows:
+                print(f"  {f['self_ms']:>10.2f} ms {f['share']:>6.1%} {f['calls']:>6}x  {f['name'].split(':', 1)[1]}")
+            split = [f for f in profiled if f["name"].split(":", 1)[0] in (f"{prefix}_family", f"{prefix}_total")]
+            print(f"  by kernel family: " + ", ".join(f"{f['name'].split(':', 1)[1]} {f['self_ms']:.1f} ms" for f in split))
     return print_notes_and_write("train_step", shape, figures, ratios, notes, out_dir)

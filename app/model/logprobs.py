@@ -7,8 +7,10 @@ gather`` over ``chunk`` rows at a time in the forward, saving just the per-row l
 backward recomputes each chunk's logits and turns them into the gradient of the hidden states
 and of the LM-head weight chunk by chunk, so no more than one ``[chunk, V]`` fp32 block (plus its
 softmax, computed in place) is alive in either pass. This is the fused linear + cross-entropy
-pattern of Liger-Kernel (``fused_linear_cross_entropy``) and verl (``linear_cross_entropy``),
-written with plain torch ops.
+pattern of Liger-Kernel (``fused_linear_cross_entropy``) and verl (``linear_cross_entropy``).
+On CUDA the softmax passes over each chunk are one Triton kernel per direction
+(app/model/logit_kernels.py) that reads the GEMM's bf16 output once and never materialises an
+fp32 block; elsewhere they are plain torch ops.
 
 Math (temperature T, logits z = h W^T / T, p = softmax(z)):
   logp(y) = z_y - logsumexp(z);  d logp(y) / d z = onehot(y) - p;
@@ -20,10 +22,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from app.model import kernels
+
 
 def chunked_logprobs(
     hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0, chunk: int = 4096,
-    with_entropy: bool = False,
+    with_entropy: bool = False, fused: bool | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probability of each target token under ``softmax(hidden @ weight.T / temperature)``.
 
@@ -34,6 +38,8 @@ def chunked_logprobs(
         temperature: sampling temperature (> 0), as the engine applies it before sampling.
         chunk: rows per chunk (>= 1).
         with_entropy: also return the entropy of each row's distribution (detached).
+        fused: the Triton softmax passes (`app.model.logit_kernels`); None (default) uses them
+            where they run compiled (CUDA with triton, bf16/fp16/fp32), torch ops otherwise.
 
     Returns:
         ``(logp [N] with gradient to hidden and weight, entropy [N] (detached) or None)``, fp32
@@ -50,7 +56,10 @@ def chunked_logprobs(
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
     if temperature <= 0 or chunk < 1:
         raise ValueError(f"temperature must be > 0 and chunk >= 1, got {temperature}, {chunk}")
-    logp, ent = _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), int(chunk), with_entropy)
+    if fused is None:
+        fused = kernels.usable(hidden)
+    logp, ent = _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), int(chunk), with_entropy,
+                                       bool(fused))
     return logp, (ent if with_entropy else None)
 
 
@@ -68,13 +77,23 @@ def _chunk_logits(h: Tensor, weight: Tensor, temperature: float) -> Tensor:
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy):
+    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy, fused):
         n = hidden.shape[0]
         acc = _acc_dtype(hidden)
         logp = torch.empty(n, dtype=acc, device=hidden.device)
         lse = torch.empty(n, dtype=acc, device=hidden.device)
         ent = torch.empty(n if with_entropy else 0, dtype=acc, device=hidden.device)
         for s in range(0, n, chunk):
+            if fused:
+                from app.model.logit_kernels import logit_stats
+
+                c_lse, c_target, c_ent = logit_stats(hidden[s : s + chunk] @ weight.t(), targets[s : s + chunk],
+                                                     temperature, with_entropy)
+                lse[s : s + chunk] = c_lse
+                logp[s : s + chunk] = c_target - c_lse
+                if with_entropy:
+                    ent[s : s + chunk] = c_ent
+                continue
             z = _chunk_logits(hidden[s : s + chunk], weight, temperature)
             c_lse = torch.logsumexp(z, dim=-1)
             lse[s : s + chunk] = c_lse
@@ -84,7 +103,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 p = torch.exp(z - c_lse[:, None])
                 ent[s : s + chunk] = c_lse - (p * z).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.chunk, ctx.fused = temperature, chunk, fused
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
@@ -97,16 +116,22 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=_acc_dtype(weight), device=weight.device) if need_w else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]
-            dz = _chunk_logits(h, weight, t)
-            dz.sub_(lse[s : s + chunk, None]).exp_()  # p = softmax(z), in place
-            dz.neg_().scatter_add_(1, targets[s : s + chunk, None], torch.ones_like(dz[:, :1]))  # onehot - p
-            dz.mul_(grad_logp[s : s + chunk, None] / t)
-            dz = dz.to(weight.dtype)
+            if ctx.fused:
+                from app.model.logit_kernels import logit_grad
+
+                dz = logit_grad(h @ weight.t(), lse[s : s + chunk], targets[s : s + chunk], grad_logp[s : s + chunk],
+                                t, weight.dtype)
+            else:
+                dz = _chunk_logits(h, weight, t)
+                dz.sub_(lse[s : s + chunk, None]).exp_()  # p = softmax(z), in place
+                dz.neg_().scatter_add_(1, targets[s : s + chunk, None], torch.ones_like(dz[:, :1]))  # onehot - p
+                dz.mul_(grad_logp[s : s + chunk, None] / t)
+                dz = dz.to(weight.dtype)
             if need_h:
                 grad_h[s : s + chunk] = dz @ weight
             if need_w:
                 grad_w += dz.t() @ h  # one GEMM per chunk in the weight's dtype, summed in fp32
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
 
 
 def sequence_logprobs(

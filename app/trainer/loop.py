@@ -214,7 +214,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
     from app.trainer.parallel import build_mesh
     from app.trainer.publish import publish_version
     from app.trainer.state import drop_committed, latest_state, load_state, newer_entry, save_state
-    from app.trainer.step import train_step
+    from app.trainer.step import build_optimizer, train_step
     from app.trainer.train import init_distributed
 
     # The cross-field rules (capacity vs save_every, PPO's loss aggregation) live in RunConfig;
@@ -260,7 +260,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
 
     model = build_policy_model(cfg, path, ep, mesh, device)
     ref_model = build_reference(cfg, path, ep, mesh, device) if t.kl_coef > 0 else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
+    optimizer = build_optimizer(model.parameters(), t.lr, t.adam_betas, t.weight_decay, device)
     critic = build_critic_parts(cfg, path, ep, mesh, device) if t.algorithm == "ppo" else None
     modules = {"policy": (model, optimizer)}
     if critic is not None:

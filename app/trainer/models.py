@@ -103,6 +103,7 @@ def build_critic_parts(cfg: RunConfig, path: str | None, ep: EPContext, mesh: Tr
         trunk = AutoModel.from_pretrained(critic_path, dtype=torch.float32).to(device)
         critic = parallelize(Critic(trunk, config.hidden_size).to(device), mesh, getattr(torch, cfg.model.dtype),
                              t.activation_checkpointing)
-    optimizer = torch.optim.AdamW(critic.parameters(), lr=t.critic_lr or t.lr, betas=t.adam_betas,
-                                  weight_decay=t.weight_decay)
+    from app.trainer.step import build_optimizer
+
+    optimizer = build_optimizer(critic.parameters(), t.critic_lr or t.lr, t.adam_betas, t.weight_decay, device)
     return CriticParts(module=critic, optimizer=optimizer)
