@@ -292,3 +292,30 @@ def test_a_weight_update_is_sent_once_and_a_timeout_says_so():
         thread.join(10)
     assert len(calls) == 1 and slow.timed_out and slow.status is None
     assert not refused.timed_out
+
+
+@pytest.mark.parametrize("reported, expected", [("7", 7), (7, 7), (" 3 ", 3), ("default", None), (True, None),
+                                                 (None, None)])
+def test_weight_version_is_read_as_sglang_reports_it_or_as_an_integer(reported, expected):
+    """SGLang reports ``weight_version`` as a string ("default" until one is set); an integer is
+    read too, and anything that is not a version is None, never a version 0 or 1. Both routes
+    that carry it: /model_info and /generate's meta_info."""
+    import json
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/model_info":
+            return httpx.Response(200, json={"model_path": "/m", "weight_version": reported})
+        assert request.url.path == "/generate", request.url.path
+        body = json.loads(request.content)
+        return httpx.Response(200, json={"text": "a", "output_ids": [5], "meta_info": {
+            "finish_reason": {"type": "length", "length": 1}, "weight_version": reported,
+            "output_token_logprobs": [[-0.5, 5, None]]}, "input_ids": body["input_ids"]})
+
+    async def go():
+        async with EngineClient("http://engine", transport=httpx.MockTransport(reply), retries=0) as c:
+            out = await c.generate([BOS_ID, 5], max_new_tokens=1, return_logprob=True)
+            return await c.weight_version(), out
+
+    version, out = asyncio.run(go())
+    assert version == expected
+    assert [o.weight_version for o in out] == [expected]

@@ -538,3 +538,21 @@ def test_cli_traffic_json_and_exit_code():
     ok = _plan(*args, "--publish-every", str(tree["min_publish_every"]))
     assert ok.exit_code == 0, ok.output
     assert _plan(*args, "--max-staleness", "3").exit_code == 0
+
+
+def test_cli_traffic_for_qwen3_30b_a3b_on_one_trainer_and_one_rollout_node():
+    """The small layout of issue 21 (1 + 1 p5en): one receiver, so every path moves one version over
+    the busiest link; the network push is one version at the EFA rate, S3 an upload then a download
+    at the per-node S3 rate, and S3 carries twice the version per version."""
+    r = _plan("--model", "qwen3-30b-a3b", "--nodes", "1", "--traffic", "--rollout-nodes", "1", "--step-s", "30",
+              "--json")
+    out = json.loads(r.output)
+    size = traffic.version_bytes(qwen3_30b_a3b_config())
+    assert out["version_bytes"] == size and 55e9 < size < 65e9  # 30.5 B parameters in bf16
+    by = {p["path"]: p for p in out["paths"]}
+    assert all(p["link_bytes"] == size for p in by.values())
+    assert by["direct push"]["seconds"] == pytest.approx(size * 8 / 3200e9, rel=0.01)
+    assert by["S3"]["seconds"] == pytest.approx(2 * size * 8 / 100e9, rel=0.01)
+    assert by["S3"]["s3_bytes_per_version"] == 2 * size and by["direct push"]["s3_bytes_per_version"] == size
+    # 30 s rollouts on 30 s steps: a version every step is 3 versions stale at worst, over max_staleness 1.
+    assert by["direct push"]["staleness"] == 3 and r.exit_code == 1
