@@ -33,6 +33,7 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
 from constructs import Construct
 
+from infra.addons import EKS_ADDONS, addon_versions  # noqa: F401  (EKS_ADDONS re-exported)
 from infra.charts import (DCGM_EXPORTER, EFA_DEVICE_PLUGIN, KUBE_PROMETHEUS_STACK, LWS,  # noqa: F401
                           MONITORING_NAMESPACE, NVIDIA_DEVICE_PLUGIN, VOLCANO)
 from infra.config import (ACCELERATOR_LABEL, EFA_LABEL, GPU_TAINT_KEY, POOL_TAINT_KEY,
@@ -41,8 +42,6 @@ from infra.instances import INSTANCE_TABLE
 from infra.network import NetworkStack
 from infra.storage import StorageStack
 
-EKS_ADDONS = ("vpc-cni", "coredns", "kube-proxy", "eks-pod-identity-agent", "aws-ebs-csi-driver",
-              "eks-node-monitoring-agent")
 # configurationValues per add-on (each add-on's schema: `aws eks describe-addon-configuration`).
 ADDON_CONFIG: dict[str, dict] = {
     # The VPC CNI's network policy agent enforces the NetworkPolicies charts8s ships.
@@ -199,10 +198,11 @@ class ClusterStack(Stack):
         for i, arn in enumerate(cfg.admin_role_arns):
             self.cluster.grant_cluster_admin(f"Admin{i}", arn)
 
+        # Each add-on at its pinned version (infra/addons.py), never EKS's default of the day.
         self.addons = {
-            name: eks.Addon(self, f"Addon-{name}", cluster=self.cluster, addon_name=name, preserve_on_delete=False,
-                            configuration_values=ADDON_CONFIG.get(name))
-            for name in EKS_ADDONS
+            name: eks.Addon(self, f"Addon-{name}", cluster=self.cluster, addon_name=name, addon_version=version,
+                            preserve_on_delete=False, configuration_values=ADDON_CONFIG.get(name))
+            for name, version in addon_versions(cfg.k8s_version).items()
         }
         self._ebs_csi_identity()
 

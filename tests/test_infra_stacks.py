@@ -25,6 +25,7 @@ os.environ.setdefault("JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION", "1")
 from aws_cdk import App  # noqa: E402
 from aws_cdk.assertions import Match, Template  # noqa: E402
 
+from infra.addons import addon_versions  # noqa: E402
 from infra.app import build_app  # noqa: E402
 from infra.cluster import (EBS_CSI_SERVICE_ACCOUNT, EFA_DEVICE_PLUGIN, EKS_ADDONS,  # noqa: E402
                            NVIDIA_DEVICE_PLUGIN, VOLCANO)
@@ -283,6 +284,15 @@ def test_addons_and_pinned_device_plugins(pipeline):
     for values in (nvidia, efa):
         keys = {t["key"] for t in values["tolerations"]}
         assert {"nvidia.com/gpu", "moerl.dev/pool"} <= keys
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_every_addon_is_pinned(pipeline, env):
+    """No add-on is left to EKS's default of the day: each carries its pin from infra/addons.py."""
+    cl, cfg = tpl(pipeline, env, "cluster"), pipeline.cfgs[env]
+    versions = {r["Properties"]["AddonName"]: r["Properties"].get("AddonVersion")
+                for r in resources(cl, "AWS::EKS::Addon").values()}
+    assert versions == addon_versions(cfg.k8s_version)
 
 
 def addon(t: Template, name: str) -> tuple[str, dict]:
