@@ -7,7 +7,7 @@ WorkerStats). `RunMetrics` holds them in a prometheus_client registry of its own
 that registry on ``http://<addr>:<port>/metrics`` (Prometheus text exposition format 0.0.4, the
 format prometheus_client's own parser reads); `follow` feeds a registry from a growing
 metrics.jsonl, so a process can export the trainer's figures without touching the training loop.
-charts8s/monitoring.py points ServiceMonitors at these ports.
+charts8s/monitoring.py points PodMonitors at these ports.
 
 `upload_run_metrics` copies ``metrics.jsonl`` and ``tensorboard/`` of a run directory under the
 run's prefix of the object store (``<run_id>/metrics/metrics.jsonl`` and
@@ -42,7 +42,8 @@ WEIGHT_UPDATE_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 
 
 class RunMetrics:
-    """The Prometheus metrics of one process (trainer rank 0, a rollout worker or the buffer).
+    """The Prometheus metrics of one process (trainer rank 0 or a rollout worker; the buffer pod's
+    Redis figures come from its redis_exporter sidecar, charts8s/buffer.py).
 
     Attributes: registry (prometheus_client.CollectorRegistry). Every metric carries the
     ``run_id`` label. Counters are fed from running totals (metrics.jsonl, WorkerStats): each

@@ -2,6 +2,16 @@
 
 One StatefulSet pod on the buffer-mem pool (on-demand). The password Secret is created outside
 dist/ (README: `kubectl create secret`) so no credential is ever written to the manifests.
+
+Beside redis-server runs oliver006/redis_exporter (flags and environment variables as its
+README lists them for v1.88.0), the usual way to give Prometheus Redis's figures (memory,
+clients, commands, AOF); its container port "metrics" is what the moerl-buffer PodMonitor
+(charts8s/monitoring.py) scrapes. It also exports the length of the run's keys
+(app.buffer.experience.buffer_keys): ``redis_key_size`` of the task and sample streams and the
+sets, and for the two streams ``redis_stream_length`` and, per consumer group,
+``redis_stream_group_messages_pending`` (the tasks leased by rollout workers) and
+``redis_stream_group_lag``. Its /scrape endpoint, which would make it connect to any address a
+caller names with the buffer's password, is off.
 """
 
 from __future__ import annotations
@@ -9,14 +19,38 @@ from __future__ import annotations
 import cdk8s
 from constructs import Construct
 
-from charts8s.cluster import BUFFER_SERVICE, REDIS_PORT
+from app.buffer.experience import SET_KEYS, STREAM_KEYS, buffer_keys
+from charts8s.cluster import BUFFER_SERVICE, REDIS_DB, REDIS_EXPORTER_PORT, REDIS_PORT
 from charts8s.kube import api_object, k8s_module
+from charts8s.monitoring import METRICS_PORT_NAME, metrics_port
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 
 NAME = BUFFER_SERVICE
 STORAGE_CLASS = "moerl-gp3"
 UID = 10001  # any UID runs redis-server; fsGroup makes /data writable
 CLIENTS = ("moerl-rollout", "moerl-trainer", "moerl-env", "moerl-feed")
+EXPORTER = "redis-exporter"
+# A few MB of Go heap for INFO and the keys below; the upstream Kubernetes example requests 100m.
+EXPORTER_RESOURCES = {"cpu": "100m", "memory": "128Mi"}
+
+
+def exporter_env(plan) -> list[dict]:
+    """Environment of the exporter container: redis-server on the pod's loopback, the password
+    from the buffer's Secret, the run's queue keys to measure, no /scrape endpoint."""
+    run = plan.run
+    keys = buffer_keys(run.run_id, run.buffer.run_prefix)
+    db = lambda names: ",".join(f"db{REDIS_DB}={keys[n]}" for n in names)  # noqa: E731
+    return [
+        {"name": "REDIS_ADDR", "value": f"redis://localhost:{REDIS_PORT}"},
+        {"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": plan.wl.buffer.password_secret,
+                                                                   "key": "password"}}},
+        {"name": "REDIS_EXPORTER_WEB_LISTEN_ADDRESS", "value": f":{REDIS_EXPORTER_PORT}"},
+        {"name": "REDIS_EXPORTER_CHECK_SINGLE_KEYS", "value": db(STREAM_KEYS + SET_KEYS)},
+        {"name": "REDIS_EXPORTER_CHECK_SINGLE_STREAMS", "value": db(STREAM_KEYS)},
+        # Consumers are rollout pods: a series per pod name would outlive every replaced pod.
+        {"name": "REDIS_EXPORTER_STREAMS_EXCLUDE_CONSUMER_METRICS", "value": "true"},
+        {"name": "REDIS_EXPORTER_DISABLE_SCRAPE_ENDPOINT", "value": "true"},
+    ]
 
 
 class BufferChart(cdk8s.Chart):
@@ -47,10 +81,22 @@ class BufferChart(cdk8s.Chart):
             "readinessProbe": probe, "livenessProbe": {**probe, "periodSeconds": 30, "failureThreshold": 5},
             "volumeMounts": [{"name": "data", "mountPath": "/data"}],
         }
+        health = {"httpGet": {"path": "/health", "port": METRICS_PORT_NAME}, "periodSeconds": 30, "timeoutSeconds": 5}
+        exporter = {
+            # The image's entrypoint, written out (the replica, app/replica, knows it by this name).
+            "name": EXPORTER, "image": b.exporter_image, "imagePullPolicy": "IfNotPresent",
+            "command": ["/redis_exporter"],
+            "env": exporter_env(plan),
+            "ports": [metrics_port(REDIS_EXPORTER_PORT)],
+            "resources": {"requests": EXPORTER_RESOURCES, "limits": EXPORTER_RESOURCES},
+            "securityContext": container_security(),
+            "readinessProbe": health, "livenessProbe": {**health, "failureThreshold": 5},
+        }
         skips = checkov_skips(
-            CKV_K8S_43="the Redis image is pinned by version tag from ECR Public's Docker official images",
+            CKV_K8S_43="the Redis and exporter images are pinned by version tag (charts8s/workloads.py BufferSpec)",
             CKV_K8S_15="a pinned version tag does not change; IfNotPresent avoids a registry round trip per start",
-            CKV_K8S_35="redis-server takes requirepass as an argument; the Secret is read from env at start only",
+            CKV_K8S_35="redis-server takes requirepass as an argument and redis_exporter reads REDIS_PASSWORD "
+                       "(its password file holds a URL map, not the Secret's key); both read env at start only",
         )
         api_object(self, k8s.KubeStatefulSet, NAME, ns, labels=lab, annotations=skips, spec={
             "serviceName": NAME, "replicas": 1, "selector": {"matchLabels": lab},
@@ -60,7 +106,7 @@ class BufferChart(cdk8s.Chart):
                 "priorityClassName": NAME, "securityContext": pod_security(UID),
                 # Redis flushes the AOF on SIGTERM (SHUTDOWN); give it time.
                 "terminationGracePeriodSeconds": 60,
-                "containers": [container],
+                "containers": [container, exporter],
             }},
             "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": {
                 "accessModes": ["ReadWriteOnce"], "storageClassName": STORAGE_CLASS,

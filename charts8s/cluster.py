@@ -25,6 +25,8 @@ BUFFER_SERVICE = "moerl-buffer"
 REWARD_MODEL_SERVICE = "moerl-reward-model"  # charts8s/rewardmodel.py, when task.reward_model is set
 ENV_SERVICE = "moerl-env"  # charts8s/envpool.py
 REDIS_PORT = 6379
+REDIS_DB = 0  # the database of buffer.redis_url
+REDIS_EXPORTER_PORT = 9121  # oliver006/redis_exporter's default listen port (charts8s/buffer.py)
 MODEL_CACHE = "/tmp/moerl-model-cache"  # on every pod's writable /tmp volume
 
 
@@ -38,7 +40,7 @@ def cluster_run_config(plan: Plan) -> RunConfig:
     env.url -> the env pool's Service (when env.name is set: `moerl env` pods).
     """
     run = plan.run.model_copy(deep=True)
-    run.buffer.redis_url = f"redis://{BUFFER_SERVICE}.{plan.namespace}.svc.cluster.local:{REDIS_PORT}/0"
+    run.buffer.redis_url = f"redis://{BUFFER_SERVICE}.{plan.namespace}.svc.cluster.local:{REDIS_PORT}/{REDIS_DB}"
     run.rollout.engine_url = f"http://127.0.0.1:{plan.wl.rollout.engine_port}"
     run.store_url = f"s3://{plan.cfg.checkpoint_bucket}/{plan.cfg.run_prefix}"
     if plan.wl.rollout.model_path:

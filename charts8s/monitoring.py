@@ -4,10 +4,12 @@ NetworkPolicies that let Prometheus reach the metrics port.
 kube-prometheus-stack (infra/cluster.py) selects every PodMonitor in the cluster. A PodMonitor,
 not a ServiceMonitor: the rollout workers have no Service, and a trainer rank's pod is its
 target. Each selects one role's pods by their labels (charts8s.placement.labels) and scrapes the
-container port named "metrics" (app.metrics.METRICS_PORT); a pod that declares no such port is
-no target, so only trainer rank 0, which serves the trainer's figures, is scraped. NetworkPolicies
-add up: the ones here only open the metrics port to the monitoring namespace beside the roles'
-own policies.
+container port named "metrics": app.metrics.METRICS_PORT on trainer rank 0 and the rollout
+workers, the Redis exporter's port (charts8s.cluster.REDIS_EXPORTER_PORT) on the buffer pod,
+whose sidecar (charts8s/buffer.py) exports redis-server's figures and the length of the run's
+queue keys. A pod that declares no such port is no target, so only trainer rank 0, which serves
+the trainer's figures, is scraped. NetworkPolicies add up: the ones here only open the metrics
+port to the monitoring namespace beside the roles' own policies.
 
 `PODMONITOR_SCHEMA` is the JSON schema of the fields written here, transcribed from the
 prometheus-operator CRD shipped in kube-prometheus-stack 88.5.3 (charts/crds/crds/
@@ -23,6 +25,7 @@ import cdk8s
 from constructs import Construct
 
 from app.metrics import METRICS_PORT
+from charts8s.cluster import BUFFER_SERVICE, REDIS_EXPORTER_PORT
 from charts8s.kube import api_object, k8s_module
 from charts8s.placement import labels
 from charts8s.workloads import Plan
@@ -32,8 +35,9 @@ API_VERSION = "monitoring.coreos.com/v1"
 KIND = "PodMonitor"
 METRICS_PORT_NAME = "metrics"
 SCRAPE_INTERVAL = "15s"
-# Roles that serve /metrics (the buffer's figures come from trainer rank 0: buffer.stats()).
-SCRAPED = ("moerl-trainer", "moerl-rollout")
+# Roles that serve /metrics, and the number of their port named METRICS_PORT_NAME. The buffer's
+# counters (buffer.stats()) also come from trainer rank 0; its exporter adds Redis's own figures.
+SCRAPED = {"moerl-trainer": METRICS_PORT, "moerl-rollout": METRICS_PORT, BUFFER_SERVICE: REDIS_EXPORTER_PORT}
 
 _LABEL_SELECTOR = {"$ref": "/api/_definitions.json#/$defs/io.k8s.apimachinery.pkg.apis.meta.v1.LabelSelector"}
 _OBJECT_META = {"$ref": "/api/_definitions.json#/$defs/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"}
@@ -62,10 +66,10 @@ PODMONITOR_SCHEMA: dict[str, Any] = {
 }
 
 
-def metrics_port() -> dict:
-    """The container port a role declares to be scraped (the lead adds it to trainer rank 0's
-    and the rollout worker's container)."""
-    return {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"}
+def metrics_port(port: int = METRICS_PORT) -> dict:
+    """The container port a role declares to be scraped: trainer rank 0's and the rollout
+    worker's container (METRICS_PORT), the buffer's exporter (REDIS_EXPORTER_PORT)."""
+    return {"name": METRICS_PORT_NAME, "containerPort": port, "protocol": "TCP"}
 
 
 class MonitoringChart(cdk8s.Chart):
@@ -74,7 +78,7 @@ class MonitoringChart(cdk8s.Chart):
     def __init__(self, scope: Construct, plan: Plan):
         super().__init__(scope, "monitoring")
         k8s, ns = k8s_module(plan.cfg.k8s_version), plan.namespace
-        for role in SCRAPED:
+        for role, port in SCRAPED.items():
             lab = labels(role)
             obj = cdk8s.ApiObject(self, f"{KIND}-{role}", api_version=API_VERSION, kind=KIND,
                                   metadata=cdk8s.ApiObjectMetadata(name=role, namespace=ns, labels=lab))
@@ -88,6 +92,6 @@ class MonitoringChart(cdk8s.Chart):
                 "ingress": [{
                     "from": [{"namespaceSelector": {"matchLabels": {
                         "kubernetes.io/metadata.name": MONITORING_NAMESPACE}}}],
-                    "ports": [{"protocol": "TCP", "port": METRICS_PORT}],
+                    "ports": [{"protocol": "TCP", "port": port}],
                 }],
             })

@@ -132,6 +132,10 @@ class BufferSpec(_Model):
     memory_gi: int = Field(64, ge=1)
     cpu: int = Field(4, ge=1)
     image: str = "public.ecr.aws/docker/library/redis:7.4.2-alpine"
+    # The Prometheus exporter beside redis-server (charts8s/buffer.py). oliver006/redis_exporter's
+    # release workflow pushes each tag to Docker Hub, ghcr.io and quay.io alike; ghcr.io has no
+    # anonymous pull limit shared behind the cluster's NAT. Its scratch image holds the binary only.
+    exporter_image: str = "ghcr.io/oliver006/redis_exporter:v1.88.0"
     password_secret: str = "moerl-redis-auth"
 
 
@@ -255,17 +259,19 @@ _IMAGE_REF = re.compile(
 _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
-def _check_tag(role: str, ref: str) -> None:
+def _check_tag(role: str, ref: str, field: str | None = None) -> None:
+    """Raise WorkloadError naming `field` (default images.<role>) unless `ref` is pinned."""
+    field = field or f"images.{role}"
     if not _IMAGE_REF.match(ref):
-        raise WorkloadError(f"images.{role}: {ref!r} is not a valid image reference (registry/repository:tag)")
+        raise WorkloadError(f"{field}: {ref!r} is not a valid image reference (registry/repository:tag)")
     # A reference without ":tag" or "@sha256:" after the last "/" would pull "latest" (mutable).
     last = ref.rsplit("/", 1)[-1]
     if "@" in ref:
         return
     if ":" not in last or not last.split(":", 1)[1]:
-        raise WorkloadError(f"images.{role}: image {ref!r} has no tag; give repository:tag or @sha256 digest")
+        raise WorkloadError(f"{field}: image {ref!r} has no tag; give repository:tag or @sha256 digest")
     if last.split(":", 1)[1] == "latest":
-        raise WorkloadError(f"images.{role}: image {ref!r} uses the mutable tag 'latest'; pin a version")
+        raise WorkloadError(f"{field}: image {ref!r} uses the mutable tag 'latest'; pin a version")
 
 
 def check(plan: Plan) -> Plan:
@@ -283,6 +289,7 @@ def check(plan: Plan) -> Plan:
     for role, ref in plan.images.items():
         _check_tag(role, ref)
     _check_tag("buffer", wl.buffer.image)
+    _check_tag("buffer", wl.buffer.exporter_image, "buffer.exporter_image")
     if not _DNS1123.match(wl.buffer.password_secret) or len(wl.buffer.password_secret) > 253:
         raise WorkloadError(f"buffer.password_secret: {wl.buffer.password_secret!r} is not a valid Secret name "
                             "(lower-case DNS-1123 subdomain)")

@@ -242,8 +242,10 @@ def test_probes_and_disruption_budgets_exist(synth):
         # the probe outwaits SGLang's own 20 s /health_generate wait, and the kubelet outwaits the probe
         assert float(cmd[cmd.index("--timeout") + 1]) > 20 and engine[probe]["timeoutSeconds"] > float(cmd[cmd.index("--timeout") + 1])
     for name in ("moerl-buffer",):
-        (c,) = synth.get("StatefulSet", name)["spec"]["template"]["spec"]["containers"]
-        assert c["readinessProbe"] and c["livenessProbe"]
+        containers = synth.get("StatefulSet", name)["spec"]["template"]["spec"]["containers"]
+        assert [c["name"] for c in containers] == ["redis", "redis-exporter"]
+        for c in containers:
+            assert c["readinessProbe"] and c["livenessProbe"], c["name"]
     (c,) = synth.get("Deployment", "moerl-env")["spec"]["template"]["spec"]["containers"]
     assert c["readinessProbe"] and c["livenessProbe"]
     pdbs = {d["metadata"]["name"]: d["spec"]["selector"]["matchLabels"] for d in synth.kinds("PodDisruptionBudget")}
@@ -274,7 +276,7 @@ def test_no_pod_runs_privileged_or_as_root(synth):
 
 def test_redis_buffer_is_persistent_password_protected_and_fenced(synth):
     sts = synth.get("StatefulSet", "moerl-buffer")
-    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    (c,) = [c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "redis"]
     args = c["args"]
     assert args[args.index("--appendonly") + 1] == "yes"
     assert args[args.index("--dir") + 1] == "/data"
@@ -292,6 +294,92 @@ def test_redis_buffer_is_persistent_password_protected_and_fenced(synth):
     for name, tpl in synth.pod_templates().items():
         if name.split("/")[0] in allowed:
             assert tpl["metadata"]["labels"]["app.kubernetes.io/name"] == name.split("/")[0]
+
+
+def _exporter(synth) -> tuple[dict, dict, dict[str, dict]]:
+    """(pod template, exporter container, its env by name) of the buffer StatefulSet."""
+    tpl = synth.get("StatefulSet", "moerl-buffer")["spec"]["template"]
+    (c,) = [c for c in tpl["spec"]["containers"] if c["name"] == "redis-exporter"]
+    return tpl, c, {e["name"]: e for e in c["env"]}
+
+
+def _checked(value: str) -> list[tuple[int, str]]:
+    """(db, key) pairs of a redis_exporter check-*-keys list ("db0=key,db0=key2")."""
+    out = []
+    for item in value.split(","):
+        db, _, key = item.partition("=")
+        out.append((int(db.removeprefix("db")), key))
+    return out
+
+
+def test_buffer_pod_runs_the_redis_exporter_on_its_metrics_port(synth):
+    """The buffer's Prometheus sidecar: the pinned oliver006/redis_exporter, on the port its
+    PodMonitor scrapes, reaching redis-server on the pod's loopback with the buffer's own
+    password Secret, the /scrape proxy off, every variable one v1.88.0 reads, restricted like
+    every container, and not run by the replica (which says why)."""
+    from app.replica.kubelet import Substitutions
+    from charts8s.cluster import REDIS_EXPORTER_PORT
+    from charts8s.monitoring import SCRAPED, metrics_port
+    from charts8s.placement import container_security
+
+    tpl, c, env = _exporter(synth)
+    (redis_c,) = [r for r in tpl["spec"]["containers"] if r["name"] == "redis"]
+    assert c["image"] == synth.plan.wl.buffer.exporter_image
+    repo, tag = c["image"].rsplit(":", 1)
+    assert repo.endswith("oliver006/redis_exporter") and tag.startswith("v") and tag != "latest"
+    assert c["ports"] == [metrics_port(REDIS_EXPORTER_PORT)] and SCRAPED["moerl-buffer"] == REDIS_EXPORTER_PORT
+    assert env["REDIS_EXPORTER_WEB_LISTEN_ADDRESS"]["value"] == f":{REDIS_EXPORTER_PORT}"
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "metrics"}
+    (redis_port,) = redis_c["ports"]
+    assert env["REDIS_ADDR"]["value"] == f"redis://localhost:{redis_port['containerPort']}"
+    (secret,) = [e for e in redis_c["env"] if "valueFrom" in e]
+    assert env["REDIS_PASSWORD"]["valueFrom"] == secret["valueFrom"]
+    assert env["REDIS_EXPORTER_DISABLE_SCRAPE_ENDPOINT"]["value"] == "true"
+    known = {line for line in (ROOT / "tests/data/redis_exporter-v1.88.0-env.txt").read_text().splitlines()
+             if line and not line.startswith("#")}
+    assert set(env) <= known, set(env) - known
+    assert c["securityContext"] == container_security()
+    res = c["resources"]
+    assert res["requests"] == res["limits"] and set(res["limits"]) == {"cpu", "memory"}
+    assert Substitutions.not_run(c).startswith("not run: ")
+    assert Substitutions.not_run(redis_c) is None
+
+
+def test_the_exporter_checks_the_keys_the_buffer_writes(synth, redis_server):
+    """The keys the exporter measures are the ones an ExperienceBuffer of the mounted run config
+    writes (its own key table, and after a task is queued and leased, the streams and sets
+    as they are in Redis), in the database of buffer.redis_url."""
+    from urllib.parse import urlsplit
+
+    import redis
+
+    from app.buffer import ExperienceBuffer, Sample, Task
+    from app.buffer.experience import ROLLOUT_GROUP, SET_KEYS, STREAM_KEYS
+
+    (cm,) = synth.kinds("ConfigMap")
+    run = RunConfig.model_validate(yaml.safe_load(cm["data"]["run.yaml"]))
+    _, _, env = _exporter(synth)
+    keys = _checked(env["REDIS_EXPORTER_CHECK_SINGLE_KEYS"]["value"])
+    streams = _checked(env["REDIS_EXPORTER_CHECK_SINGLE_STREAMS"]["value"])
+    db = int(urlsplit(run.buffer.redis_url).path.strip("/"))
+    assert {d for d, _ in keys + streams} == {db}
+    with ExperienceBuffer(redis_server, run.run_id, prefix=run.buffer.run_prefix) as buf:
+        assert [k for _, k in keys] == [buf.keys[n] for n in STREAM_KEYS + SET_KEYS]
+        assert [k for _, k in streams] == [buf.keys[n] for n in STREAM_KEYS]
+        buf.put_tasks([Task(f"train-00000{i}", [1, i], "p", "{}", 2) for i in range(3)])
+        done, _ = buf.lease("w", count=2)  # the second stays leased
+        assert buf.publish(done, [Sample(done.sample_id(run.run_id, i), done.task_id, i, done.attempt, done.prompt_ids,
+                                         [7, 8], [-0.5, -0.25], 1.0, 0, "stop") for i in range(2)])
+        k = buf.keys
+    r = redis.Redis.from_url(redis_server, decode_responses=True)
+    assert [r.type(key) for _, key in streams] == ["stream", "stream"]
+    assert [r.type(key) for _, key in keys] == ["stream", "stream", "set", "set", "none"]  # dropped: none dropped yet
+    # what the exporter reads for its metrics: XLEN and SCARD (redis_key_size), the group's PEL
+    # (redis_stream_group_messages_pending: the leased task)
+    assert (r.xlen(k["tasks"]), r.xlen(k["samples"]), r.scard(k["issued"]), r.scard(k["seen"])) == (2, 1, 3, 2)
+    (group,) = r.xinfo_groups(k["tasks"])
+    assert group["name"] == ROLLOUT_GROUP and group["pending"] == 1
 
 
 def test_one_config_map_read_by_every_pod(synth):
@@ -406,6 +494,7 @@ def _workloads(tmp_path: Path, text: str, run: str | None = None) -> Path:
     ("trainer: {nodez: 1}", None, "trainer.nodez: Extra inputs are not permitted"),
     ("images: {trainer: 'my repo/TRAINER:1.0 extra'}", None, "images.trainer: 'my repo/TRAINER:1.0 extra' is not a valid"),
     ("buffer: {password_secret: 'Not_A_Valid Name!'}", None, "buffer.password_secret"),
+    ("buffer: {exporter_image: 'oliver006/redis_exporter:latest'}", None, "buffer.exporter_image: image"),
 ])
 def test_bad_input_fails_before_synth_with_one_message(tmp_path, text, run, message):
     cfg = load_config("dev")

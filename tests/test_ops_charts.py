@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cdk8s
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -17,6 +18,8 @@ from referencing import Registry, Resource
 
 from app.healthcheck import bus_bandwidth
 from app.metrics import METRICS_PORT
+from charts8s.buffer import BufferChart
+from charts8s.cluster import BUFFER_SERVICE, REDIS_EXPORTER_PORT
 from charts8s.healthcheck import DCGM_IMAGE, NAMESPACE, NCCL_JOB, NCCL_SERVICE
 from charts8s.monitoring import PODMONITOR_SCHEMA, SCRAPED, metrics_port
 from charts8s.ops import build, main
@@ -73,6 +76,7 @@ def test_podmonitor_schema_rejects_a_misspelt_field(ops):
 
 def test_podmonitors_scrape_the_named_metrics_port_of_each_role(ops):
     cfg, _, _, docs, _ = ops
+    assert SCRAPED == {"moerl-trainer": METRICS_PORT, "moerl-rollout": METRICS_PORT, BUFFER_SERVICE: REDIS_EXPORTER_PORT}
     for role in SCRAPED:
         pm = get(docs, "PodMonitor", role)
         assert pm["metadata"]["namespace"] == cfg.namespace
@@ -82,8 +86,32 @@ def test_podmonitors_scrape_the_named_metrics_port_of_each_role(ops):
         assert np_["podSelector"] == {"matchLabels": labels(role)}
         (rule,) = np_["ingress"]
         assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": MONITORING_NAMESPACE}}}]
-        assert rule["ports"] == [{"protocol": "TCP", "port": METRICS_PORT}]
+        assert rule["ports"] == [{"protocol": "TCP", "port": SCRAPED[role]}]
     assert metrics_port() == {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}
+
+
+def test_the_buffer_podmonitor_selects_the_buffer_pod_and_its_exporter_port(ops):
+    """The moerl-buffer PodMonitor and its NetworkPolicy, against the buffer StatefulSet the
+    same plan renders (dist/): its selector matches the pod's labels in its namespace, the
+    endpoint's port name is the exporter container's port, and the policy opens that number."""
+    cfg, plan, _, docs, _ = ops
+    objs = BufferChart(cdk8s.App(), plan).to_json()
+    (sts,) = [d for d in objs if d["kind"] == "StatefulSet"]
+    tpl = sts["spec"]["template"]
+    pm = get(docs, "PodMonitor", BUFFER_SERVICE)["spec"]
+    assert pm["selector"]["matchLabels"].items() <= tpl["metadata"]["labels"].items()
+    assert pm["namespaceSelector"]["matchNames"] == [sts["metadata"]["namespace"]]
+    (endpoint,) = pm["podMetricsEndpoints"]
+    ports = [(c["name"], p) for c in tpl["spec"]["containers"] for p in c.get("ports", []) if p["name"] == endpoint["port"]]
+    assert [(c, p["containerPort"]) for c, p in ports] == [("redis-exporter", REDIS_EXPORTER_PORT)]
+    assert endpoint["path"] == "/metrics"
+    np_ = get(docs, "NetworkPolicy", f"{BUFFER_SERVICE}-metrics")["spec"]
+    assert np_["podSelector"]["matchLabels"].items() <= tpl["metadata"]["labels"].items()
+    (rule,) = np_["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": ports[0][1]["containerPort"]}]
+    # the buffer's own policy still opens Redis to moerl's roles only, not to the monitoring namespace
+    (own,) = [d for d in objs if d["kind"] == "NetworkPolicy"]
+    assert all("namespaceSelector" not in f for r in own["spec"]["ingress"] for f in r["from"])
 
 
 def _pod(docs, job):

@@ -3,7 +3,8 @@
 - strings a container reads are rewritten to its pod's directories and addresses, and only at
   path and name boundaries; ``$(VAR)`` expands as the kubelet expands it;
 - the substitutions: SGLang's command becomes `moerl engine` with the same model, host and port;
-  torchrun's processes of a GPU pod; redis-server bound to its pod's address;
+  torchrun's processes of a GPU pod; redis-server bound to its pod's address; the Redis
+  exporter sidecar is not run, the reason stated, and its pod is ready on its other containers;
 - manifests: Deployments, StatefulSets, Volcano Jobs and LeaderWorkerSets expand into the pods
   their controllers make; a pod-owning kind the replica does not run is an error;
 - the kubelet on real processes: a failing liveness probe restarts the container, a startup
@@ -24,7 +25,7 @@ import pytest
 import yaml
 
 from app.replica import kubelet
-from app.replica.kubelet import PodError, Substitutions, expand_vars
+from app.replica.kubelet import NOT_RUN, PodError, Substitutions, expand_vars
 from app.replica.manifests import ManifestError, expand, read_manifests
 from app.replica.network import Rewriter
 
@@ -131,7 +132,8 @@ def _deployment(name: str, env: dict, grace: int, **ctr) -> dict:
 @pytest.fixture
 def cluster(tmp_path, monkeypatch):
     """A replica Cluster on hand-written manifests: 'live' fails liveness after 2 s (period 1 s,
-    2 failures), 'stubborn' ignores SIGTERM (grace 2 s), one Service with a named target port."""
+    2 failures), 'stubborn' ignores SIGTERM (grace 2 s) and has a Redis exporter sidecar, one
+    Service with a named target port."""
     from app.replica.cluster import Cluster
 
     monkeypatch.setattr(kubelet, "BACKOFF_S", 0.5)  # the kubelet's 10 s back-off, shortened for the test
@@ -146,6 +148,9 @@ def cluster(tmp_path, monkeypatch):
         {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "svc", "namespace": "t"},
          "spec": {"selector": {"app": "stubborn"}, "ports": [{"port": 80, "targetPort": "http"}]}},
     ]
+    docs[2]["spec"]["template"]["spec"]["containers"].append(
+        {"name": "exporter", "command": ["/redis_exporter"], "ports": [{"name": "metrics", "containerPort": 9121}],
+         "readinessProbe": {"httpGet": {"path": "/health", "port": "metrics"}}})
     dist = tmp_path / "dist"
     dist.mkdir()
     (dist / "t.k8s.yaml").write_text(yaml.safe_dump_all(docs))
@@ -205,3 +210,15 @@ def test_a_missing_secret_key_stops_the_pod_with_its_name(cluster):
     c = dict(pod.spec["containers"][0], env=[{"name": "X", "valueFrom": {"secretKeyRef": {"name": "s", "key": "nope"}}}])
     with pytest.raises(PodError, match="live-0/app env X: Secret 's' has no key 'nope'"):
         pod.container_env(c)
+
+
+def test_the_redis_exporter_is_not_run_and_says_why(cluster):
+    """A container whose program is in NOT_RUN is left out, the reason among the substitutions;
+    the pod runs and is ready (its Service forwards) on its other container."""
+    pod = cluster.pods["stubborn-0"]
+    assert [c.name for c in pod.containers] == ["app"]
+    assert ("stubborn-0", "exporter", NOT_RUN["redis_exporter"]) in cluster.subs.log
+    assert NOT_RUN["redis_exporter"].startswith("not run: ")
+    assert _wait(pod.is_ready)
+    assert not (pod.log_dir / "exporter.log").exists() and (pod.log_dir / "app.log").exists()
+    assert Substitutions.not_run({"command": ["redis-server"]}) is None and Substitutions.not_run({}) is None

@@ -141,6 +141,23 @@ return 0
 """
 
 _ID_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# The keys of one run (module docstring), by Redis type.
+STREAM_KEYS = ("tasks", "samples")
+SET_KEYS = ("issued", "seen", "dropped")
+HASH_KEYS = ("stats", "policy")
+KEY_NAMES = STREAM_KEYS + SET_KEYS + HASH_KEYS
+
+
+def buffer_keys(run_id: str, prefix: str = "moerl") -> dict[str, str]:
+    """Redis key of each name in KEY_NAMES for one run: ``{prefix}:{run_id}:{name}``.
+
+    The buffer's own layout, also what charts8s/buffer.py gives the Redis exporter to watch.
+    Raises ValueError when run_id or prefix is not ``[A-Za-z0-9][A-Za-z0-9._-]*`` (named).
+    """
+    for name, value in (("run_id", run_id), ("prefix", prefix)):
+        if not isinstance(value, str) or not _ID_PART.match(value):
+            raise ValueError(f"{name} must match {_ID_PART.pattern}, got {value!r}")
+    return {n: f"{prefix}:{run_id}:{n}" for n in KEY_NAMES}
 
 
 class BufferConnectionError(ConnectionError):
@@ -198,9 +215,7 @@ class ExperienceBuffer:
     ):
         if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"url must be redis://, rediss:// or unix://, got {redact_url(url)!r}")
-        for name, value in (("run_id", run_id), ("prefix", prefix)):
-            if not isinstance(value, str) or not _ID_PART.match(value):
-                raise ValueError(f"{name} must match {_ID_PART.pattern}, got {value!r}")
+        self.keys = buffer_keys(run_id, prefix)
         if capacity_groups < 1:
             raise ValueError(f"capacity_groups must be >= 1, got {capacity_groups}")
         if lease_ms < 1:
@@ -220,8 +235,6 @@ class ExperienceBuffer:
         self.stale_policy = stale_policy
         self.autocommit = autocommit
         self.max_failures = max_failures
-        k = f"{prefix}:{run_id}:"
-        self.keys = {n: k + n for n in ("tasks", "samples", "issued", "seen", "stats", "policy", "dropped")}
         self._cursor = "0-0"  # last samples entry read by take_batch (this process only)
         self._taken: list[str] = []  # samples entries taken but not yet committed
 

@@ -20,7 +20,9 @@ What the kubelet does and this module does the same way (Kubernetes docs: "Pod L
 What is substituted (`Substitutions`): the image (the local venv and repository on PATH and
 PYTHONPATH), the engine (SGLang's command becomes `moerl engine` with its model, host and port),
 GPU counts (torchrun's ``--nproc-per-node`` of a GPU container becomes the replica's processes
-per node), the S3 endpoint (moto). Not reproduced: cgroup CPU and memory limits (each container
+per node), the S3 endpoint (moto). Not run (`NOT_RUN`): the buffer pod's Redis exporter sidecar
+(oliver006/redis_exporter), a Go binary outside this venv that only Prometheus reads; the pod's
+other containers run and its readiness is theirs. Not reproduced: cgroup CPU and memory limits (each container
 gets ``OMP_NUM_THREADS=1`` instead), a read-only root filesystem, user ids, network policies.
 """
 
@@ -43,6 +45,9 @@ from app.procs import descendants
 from app.replica.network import Rewriter
 
 BACKOFF_S, BACKOFF_MAX_S = 10.0, 300.0
+# Containers not run, by the program their command starts, and why (recorded as a substitution).
+NOT_RUN = {"redis_exporter": "not run: the Prometheus Redis exporter is a Go binary outside this venv, "
+                             "and only Prometheus (not replicated) reads it"}
 PROBE_DEFAULTS = {"initialDelaySeconds": 0, "periodSeconds": 10, "timeoutSeconds": 1, "successThreshold": 1,
                   "failureThreshold": 3}
 
@@ -68,6 +73,12 @@ class Substitutions:
     procs_per_gpu_node: int
     s3_endpoint: str
     log: list[tuple[str, str, str]] = field(default_factory=list)
+
+    @staticmethod
+    def not_run(container: dict) -> str | None:
+        """Why ``container`` is not run here (its command's program is in NOT_RUN), or None."""
+        cmd = container.get("command") or []
+        return NOT_RUN.get(Path(str(cmd[0])).name) if cmd else None
 
     @staticmethod
     def probe_command(cmd: list[str], pod_ip: str) -> list[str]:
@@ -467,7 +478,7 @@ class Pod:
 
     # -- the kubelet loop ------------------------------------------------------------------------------
     def start(self) -> "Pod":
-        """Prepare, start every container, and run the kubelet loop in a thread."""
+        """Prepare, start every container (those in NOT_RUN aside), and run the kubelet loop in a thread."""
         self.prepare()
         for spec in self.spec.get("initContainers", []):
             init = Container(self, spec)
@@ -476,7 +487,13 @@ class Pod:
                 self.phase = "Failed"
                 self.event(f"init container {spec['name']} failed with {init.proc.returncode}")
                 return self
-        self.containers = [Container(self, c) for c in self.spec["containers"]]
+        self.containers = []
+        for spec in self.spec["containers"]:
+            why = self.cluster.subs.not_run(spec)
+            if why:
+                self.cluster.subs.log.append((self.name, spec["name"], why))
+                continue
+            self.containers.append(Container(self, spec))
         for c in self.containers:
             c.start()
         self.phase = "Running"
