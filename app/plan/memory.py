@@ -150,7 +150,7 @@ class PlanInput:
     fragmentation: float = FRAGMENTATION
 
     def check(self) -> None:
-        """Raises ValueError naming the field (the CLI flag) that is out of range."""
+        """Raises ValueError naming the field (the CLI flag) that is out of range (NaN and infinity included)."""
         checks = [
             (self.rollouts_per_gpu >= 1, f"--rollouts-per-gpu must be >= 1, got {self.rollouts_per_gpu}"),
             (self.seq_len >= 1, f"--seq-len must be >= 1, got {self.seq_len}"),
@@ -163,9 +163,10 @@ class PlanInput:
             (self.algorithm in ALGORITHMS, f"--algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}"),
             (self.ep_backend in BACKENDS, f"--ep-backend must resolve to one of {BACKENDS}, got {self.ep_backend!r}"),
             (self.compute_dtype in DTYPE_BYTES, f"model.dtype must be one of {tuple(DTYPE_BYTES)}"),
-            (self.gpu_memory_gib > 0, f"--gpu-memory-gib must be > 0, got {self.gpu_memory_gib}"),
+            (0 < self.gpu_memory_gib < math.inf, f"--gpu-memory-gib must be finite and > 0, got {self.gpu_memory_gib}"),
             (self.gpus_per_node >= 1, f"--gpus-per-node must be >= 1, got {self.gpus_per_node}"),
-            (self.fragmentation >= 1.0, f"--fragmentation must be >= 1, got {self.fragmentation}"),
+            (1.0 <= self.fragmentation < math.inf,
+             f"--fragmentation must be finite and >= 1, got {self.fragmentation}"),
         ]
         for ok, message in checks:
             if not ok:

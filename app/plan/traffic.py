@@ -111,17 +111,18 @@ class TrafficInput:
     load_s: float = 0.0
 
     def check(self) -> None:
-        """Raises ValueError naming the CLI flag that is out of range."""
+        """Raises ValueError naming the CLI flag that is out of range (NaN and infinity included)."""
         checks = [
             (self.trainer_nodes >= 1, f"--nodes must be >= 1, got {self.trainer_nodes}"),
             (self.rollout_nodes >= 1, f"--rollout-nodes must be >= 1, got {self.rollout_nodes}"),
-            (self.link_gbps > 0, f"--link-gbps must be > 0, got {self.link_gbps}"),
-            (self.s3_gbps_per_node > 0, f"--s3-gbps-per-node must be > 0, got {self.s3_gbps_per_node}"),
-            (self.step_s > 0, f"--step-s must be > 0, got {self.step_s}"),
+            (0 < self.link_gbps < math.inf, f"--link-gbps must be finite and > 0, got {self.link_gbps}"),
+            (0 < self.s3_gbps_per_node < math.inf,
+             f"--s3-gbps-per-node must be finite and > 0, got {self.s3_gbps_per_node}"),
+            (0 < self.step_s < math.inf, f"--step-s must be finite and > 0, got {self.step_s}"),
             (self.publish_every >= 1, f"--publish-every must be >= 1, got {self.publish_every}"),
             (self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}"),
-            (self.generation_s >= 0, f"--generation-s must be >= 0, got {self.generation_s}"),
-            (self.load_s >= 0, f"--load-s must be >= 0, got {self.load_s}"),
+            (0 <= self.generation_s < math.inf, f"--generation-s must be finite and >= 0, got {self.generation_s}"),
+            (0 <= self.load_s < math.inf, f"--load-s must be finite and >= 0, got {self.load_s}"),
         ]
         for ok, message in checks:
             if not ok:
