@@ -174,6 +174,9 @@ for args in (["train-step", "--groups", "1", "--group-size", "2", "--prompt-len"
     (["train-step", "--iters", "0"], "--iters"),
     (["train-step", "--device", "cuda"], "--device"),
     (["train-step", "--layers", "2"], "--layers"),
+    # More than the real model has: a 100000-layer model hung building, 100000 experts a 1.2 TB allocation.
+    (["train-step", "--model", "qwen3-30b-a3b", "--layers", "49"], "--layers 49"),
+    (["train-step", "--model", "deepseek-v3", "--experts", "257"], "--experts 257"),
     (["train-step", "--activation-checkpointing", "some"], "--activation-checkpointing"),
     (["engine", "--batch-sizes", "1,x"], "--batch-sizes"),
     (["engine", "--batch-sizes", "0"], "--batch-sizes"),
@@ -183,6 +186,9 @@ for args in (["train-step", "--groups", "1", "--group-size", "2", "--prompt-len"
     (["weight-sync", "--model", "qwen3-30b-a3b"], "--model"),
     (["weight-sync", "--engines", "0"], "--engines"),
     (["weight-sync", "--bucket-mb", "0"], "--bucket-mb"),
+    (["weight-sync", "--bucket-mb", "nan"], "--bucket-mb"),
+    (["weight-sync", "--bucket-mb", "inf"], "--bucket-mb"),
+    (["weight-sync", "--bucket-mb", "1e-9"], "--bucket-mb"),  # int(bytes) would be 0
     (["weight-sync", "--device", "cuda"], "--device"),
 ])
 def test_bad_flags_give_one_error_naming_the_flag(tmp_path, args, flag):
@@ -195,6 +201,15 @@ def test_bad_flags_give_one_error_naming_the_flag(tmp_path, args, flag):
     assert r.exit_code == 2, r.output
     assert flag in r.output
     assert not list(tmp_path.iterdir()), "nothing may be written for a bad flag"
+
+
+@pytest.mark.parametrize("args", [["train-step", "--iters", "1"], ["weight-sync", "--work-dir", "work"]])
+def test_out_dir_that_is_a_file_is_refused_before_the_run(tmp_path, monkeypatch, args):
+    monkeypatch.chdir(tmp_path)
+    Path("a-file").write_text("")
+    r = CliRunner().invoke(cli, [*args, "--out-dir", "a-file"])
+    assert r.exit_code == 2 and "--out-dir" in r.output, r.output
+    assert not Path("work").exists()  # refused before the scratch directory and the engines
 
 
 def test_weight_sync_bench_writes_result(tmp_path):

@@ -103,3 +103,11 @@ def test_loop_bench_refuses_bad_flags_before_work(tmp_path):
     r = CliRunner().invoke(cli, ["loop", "--config", str(bad), "--out-dir", str(tmp_path / "out")])
     assert r.exit_code == 2 and "kl_coef" in r.output, r.output
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
+    # A file where a directory must go: refused before the legs, not when the result is written.
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for args, flag in ((["--work-dir", str(a_file)], "--work-dir"), (["--out-dir", str(a_file / "sub")], "--out-dir")):
+        r = CliRunner().invoke(cli, ["loop", "--seconds", "1", "--work-dir", str(tmp_path / "work"),
+                                     "--out-dir", str(tmp_path / "out"), *args])
+        assert r.exit_code == 2 and flag in r.output, (args, r.output)
+    assert not (tmp_path / "work").exists()

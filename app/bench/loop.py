@@ -76,7 +76,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from app.bench.results import write_result
+from app.bench.results import check_out_dir, write_result
 
 console = Console(soft_wrap=True)  # table rows stay one line each when piped
 
@@ -119,6 +119,8 @@ class LoopBench:
             raise ValueError(f"--max-steps must be >= 0, got {self.max_steps}")
         if self.config and not Path(self.config).is_file():
             raise ValueError(f"--config: {self.config} is not a file")
+        if self.work_dir and Path(self.work_dir).exists() and not Path(self.work_dir).is_dir():
+            raise ValueError(f"--work-dir: {self.work_dir} is not a directory")
         if self.rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {self.rounds}")
         if not (self.wait_quiet_s >= 0 and math.isfinite(self.wait_quiet_s)):
@@ -625,6 +627,7 @@ def run(bench: LoopBench, out_dir: str | os.PathLike = "runs/bench") -> Path:
     from app.bench.machine import QUIET_SHARE, LoadWindow, wait_quiet
 
     bench.validate()
+    check_out_dir(out_dir)  # the result is written after the last leg: refuse a bad one now
     cfg = load_config(bench)
     hf_logging.disable_progress_bar()  # weight-loading bars of every evaluation
     grpo_args(cfg, Path(out_dir) / "unused", 1)  # refuse a recipe TRL cannot mirror, before any work

@@ -73,6 +73,19 @@ def versions() -> dict:
     return out
 
 
+def check_out_dir(out_dir: str | os.PathLike) -> None:
+    """Refuse an ``--out-dir`` that cannot hold the result before a benchmark runs, not after.
+
+    Raises:
+        ValueError: ``out_dir`` (or a parent) exists and is not a directory.
+    """
+    for p in (Path(out_dir), *Path(out_dir).parents):
+        if p.exists():
+            if not p.is_dir():
+                raise ValueError(f"--out-dir: {p} is not a directory")
+            return
+
+
 def write_result(benchmark: str, shape: dict, figures: list[dict], ratios: dict | None = None,
                  notes: list[str] | None = None, out_dir: str | os.PathLike = DEFAULT_DIR,
                  extra: dict | None = None) -> Path:

@@ -45,7 +45,7 @@ import torch
 
 from app.bench.common import (DTYPES, Marks, check_at_least_one, check_device, dense_matmul_tflops,
                               profile_top)
-from app.bench.results import print_notes_and_write
+from app.bench.results import check_out_dir, print_notes_and_write
 
 # Qwen3-MoE-style policies built in code (tests and quick runs).
 MODELS: dict[str, dict] = {
@@ -71,7 +71,7 @@ def model_config(name: str, layers: int | None = None, experts: int | None = Non
             8 groups when they divide the count, else one group.
 
     Raises:
-        ValueError: unknown name, or counts the config rejects.
+        ValueError: unknown name, counts above the real model's, or counts the config rejects.
     """
     from app.model.config import tiny_config, validate_config
 
@@ -79,8 +79,15 @@ def model_config(name: str, layers: int | None = None, experts: int | None = Non
         return tiny_config("tiny-qwen3-moe", **MODELS[name])
     if name not in REAL:
         raise ValueError(f"--model must be one of {sorted(MODELS) + list(REAL)}, got {name!r}")
-    from app.model.config import deepseek_v3_config, qwen3_30b_a3b_config
+    from app.model.config import deepseek_v3_config, num_routed_experts, qwen3_30b_a3b_config
 
+    # The flags cut the real model down; more than it has would build (or fail to allocate) a
+    # model that is not the one named.
+    full = qwen3_30b_a3b_config() if name == "qwen3-30b-a3b" else deepseek_v3_config()
+    if layers is not None and layers > full.num_hidden_layers:
+        raise ValueError(f"--layers {layers} exceeds {name}'s {full.num_hidden_layers} decoder layers")
+    if experts and experts > num_routed_experts(full):
+        raise ValueError(f"--experts {experts} exceeds {name}'s {num_routed_experts(full)} routed experts")
     if name == "qwen3-30b-a3b":
         config = qwen3_30b_a3b_config(layers, **({"num_experts": experts} if experts else {}))
     else:
@@ -358,6 +365,7 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
     from app.trainer.train import init_distributed
 
     bench.check()
+    check_out_dir(out_dir)
     device = torch.device(bench.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

@@ -32,6 +32,7 @@ offers without it, plus the store path:
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -46,7 +47,7 @@ from pathlib import Path
 import torch
 
 from app.bench.common import DTYPES, check_device
-from app.bench.results import print_notes_and_write
+from app.bench.results import check_out_dir, print_notes_and_write
 
 MEDIUM = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
               num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256, vocab_size=32768,
@@ -114,13 +115,15 @@ def check(b: WeightSyncBench) -> None:
     for flag in ("engines", "versions", "layers"):
         if getattr(b, flag) < 1:
             raise ValueError(f"--{flag} must be at least 1, got {getattr(b, flag)}")
-    if b.bucket_mb <= 0:
-        raise ValueError(f"--bucket-mb must be positive, got {b.bucket_mb}")
+    # NaN and infinity pass "> 0" and then fail int() mid-run; below one byte, int() gives 0.
+    if not (math.isfinite(b.bucket_mb) and b.bucket_mb * 2**20 >= 1):
+        raise ValueError(f"--bucket-mb must be a finite size of at least one byte (2**-20 MiB), got {b.bucket_mb}")
 
 
 def run(b: WeightSyncBench, out_dir: str = "runs/bench") -> dict:
     """Run the benchmark; print and write its result (app/bench/results.py)."""
     check(b)
+    check_out_dir(out_dir)
     scratch = Path(b.work_dir) if b.work_dir else Path(tempfile.mkdtemp(prefix="weight-sync-", dir="runs"
                                                                             if Path("runs").is_dir() else None))
     scratch = scratch.resolve()  # redis-server and the engines resolve paths from their own cwd
