@@ -92,3 +92,54 @@ def test_bad_tensors_are_refused_by_name() -> None:
         logit_grad(z, lse.double(), good, torch.ones(3, device=DEVICE))
     with pytest.raises(ValueError, match="grad"):
         logit_grad(z, lse, good, torch.ones(4, device=DEVICE))
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf")])
+def test_a_temperature_that_is_not_finite_is_refused(temperature) -> None:
+    """NaN passed a plain "> 0" check and made every logprob NaN; infinity made them uniform."""
+    z = torch.randn(3, 10, device=DEVICE)
+    good = torch.tensor([1, 2, 3], device=DEVICE)
+    with pytest.raises(ValueError, match="logit_stats: temperature must be > 0 and finite"):
+        logit_stats(z, good, temperature)
+    lse, _, _ = logit_stats(z, good)
+    with pytest.raises(ValueError, match="logit_grad: temperature must be > 0 and finite"):
+        logit_grad(z, lse, good, torch.ones(3, device=DEVICE), temperature)
+    for fused in (False, True):
+        with pytest.raises(ValueError, match="temperature must be > 0 and finite"):
+            chunked_logprobs(torch.randn(3, 4, device=DEVICE), torch.randn(10, 4, device=DEVICE), good, temperature,
+                             fused=fused)
+
+
+def test_kernels_refuse_an_empty_vocabulary_and_a_non_float_out_dtype() -> None:
+    """V = 0 made logit_stats read z[row, target] past an empty row (a segfault under the
+    interpreter); an int64 out_dtype silently truncated the gradient to zeros."""
+    with pytest.raises(ValueError, match="V = 0"):
+        logit_stats(torch.randn(3, 0, device=DEVICE), torch.zeros(3, dtype=torch.int64, device=DEVICE))
+    assert logit_stats(torch.randn(0, 0, device=DEVICE), torch.zeros(0, dtype=torch.int64, device=DEVICE))[0].numel() == 0
+    z, y = torch.randn(3, 10, device=DEVICE), torch.tensor([1, 2, 3], device=DEVICE)
+    lse, _, _ = logit_stats(z, y)
+    with pytest.raises(ValueError, match="out_dtype"):
+        logit_grad(z, lse, y, torch.ones(3, device=DEVICE), out_dtype=torch.int64)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("bad", [10, -1, -11])
+def test_chunked_logprobs_refuse_a_target_outside_the_vocabulary(fused, bad) -> None:
+    """The fused kernels read z[row, target] unchecked: a target of V or -1 returned another
+    logit's value as a logprob; the torch path raised an index error from gather (on CUDA, a
+    device-side assert). Both now raise one ValueError naming targets, before any GEMM."""
+    hidden, weight = torch.randn(3, 4, device=DEVICE), torch.randn(10, 4, device=DEVICE)
+    targets = torch.tensor([1, bad, 3], device=DEVICE)
+    with pytest.raises(ValueError, match=rf"targets must be token ids in \[0, V=10\), got min {min(bad, 1)}"):
+        chunked_logprobs(hidden, weight, targets, fused=fused)
+    with pytest.raises(ValueError, match="targets must be token ids"):  # V = 0 with rows: every target is outside
+        chunked_logprobs(hidden, weight[:0], torch.zeros(3, dtype=torch.int64, device=DEVICE), fused=fused)
+    logp, _ = chunked_logprobs(hidden, weight, torch.tensor([0, 9, 3], device=DEVICE), fused=fused)  # both ends are in
+    assert torch.isfinite(logp).all()
+
+
+def test_chunked_logprobs_refuse_integer_tensors() -> None:
+    """Integer hidden states and weight ran the torch path and returned logprobs without a gradient."""
+    with pytest.raises(ValueError, match="floating-point dtype"):
+        chunked_logprobs(torch.ones(3, 4, dtype=torch.int64, device=DEVICE),
+                         torch.ones(10, 4, dtype=torch.int64, device=DEVICE), torch.tensor([1, 2, 3], device=DEVICE))

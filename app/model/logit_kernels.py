@@ -22,6 +22,8 @@ Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1) and on CUDA com
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -87,6 +89,16 @@ def _check(z: Tensor, targets: Tensor, name: str) -> None:
                          f"got {z.dtype} {tuple(z.shape)} strides {z.stride()}")
     if targets.shape != z.shape[:1] or targets.dtype != torch.int64:
         raise ValueError(f"{name}: targets must be int64 [N={z.shape[0]}], got {targets.dtype} {tuple(targets.shape)}")
+    if z.shape[0] and not z.shape[1]:  # every target would read past an empty row
+        raise ValueError(f"{name}: logits have V = 0 columns, got {tuple(z.shape)}")
+    if targets.device != z.device:
+        raise ValueError(f"{name}: targets ({targets.device}) must be on the logits' device ({z.device})")
+
+
+def _check_temperature(temperature: float, name: str) -> None:
+    # NaN passes "> 0" and gives NaN everywhere; infinity a uniform distribution.
+    if not 0 < temperature < math.inf:
+        raise ValueError(f"{name}: temperature must be > 0 and finite, got {temperature}")
 
 
 def logit_stats(z: Tensor, targets: Tensor, temperature: float = 1.0,
@@ -96,19 +108,19 @@ def logit_stats(z: Tensor, targets: Tensor, temperature: float = 1.0,
     Args:
         z: ``[N, V]`` logits (bf16, fp16 or fp32; the LM-head GEMM's output), rows contiguous.
         targets: ``[N]`` int64 token ids in ``[0, V)`` (not bounds-checked here: the caller's).
-        temperature: > 0; the kernel works on z / temperature.
+        temperature: finite, > 0; the kernel works on z / temperature.
         with_entropy: also return each row's entropy.
 
     Returns:
         ``(lse [N], z_target [N], entropy [N] or None)``, fp32; logp(y) = z_target - lse.
 
     Raises:
-        ValueError: a tensor of the wrong shape, dtype or layout (named), or temperature <= 0.
+        ValueError: a tensor of the wrong shape, dtype, layout or device (named), V = 0 with
+            rows, or a temperature not finite and > 0.
         RuntimeError: triton is not installed.
     """
     _check(z, targets, "logit_stats")
-    if temperature <= 0:
-        raise ValueError(f"logit_stats: temperature must be > 0, got {temperature}")
+    _check_temperature(temperature, "logit_stats")
     n, v = z.shape
     out = [torch.empty(n, dtype=torch.float32, device=z.device) for _ in range(3)]
     lse, target, ent = out
@@ -128,14 +140,16 @@ def logit_grad(z: Tensor, lse: Tensor, targets: Tensor, grad: Tensor, temperatur
         lse: ``[N]`` fp32 log-sum-exp of z / T (from `logit_stats`).
         targets: ``[N]`` int64.
         grad: ``[N]`` upstream gradient of each row's logp (any float dtype).
-        temperature: > 0, as in `logit_stats`.
-        out_dtype: dtype of dz (default z's; the LM head's dtype for the GEMMs that follow).
+        temperature: finite, > 0, as in `logit_stats`.
+        out_dtype: dtype of dz, bf16, fp16 or fp32 (default z's; the LM head's dtype for the GEMMs
+            that follow).
 
     Returns:
         ``[N, V]`` dz in ``out_dtype``.
 
     Raises:
-        ValueError: a tensor of the wrong shape, dtype or layout (named), or temperature <= 0.
+        ValueError: a tensor of the wrong shape, dtype, layout or device (named), V = 0 with
+            rows, an out_dtype other than bf16/fp16/fp32, or a temperature not finite and > 0.
         RuntimeError: triton is not installed.
     """
     _check(z, targets, "logit_grad")
@@ -143,8 +157,12 @@ def logit_grad(z: Tensor, lse: Tensor, targets: Tensor, grad: Tensor, temperatur
     if lse.shape != (n,) or grad.shape != (n,) or lse.dtype != torch.float32:
         raise ValueError(f"logit_grad: lse must be fp32 [N={n}] and grad [N], got lse {lse.dtype} "
                          f"{tuple(lse.shape)}, grad {tuple(grad.shape)}")
-    if temperature <= 0:
-        raise ValueError(f"logit_grad: temperature must be > 0, got {temperature}")
+    if lse.device != z.device or grad.device != z.device:
+        raise ValueError(f"logit_grad: lse ({lse.device}) and grad ({grad.device}) must be on the logits' "
+                         f"device ({z.device})")
+    if out_dtype is not None and out_dtype not in DTYPES:
+        raise ValueError(f"logit_grad: out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
+    _check_temperature(temperature, "logit_grad")
     dz = torch.empty(n, v, dtype=out_dtype or z.dtype, device=z.device)
     if n:
         _logit_grad_kernel[(n,)](z, lse.contiguous(), targets.contiguous(), grad.contiguous(), dz, v, z.stride(0),

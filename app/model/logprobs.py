@@ -19,6 +19,8 @@ Math (temperature T, logits z = h W^T / T, p = softmax(z)):
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -34,8 +36,8 @@ def chunked_logprobs(
     Args:
         hidden: ``[N, H]`` hidden states (any float dtype; the GEMM runs in it, the softmax in fp32).
         weight: ``[V, H]`` LM-head weight, same dtype as ``hidden``.
-        targets: ``[N]`` int64 token ids in ``[0, V)``.
-        temperature: sampling temperature (> 0), as the engine applies it before sampling.
+        targets: ``[N]`` int64 token ids in ``[0, V)`` (checked: one host sync), on hidden's device.
+        temperature: sampling temperature (finite, > 0), as the engine applies it before sampling.
         chunk: rows per chunk (>= 1).
         with_entropy: also return the entropy of each row's distribution (detached).
         fused: the Triton softmax passes (`app.model.logit_kernels`); None (default) uses them
@@ -46,16 +48,28 @@ def chunked_logprobs(
         (float64 for float64 inputs).
 
     Raises:
-        ValueError: shapes, dtypes or arguments disagree (the tensor is named).
+        ValueError: shapes, dtypes, devices or arguments disagree, or a target is outside the
+            vocabulary (the tensor is named).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} must be [N, H] and weight {tuple(weight.shape)} [V, H]")
     if targets.shape != hidden.shape[:1] or targets.dtype != torch.int64:
         raise ValueError(f"targets must be int64 [N={hidden.shape[0]}], got {targets.dtype} {tuple(targets.shape)}")
-    if hidden.dtype != weight.dtype:
-        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
-    if temperature <= 0 or chunk < 1:
-        raise ValueError(f"temperature must be > 0 and chunk >= 1, got {temperature}, {chunk}")
+    if hidden.dtype != weight.dtype or not hidden.is_floating_point():
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a floating-point dtype")
+    if not hidden.device == weight.device == targets.device:
+        raise ValueError(f"hidden ({hidden.device}), weight ({weight.device}) and targets ({targets.device}) "
+                         f"must be on one device")
+    # NaN passes "> 0" and gives NaN logprobs; infinity gives a uniform distribution.
+    if not 0 < temperature < math.inf or chunk < 1:
+        raise ValueError(f"temperature must be > 0 and finite, and chunk >= 1, got {temperature}, {chunk}")
+    if targets.numel():
+        # One host sync: the fused kernels read z[row, target] unchecked, and the torch path's
+        # gather is a device-side assert on CUDA.
+        lo, hi = torch.aminmax(targets)
+        lo, hi = int(lo), int(hi)
+        if lo < 0 or hi >= weight.shape[0]:
+            raise ValueError(f"targets must be token ids in [0, V={weight.shape[0]}), got min {lo}, max {hi}")
     if fused is None:
         fused = kernels.usable(hidden)
     logp, ent = _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), int(chunk), with_entropy,
