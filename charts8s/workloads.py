@@ -262,7 +262,7 @@ _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z
 def _check_tag(role: str, ref: str, field: str | None = None) -> None:
     """Raise WorkloadError naming `field` (default images.<role>) unless `ref` is pinned."""
     field = field or f"images.{role}"
-    if not _IMAGE_REF.match(ref):
+    if not _IMAGE_REF.fullmatch(ref):  # fullmatch: "$" alone accepts a trailing newline
         raise WorkloadError(f"{field}: {ref!r} is not a valid image reference (registry/repository:tag)")
     # A reference without ":tag" or "@sha256:" after the last "/" would pull "latest" (mutable).
     last = ref.rsplit("/", 1)[-1]
@@ -290,7 +290,7 @@ def check(plan: Plan) -> Plan:
         _check_tag(role, ref)
     _check_tag("buffer", wl.buffer.image)
     _check_tag("buffer", wl.buffer.exporter_image, "buffer.exporter_image")
-    if not _DNS1123.match(wl.buffer.password_secret) or len(wl.buffer.password_secret) > 253:
+    if not _DNS1123.fullmatch(wl.buffer.password_secret) or len(wl.buffer.password_secret) > 253:
         raise WorkloadError(f"buffer.password_secret: {wl.buffer.password_secret!r} is not a valid Secret name "
                             "(lower-case DNS-1123 subdomain)")
     if plan.trainer_nodes > train.max_size:
@@ -331,7 +331,7 @@ def check(plan: Plan) -> Plan:
             raise WorkloadError(f"{where}: DeepEP across {layout.nodes} nodes needs EFA: pools.rollout-gpu.efa is off")
     if plan.wl.bench_rollout:
         for name in plan.wl.bench_rollout.profiles:
-            if not _DNS1123.match(name) or "." in name or len(name) > 40:
+            if not _DNS1123.fullmatch(name) or "." in name or len(name) > 40:
                 raise WorkloadError(f"bench_rollout.profiles: {name!r} is not a short DNS-1123 label (it names objects)")
         if plan.bench_nodes > roll.max_size:
             raise WorkloadError(f"bench_rollout: {plan.bench_nodes} engine nodes exceed pools.rollout-gpu.max_size="

@@ -495,6 +495,9 @@ def _workloads(tmp_path: Path, text: str, run: str | None = None) -> Path:
     ("images: {trainer: 'my repo/TRAINER:1.0 extra'}", None, "images.trainer: 'my repo/TRAINER:1.0 extra' is not a valid"),
     ("buffer: {password_secret: 'Not_A_Valid Name!'}", None, "buffer.password_secret"),
     ("buffer: {exporter_image: 'oliver006/redis_exporter:latest'}", None, "buffer.exporter_image: image"),
+    # A trailing newline (a YAML block scalar, a pasted line) matched the patterns' "$" and was rendered.
+    ('buffer: {exporter_image: "oliver006/redis_exporter:v1.88.0\\n"}', None, "buffer.exporter_image: 'oliver006"),
+    ('buffer: {password_secret: "moerl-redis\\n"}', None, "buffer.password_secret"),
 ])
 def test_bad_input_fails_before_synth_with_one_message(tmp_path, text, run, message):
     cfg = load_config("dev")
