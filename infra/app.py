@@ -54,8 +54,19 @@ def build_app(env: str = "dev", overrides: str | None = None, app: App | None = 
 
 
 def main() -> None:
+    """`cdk synth|deploy` entry (cdk.json): a bad config, or a Kubernetes version this checkout has no
+    kubectl layer or add-on pins for, is one line on stderr and exit 2, not a traceback."""
+    import os
+    import sys
+
     app = App()
-    build_app(app.node.try_get_context("env") or "dev", app.node.try_get_context("config"), app)
+    try:
+        build_app(app.node.try_get_context("env") or "dev", app.node.try_get_context("config"), app)
+    except (ConfigError, ValueError, RuntimeError) as e:
+        if os.environ.get("MOERL_TRACEBACK") == "1":
+            raise
+        print(f"moerl infra: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     app.synth()
 
 

@@ -343,3 +343,29 @@ def test_kernel_families_name_the_kernels_of_a_step():
     assert kernel_family("ncclDevKernel_AllGather_RING_LL") == "collective"
     assert kernel_family("void at::native::_scatter_gather_elementwise_kernel<128, 4>") == "copy_cast"
     assert kernel_family("void at::native::radixSortKVInPlace<-2, -1, 128, 32>") == "other"
+
+
+def test_sigterm_stops_the_processes_a_bench_started(tmp_path):
+    """`timeout` or a pod's stop sends SIGTERM: the bench's finally blocks still stop its engines and
+    redis-server (they are process-group leaders of their own, so nothing else would)."""
+    import signal
+    import time
+
+    psutil = pytest.importorskip("psutil")
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "bench", "weight-sync", "--model", "tiny",
+                             "--versions", "200", "--work-dir", str(tmp_path / "w"), "--out-dir", str(tmp_path)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    me = psutil.Process(proc.pid)
+    deadline = time.monotonic() + 240
+    started = []
+    while time.monotonic() < deadline and proc.poll() is None:  # wait until both engines run
+        started = [c for c in me.children(recursive=True) if "engine" in " ".join(c.cmdline())]
+        if len(started) >= 2:
+            break
+        time.sleep(0.5)
+    assert len(started) >= 2, proc.stderr.read()[-2000:] if proc.poll() is not None else "engines never started"
+    children = me.children(recursive=True)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [" ".join(p.cmdline())[:120] for p in alive]

@@ -509,6 +509,24 @@ def test_cdk_app_entry_synthesizes_one_environment(tmp_path):
     assert names == {"moerl-staging-network", "moerl-staging-storage", "moerl-staging-cluster"}
 
 
+@pytest.mark.parametrize("version, says", [("1.20", "k8s_version"), ("1.34", "1.34")])
+def test_cdk_app_entry_reports_a_bad_config_in_one_line(tmp_path, version, says):
+    """Below the floor (a config error) or a version this checkout has no kubectl layer or add-on pins
+    for: exit 2 with one line naming it, before anything is written."""
+    cfg = tmp_path / "dev.yaml"
+    cfg.write_text(f"k8s_version: '{version}'\n")
+    env = dict(os.environ, CDK_OUTDIR=str(tmp_path / "out"),
+               CDK_CONTEXT_JSON=json.dumps({"env": "dev", "config": str(cfg)}))
+    env.pop("MOERL_TRACEBACK", None)
+    proc = subprocess.run([sys.executable, "-m", "infra.app"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    # one line of ours (jsii may print its Node.js support banner before it)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("moerl infra: error:")]
+    assert "Traceback" not in proc.stderr and len(errors) == 1 and says in errors[0], proc.stderr[-2000:]
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
 # ---------------------------------------------------------------- issue 15
 
 
