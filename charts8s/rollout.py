@@ -216,4 +216,10 @@ class RolloutChart(cdk8s.Chart):
             })
         api_object(self, k8s.KubePodDisruptionBudget, NAME, ns, labels=lab, spec={
             "maxUnavailable": "25%", "selector": {"matchLabels": lab}})
-        group_network_policy(self, k8s, NAME, ns, lab, multi)
+        # weight_sync.mode network: the trainer's source rank and the engine ranks form one NCCL
+        # group (app/trainer/weight_sync.py); its sockets may be opened from either side.
+        from charts8s.trainer import JOB_NAME as TRAINER  # (trainer.py imports this module)
+
+        push = [{"from": [{"podSelector": {"matchLabels": labels(TRAINER)}}]}] \
+            if plan.run.weight_sync.mode == "network" else []
+        group_network_policy(self, k8s, NAME, ns, lab, multi, extra_ingress=push)

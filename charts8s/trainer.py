@@ -25,6 +25,7 @@ from charts8s.cluster import run_config_volume
 from charts8s.kube import api_object, k8s_module
 from charts8s.monitoring import metrics_port
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
+from charts8s.rollout import NAME as ROLLOUT
 from charts8s.volcano import VolcanoJob
 from charts8s.workloads import Plan
 
@@ -92,10 +93,13 @@ def place_gang(job: dict, plan: Plan) -> dict:
         ctr["volumeMounts"] += [config_mount, {"name": "tmp", "mountPath": "/tmp"}]
         ctr["imagePullPolicy"] = "IfNotPresent"
         ctr["env"] += [{"name": "HF_HOME", "value": f"{RUN_DIR}/hf"},  # base-model download, on the tmp volume
+                       # the address engines reach the weight-update group's source rank at
+                       # (app/trainer/weight_sync.py: master_address)
+                       {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                        {"name": "VC_TRAINER_0_HOSTS", "value": f"trainer-0.{SERVICE}.{plan.namespace}.svc.cluster.local"},
                        {"name": PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
                            "name": plan.wl.buffer.password_secret, "key": "password"}}}]
-        task["template"]["metadata"]["labels"].update(labels("moerl-trainer"))
+        task["template"]["metadata"]["labels"].update(labels(JOB_NAME))
         if task["name"].endswith("-0"):  # rank 0 (replica 0) serves the run's figures (charts8s/monitoring.py)
             ctr.setdefault("ports", []).append(metrics_port())
     return job
@@ -115,18 +119,24 @@ class TrainerChart(cdk8s.Chart):
             CKV_K8S_23=not_seen, CKV_K8S_29=not_seen, CKV_K8S_31=not_seen, CKV_K8S_40=not_seen,
             CKV_K8S_38="trainer ranks write checkpoints to S3 through EKS Pod Identity, which needs the token",
         )
-        VolcanoJob(self, "job", JOB_NAME, plan.namespace, labels("moerl-trainer"), job["spec"], annotations=skips)
-        api_object(self, k8s.KubeService, SERVICE, plan.namespace, labels=labels("moerl-trainer"), spec={
+        VolcanoJob(self, "job", JOB_NAME, plan.namespace, labels(JOB_NAME), job["spec"], annotations=skips)
+        api_object(self, k8s.KubeService, SERVICE, plan.namespace, labels=labels(JOB_NAME), spec={
             "clusterIP": "None",
             # Rendezvous happens before any pod is ready; publish addresses at once.
             "publishNotReadyAddresses": True,
             "selector": {"volcano.sh/job-name": JOB_NAME},
             "ports": [{"name": "c10d", "port": plan.wl.trainer.rdzv_port, "targetPort": plan.wl.trainer.rdzv_port}],
         })
-        # Ranks talk to each other (rendezvous, NCCL bootstrap) and to nothing else inbound.
-        api_object(self, k8s.KubeNetworkPolicy, "moerl-trainer", plan.namespace, labels=labels("moerl-trainer"), spec={
-            "podSelector": {"matchLabels": labels("moerl-trainer")},
+        # Ranks talk to each other (rendezvous, NCCL bootstrap) and to nothing else inbound; with
+        # weight_sync.mode network the engines also join the source rank's weight-update group
+        # (its rendezvous port is a free one unless weight_sync.master_port is set, and NCCL's
+        # sockets are ephemeral: every port, from the rollout pods only).
+        ingress = [{"from": [{"podSelector": {"matchLabels": labels(JOB_NAME)}}]}]
+        if plan.run.weight_sync.mode == "network":
+            ingress.append({"from": [{"podSelector": {"matchLabels": labels(ROLLOUT)}}]})
+        api_object(self, k8s.KubeNetworkPolicy, "moerl-trainer", plan.namespace, labels=labels(JOB_NAME), spec={
+            "podSelector": {"matchLabels": labels(JOB_NAME)},
             "policyTypes": ["Ingress"],
-            "ingress": [{"from": [{"podSelector": {"matchLabels": labels("moerl-trainer")}}]}],
+            "ingress": ingress,
         })
 

@@ -297,11 +297,6 @@ def check(plan: Plan) -> Plan:
         raise WorkloadError(
             f"trainer.nodes={plan.trainer_nodes} exceeds pools.train-gpu.max_size={train.max_size}"
         )
-    if plan.run.weight_sync.mode == "network":
-        # The push needs trainer <-> rollout traffic on the rendezvous and NCCL ports, which the
-        # pods' NetworkPolicies do not admit yet: refuse rather than deploy a push that cannot connect.
-        raise WorkloadError("run config weight_sync.mode='network': the cluster's NetworkPolicies for the "
-                            "trainer-to-engine push are not rendered yet; use weight_sync.mode='store' in the cluster")
     try:  # the trainer applies the same rule at start (app/layout.py)
         resolve_layout(plan.run.trainer.parallel, plan.trainer_world_size)
     except ValueError as e:

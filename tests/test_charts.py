@@ -487,7 +487,6 @@ def _workloads(tmp_path: Path, text: str, run: str | None = None) -> Path:
     ("rollout: {replicas: 5}", None, "rollout.replicas=5 exceeds pools.rollout-gpu.max_size=2"),
     ("env: {replicas: 100, cpu: 4}", None, "env.replicas=100 exceeds the env-cpu pool's capacity"),
     ("trainer: {nodes: 1}", "trainer: {parallel: {ep: 3}}", "trainer.parallel.ep=3 must divide trainer.parallel.dp_shard=8"),
-    ("", "weight_sync: {mode: network}", "weight_sync.mode='network'"),
     ("images: {rollout: '1.dkr.ecr.us-east-2.amazonaws.com/moerl/rollout'}", None, "images.rollout: image"),
     ("images: {env: 'registry:5000/moerl/env'}", None, "has no tag"),
     ("images: {trainer: 'moerl/trainer:latest'}", None, "mutable tag 'latest'"),
@@ -505,6 +504,37 @@ def test_bad_input_fails_before_synth_with_one_message(tmp_path, text, run, mess
         load_workloads(cfg, _workloads(tmp_path, text, run))
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("mode", ["store", "network"])
+def test_network_weight_sync_opens_the_trainer_and_the_engines_to_each_other_only(tmp_path, mode):
+    """weight_sync.mode network: the trainer's source rank and the engines form one NCCL group
+    (app/trainer/weight_sync.py), so each side's NetworkPolicy admits the other's pods (every port:
+    the rendezvous port may be a free one and NCCL's sockets are ephemeral) and nobody else; the
+    trainer pods know their address (POD_IP, what master_address falls back to). Store mode keeps
+    both closed to each other."""
+    from charts8s.placement import labels
+
+    cfg = load_config("dev")
+    out = tmp_path / "dist"
+    run = f"model: {{path: /models/tiny}}\nweight_sync: {{mode: {mode}}}\n"
+    build(load_workloads(cfg, _workloads(tmp_path, "", run)), out)
+    docs = _load(out)
+    policy = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
+    sources = {name: [f["podSelector"]["matchLabels"] for rule in policy[name]["spec"]["ingress"]
+                      for f in rule["from"]] for name in ("moerl-trainer", "moerl-rollout")}
+    assert all("ports" not in rule for name in sources for rule in policy[name]["spec"]["ingress"])
+    pushing = mode == "network"
+    assert sources["moerl-trainer"] == [labels("moerl-trainer")] + ([labels("moerl-rollout")] if pushing else [])
+    assert sources["moerl-rollout"] == ([labels("moerl-trainer")] if pushing else [])
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    for task in job["spec"]["tasks"]:
+        (ctr,) = task["template"]["spec"]["containers"]
+        env = {e["name"]: e for e in ctr["env"]}
+        assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}, task["name"]
+    for d in docs:
+        if not d["apiVersion"].startswith("batch.volcano.sh/"):
+            kubernetes_validate.validate(d, cfg.k8s_version, strict=True)
 
 
 def test_cdk8s_yaml_app_synthesizes_into_the_cli_outdir(tmp_path):
