@@ -14,13 +14,15 @@ from charts8s.workloads import Plan
 
 RUN_CONFIG_MAP = "moerl-run-config"
 RUN_CONFIG_KEY = "run.yaml"
+TRAINER = "moerl-trainer"  # the trainer's Volcano Job, its pods' component label (charts8s/trainer.py)
+ROLLOUT = "moerl-rollout"  # the engines' Deployment or LeaderWorkerSet (charts8s/rollout.py)
 # Trainer above rollout: when GPUs are short the gang is placed first and rollout pods wait
 # (rollout only refills the buffer; a stalled trainer stalls the run).
 # The prompt source (moerl-feed) above rollout, and allowed to preempt one: without it the run
 # starves, and with held-out evaluation it needs a rollout-gpu node (charts8s/feed.py).
-PRIORITY = {"moerl-trainer": 100000, "moerl-buffer": 90000, "moerl-feed": 60000, "moerl-rollout": 50000,
+PRIORITY = {TRAINER: 100000, "moerl-buffer": 90000, "moerl-feed": 60000, ROLLOUT: 50000,
             "moerl-env": 40000}
-PREEMPTING = ("moerl-trainer", "moerl-feed")
+PREEMPTING = (TRAINER, "moerl-feed")
 BUFFER_SERVICE = "moerl-buffer"
 REWARD_MODEL_SERVICE = "moerl-reward-model"  # charts8s/rewardmodel.py, when task.reward_model is set
 ENV_SERVICE = "moerl-env"  # charts8s/envpool.py

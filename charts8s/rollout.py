@@ -37,14 +37,14 @@ from app.buffer.experience import PASSWORD_ENV
 from app.metrics import METRICS_PORT
 from app.rollout.engine_args import EngineLayout, sglang_command
 from app.torchx_component import CLUSTER_CONFIG, EFA_ENV, EFA_RESOURCE, HUGEPAGES_RESOURCE, NVSHMEM_EFA_ENV, worker_command
-from charts8s.cluster import run_config_volume
+from charts8s.cluster import ROLLOUT, TRAINER, run_config_volume
 from charts8s.kube import api_object, k8s_module
 from charts8s.lws import leader_worker_set
 from charts8s.monitoring import metrics_port
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 from charts8s.workloads import CACHE_GI, TMP_GI, Plan
 
-NAME = "moerl-rollout"
+NAME = ROLLOUT
 UID = 10001  # the moerl user of images/*.Dockerfile (high UID: no clash with host users)
 STATE_DIR = "/run/moerl"  # shared by engine and worker: the worker's pause marker
 PAUSE_MARKER = f"{STATE_DIR}/engine-paused"
@@ -218,8 +218,6 @@ class RolloutChart(cdk8s.Chart):
             "maxUnavailable": "25%", "selector": {"matchLabels": lab}})
         # weight_sync.mode network: the trainer's source rank and the engine ranks form one NCCL
         # group (app/trainer/weight_sync.py); its sockets may be opened from either side.
-        from charts8s.trainer import JOB_NAME as TRAINER  # (trainer.py imports this module)
-
         push = [{"from": [{"podSelector": {"matchLabels": labels(TRAINER)}}]}] \
             if plan.run.weight_sync.mode == "network" else []
         group_network_policy(self, k8s, NAME, ns, lab, multi, extra_ingress=push)

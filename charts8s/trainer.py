@@ -21,15 +21,14 @@ from torchx.schedulers.kubernetes_scheduler import app_to_resource, sanitize_for
 from app.buffer.experience import PASSWORD_ENV
 from app.metrics import METRICS_PORT
 from app.torchx_component import CLUSTER_CONFIG, trainer
-from charts8s.cluster import run_config_volume
+from charts8s.cluster import ROLLOUT, TRAINER, run_config_volume
 from charts8s.kube import api_object, k8s_module
 from charts8s.monitoring import metrics_port
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
-from charts8s.rollout import NAME as ROLLOUT
 from charts8s.volcano import VolcanoJob
 from charts8s.workloads import Plan
 
-JOB_NAME = "moerl-trainer"
+JOB_NAME = TRAINER
 SERVICE = JOB_NAME  # headless Service: pods are <task>.<SERVICE>.<namespace>.svc
 QUEUE = "default"
 RUN_DIR = "/tmp/moerl-run"  # the writable emptyDir; the root filesystem is read-only
@@ -59,7 +58,7 @@ def render_job(plan: Plan) -> dict:
         # TorchX warns about task-level retries of Volcano < 1.4; the gang restarts by job policy.
         warnings.simplefilter("ignore", UserWarning)
         job = app_to_resource(trainer_appdef(plan), QUEUE, plan.cfg.trainer_service_account,
-                              priority_class="moerl-trainer")
+                              priority_class=TRAINER)
     res = sanitize_for_serialization(job)
     unique = res["metadata"]["name"]
     # The suffix also appears in labels and the rendezvous id; one name keeps dist/ reproducible.
@@ -81,7 +80,7 @@ def place_gang(job: dict, plan: Plan) -> dict:
         pod["securityContext"] = pod_security(UID)
         # Stable DNS name per replica through the headless Service: trainer-0.moerl-trainer.
         pod["hostname"], pod["subdomain"] = task["name"], SERVICE
-        pod["priorityClassName"] = "moerl-trainer"
+        pod["priorityClassName"] = TRAINER
         pod["automountServiceAccountToken"] = True  # Pod Identity for S3 checkpoints
         for vol in pod["volumes"]:
             if vol["name"] == "dshm":
@@ -134,7 +133,7 @@ class TrainerChart(cdk8s.Chart):
         ingress = [{"from": [{"podSelector": {"matchLabels": labels(JOB_NAME)}}]}]
         if plan.run.weight_sync.mode == "network":
             ingress.append({"from": [{"podSelector": {"matchLabels": labels(ROLLOUT)}}]})
-        api_object(self, k8s.KubeNetworkPolicy, "moerl-trainer", plan.namespace, labels=labels(JOB_NAME), spec={
+        api_object(self, k8s.KubeNetworkPolicy, JOB_NAME, plan.namespace, labels=labels(JOB_NAME), spec={
             "podSelector": {"matchLabels": labels(JOB_NAME)},
             "policyTypes": ["Ingress"],
             "ingress": ingress,

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from app.model import kernels
+from app.model.logit_kernels import logit_grad, logit_stats
 
 
 def chunked_logprobs(
@@ -99,8 +100,6 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ent = torch.empty(n if with_entropy else 0, dtype=acc, device=hidden.device)
         for s in range(0, n, chunk):
             if fused:
-                from app.model.logit_kernels import logit_stats
-
                 c_lse, c_target, c_ent = logit_stats(hidden[s : s + chunk] @ weight.t(), targets[s : s + chunk],
                                                      temperature, with_entropy)
                 lse[s : s + chunk] = c_lse
@@ -131,8 +130,6 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]
             if ctx.fused:
-                from app.model.logit_kernels import logit_grad
-
                 dz = logit_grad(h @ weight.t(), lse[s : s + chunk], targets[s : s + chunk], grad_logp[s : s + chunk],
                                 t, weight.dtype)
             else:

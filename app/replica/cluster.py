@@ -272,7 +272,14 @@ class Cluster:
             return
         st["retries"] += 1
         self.event(f"Volcano Job {w.name}: {failed[0].name} failed -> RestartJob ({st['retries']}/{w.max_retry})")
-        threads = [threading.Thread(target=p.delete, kwargs={"reason": "RestartJob"}) for p in pods]
+        self._delete_pods(pods, "RestartJob")
+        new = [self._make(w, name, tpl, env) for name, tpl, env in w.groups[0]]
+        for p in new:
+            p.start()
+
+    def _delete_pods(self, pods: list, reason: str) -> None:
+        """Delete ``pods`` together (each gracefully, as the kubelet does), then forget them."""
+        threads = [threading.Thread(target=p.delete, kwargs={"reason": reason}) for p in pods]
         for t in threads:
             t.start()
         for t in threads:
@@ -280,9 +287,6 @@ class Cluster:
         with self._lock:
             for p in pods:
                 self.pods.pop(p.name, None)
-        new = [self._make(w, name, tpl, env) for name, tpl, env in w.groups[0]]
-        for p in new:
-            p.start()
 
     def job_phase(self, name: str) -> str:
         return self.job_state.get(name, {}).get("phase", "Running")
@@ -291,15 +295,7 @@ class Cluster:
         """Delete the pods of the named workloads, one workload after the other, each pod
         gracefully; no replacement is made (`kubectl delete -f`)."""
         for wname in names:
-            pods = self.pods_of(wname)
-            threads = [threading.Thread(target=p.delete, kwargs={"reason": "workload deleted"}) for p in pods]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            with self._lock:
-                for p in pods:
-                    self.pods.pop(p.name, None)
+            self._delete_pods(self.pods_of(wname), "workload deleted")
             self.m.workloads = [w for w in self.m.workloads if w.name != wname]
 
     def stop(self) -> None:

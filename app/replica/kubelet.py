@@ -365,18 +365,14 @@ class Pod:
     def _value_from(self, c: dict, e: dict) -> str:
         src = e["valueFrom"]
         where = f"{self.name}/{c['name']} env {e['name']}"
-        if "secretKeyRef" in src:
-            ref = src["secretKeyRef"]
-            data = self.cluster.secret(ref["name"])
-            if ref["key"] not in data:
-                raise PodError(f"{where}: Secret {ref['name']!r} has no key {ref['key']!r}")
-            return data[ref["key"]]
-        if "configMapKeyRef" in src:
-            ref = src["configMapKeyRef"]
-            data = self.cluster.config_map(ref["name"])
-            if ref["key"] not in data:
-                raise PodError(f"{where}: ConfigMap {ref['name']!r} has no key {ref['key']!r}")
-            return data[ref["key"]]
+        for field, kind, read in (("secretKeyRef", "Secret", self.cluster.secret),
+                                  ("configMapKeyRef", "ConfigMap", self.cluster.config_map)):
+            if field in src:
+                ref = src[field]
+                data = read(ref["name"])
+                if ref["key"] not in data:
+                    raise PodError(f"{where}: {kind} {ref['name']!r} has no key {ref['key']!r}")
+                return data[ref["key"]]
         if "fieldRef" in src:
             fields = {"metadata.name": self.name, "metadata.namespace": self.cluster.namespace, "status.podIP": self.ip,
                       "spec.serviceAccountName": self.spec.get("serviceAccountName", "default"),

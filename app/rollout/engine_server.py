@@ -830,15 +830,18 @@ def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> Fa
             return f"{name} must be {getattr(kind, '__name__', kind)}, got {value!r}"
         return None
 
+    def body_problem(body: dict | None, *fields: tuple) -> str | None:
+        """The first problem of a control body: not a JSON object, or a field as `bad_field` says
+        (each of ``fields`` is ``(name, kind[, required])``); None when it is well-formed."""
+        if body is None:
+            return "request body must be a JSON object"
+        return next((p for p in (bad_field(body, *f) for f in fields) if p), None)
+
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request):
         body = await control_body(request)
-        if body is None:
-            return answer(False, "request body must be a JSON object")
-        problem = next((p for p in (
-            bad_field(body, "master_address", str), bad_field(body, "master_port", int),
-            bad_field(body, "rank_offset", int), bad_field(body, "world_size", int),
-            bad_field(body, "group_name", str, False), bad_field(body, "backend", str, False)) if p), None)
+        problem = body_problem(body, ("master_address", str), ("master_port", int), ("rank_offset", int),
+                               ("world_size", int), ("group_name", str, False), ("backend", str, False))
         if problem:
             return answer(False, problem)
         ok, message = await asyncio.to_thread(
@@ -867,12 +870,8 @@ def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> Fa
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
         body = await control_body(request)
-        if body is None:
-            return answer(False, "request body must be a JSON object")
-        problem = next((p for p in (
-            bad_field(body, "names", list), bad_field(body, "dtypes", list), bad_field(body, "shapes", list),
-            bad_field(body, "group_name", str, False), bad_field(body, "flush_cache", bool, False),
-            bad_field(body, "abort_all_requests", bool, False)) if p), None)
+        problem = body_problem(body, ("names", list), ("dtypes", list), ("shapes", list), ("group_name", str, False),
+                               ("flush_cache", bool, False), ("abort_all_requests", bool, False))
         if problem:
             return answer(False, problem)
         version = body.get("weight_version")
