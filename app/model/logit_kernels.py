@@ -1,12 +1,13 @@
 """Triton kernels for the softmax passes of `app.model.logprobs.chunked_logprobs` (GPU only).
 
-At real vocabularies the loss's element-wise passes over a ``[chunk, V]`` block cost more than
-the LM-head GEMMs that produce it: the torch path casts the GEMM's bf16 output to fp32 and then
-reads and writes that fp32 block about ten times per chunk in forward (log-sum-exp, exp, product,
-sum for the entropy) and as often again in backward (exp, one-hot, scale, cast). On an H200 at
-Qwen3-30B-A3B width (8 x 8192 tokens, V = 151936) those passes were about a fifth of the step's
-device time (`moerl bench train-step --profile`, BENCHMARKS.md). Here each direction is one pass
-that reads the GEMM's output in its own dtype and keeps fp32 in registers:
+At real vocabularies the loss's element-wise passes over a ``[chunk, V]`` block are a large
+part of the step: the torch path casts the GEMM's bf16 output to fp32 and then reads and writes
+that fp32 block several times per chunk in forward (log-sum-exp, exp, product, sum for the
+entropy) and again in backward (exp, one-hot, scale, cast). On an H200 at Qwen3-30B-A3B width
+(8 x 8192 tokens, V = 151936) replacing them with these kernels took about 316 ms off a 1351 ms
+step (`moerl bench train-step`, BENCHMARKS.md: the step's change less fused AdamW's share).
+Here each direction is one pass that reads the GEMM's output in its own dtype and keeps fp32 in
+registers:
 
   - `logit_stats`: per row, log-sum-exp, the target's logit and (optionally) the entropy, from one
     read of ``z``. Online softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for

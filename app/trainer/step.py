@@ -42,9 +42,9 @@ def build_optimizer(params, lr: float, betas: tuple[float, float], weight_decay:
                     device: torch.device) -> torch.optim.AdamW:
     """AdamW (Loshchilov & Hutter 2019) over the fp32 master weights (FSDP2 shards: DTensors).
 
-    On CUDA the fused implementation (torch.optim.AdamW(fused=True), DTensor-aware): the
-    multi-tensor "foreach" default's kernels were 10 % of the step's device time on the fp32
-    state at Qwen3-30B-A3B width (BENCHMARKS.md, `bench train-step --profile`). Elsewhere
+    On CUDA the fused implementation (torch.optim.AdamW(fused=True), DTensor-aware): on the
+    fp32 state at Qwen3-30B-A3B width its kernels took 37 ms a step against about 77 ms for the
+    multi-tensor "foreach" default (BENCHMARKS.md, `bench train-step --profile`). Elsewhere
     "foreach". One parameter group per device mesh: a fused step
     runs one kernel over a group, and its DTensor op refuses parameters of different meshes
     (experts live on the EP x expert-data-parallel mesh, the rest on the data-parallel mesh;
