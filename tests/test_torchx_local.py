@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,21 +42,26 @@ def test_torchx_local_job_trains_with_the_feeder_and_no_venv_on_path(local_redis
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    version = len([s for s in range(1, 4) if s % cfg.trainer.publish_every == 0 or s == 3])
+    # torchx tails each role's log on its own, so the roles' lines interleave in any order: wait
+    # for all three instead of stopping at the feeder's last line.
+    wanted = {"feeder's last line": lambda x: x.startswith("feed/0") and '"feed":' in x,
+              "trainer's step 3": lambda x: f"rank0 step 3 v{version}" in x,
+              "trainer's done line": lambda x: x.startswith("trainer/0") and '{"done": true' in x}
     try:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
+        while time.monotonic() < deadline and reader.is_alive():
+            if all(any(seen(x) for x in list(lines)) for seen in wanted.values()):
                 break
-            lines.append(line)
-            if line.startswith("feed/0") and '"feed":' in line:
-                break  # the feeder's last line: it saw the trainer's done marker
+            time.sleep(0.5)
         out = "".join(lines)
         assert "command not found" not in out, out[-3000:]
+        missing = [name for name, seen in wanted.items() if not any(seen(x) for x in lines)]
+        assert not missing, f"missing {missing}:\n{out[-3000:]}"
         feed = json.loads(next(x for x in lines if '"feed":' in x).split(" ", 1)[1])["feed"]
         assert feed["done"] is True and feed["queued"] > 0
-        version = len([s for s in range(1, 4) if s % cfg.trainer.publish_every == 0 or s == 3])
-        assert '"done": true' in out and f"rank0 step 3 v{version}" in out
         assert read_done(open_store(cfg.store_url), cfg.run_id)["step"] == 3
     finally:
         if proc.poll() is None:
