@@ -272,7 +272,11 @@ def _heldout(cluster, feed: str | None) -> list[dict]:
 
 def format_summary(s: dict) -> str:
     a = s["ledger"]
-    lines = [f"held-out mean reward (feed pod, through its engine): before {s['heldout_before']}  after {s['heldout_after']}"
+    def fmt(x):
+        return "none" if x is None else f"{x:.3f}"
+
+    lines = [f"held-out mean reward (feed pod, through its engine): before {fmt(s['heldout_before'])}  "
+             f"after {fmt(s['heldout_after'])}"
              + (f"  ({s['gain_points']:+.1f} points)" if s["gain_points"] is not None else ""),
              f"faults: {', '.join(e['kind'] + ' ' + e['pod'] + ' at step ' + str(e['at_step']) for e in s['chaos']) or 'none'};"
              f" trainer gang restarts {s['job_restarts']}",
