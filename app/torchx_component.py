@@ -205,12 +205,19 @@ def _pair(engine: list[str], worker: list[str]) -> str:
     # the background, the worker in front; SIGTERM reaches the worker, which drains, then the
     # engine is stopped and the worker's exit status is the role's.
     return (
+        # The trap comes first, so a SIGTERM that arrives while the two start is not lost (it
+        # would kill this shell and leave both running); one that came before $worker was
+        # known is passed on once it is.
+        "stop() { [ -n \"$worker\" ] && kill -TERM $worker 2>/dev/null; }; "
+        "trap 'term=1; stop' TERM INT; "
         f"{shlex.join(engine)} & engine=$!; "
         f"{shlex.join(worker)} & worker=$!; "
-        "trap 'kill -TERM $worker' TERM INT; wait $worker; rc=$?; "
-        # A trapped signal interrupts `wait` (status > 128) without reaping the worker: wait again
-        # for its real status; 127 means it was already reaped and rc holds that status.
-        "while [ $rc -gt 128 ]; do wait $worker; r=$?; [ $r -eq 127 ] && break; rc=$r; done; "
+        "[ -n \"$term\" ] && stop; "
+        # A trapped signal interrupts `wait` (status > 128): wait again while the worker runs,
+        # then once more for the status bash kept of it (127: none kept, rc is its own). Not
+        # `while rc > 128`: a worker that died of a signal (OOM kill: 137) made that loop spin.
+        "wait $worker; rc=$?; while [ $rc -gt 128 ] && kill -0 $worker 2>/dev/null; do wait $worker; rc=$?; done; "
+        "if [ $rc -gt 128 ]; then wait $worker; r=$?; [ $r -ne 127 ] && rc=$r; fi; "
         "kill $engine 2>/dev/null; wait $engine 2>/dev/null; exit $rc"
     )
 

@@ -43,18 +43,27 @@ def test_load_summary_subtracts_own_cpu_and_marks_quiet():
 
 def test_load_monitor_sees_another_process_burn_cpu():
     """A process outside the leg that spins for the whole window shows up as others' CPU and by name."""
+    import psutil
+
     burner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 30: pass"])
+    cpu = lambda: sum(psutil.Process(burner.pid).cpu_times()[:2])  # noqa: E731
     try:
         time.sleep(0.3)
+        c0 = cpu()
         mon = LoadMonitor(time.process_time, period_s=0.2).start()
         time.sleep(1.5)
         w = mon.stop()
+        burned = cpu() - c0
     finally:
         burner.kill()
         burner.wait()
     assert w.others_cores > 0.5  # one spinning process is close to a core
-    assert burner.pid in [pid for _, pid, _ in w.top_others]
     assert len(w.top_others) <= 5
+    # On a loaded machine (CI) other spinning processes get the same share as the burner, so it is
+    # listed unless five others used at least as much CPU in the window (0.05 s: the window's
+    # ends differ by a few ms between the monitor's reads and ours).
+    if burner.pid not in [pid for _, pid, _ in w.top_others]:
+        assert len(w.top_others) == 5 and all(c >= burned - 0.05 for _, _, c in w.top_others), (burned, w.top_others)
 
 
 def test_comparison_uses_means_over_legs_and_rounds():

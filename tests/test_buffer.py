@@ -119,10 +119,13 @@ def test_expired_lease_is_reclaimed_by_another_worker(redis_server):
 
 
 def test_extend_and_release_act_only_on_own_leases(redis_server):
-    b = buf(redis_server, lease_ms=100)
+    # Between extend() and w2's lease, and between w2's and w3's leases, less than lease_ms may
+    # pass, or w2 takes the extended lease too and w3 takes w2's: 1 s, not 100 ms, so that a
+    # loaded CI machine pausing the test for a moment cannot expire them.
+    b = buf(redis_server, lease_ms=1000)
     b.put_tasks(make_tasks(2))
     mine = b.lease("w1", count=2, block_ms=0)
-    time.sleep(0.15)
+    time.sleep(1.1)
     assert [t.task_id for t in b.extend(mine[:1])] == [mine[0].task_id]  # idle clock reset
     (stolen,) = b.lease("w2", count=2, block_ms=0)  # only the un-extended one expired
     assert stolen.task_id == mine[1].task_id

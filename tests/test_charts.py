@@ -671,6 +671,27 @@ def test_paired_roles_drain_the_worker_then_stop_the_engine(tmp_path):
         pytest.fail("the engine outlived the paired role")
 
 
+def test_paired_roles_end_when_the_worker_dies_of_a_signal(tmp_path):
+    """A worker killed by a signal (an OOM kill) ends the paired role with its status and stops the
+    engine; bash keeps that status > 128, which an earlier loop took for an interrupted wait and
+    spun on for ever."""
+    import signal
+
+    from app.torchx_component import _pair
+
+    engine = ["bash", "-c", f"echo $$ > {tmp_path}/engine.pid; exec sleep 60"]
+    worker = ["bash", "-c", f"for _ in $(seq 1000); do [ -s {tmp_path}/engine.pid ] && break; sleep 0.01; done; "
+                            "kill -KILL $$"]  # once the engine runs
+    proc = subprocess.Popen(["bash", "-c", _pair(engine, worker)], start_new_session=True)
+    try:
+        assert proc.wait(timeout=30) == 128 + signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    with pytest.raises(ProcessLookupError):  # killed and reaped before the role exited
+        os.kill(int((tmp_path / "engine.pid").read_text()), 0)
+
+
 def test_synth_refuses_an_outdir_with_other_files(tmp_path, capsys):
     from charts8s.main import main
 
