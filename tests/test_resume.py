@@ -228,18 +228,22 @@ def test_killed_trainer_resumes_from_saved_state(tmp_path, redis_server, ranks):
     stop = threading.Event()
     producer = threading.Thread(target=_produce, args=(redis_server, run_id, stop, gps, G), daemon=True)
     producer.start()
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    # The log goes to a file: a pipe nobody reads while the trainer runs could fill and block it.
+    log = open(tmp_path / "trainer.log", "wb")
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
+    store = open_store(cfg.store_url)
     try:
         deadline = time.monotonic() + 240
-        while _lineage_steps(run_dir)[-1:] != [3]:
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "trainer did not reach step 3"
+        # Step 3's line is written before its version is published: wait for v3 itself (no save
+        # at step 3: save_every=2), not for a fixed time after the line.
+        while _lineage_steps(run_dir)[-1:] != [3] or latest_policy_version(store, run_id) != 3:
+            assert proc.poll() is None, (tmp_path / "trainer.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "trainer did not reach step 3 and publish v3"
             time.sleep(0.1)
-        time.sleep(1.0)  # step 3's publish; no save (save_every=2)
     finally:
         _kill_tree(proc)
-    store = open_store(cfg.store_url)
+        log.close()
     assert latest_state(store, run_id)["step"] == 2
     assert latest_state(store, run_id)["world_size"] == ranks
     assert latest_policy_version(store, run_id) == 3  # v0 + steps 1..3
