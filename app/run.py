@@ -139,8 +139,15 @@ def check_inputs(cfg: RunConfig) -> None:
     validate_config(config, cfg.trainer.parallel.ep)
 
 
-def _sigterm_as_interrupt(signum, frame) -> None:
-    """SIGTERM (e.g. from a supervisor) ends the run the same way as Ctrl-C."""
+def _interrupt(signum, frame) -> None:
+    """Ctrl-C, or SIGTERM (e.g. from a supervisor): end the run through its clean-up.
+
+    Both signals are ignored from here on, before anything unwinds: a second Ctrl-C (or
+    `timeout` forwarding the same signal) that came while the stack unwinds to the clean-up
+    would raise again there, abort it and orphan the workers and engines.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
@@ -275,7 +282,8 @@ def run(
     cfg.rollout.policy_cache_dir = str(run_dir / "policy-cache")
     started = time.time()
 
-    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     loop = EmbeddedLoop(cfg, run_dir, workers=workers)
     try:
         console.print(f"run directory: {run_dir}")
@@ -289,10 +297,7 @@ def run(
         after = held_out_reward(loop.cfg, final)
         summary = summarize(loop, before, after, started)
     except KeyboardInterrupt:
-        # A second Ctrl-C (or `timeout` forwarding the same signal) must not abort the clean-up
-        # half-way: that would orphan the workers and engines.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # `_interrupt` has set both signals to be ignored: the clean-up runs to its end.
         console.print("[yellow]interrupted: stopping every process[/]")
         loop.close()
         raise typer.Exit(130)

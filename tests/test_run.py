@@ -124,6 +124,29 @@ def test_run_ctrl_c_stops_every_process(tmp_path):
     assert alive == [], f"processes left running after Ctrl-C: {alive}"
 
 
+def test_the_first_interrupt_ignores_the_next_before_anything_unwinds():
+    """`moerl run`'s handler: the Ctrl-C that raises KeyboardInterrupt has already set SIGINT and
+    SIGTERM to be ignored, so a second one during the unwinding cannot abort the clean-up (it
+    did when the except clause set them: a second SIGINT 50 ms after the first could land before)."""
+    from app.run import _interrupt
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        signal.signal(signal.SIGINT, _interrupt)
+        signal.signal(signal.SIGTERM, _interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGINT)  # the impatient second Ctrl-C: nothing is raised
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 def test_rolling_mean_skips_missing_values():
     from app.report import rolling_mean
 

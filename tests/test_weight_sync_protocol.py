@@ -301,3 +301,68 @@ def test_registrations_expire_in_redis_and_events_wake_a_reader(redis_server):
     assert board.push()["state"] == "prepare"
     board.ack("p1", "w0", "ready", ranks=8)
     assert board.acks("p1")["w0"]["ranks"] == 8
+
+
+def test_a_prepare_during_a_version_check_waits_for_the_weights_lock():
+    """Each policy poll holds the worker's weights lock for its version check (a Redis read and
+    /model_info: a moment, longer on a loaded host). A prepare that comes then waits for the lock
+    within the ready budget and acks ready; only a holder past the budget (a load from the store)
+    makes the worker ack busy. (It acked busy at once: on a loaded machine both workers of
+    tests/test_weight_sync.py were left out of a push that way.)"""
+    from types import SimpleNamespace
+
+    from app.config import RunConfig
+    from app.rollout.weight_sync import PushMember
+
+    class Board:
+        def __init__(self):
+            self.acks: list[str] = []
+
+        def ack(self, push_id, worker_id, state, **fields):
+            self.acks.append(state)
+
+        def push(self):  # the trainer cancelled it: the member leaves the weights untouched
+            return {"id": "p1", "state": "cancelled"}
+
+    class Client:
+        async def server_info(self):
+            return {"tp_size": 1, "startup_time": 1.0}
+
+        async def pause_generation(self, mode):
+            pass
+
+        async def continue_generation(self):
+            pass
+
+    async def take(ready_timeout_s: float, release: asyncio.Event | None):
+        cfg = RunConfig()
+        cfg.weight_sync.ready_timeout_s = ready_timeout_s
+        idle = asyncio.Event()
+        idle.set()
+        w = SimpleNamespace(cfg=cfg, r=cfg.rollout, client=Client(), worker_id="w0", weights_lock=asyncio.Lock(),
+                            _may_generate=asyncio.Event(), _idle=idle, _stop=asyncio.Event(),
+                            _mark_paused=lambda for_s: None, _engine_suspect=False)
+        board = Board()
+        member = PushMember(w, board)
+
+        async def version_check():
+            async with w.weights_lock:
+                if release is None:
+                    await asyncio.sleep(0.1)
+                else:
+                    await release.wait()
+
+        holder = asyncio.create_task(version_check())
+        await asyncio.sleep(0)  # the poll holds the lock when the prepare is taken
+        assert w.weights_lock.locked()
+        await member.take({"id": "p1", "version": 1, "state": "prepare"})
+        if release is not None:
+            release.set()
+        await holder
+        member._pool.shutdown()
+        return board.acks, w.weights_lock.locked(), w._may_generate.is_set()
+
+    # a 0.1 s version check, a 29.5 s budget: ready (then cancelled), lock released, generating
+    assert asyncio.run(take(30.0, None)) == (["ready"], False, True)
+    # a holder past the 0.1 s budget (a store load): busy, and the lock is the holder's to release
+    assert asyncio.run(take(0.6, asyncio.Event()))[0] == ["busy"]

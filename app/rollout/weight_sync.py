@@ -4,7 +4,8 @@ engine through each push (protocol and failure semantics: app/trainer/weight_syn
 A `PushMember` runs beside the worker's main loop (``weight_sync.mode: network``) as one asyncio
 task. Every ``weight_sync.poll_s`` it renews the engine's registration on the board
 (app/buffer/weight_sync.py) and reads the push record; for a new ``prepare`` it takes the
-worker's weights lock (the disk path takes the same one: one weight change at a time), stops
+worker's weights lock (the disk path takes the same one: one weight change at a time; it waits
+for it within the ready budget, and acks ``busy`` only if a load holds it longer), stops
 the worker's generation, waits for its in-flight requests, pauses the engine
 (``rollout.pause_mode``) under the pause marker, acks ``ready``, and follows the trainer:
 join the group (``/init_weights_update_group``, after destroying its previous one), then
@@ -122,15 +123,23 @@ class PushMember:
         pid = push["id"]
         self.last_push = pid
         w = self.w
-        if w.weights_lock.locked():  # a load from the store is under way
+        # The ready budget counts from when this worker saw the prepare: no clock is compared
+        # across hosts. The weights lock is also held by each policy poll's version check (a
+        # moment, longer on a loaded host): wait for it within the budget; only a load from the
+        # store, which holds it for seconds, makes this worker busy.
+        budget = max(0.05, self.cfg.ready_timeout_s - 0.5)
+        deadline = time.monotonic() + budget
+        try:
+            await asyncio.wait_for(w.weights_lock.acquire(), budget)
+        except asyncio.TimeoutError:
             await self._board("ack", pid, w.worker_id, "busy")
             return
-        async with w.weights_lock:
+        try:
             w._may_generate.clear()
             paused = False
             try:
-                try:  # from when this worker saw the prepare: no clock is compared across hosts
-                    await asyncio.wait_for(w._idle.wait(), max(0.05, self.cfg.ready_timeout_s - 0.5))
+                try:
+                    await asyncio.wait_for(w._idle.wait(), max(0.05, deadline - time.monotonic()))
                 except asyncio.TimeoutError:
                     await self._board("ack", pid, w.worker_id, "busy")
                     return
@@ -161,6 +170,8 @@ class PushMember:
                             w._engine_suspect = True
                     w._mark_paused(None)
                     w._may_generate.set()
+        finally:
+            w.weights_lock.release()
 
     async def _follow(self, pid: str) -> str:
         """After ``ready``: join, receive, ack. Returns "updated", "untouched" (the weights did
