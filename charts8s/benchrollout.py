@@ -20,7 +20,7 @@ from constructs import Construct
 
 from app.rollout.engine_args import EngineLayout
 from app.torchx_component import CLUSTER_CONFIG
-from charts8s.cluster import run_config_volume
+from charts8s.cluster import ENV_SERVICE, run_config_volume
 from charts8s.kube import api_object, k8s_module
 from charts8s.lws import leader_worker_set
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
@@ -73,7 +73,7 @@ class BenchRolloutChart(cdk8s.Chart):
         res = {"cpu": "2", "memory": "4Gi"}
         pod = {
             **on_pool(plan.pool("env-cpu"), spot=True),
-            "serviceAccountName": "moerl-env",  # no AWS access needed
+            "serviceAccountName": ENV_SERVICE,  # no AWS access needed
             "automountServiceAccountToken": False,
             "securityContext": pod_security(UID),
             "restartPolicy": "Never",

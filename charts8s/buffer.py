@@ -20,7 +20,7 @@ import cdk8s
 from constructs import Construct
 
 from app.buffer.experience import SET_KEYS, STREAM_KEYS, buffer_keys
-from charts8s.cluster import BUFFER_SERVICE, ENV_SERVICE, REDIS_DB, REDIS_EXPORTER_PORT, REDIS_PORT, ROLLOUT, TRAINER
+from charts8s.cluster import BUFFER_SERVICE, ENV_SERVICE, FEED, REDIS_DB, REDIS_EXPORTER_PORT, REDIS_PORT, ROLLOUT, TRAINER
 from charts8s.kube import api_object, k8s_module
 from charts8s.monitoring import METRICS_PORT_NAME, metrics_port
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
@@ -28,7 +28,7 @@ from charts8s.placement import checkov_skips, container_security, labels, on_poo
 NAME = BUFFER_SERVICE
 STORAGE_CLASS = "moerl-gp3"
 UID = 10001  # any UID runs redis-server; fsGroup makes /data writable
-CLIENTS = (ROLLOUT, TRAINER, ENV_SERVICE, "moerl-feed")
+CLIENTS = (ROLLOUT, TRAINER, ENV_SERVICE, FEED)
 EXPORTER = "redis-exporter"
 # A few MB of Go heap for INFO and the keys below; the upstream Kubernetes example requests 100m.
 EXPORTER_RESOURCES = {"cpu": "100m", "memory": "128Mi"}
@@ -102,7 +102,7 @@ class BufferChart(cdk8s.Chart):
             "serviceName": NAME, "replicas": 1, "selector": {"matchLabels": lab},
             "template": {"metadata": {"labels": lab}, "spec": {
                 **on_pool(plan.pool("buffer-mem"), spot=False),
-                "serviceAccountName": "moerl-buffer", "automountServiceAccountToken": False,
+                "serviceAccountName": NAME, "automountServiceAccountToken": False,
                 "priorityClassName": NAME, "securityContext": pod_security(UID),
                 # Redis flushes the AOF on SIGTERM (SHUTDOWN); give it time.
                 "terminationGracePeriodSeconds": 60,

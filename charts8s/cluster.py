@@ -16,16 +16,16 @@ RUN_CONFIG_MAP = "moerl-run-config"
 RUN_CONFIG_KEY = "run.yaml"
 TRAINER = "moerl-trainer"  # the trainer's Volcano Job, its pods' component label (charts8s/trainer.py)
 ROLLOUT = "moerl-rollout"  # the engines' Deployment or LeaderWorkerSet (charts8s/rollout.py)
+FEED = "moerl-feed"  # the prompt source's Deployment (charts8s/feed.py)
+BUFFER_SERVICE = "moerl-buffer"
+REWARD_MODEL_SERVICE = "moerl-reward-model"  # charts8s/rewardmodel.py, when task.reward_model is set
+ENV_SERVICE = "moerl-env"  # charts8s/envpool.py
 # Trainer above rollout: when GPUs are short the gang is placed first and rollout pods wait
 # (rollout only refills the buffer; a stalled trainer stalls the run).
 # The prompt source (moerl-feed) above rollout, and allowed to preempt one: without it the run
 # starves, and with held-out evaluation it needs a rollout-gpu node (charts8s/feed.py).
-PRIORITY = {TRAINER: 100000, "moerl-buffer": 90000, "moerl-feed": 60000, ROLLOUT: 50000,
-            "moerl-env": 40000}
-PREEMPTING = (TRAINER, "moerl-feed")
-BUFFER_SERVICE = "moerl-buffer"
-REWARD_MODEL_SERVICE = "moerl-reward-model"  # charts8s/rewardmodel.py, when task.reward_model is set
-ENV_SERVICE = "moerl-env"  # charts8s/envpool.py
+PRIORITY = {TRAINER: 100000, BUFFER_SERVICE: 90000, FEED: 60000, ROLLOUT: 50000, ENV_SERVICE: 40000}
+PREEMPTING = (TRAINER, FEED)
 REDIS_PORT = 6379
 REDIS_DB = 0  # the database of buffer.redis_url
 REDIS_EXPORTER_PORT = 9121  # oliver006/redis_exporter's default listen port (charts8s/buffer.py)
@@ -71,7 +71,7 @@ class ClusterChart(cdk8s.Chart):
             # Pod Security Admission: reject anything beyond the "restricted" profile.
             "pod-security.kubernetes.io/enforce": "restricted",
         })
-        for sa in sorted({cfg.trainer_service_account, cfg.rollout_service_account, "moerl-buffer", "moerl-env"}):
+        for sa in sorted({cfg.trainer_service_account, cfg.rollout_service_account, BUFFER_SERVICE, ENV_SERVICE}):
             # Only pods that call AWS (trainer, rollout: S3 via Pod Identity) get a token mounted.
             aws = sa in (cfg.trainer_service_account, cfg.rollout_service_account)
             api_object(self, k8s.KubeServiceAccount, sa, ns, labels=labels(sa),

@@ -16,11 +16,11 @@ import cdk8s
 from constructs import Construct
 
 from app.torchx_component import CLUSTER_CONFIG
-from charts8s.cluster import run_config_volume
+from charts8s.cluster import ENV_SERVICE, run_config_volume
 from charts8s.kube import api_object, k8s_module, rollout_facing_service
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 
-NAME = "moerl-env"  # the Deployment and its Service (charts8s/cluster.py reads it for env.url)
+NAME = ENV_SERVICE  # the Deployment and its Service (charts8s/cluster.py reads it for env.url)
 UID = 10001  # the moerl user of images/*.Dockerfile (high UID: no clash with host users)
 
 
@@ -61,7 +61,7 @@ class EnvPoolChart(cdk8s.Chart):
             "replicas": e.replicas, "selector": {"matchLabels": lab},
             "template": {"metadata": {"labels": lab}, "spec": {
                 **on_pool(plan.pool("env-cpu"), spot=True),
-                "serviceAccountName": "moerl-env", "automountServiceAccountToken": False,
+                "serviceAccountName": NAME, "automountServiceAccountToken": False,
                 "priorityClassName": NAME, "securityContext": pod_security(UID),
                 "containers": [container],
                 "volumes": [config_vol, {"name": "tmp", "emptyDir": {"sizeLimit": "4Gi"}}],

@@ -29,12 +29,12 @@ from constructs import Construct
 
 from app.buffer.experience import PASSWORD_ENV
 from app.torchx_component import CLUSTER_CONFIG, engine_command
-from charts8s.cluster import run_config_volume
+from charts8s.cluster import FEED, run_config_volume
 from charts8s.kube import api_object, k8s_module
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 from charts8s.workloads import Plan
 
-NAME = "moerl-feed"
+NAME = FEED
 UID = 10001  # the moerl user of images/*.Dockerfile
 RUN_DIR = "/models/feed"  # on the volume the engine container also mounts: it loads versions from here
 

@@ -14,7 +14,7 @@ import cdk8s
 from constructs import Construct
 
 from app.torchx_component import CLUSTER_CONFIG
-from charts8s.cluster import REWARD_MODEL_SERVICE, run_config_volume
+from charts8s.cluster import ENV_SERVICE, REWARD_MODEL_SERVICE, run_config_volume
 from charts8s.kube import api_object, k8s_module, rollout_facing_service
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 from charts8s.workloads import Plan
@@ -64,7 +64,7 @@ class RewardModelChart(cdk8s.Chart):
             "replicas": rm.replicas, "selector": {"matchLabels": lab},
             "template": {"metadata": {"labels": lab}, "spec": {
                 **on_pool(pool, spot=True),
-                "serviceAccountName": "moerl-env", "automountServiceAccountToken": False,
+                "serviceAccountName": ENV_SERVICE, "automountServiceAccountToken": False,
                 "priorityClassName": "moerl-rollout", "securityContext": pod_security(UID),
                 "containers": [container],
                 "volumes": [config_vol, {"name": "models", "emptyDir": {"sizeLimit": f"{rm.models_gi}Gi"}},
