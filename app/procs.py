@@ -137,6 +137,12 @@ class Supervisor:
         self.stop_all()
 
 
+def sigterm_as_interrupt(signum, frame) -> None:
+    """Signal handler: SIGTERM (``timeout``, ``kill``, a pod's stop) ends a command as Ctrl-C
+    does, so its finally blocks stop the processes it started instead of orphaning them."""
+    raise KeyboardInterrupt
+
+
 def descendants(pid: int) -> list[int]:
     """Process ids of every descendant of ``pid`` (Linux: parent ids read from /proc/*/stat)."""
     children: dict[int, list[int]] = {}

@@ -7,21 +7,19 @@ import typer
 cli = typer.Typer(help="Benchmarks (MoE layer, loop).", no_args_is_help=True)
 
 
-def _stop_on_sigterm(signum, frame):
-    raise KeyboardInterrupt  # the benchmarks' finally blocks stop the processes they started
-
-
 @cli.callback()
 def _group(ctx: typer.Context) -> None:
     """Benchmarks: each prints a table with ratios against a baseline and writes a JSON result."""
     import signal
     import threading
 
+    from app.procs import sigterm_as_interrupt
+
     # SIGTERM (timeout, kill, a pod's stop) would end this process without running the finally
     # blocks that stop its engines, redis-server and trainer gang: make it an interrupt instead,
     # for the command's duration.
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+        previous = signal.signal(signal.SIGTERM, sigterm_as_interrupt)
         ctx.call_on_close(lambda: signal.signal(signal.SIGTERM, previous))
 
 

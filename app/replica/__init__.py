@@ -303,6 +303,7 @@ def replica(
     """Synthesize a small workload and run every pod of it locally; exit 1 if the ledger is not clean."""
     from app.replica.manifests import ManifestError
     from app.replica.kubelet import PodError
+    from app.procs import sigterm_as_interrupt
 
     out = (out or Path("runs") / f"replica-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     if out.exists() and any(out.iterdir()):
@@ -320,10 +321,7 @@ def replica(
         from infra.config import load_config
 
         build(load_workloads(load_config("dev", overrides), workloads), dist)
-    def on_term(signum, frame):  # stop every pod (run_replica's finally) instead of orphaning them
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGTERM, sigterm_as_interrupt)  # run_replica's finally stops every pod
     try:
         s = run_replica(dist.resolve(), out, overrides=overrides, chaos=chaos, timeout_s=timeout_s,
                         image_repo=image_repo.resolve(),
