@@ -21,7 +21,8 @@ measured (and the final one), is downloaded, loaded into the engine
 (``/update_weights_from_disk``, SGLang's API) and the held-out prompts are generated through it
 (``feed.eval_samples`` completions each at ``rollout.temperature``, and one greedy), scored as
 rollouts are (``rollout.truncated_reward`` for a cut-off completion, the task's verifier
-otherwise). One JSON line per measured version goes to ``<run-dir>/heldout.jsonl`` and stdout.
+otherwise). One JSON line per measured version goes to ``<run-dir>/heldout.jsonl`` and stdout (the final
+version's line is marked; written again, marked, if it was measured before the done marker was read).
 The prompt source never waits for the engine: evaluation starts when the engine answers, and a
 failed one is logged and tried again at the next poll.
 
@@ -158,7 +159,8 @@ class HeldOutEval:
         engine_url: the engine this evaluator owns (it loads each measured version into it).
         store: the run's object store; versions are downloaded to ``cache_dir/v<N>``.
         out: ``heldout.jsonl``; a line per version: ``{"version", "n", "samples",
-            "mean_reward", "greedy", "engine_version", "eval_s", "time"}``.
+            "mean_reward", "greedy", "engine_version", "eval_s", "time", "final"}``; the
+            trainer's last version has a line with ``final`` true (`mark_final`).
     """
 
     def __init__(self, cfg: RunConfig, prompts: list, engine_url: str, store, cache_dir: Path, out: Path):
@@ -166,8 +168,13 @@ class HeldOutEval:
             raise ValueError("held-out evaluation: no held-out prompts (task.eval_size must be >= 1)")
         self.cfg, self.prompts, self.engine_url = cfg, prompts, engine_url
         self.store, self.cache_dir, self.out = store, Path(cache_dir), Path(out)
-        self.measured: set[int] = set()
+        self.records: dict[int, dict] = {}  # version -> its line in ``out``
         self.tokenizer = None
+
+    @property
+    def measured(self) -> set[int]:
+        """The versions measured so far."""
+        return set(self.records)
 
     def due(self, version: int, final: bool = False) -> bool:
         """Whether ``version`` is to be measured: the first version seen (v0 normally), then
@@ -220,14 +227,26 @@ class HeldOutEval:
                   "eval_s": time.time() - t0, "time": time.time(), "final": final}
         if seen != version:
             raise EngineError(f"engine reports weight version {seen} after loading v{version}")
-        self.measured.add(version)
+        self.records[version] = record
+        self._write(record)
+        return record
+
+    def mark_final(self, version: int) -> None:
+        """Record that an already measured ``version`` is the trainer's last: the feed can
+        measure it on its own schedule before it reads the done marker, and then `due` (each
+        version once) would leave the run without a final line. Writes the same figures again
+        with ``final`` true; nothing if ``version`` was not measured."""
+        if version in self.records and not self.records[version]["final"]:
+            self.records[version] = {**self.records[version], "final": True}
+            self._write(self.records[version])
+
+    def _write(self, record: dict) -> None:
         self.out.parent.mkdir(parents=True, exist_ok=True)
         with open(self.out, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
         print(json.dumps({"heldout": record}), flush=True)
-        return record
 
     async def _mean(self, engine, ids: list[list[int]], n: int, temperature: float) -> float:
         """Mean reward of ``n`` completions per prompt; a truncated completion earns
@@ -313,6 +332,8 @@ def run_feed(cfg: RunConfig, run_dir: Path, engine_url: str | None = None, when_
         log.info("trainer done at step %d (policy v%d); %d tasks queued by this process",
                  done["step"], done["policy_version"], queued)
         final = done["policy_version"]
+        if evaluator is not None:
+            evaluator.mark_final(final)  # measured as a periodic version before the marker was read
         deadline = time.monotonic() + cfg.rollout.weight_update_timeout_s
         while evaluator is not None and evaluator.due(final, final=True) and time.monotonic() < deadline and not stop():
             if evaluator.engine_ready():

@@ -174,6 +174,14 @@ def test_held_out_evaluation_through_the_builtin_engine(tmp_path):
         assert not ev.due(3) and ev.due(4) and ev.due(3, final=True)  # every 2 versions after v2
         lines = [json.loads(x) for x in (tmp_path / "heldout.jsonl").read_text().splitlines()]
         assert [x["version"] for x in lines] == [2]
+        # v2 turns out to be the trainer's last (measured before the done marker was read):
+        # the same figures again, marked final, once; an unmeasured version writes nothing.
+        ev.mark_final(3)
+        ev.mark_final(2)
+        ev.mark_final(2)
+        lines = [json.loads(x) for x in (tmp_path / "heldout.jsonl").read_text().splitlines()]
+        assert [(x["version"], x["final"]) for x in lines] == [(2, False), (2, True)]
+        assert lines[1]["mean_reward"] == rec["mean_reward"] and ev.measured == {2}
     finally:
         engine.terminate()
         engine.wait(timeout=30)
