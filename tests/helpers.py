@@ -128,16 +128,16 @@ def join_world(rank: int, world: int, port: int) -> None:
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    from app.trainer.train import init_distributed
+    from app.trainer.parallel import init_distributed
 
     init_distributed(timeout_s=120)
 
 
-def sharded_trainer(cfg):
+def sharded_trainer(cfg, device: torch.device | str = "cpu"):
     """The sharded policy of a preset run config on the current process group (as the trainer
-    builds it: layout, mesh, EP context, FSDP2) and its mesh. Returns (model, mesh, ep)."""
+    builds it: layout, mesh, EP context, FSDP2) and its mesh, on ``device``. Returns (model, mesh, ep)."""
     import torch.distributed as dist
 
     from app.layout import resolve_layout
@@ -148,16 +148,19 @@ def sharded_trainer(cfg):
 
     config = policy_config(cfg, None)
     layout = resolve_layout(cfg.trainer.parallel, dist.get_world_size(), num_routed_experts(config))
-    mesh = build_mesh(layout, "cpu")
+    device = torch.device(device)
+    mesh = build_mesh(layout, device.type)
     ep = mesh.ep_context(init_ep(cfg.trainer.parallel, group=mesh.ep.get_group()).backend)
-    return build_policy_model(cfg, None, ep, mesh, torch.device("cpu")), mesh, ep
+    return build_policy_model(cfg, None, ep, mesh, device), mesh, ep
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
     """Every parameter of a (possibly sharded) model as a full tensor (collective for DTensors)."""
     from torch.distributed.tensor import DTensor
 
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+    from app.trainer.parallel import gather
+
+    return {k: (gather(v) if isinstance(v, DTensor) else v).detach().clone()
             for k, v in model.named_parameters()}
 
 

@@ -159,7 +159,7 @@ def test_multi_turn_group_is_masked_and_trains(tmp_path, redis_server, retry_ser
     from app.model.policy import build_policy
     from app.trainer.batch import collate_groups
     from app.trainer.step import train_step
-    from app.trainer.train import init_distributed
+    from app.trainer.parallel import init_distributed
 
     single_rank_env(monkeypatch)
     group.samples[0].reward = 1.0  # a spread of rewards, so the step has advantages to follow

@@ -223,7 +223,7 @@ def test_ppo_steps_raise_reward_on_toy_task(monkeypatch):
     from app.trainer.batch import collate_groups
     from app.trainer.critic import CriticParts
     from app.trainer.step import train_step
-    from app.trainer.train import init_distributed
+    from app.trainer.parallel import init_distributed
 
     single_rank_env(monkeypatch)
     torch.manual_seed(0)
@@ -337,7 +337,7 @@ def test_critic_from_a_separate_hf_model_by_path(tmp_path, monkeypatch):
 
     from app.model.parallel import EPContext
     from app.trainer.models import build_critic_parts
-    from app.trainer.train import init_distributed
+    from app.trainer.parallel import init_distributed
     from helpers import sharded_trainer
 
     dense = Qwen3ForCausalLM(Qwen3Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -137,7 +137,7 @@ def test_trainer_replays_the_engines_routing_and_reports_mismatches(tmp_path, re
     from app.model.parallel import EPContext
     from app.trainer.batch import collate_groups
     from app.trainer.step import train_step
-    from app.trainer.train import init_distributed
+    from app.trainer.parallel import init_distributed
     from helpers import single_rank_env
 
     port = free_port()

@@ -82,18 +82,44 @@ def test_routing_replay_routes_by_given_ids_and_still_trains_the_router() -> Non
     assert not torch.allclose(live(x), out.detach())
 
 
-def test_aux_loss_matches_transformers_load_balancing_loss() -> None:
+def test_aux_loss_matches_transformers_load_balancing_loss_per_sequence() -> None:
+    """The aux loss is transformers' load_balancing_loss_func of each sequence's real tokens,
+    summed over the sequences (the trainer divides by the step's sequence count): padding counts
+    nowhere, and a batch split into any micro-batches of whole sequences sums to the same."""
+    from app.model.policy import real_tokens
+
     torch.manual_seed(0)
     block = MoEBlock(Qwen3MoeConfig(**QWEN), RouterConfig(aux_loss_coef=0.01), EPContext.local())
     block.reset_parameters()
     torch.nn.init.normal_(block.gate.weight, std=0.5)
-    x = torch.randn(2, 6, 16)
-    block(x)
-    logits = x.reshape(-1, 16) @ block.gate.weight.T
-    expected = 0.01 * load_balancing_loss_func((logits,), num_experts=8, top_k=2)
+    x = torch.randn(3, 6, 16)
+    lengths = [6, 4, 2]  # right padding after these
+    mask = torch.arange(6)[None, :] < torch.tensor(lengths)[:, None]
+
+    class Holder(torch.nn.Module):  # real_tokens finds MoE blocks in model.model.layers[i].mlp
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+            self.model.layers[0].mlp = block
+
+    with real_tokens(Holder(), mask):
+        block(x)
+    logits = x @ block.gate.weight.T
+    expected = sum(0.01 * load_balancing_loss_func((logits[b, :n],), num_experts=8, top_k=2)
+                   for b, n in enumerate(lengths))
     torch.testing.assert_close(block.last_aux_loss, expected)
+    whole = block.last_aux_loss.detach()
     block.last_aux_loss.backward()
     assert block.gate.weight.grad.abs().sum() > 0
+    parts = []
+    for rows in ([0], [1, 2]):  # another split of the same sequences
+        with real_tokens(Holder(), mask[rows]):
+            block(x[rows])
+        parts.append(block.last_aux_loss.detach())
+    torch.testing.assert_close(sum(parts), whole)
+    block(x)  # outside real_tokens: every token is real (the padding now counts)
+    assert not torch.allclose(block.last_aux_loss.detach(), whole)
     off = MoEBlock(Qwen3MoeConfig(**QWEN), RouterConfig(), EPContext.local())
     off.reset_parameters()
     off(x)
@@ -101,6 +127,8 @@ def test_aux_loss_matches_transformers_load_balancing_loss() -> None:
 
 
 def test_expert_bias_update_moves_load_toward_balance() -> None:
+    from app.model.router import expert_counts
+
     torch.manual_seed(0)
     block = MoEBlock(DeepseekV3Config(**DEEPSEEK), RouterConfig(bias_update_rate=0.01), EPContext.local())
     block.reset_parameters()
@@ -108,18 +136,20 @@ def test_expert_bias_update_moves_load_toward_balance() -> None:
         block.gate.e_score_correction_bias[:4] = 1.0  # overload group 0
     x = torch.randn(1, 32, 16)
     block(x)
-    load = block.expert_load.clone()
-    block.update_expert_bias()
+    real = torch.ones(32, dtype=torch.bool)
+    real[28:] = False  # padding is no load
+    load = expert_counts(block.last_topk_idx, 16, real)
+    assert load.sum() == 28 * block.top_k
+    block.update_expert_bias(load)
     delta = block.gate.e_score_correction_bias - torch.tensor([1.0] * 4 + [0.0] * 12)
     over, under = load > load.mean(), load < load.mean()
     assert over.any() and under.any()
     assert torch.all(delta[over] < 0) and torch.all(delta[under] > 0)
-    assert torch.all(block.expert_load == 0)
     # off by default: the bias never moves
     default = MoEBlock(DeepseekV3Config(**DEEPSEEK), RouterConfig(), EPContext.local())
     default.reset_parameters()
     default(x)
-    default.update_expert_bias()
+    default.update_expert_bias(expert_counts(default.last_topk_idx, 16))
     assert torch.all(default.gate.e_score_correction_bias == 0)
 
 

@@ -274,7 +274,7 @@ def test_bf16_compute_step_at_lr_1e6_moves_weights_as_the_fp32_step(monkeypatch)
     update stored in bf16 (the old trainer) would keep almost none of it."""
     from app.trainer.batch import collate_groups
     from app.trainer.step import train_step
-    from app.trainer.train import init_distributed
+    from app.trainer.parallel import init_distributed
 
     single_rank_env(monkeypatch)
     init_distributed(timeout_s=60)

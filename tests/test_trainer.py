@@ -52,7 +52,7 @@ def test_grpo_steps_raise_reward_on_toy_task(monkeypatch):
     from app.model.policy import build_policy
     from app.trainer.batch import collate_groups
     from app.trainer.step import train_step
-    from app.trainer.train import init_distributed
+    from app.trainer.parallel import init_distributed
 
     single_rank_env(monkeypatch)
     torch.manual_seed(0)

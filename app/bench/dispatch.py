@@ -286,7 +286,7 @@ def resolve_backends(names: list[str], fp8: bool, group) -> tuple[list[str], lis
 def run(bench: DispatchBench, out_dir: str = "runs/bench") -> dict | None:
     """Time every backend on this rank; rank 0 prints the table and writes the result.
 
-    Joins (or creates, under torchrun) the process group via `app.trainer.train.init_distributed`
+    Joins (or creates, under torchrun) the process group via `app.trainer.parallel.init_distributed`
     (NCCL on CUDA, gloo on CPU) and leaves it in place for the caller.
 
     Returns:
@@ -297,7 +297,7 @@ def run(bench: DispatchBench, out_dir: str = "runs/bench") -> dict | None:
             before the process group is joined); deepep asked for where it cannot run.
         RuntimeError: a backend's round trip gave wrong rows.
     """
-    from app.trainer.train import init_distributed
+    from app.trainer.parallel import init_distributed
 
     world = world_size_from_env()
     names = bench.check(world)

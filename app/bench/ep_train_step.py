@@ -230,7 +230,7 @@ def _time_backend(backend: str, bench: EPTrainStepBench, rank: int, world: int, 
 def run(bench: EPTrainStepBench, out_dir: str = "runs/bench") -> dict | None:
     """Time the EP train step for each backend; rank 0 prints the table and writes the result.
 
-    Joins (or creates, under torchrun) the process group via `app.trainer.train.init_distributed`.
+    Joins (or creates, under torchrun) the process group via `app.trainer.parallel.init_distributed`.
 
     Returns:
         On rank 0, dict with ``figures``, ``ratios``, ``notes`` and ``path``; None elsewhere.
@@ -240,7 +240,7 @@ def run(bench: EPTrainStepBench, out_dir: str = "runs/bench") -> dict | None:
             the process group is joined); deepep asked for where it cannot run.
     """
     from app.model.parallel import deepep_unavailable_reason
-    from app.trainer.train import init_distributed
+    from app.trainer.parallel import init_distributed
 
     world = world_size_from_env()
     names = bench.check(world)

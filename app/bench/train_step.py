@@ -362,7 +362,7 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
 
     from app.model.experts import grouped_mm_supported
     from app.model.policy import moe_blocks
-    from app.trainer.train import init_distributed
+    from app.trainer.parallel import init_distributed
 
     bench.check()
     check_out_dir(out_dir)

@@ -44,7 +44,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from app.config import RouterConfig
 from app.model.config import validate_config
-from app.model.parallel import EPContext
+from app.model.parallel import EPContext, collective_device
 from app.model.policy import build_policy, moe_blocks, stock_architecture
 from app.model.reader import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, CheckpointReader  # noqa: F401 - re-exported
 
@@ -167,8 +167,7 @@ def _all_ok(ok: bool, ep: EPContext) -> bool:
     as a barrier). Unlike a bare barrier it cannot hang when one rank failed: every rank learns."""
     if ep.size == 1 or ep.group is None:
         return ok
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(ep.group) == "nccl" else "cpu"
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=collective_device(ep.group))
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ep.group)
     return bool(flag.item())
 
@@ -269,11 +268,16 @@ def _write_metadata(model: PreTrainedModel, tmp: Path, shards: list[list[_HFTens
 
 def write_metadata(model: PreTrainedModel, out_dir: Path, dtype: torch.dtype) -> None:
     """config.json (naming the stock transformers class and ``dtype``, the dtype the weights are
-    saved in) and generation_config.json of ``model`` into ``out_dir``."""
+    saved in, without any ``quantization_config``) and generation_config.json of ``model`` into
+    ``out_dir``."""
     config = copy.deepcopy(model.config)
     config.architectures = [stock_architecture(model)]
     config.dtype = dtype
     data = json.loads(config.to_json_string())
+    # The weights written are plain ``dtype`` tensors (an FP8 source is dequantized on read, and a
+    # version is a cast of the fp32 master weights): an inherited quantization_config would make
+    # stock from_pretrained refuse the directory and SGLang read bf16 tensors as FP8.
+    data.pop("quantization_config", None)
     # transformers < 5 (as pinned by some SGLang releases) reads rope_theta at the top level.
     rope = data.get("rope_parameters") or {}
     if "rope_theta" in rope:

@@ -9,7 +9,6 @@ the dispatcher of `ep.backend`.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
@@ -79,8 +78,13 @@ class MoEBlock(nn.Module):
         num_experts, num_local_experts, local_expert_offset (= ep.rank * num_local_experts).
         replay_topk_idx: [B, S, K] int64 or None; routing replay used when forward gets none.
         last_topk_idx: [T, K] int64 of the last forward (detached).
-        last_aux_loss: scalar fp32 `router.aux_loss_coef * load-balancing loss` of the last forward
-            (in the graph; add it to the loss), or None when the coefficient is 0.
+        token_mask: [B, S] bool or None: which tokens of the next forwards are real (set by
+            `app.model.policy.real_tokens`; None: every token). Padding and dummy rows count in
+            neither the aux loss nor the expert loads.
+        last_aux_loss: scalar fp32 `router.aux_loss_coef * load-balancing loss` of the last forward,
+            summed over its sequences (`app.model.router.load_balancing_loss`; in the graph: the
+            trainer adds it to the loss divided by the step's sequence count), or None when the
+            coefficient is 0.
         last_tokens_per_expert: [E_local] int64 rows each local expert processed in the last forward.
         last_replay_mismatch: [2] fp32 of the last replayed forward: tokens whose replayed experts
             differ from this router's own choice, and replayed tokens (routing replay metric).
@@ -142,9 +146,7 @@ class MoEBlock(nn.Module):
         self.last_aux_loss: Tensor | None = None
         self.last_tokens_per_expert: Tensor | None = None
         self.last_replay_mismatch: Tensor | None = None
-        # Expert loads of this rank's tokens since the last update_expert_bias() (only when bias
-        # updates are on). A plain attribute, made at first use: no garbage after meta-device init.
-        self.expert_load: Tensor | None = None
+        self.token_mask: Tensor | None = None
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -186,14 +188,13 @@ class MoEBlock(nn.Module):
         if replay is not None:
             self.last_replay_mismatch = self._replay_mismatch(routing)
         if self.router_cfg.aux_loss_coef > 0:
+            sequences = shape[0] if len(shape) == 3 else 1
+            mask = self.token_mask
+            if mask is not None and mask.numel() != x.shape[0]:
+                raise ValueError(f"token_mask has {mask.numel()} entries, the input {x.shape[0]} tokens")
             self.last_aux_loss = self.router_cfg.aux_loss_coef * load_balancing_loss(
-                routing.scores, routing.topk_idx, self.family
+                routing.scores, routing.topk_idx, self.family, sequences, mask
             )
-        if self.router_cfg.bias_update_rate > 0:
-            idx = routing.topk_idx.reshape(-1)
-            if self.expert_load is None:
-                self.expert_load = torch.zeros(self.num_experts, device=x.device)
-            self.expert_load.scatter_add_(0, idx.clamp(min=0), (idx >= 0).float())
 
         d = self.dispatcher.dispatch(x, routing.topk_idx, routing.topk_weights)
         # The experts scale each row by its gate weight on the [N, I] activation, in the weights'
@@ -206,22 +207,19 @@ class MoEBlock(nn.Module):
         return out.view(shape)
 
     @torch.no_grad()
-    def update_expert_bias(self) -> None:
-        """Apply the aux-loss-free bias update from the loads seen since the last call.
+    def update_expert_bias(self, tokens_per_expert: Tensor) -> None:
+        """Apply the aux-loss-free bias update (DeepSeek-V3 report §2.1.2) for a step's loads.
 
-        Loads are summed over the EP group so every rank applies the same update. No-op when
-        `router.bias_update_rate` is 0 (the default for RL).
+        Args:
+            tokens_per_expert: [E] slots routed to each expert by the step's real tokens, summed
+                over EVERY trainer rank (app/trainer/step.py), so that every replica of the bias
+                (a buffer FSDP does not shard or sync) takes the same update.
+
+        No-op when `router.bias_update_rate` is 0 (the default for RL).
         """
         rate = self.router_cfg.bias_update_rate
-        if rate <= 0:
-            return
-        if self.expert_load is None:  # no forward since the last update; every rank agrees
-            self.expert_load = torch.zeros(self.num_experts, device=self.gate.weight.device)
-        load = self.expert_load.clone()
-        if self.ep.group is not None:
-            dist.all_reduce(load, group=self.ep.group)
-        self.gate.update_bias(load, rate)
-        self.expert_load.zero_()
+        if rate > 0:
+            self.gate.update_bias(tokens_per_expert.to(self.gate.e_score_correction_bias.device), rate)
 
     @torch.no_grad()
     def _replay_mismatch(self, routing) -> Tensor:

@@ -147,6 +147,23 @@ def deepep_pin_mismatch(deepep_version: str, deepep_requires: list[str], torch_v
     return None
 
 
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device whose tensors a collective over ``group`` (default: the world) must use.
+
+    An NCCL group takes only CUDA tensors, and so does the ``cuda:gloo`` test layout (several
+    ranks on one GPU: app/trainer/train.py); a CPU-tensor collective there raises "No backend
+    type associated with device type cpu". A gloo group on CPU takes CPU tensors. The rule is
+    torch's own for object collectives (``distributed_c10d._get_object_coll_device``: the
+    group's one device type, or cpu when the group has a CPU backend among several), with the
+    CUDA device made concrete as this process's current GPU.
+    """
+    group = group if group is not None else dist.group.WORLD
+    types = {d.type for d in group._device_types}
+    if "cuda" in types and "cpu" not in types:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 _logged_auto = False
 
 
@@ -195,8 +212,7 @@ def init_ep(cfg: ParallelConfig, group: dist.ProcessGroup | None = None, hidden_
             raise ValueError(f"trainer.parallel.ep_backend='deepep' cannot run here: {reason}")
         if backend == "auto":
             # Every rank must take the same choice: a reason on any rank is a reason on all.
-            flag = torch.tensor([reason is not None], dtype=torch.int32,
-                                device="cuda" if dist.get_backend(group) == "nccl" else "cpu")
+            flag = torch.tensor([reason is not None], dtype=torch.int32, device=collective_device(group))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             if flag.item() and reason is None:
                 reason = "another EP rank cannot run it (that rank's log says why)"

@@ -222,3 +222,23 @@ def routing_replay(
     finally:
         for _, block in blocks:
             block.replay_topk_idx = None
+
+
+@contextmanager
+def real_tokens(model: nn.Module, mask: torch.Tensor) -> Iterator[None]:
+    """Tell every MoE layer which tokens are real inside the ``with`` block (forward and any
+    recompute in backward): padding and dummy rows then count in neither the aux loss nor the
+    expert loads (`app.model.moe.MoEBlock.token_mask`). Reset to None on exit, also on error.
+
+    Args:
+        model: a policy from `build_policy` / `load_policy` (sharded or not).
+        mask: ``[B, S]`` bool (or 0/1) of the ``input_ids`` the model is then called with.
+    """
+    blocks = moe_blocks(model)
+    try:
+        for _, block in blocks:
+            block.token_mask = mask.to(device=block.gate.weight.device, dtype=torch.bool)
+        yield
+    finally:
+        for _, block in blocks:
+            block.token_mask = None

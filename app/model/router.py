@@ -223,24 +223,59 @@ def _gather_weights(scores: Tensor, idx: Tensor) -> Tensor:
     return torch.where(valid, weights, torch.zeros_like(weights))
 
 
-def load_balancing_loss(scores: Tensor, topk_idx: Tensor, family: str) -> Tensor:
-    """Auxiliary load-balancing loss of one layer, for the tokens of this rank. Scalar fp32.
+def load_balancing_loss(scores: Tensor, topk_idx: Tensor, family: str, sequences: int = 1,
+                        token_mask: Tensor | None = None) -> Tensor:
+    """Auxiliary load-balancing loss of one layer, per sequence, summed over the sequences. Scalar fp32.
 
-    Switch Transformer form (Fedus et al. 2021, eq. 4-6) as transformers computes it for top-k:
-    ``E * sum_e f_e * P_e`` with f_e = (slots routed to e) / T and P_e = mean routing probability
-    of e. For DeepSeek-V3 the probabilities are the sigmoid scores normalized per token (the
-    report's sequence-wise balance loss, eq. 17-19, up to its constant E/K).
+    Per sequence, the Switch Transformer form (Fedus et al. 2021, eq. 4-6) as transformers computes
+    it for top-k: ``E * sum_e f_e * P_e`` with f_e = (slots routed to e) / T and P_e = the mean
+    routing probability of e, over that sequence's T real tokens. For DeepSeek-V3 the
+    probabilities are the sigmoid scores normalised per token: the report's sequence-wise balance
+    loss (DeepSeek-V3 technical report, eq. 17-20, up to its constant E/K).
+
+    Per sequence, not per batch, so that the trainer's step is the same for any split of a batch
+    into micro-batches (whole sequences) and ranks: the step divides the sum by the global count
+    of sequences (app/trainer/step.py). A batch-level f_e * P_e is a product of two batch means
+    and depends on which sequences share a micro-batch. Padding and dummy rows (``token_mask``
+    False) count nowhere; a sequence without real tokens adds 0.
 
     Args:
-        scores: [T, E] fp32 softmax probabilities or sigmoid scores.
+        scores: [T, E] fp32 softmax probabilities or sigmoid scores, T = sequences * S.
         topk_idx: [T, K] int64 routed experts (-1 ignored).
         family: "qwen3_moe" or "deepseek_v3".
+        sequences: B, the number of sequences the T tokens are (row-major [B, S]).
+        token_mask: [T] (or [B, S]) bool, the real tokens; None: every token.
+
+    Raises:
+        ValueError: T is not a multiple of ``sequences``, or the mask has another size.
     """
     num_tokens, num_experts = scores.shape
+    if num_tokens % max(sequences, 1):
+        raise ValueError(f"load_balancing_loss: {num_tokens} tokens are not {sequences} sequences")
     if num_tokens == 0:
         return scores.sum() * 0.0
     probs = scores if family == "qwen3_moe" else scores / scores.sum(dim=-1, keepdim=True)
+    mask = (torch.ones(num_tokens, dtype=torch.bool, device=scores.device) if token_mask is None
+            else token_mask.reshape(-1).to(device=scores.device, dtype=torch.bool))
+    if mask.numel() != num_tokens:
+        raise ValueError(f"load_balancing_loss: token_mask has {mask.numel()} entries for {num_tokens} tokens")
+    seq_len = num_tokens // sequences
+    real = mask.float().view(sequences, seq_len)  # [B, S]
+    n = real.sum(dim=1).clamp(min=1.0)  # [B] real tokens per sequence
+    slots = ((topk_idx >= 0) & mask[:, None]).float()  # [T, K]
+    counts = torch.zeros(sequences, num_experts, dtype=torch.float32, device=scores.device)
+    seq_of_slot = torch.arange(num_tokens, device=scores.device).div(seq_len, rounding_mode="floor")
+    flat = seq_of_slot[:, None] * num_experts + topk_idx.clamp(min=0)
+    counts.view(-1).scatter_add_(0, flat.reshape(-1), slots.reshape(-1))
+    mean_probs = (probs.view(sequences, seq_len, num_experts) * real[..., None]).sum(dim=1) / n[:, None]
+    return num_experts * torch.sum((counts / n[:, None]) * mean_probs)
+
+
+def expert_counts(topk_idx: Tensor, num_experts: int, token_mask: Tensor | None = None) -> Tensor:
+    """[E] fp32 slots routed to each expert by the real tokens (``token_mask`` [T] or [B, S] bool,
+    None: all) of ``topk_idx`` [T, K] (-1 ignored): the load the aux-loss-free bias update reads."""
     valid = topk_idx >= 0
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=scores.device)
-    counts.scatter_add_(0, topk_idx.clamp(min=0).reshape(-1), valid.reshape(-1).float())
-    return num_experts * torch.sum((counts / num_tokens) * probs.mean(dim=0))
+    if token_mask is not None:
+        valid = valid & token_mask.reshape(-1, 1).to(device=topk_idx.device, dtype=torch.bool)
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=topk_idx.device)
+    return counts.scatter_add_(0, topk_idx.clamp(min=0).reshape(-1), valid.reshape(-1).float())

@@ -215,7 +215,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
     from app.trainer.publish import publish_version
     from app.trainer.state import drop_committed, latest_state, load_state, newer_entry, save_state
     from app.trainer.step import build_optimizer, train_step
-    from app.trainer.train import init_distributed
+    from app.trainer.parallel import init_distributed
 
     # The cross-field rules (capacity vs save_every, PPO's loss aggregation) live in RunConfig;
     # validate again in case fields were set in code after loading.
@@ -244,10 +244,8 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
             )
         manifest = latest_state(store, cfg.run_id) if resume else None
         if manifest is not None:
-            if manifest["world_size"] != world:
-                raise ValueError(
-                    f"training state of step {manifest['step']} was saved by {manifest['world_size']} "
-                    f"ranks; this run has {world} (keep trainer.parallel and the trainer's ranks)")
+            if manifest["world_size"] != world:  # DCP reshards (app/trainer/state.py load_state)
+                log.info("resuming step %d, saved by %d ranks, on %d", manifest["step"], manifest["world_size"], world)
             # Finish a commit that a kill interrupted: the saved state has taken these groups.
             drop_committed(buf, manifest.get("commit_point"))
         return buf, latest, manifest

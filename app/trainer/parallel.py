@@ -27,19 +27,124 @@ hooks; `register_fsdp_forward_method` makes ``sequence_logprobs`` gather the roo
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from app.layout import Layout
 from app.model.parallel import EPContext
+from app.trainer import TrainingError
 
 log = logging.getLogger(__name__)
+
+
+# Several trainer ranks on one GPU, over a device-strict gloo group ("cuda:gloo"): every
+# collective sees CUDA tensors and refuses host ones, as NCCL does, so the multi-rank code runs
+# as it would on several GPUs, only slower (gloo stages through the host). NCCL itself refuses
+# two ranks on one device. For tests and debugging on one GPU; never a production layout.
+SHARED_GPU_ENV = "MOERL_SHARED_GPU"
+
+
+def shared_gpu() -> bool:
+    """True when ``MOERL_SHARED_GPU=1``: trainer ranks share GPUs over cuda:gloo."""
+    return os.environ.get(SHARED_GPU_ENV, "") == "1"
+
+
+def gpu_of(local_rank: int, local_world: int, gpus: int, shared: bool) -> int:
+    """The GPU index of a local rank: its own (one rank per GPU), or, with ``shared``, the
+    ranks spread in equal blocks over the ``gpus`` (4 ranks on 1 GPU: all on 0; on 2: 0 0 1 1).
+
+    Raises:
+        TrainingError: without ``shared``, a local rank that has no GPU of its own.
+    """
+    if shared:
+        return local_rank * gpus // max(local_world, 1)
+    if local_rank >= gpus:
+        raise TrainingError(f"LOCAL_RANK {local_rank} has no GPU of its own ({gpus} visible): NCCL refuses two "
+                            f"ranks on one GPU; start one rank per GPU, or set {SHARED_GPU_ENV}=1 to share GPUs "
+                            "over a cuda:gloo group (tests and debugging only)")
+    return local_rank
+
+
+def init_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
+    """Join (or, outside torchrun, create a one-rank) process group: nccl on GPU (cuda:gloo when
+    ranks share a GPU, `SHARED_GPU_ENV`), gloo on CPU.
+
+    Returns:
+        ``(rank, world_size, device)``.
+
+    Raises:
+        TrainingError: a rank without a GPU of its own under NCCL (`gpu_of`).
+    """
+    if "RANK" not in os.environ:  # plain `python -m app.cli train`: a group of one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = torch.cuda.is_available()
+    shared = cuda and shared_gpu()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cpu")
+    if cuda:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        device = torch.device("cuda", gpu_of(local_rank, local_world, torch.cuda.device_count(), shared))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = ("cuda:gloo" if shared else "nccl") if cuda else "gloo"
+        # device_id binds NCCL's communicator to this GPU now (DeepEP can then reuse it).
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=device if cuda and not shared else None)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def gather(t: DTensor, placements=None) -> torch.Tensor:
+    """This rank's local tensor of ``t`` redistributed to ``placements`` (default: Replicate on
+    every mesh dimension, i.e. the full tensor). Collective over ``t``'s mesh.
+
+    DTensor's own ``redistribute``, except in the shared-GPU layout (cuda:gloo, `SHARED_GPU_ENV`):
+    gloo cannot all-gather CUDA tensors through DTensor's functional collectives (the process
+    dies with SIGSEGV; pytorch/pytorch#132709, seen on the H200 with torch 2.11), so there the
+    gather runs on a host copy of the shard over gloo CPU groups of the same mesh
+    (`_host_mesh`) and the result goes back to the GPU. FSDP2's own all-gathers and
+    reduce-scatters, the EP all-to-alls and the step's reductions stay on CUDA tensors.
+    """
+    placements = placements or [Replicate()] * t.device_mesh.ndim
+    if t.device.type != "cuda" or not shared_gpu():
+        return t.redistribute(t.device_mesh, placements).to_local()
+    host = _host_mesh(t.device_mesh)
+    local = DTensor.from_local(t.to_local().cpu(), host, t.placements, shape=t.shape, stride=t.stride())
+    return local.redistribute(host, placements).to_local().to(t.device)
+
+
+_HOST_MESHES: dict[tuple, DeviceMesh] = {}
+
+
+def _host_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """A CPU twin of ``mesh`` over gloo groups of the same ranks (made once per mesh; the first
+    call is collective: every rank creates every group, in the same order)."""
+    key = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.mesh_dim_names)
+    if key not in _HOST_MESHES:
+        me = dist.get_rank()
+        groups = []
+        for d in range(mesh.ndim):
+            mine = None
+            slices = mesh.mesh.movedim(d, -1).reshape(-1, mesh.mesh.shape[d])
+            for ranks in slices.tolist():
+                g = dist.new_group(ranks, backend="gloo")
+                if me in ranks:
+                    mine = g
+            groups.append(mine)
+        _HOST_MESHES[key] = DeviceMesh.from_group(groups, "cpu", mesh=mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
+    return _HOST_MESHES[key]
 
 
 @dataclass

@@ -131,7 +131,11 @@ def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, distributed: bool = True)
     x, mask = x.detach().float(), mask.float()
     moments = torch.stack([mask.sum(), (x * mask).sum(), (x.square() * mask).sum()])
     if distributed and dist.is_initialized() and dist.get_world_size() > 1:
+        from app.model.parallel import collective_device
+
+        moments = moments.to(collective_device())  # NCCL refuses host tensors
         dist.all_reduce(moments, op=dist.ReduceOp.SUM)
+        moments = moments.to(x.device)
     n = moments[0].clamp(min=1.0)
     mean = moments[1] / n
     var = (moments[2] / n - mean.square()).clamp(min=0.0)

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from app.model.checkpoint import DEFAULT_MAX_SHARD_BYTES, INDEX_NAME, _FUSED_EXPERT, write_metadata
 from app.trainer import TrainingError
+from app.trainer.parallel import gather
 
 # Files of a Hugging Face tokenizer directory; copied from the source checkpoint when present.
 TOKENIZER_FILES = (
@@ -70,9 +71,10 @@ def add_tokenizer(out_dir: Path, source_dir: str | Path | None) -> None:
 class HFTensor:
     """One tensor of the published checkpoint.
 
-    Attributes: name (Hub name), shape, nbytes (in the publish dtype), owner (rank that writes
-    it), source (our state-dict name), expert (global expert id for per-expert tensors, else
-    None), rows (row range of our [E, 2I, H] gate_up tensor, for gate/up; None otherwise).
+    Attributes: name (Hub name), shape, nbytes (in ``dtype``), owner (rank that writes it),
+    source (our state-dict name), expert (global expert id for per-expert tensors, else None),
+    rows (row range of our [E, 2I, H] gate_up tensor, for gate/up; None otherwise), dtype (what
+    it is published in: `publish_dtype`).
     """
 
     name: str
@@ -82,6 +84,16 @@ class HFTensor:
     source: str
     expert: int | None = None
     rows: tuple[int, int] | None = None
+    dtype: torch.dtype = torch.bfloat16
+
+
+def publish_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype, buffers: set[str]) -> torch.dtype:
+    """The dtype state entry ``name`` is published (and pushed) in: parameters in ``dtype`` (a
+    cast of the fp32 master weights), buffers in their own dtype. The one floating buffer of the
+    policies is DeepSeek-V3's fp32 ``e_score_correction_bias``, the routing bias the engines add
+    to the router's scores: rounded to bf16 it would pick other experts (transformers keeps it
+    fp32 too: ``DeepseekV3PreTrainedModel._keep_in_fp32_modules_strict``)."""
+    return tensor.dtype if name in buffers else dtype
 
 
 @dataclass
@@ -114,6 +126,7 @@ def plan_version(model: nn.Module, mesh, dtype: torch.dtype,
     world = dist.get_world_size() if dist.is_initialized() else 1
     layout = mesh.layout if mesh is not None else None
     itemsize = torch.empty((), dtype=dtype).element_size()
+    buffers = {n for n, _ in model.named_buffers()}
     state = model.state_dict()
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -127,7 +140,8 @@ def plan_version(model: nn.Module, mesh, dtype: torch.dtype,
             n = 1
             for d in shape:
                 n *= d
-            dense.append(HFTensor(name, shape, n * itemsize, -1, name))
+            kind = publish_dtype(name, t, dtype, buffers)
+            dense.append(HFTensor(name, shape, n * kind.itemsize, -1, name, dtype=kind))
             continue
         prefix, kind = m.groups()
         e_total = shape[0]
@@ -145,7 +159,7 @@ def plan_version(model: nn.Module, mesh, dtype: torch.dtype,
                           (f"{prefix}.{e}.up_proj.weight", (inter, shape[2]), (inter, 2 * inter))]
             for hf_name, hf_shape, rows in pieces:
                 nbytes = hf_shape[0] * hf_shape[1] * itemsize
-                tensors.append(HFTensor(hf_name, tuple(hf_shape), nbytes, owner, name, e, rows))
+                tensors.append(HFTensor(hf_name, tuple(hf_shape), nbytes, owner, name, e, rows, dtype))
                 load[owner] += nbytes
     for t in dense:
         t.owner = min(range(world), key=lambda r: (load[r], r))
@@ -173,9 +187,8 @@ def _gathered(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     t = t.detach().to(dtype)
     names = t.device_mesh.mesh_dim_names or ()
     if "ep" in names:
-        keep = [Shard(0) if n == "ep" else Replicate() for n in names]
-        return t.redistribute(t.device_mesh, keep).to_local()
-    return t.full_tensor()
+        return gather(t, [Shard(0) if n == "ep" else Replicate() for n in names])
+    return gather(t)
 
 
 def publish_version(
@@ -236,7 +249,7 @@ def publish_version(
         shutil.rmtree(local, ignore_errors=True)
         local.mkdir(parents=True)
         for source, pieces in by_source.items():
-            value = _gathered(state[source], dtype)  # every rank: same collectives, same order
+            value = _gathered(state[source], pieces[0].dtype)  # every rank: same collectives, same order
             e_offset = _ep_offset(state[source], value)
             for t in pieces:
                 if t.owner != rank:

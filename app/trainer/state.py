@@ -46,6 +46,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from app.model.parallel import collective_device
 from app.storage.store import ObjectStore, run_area
 
 MANIFEST = "moerl-state.json"
@@ -156,9 +157,7 @@ def _all_ok(ok: bool) -> bool:
     """True on every rank iff ``ok`` on every rank (all-reduce MIN; also a barrier)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return ok
-    backend = dist.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
@@ -263,18 +262,19 @@ def load_state(
     """Load the state of ``manifest`` into ``modules`` (each rank its own shards) and this rank's
     RNG state; returns the lineage ("task_id/attempt" keys). Collective.
 
+    Another layout than the one that saved (other world size, EP, FSDP or HSDP split) loads too:
+    DCP stores every tensor once with its global shape and reads, per rank, the byte ranges of
+    the shards the current layout gives it (torch.distributed.checkpoint resharding). RNG states
+    are per rank: rank r restores the one rank r saved, and a rank the saving run did not have
+    keeps its seeded generator.
+
     Raises:
-        ValueError: the state was saved by a different number of ranks, by an older trainer (not
-            DCP), or for other modules (e.g. a GRPO state resumed as PPO): named.
+        ValueError: the state was written by an older trainer (not DCP), or for other modules
+            (e.g. a GRPO state resumed as PPO): named.
         FileNotFoundError: a file of the state is missing.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
     step = manifest["step"]
-    if manifest["world_size"] != world:
-        raise ValueError(
-            f"training state of step {step} was saved by {manifest['world_size']} ranks; this run has "
-            f"{world} (keep trainer.parallel and the trainer's --nnodes x --nproc-per-node)")
     if manifest.get("format") != "dcp":
         raise ValueError(f"training state of step {step} was written by an older trainer (no DCP state); "
                          "start a new run_id")
@@ -287,10 +287,11 @@ def load_state(
     for name, (module, optimizer) in modules.items():
         set_state_dict(module, optimizer, model_state_dict=state[name]["model"],
                        optim_state_dict=state[name]["optim"])
-    rng = torch.load(io.BytesIO(store.get_bytes(prefix + f"rng{rank}.pt")), map_location="cpu", weights_only=False)
-    torch.set_rng_state(rng["cpu"])
-    if rng.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    if rank < manifest["world_size"]:
+        rng = torch.load(io.BytesIO(store.get_bytes(prefix + f"rng{rank}.pt")), map_location="cpu", weights_only=False)
+        torch.set_rng_state(rng["cpu"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
     return json.loads(store.get_bytes(prefix + "lineage.json"))
 
 

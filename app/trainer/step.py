@@ -33,7 +33,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from app.config import RunConfig
-from app.model.policy import routing_replay
+from app.model.parallel import collective_device
+from app.model.policy import moe_blocks, real_tokens, routing_replay
+from app.model.router import expert_counts
 from app.trainer.batch import TrainBatch, plan_micro_batches, select_rows
 from app.trainer.grpo import finish_stats, grpo_loss
 
@@ -81,7 +83,11 @@ def _world() -> int:
 
 
 def _all_reduce(t: Tensor, op=dist.ReduceOp.SUM) -> Tensor:
+    """``t`` all-reduced over the world; the result lives on the group's collective device (a
+    copy when ``t`` is elsewhere: NCCL, like the cuda:gloo test layout, refuses CPU tensors).
+    Use the returned tensor."""
     if _world() > 1:
+        t = t.to(collective_device())
         dist.all_reduce(t, op=op)
     return t
 
@@ -163,7 +169,9 @@ def train_step(
     t = cfg.trainer
     temp = cfg.rollout.temperature
     mask = batch.completion_mask
-    counts = _all_reduce(torch.stack([mask.sum(), (mask.sum(-1) > 0).float().sum()]).float())
+    # [completion tokens, sequences with completion tokens, real sequences] of the whole step.
+    counts = _all_reduce(torch.stack([mask.sum(), (mask.sum(-1) > 0).float().sum(),
+                                      (batch.attention_mask.sum(-1) > 0).float().sum()]).float())
     denominator = counts[0] if t.loss_agg == "token-mean" else counts[1]
     micro = _micro_batches(batch, t.micro_batch_tokens, pad_id, device)
     kw = dict(temperature=temp, chunk=t.logprob_chunk_tokens)
@@ -179,17 +187,23 @@ def train_step(
     maxima: dict[str, Tensor] = {}
     applied = True
     replay_counts = torch.zeros(2)
+    # Aux-loss-free balancing: each MoE layer's expert loads of the step's real tokens.
+    blocks = [b for _, b in moe_blocks(model)] if cfg.router.bias_update_rate > 0 else []
+    loads = 0
     for rows, mb in micro:
         # Routing replay: the MoE layers route by the engine's experts for this micro-batch, in
-        # the forward and in any recompute of its backward.
+        # the forward and in any recompute of its backward. Padding and dummy rows are no tokens
+        # of the aux loss or the loads.
         replay = (routing_replay(model, mb.routed_experts.unbind(2)) if mb.routed_experts is not None
                   else contextlib.nullcontext())
-        with replay:
-            ok, step_sums, out_maxima = _micro_step(cfg, model, mb, rows, denominator, counts, kw, ref_model,
-                                                    critic, targets, len(micro))
+        tokens = mb.attention_mask.bool() if rows is not None else torch.zeros_like(mb.attention_mask, dtype=torch.bool)
+        with replay, real_tokens(model, tokens):
+            ok, step_sums, out_maxima, load = _micro_step(cfg, model, mb, rows, denominator, counts, kw, ref_model,
+                                                          critic, targets, blocks, tokens)
             if mb.routed_experts is not None:
                 replay_counts += sum(m.last_replay_mismatch.cpu() for m in model.modules()
                                      if getattr(m, "last_replay_mismatch", None) is not None)
+        loads = loads + load if blocks else 0
         for k, v in step_sums.items():
             sums[k] = sums.get(k, 0) + v
         for k, v in out_maxima.items():
@@ -210,6 +224,10 @@ def train_step(
             optimizer.step()
             if critic is not None:
                 critic.optimizer.step()
+            if blocks:  # loads of every rank: every replica of the bias takes the same update
+                total = _all_reduce(loads)
+                for block, layer_load in zip(blocks, total):
+                    block.update_expert_bias(layer_load)
     optimizer.zero_grad(set_to_none=True)
     if critic is not None:
         critic.optimizer.zero_grad(set_to_none=True)
@@ -219,13 +237,13 @@ def train_step(
     mkeys = sorted(maxima)
     mvec = torch.stack([maxima[k].to(counts.device).reshape(()) for k in mkeys]) if mkeys else torch.zeros(0)
     if mkeys:
-        _all_reduce(mvec, dist.ReduceOp.MAX)
+        mvec = _all_reduce(mvec, dist.ReduceOp.MAX)
     reduced = dict(zip(keys, vec.cpu()))
     full_loss = float(reduced.pop("loss"))
     stats = finish_stats(reduced, dict(zip(mkeys, mvec.cpu())))
     stats.update(loss=full_loss, grad_norm=grad_norm, micro_batches=float(len(micro)))
     if cfg.rollout.routing_replay:  # how often the trainer's own router would have differed (every rank)
-        replay_counts = _all_reduce(replay_counts.to(counts.device)).cpu()
+        replay_counts = _all_reduce(replay_counts).cpu()
         stats["routing_replay_mismatch"] = float(replay_counts[0] / replay_counts[1].clamp(min=1))
     if critic is not None:
         stats["critic_grad_norm"] = critic_grad_norm
@@ -233,12 +251,17 @@ def train_step(
 
 
 def _micro_step(cfg: RunConfig, model: nn.Module, mb: TrainBatch, rows, denominator: Tensor, counts: Tensor,
-                kw: dict, ref_model, critic, targets, n_micro: int) -> tuple[bool, dict, dict]:
+                kw: dict, ref_model, critic, targets, blocks: list, tokens: Tensor) -> tuple[bool, dict, dict, Tensor | None]:
     """Forward, loss and backward of one micro-batch (collective). Returns (finite on every rank,
-    detached fp32 sums, maxima); when a loss is not finite on some rank, no rank runs backward."""
+    detached fp32 sums, maxima, ``[len(blocks), E]`` expert loads of the real ``tokens`` [B, S]
+    in each of ``blocks`` or None without blocks); when a loss is not finite on some rank, no
+    rank runs backward."""
     t = cfg.trainer
     logp, ent, _ = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.completion_mask,
                                            with_entropy=t.log_entropy, **kw)
+    # Read the routing now: a recompute in backward writes last_topk_idx again.
+    load = (torch.stack([expert_counts(b.last_topk_idx, b.num_experts, tokens) for b in blocks])
+            if blocks else None)
     ref_logp = None
     if ref_model is not None:
         with torch.no_grad():
@@ -261,8 +284,10 @@ def _micro_step(cfg: RunConfig, model: nn.Module, mb: TrainBatch, rows, denomina
     loss = out.loss
     aux = [m.last_aux_loss for m in model.modules() if getattr(m, "last_aux_loss", None) is not None]
     if aux and cfg.router.aux_loss_coef > 0:
-        # Each micro-batch's aux loss covers its tokens; the ranks' and micro-batches' sum is their mean.
-        loss = loss + torch.stack(aux).sum() / (_world() * n_micro)
+        # Each layer's aux loss is summed over this micro-batch's sequences (app/model/router.py):
+        # divided by the step's real sequences, the ranks' and micro-batches' sum is the mean over
+        # sequences, whatever the split.
+        loss = loss + torch.stack(aux).sum() / counts[2].clamp(min=1.0)
     step_sums = dict(out.sums)
     if ent is not None:
         step_sums["entropy"] = (ent * mb.completion_mask).sum()
@@ -274,9 +299,9 @@ def _micro_step(cfg: RunConfig, model: nn.Module, mb: TrainBatch, rows, denomina
     maxima = {k: v.detach().float() for k, v in out.maxima.items()}
     bad = _all_reduce(torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=loss.device), dist.ReduceOp.MAX)
     if bad.item() > 0:
-        return False, sums, maxima
+        return False, sums, maxima, load
     loss.backward()
-    return True, sums, maxima
+    return True, sums, maxima, load
 
 def _ppo_targets(cfg: RunConfig, critic: nn.Module, batch: TrainBatch, micro: list[tuple]):
     """Critic values of every row (gradient-free pass over the micro-batches), then GAE and the

@@ -12,13 +12,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 from dataclasses import asdict
-from datetime import timedelta
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import typer
 
@@ -26,30 +23,6 @@ from app.config import RunConfig
 from app.trainer import TrainingError
 
 cli = typer.Typer(add_completion=False, help="Run a GRPO trainer rank (start with torchrun).")
-
-
-def init_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
-    """Join (or, outside torchrun, create a one-rank) process group: nccl on GPU, gloo on CPU.
-
-    Returns:
-        ``(rank, world_size, device)``.
-    """
-    if "RANK" not in os.environ:  # plain `python -m app.cli train`: a group of one
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        # device_id binds NCCL's communicator to this GPU now (DeepEP can then reuse it).
-        dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
-                                device_id=device if cuda else None)
-    return dist.get_rank(), dist.get_world_size(), device
 
 
 @cli.command()

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from app.model.dispatch import Dispatched
 from app.model.dispatch.permute import RowMap, permute, row_map, unpermute
-from app.model.parallel import EPContext
+from app.model.parallel import EPContext, collective_device
 
 # V2 combine's compile-time requirement on the hidden size (module docstring).
 HIDDEN_MULTIPLE = 256
@@ -236,8 +236,7 @@ def trial_reason(group) -> str | None:
         slot = _allocate(group, HIDDEN_MULTIPLE, HIDDEN_MULTIPLE * 2, 1, 1)
     except Exception as e:  # noqa: BLE001 - the reason auto falls back
         error = f"{type(e).__name__}: {e}"
-    failed = torch.tensor([error is not None], dtype=torch.int32,
-                          device="cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    failed = torch.tensor([error is not None], dtype=torch.int32, device=collective_device(group))
     dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
     if not failed.item():
         _destroy([slot])
