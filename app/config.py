@@ -246,11 +246,17 @@ class WeightSyncConfig(Section):
     store_every: int = Field(1, ge=1, description="network: versions between store copies (1: every one).")
     bucket_bytes: int = Field(512 * 1024**2, ge=1, description="Most bytes one broadcast carries (a bucket); "
                               "a single larger tensor travels alone. Miles' default is 512 MiB.")
-    backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="Group backend: auto is nccl when the trainer runs on CUDA, else gloo.")
+    backend: Literal["auto", "gloo", "nccl", "cuda:gloo"] = Field(
+        "auto", description="Group backend: auto is nccl when the trainer runs on CUDA (cuda:gloo when "
+        "ranks share a GPU, MOERL_SHARED_GPU=1), else gloo.")
     master_address: str | None = Field(None, description="Address engines reach the trainer's source rank "
                                        "at; None: $POD_IP, else this host's name resolved.")
-    master_port: int = Field(0, ge=0, le=65535, description="Rendezvous port on the source rank (0: a free one).")
+    master_port: int = Field(0, ge=0, le=65535, description="First rendezvous port on the source rank: the "
+                             "k-th open group serves at master_port + k (0: a free port per group).")
+    engines_per_group: int = Field(1, ge=0, description="Engines sharing one weight-update group. 1: a group "
+                                   "per engine, so an engine that dies mid-push fails only its own group; the "
+                                   "source then sends each bucket once per engine. 0: every engine in one group "
+                                   "(one broadcast tree, but one dead member fails the push for all).")
     ready_timeout_s: float = Field(30.0, gt=0.0, description="How long the trainer waits for engines to "
                                    "pause for a push; those not ready are left out of it.")
     timeout_s: float = Field(120.0, gt=0.0, description="Bound of the group's join and of each bucket "

@@ -10,6 +10,13 @@ torch's own process-group constructor, which adds ``PrefixStore(group_name + "/"
 ``PrefixStore(device + "/")`` (``cpu/`` for gloo, ``cuda/`` for NCCL) before it makes the
 backend. `open_group` builds the same store layout and the backend object directly, so:
 
+- the backend is made at the group's first broadcast, on every side: SGLang's NCCL group
+  (``device_id=None``) creates its communicator only at the first broadcast inside
+  ``/update_weights_from_distributed``, which a worker sends after the trainer has moved to the
+  send phase; a source that connected at join (``eager_connect_single_device``, or gloo's
+  constructor, which connects its full mesh) would wait for engines that are not there yet
+  until the join timed out. The built-in engine joins the same way, so the gloo tests see
+  what NCCL does (tests/test_weight_sync_protocol.py);
 - the two sides find each other's keys (tests/test_weight_sync_protocol.py runs SGLang's own
   ``init_custom_process_group``, read from the wheel, against it);
 - the group is not registered in torch's process-group table and never splits from the
@@ -33,7 +40,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-BACKENDS = ("gloo", "nccl")
+# "cuda:gloo": gloo over CUDA tensors, device-strict like NCCL (a CPU tensor is refused); the
+# layout where trainer ranks and engines share one GPU (tests and debugging; NCCL refuses two
+# ranks on one device). torch reads the same string as a device:backend map.
+BACKENDS = ("gloo", "nccl", "cuda:gloo")
 BUCKET_FORMAT = "flattened_bucket"  # SGLang's load_format name for the layout below
 # SGLang's default group name (io_struct.InitWeightsUpdateGroupReqInput.group_name).
 DEFAULT_GROUP_NAME = "weight_update_group"
@@ -70,7 +80,7 @@ class UpdateGroup:
     Attributes:
         name: the group name (also the store prefix).
         rank, world_size: this rank and the group's size.
-        backend: "gloo" or "nccl".
+        backend: one of `BACKENDS`.
         timeout_s: bound of every operation, seconds.
     """
 
@@ -81,16 +91,49 @@ class UpdateGroup:
     timeout_s: float
     _pg: object
     _store: object
+    _keys: object = None  # the prefixed store the backend is made from, at the first broadcast
+    closed: bool = False
+
+    @property
+    def connected(self) -> bool:
+        """True once the backend exists (after the first broadcast began)."""
+        return self._pg is not None
+
+    def _connect(self) -> None:
+        """Make the backend (gloo: connect the full mesh; NCCL: the communicator comes up in the
+        first collective), as torch's process-group constructor does for SGLang."""
+        timeout = timedelta(seconds=self.timeout_s)
+        if self.backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts.is_high_priority_stream = False
+            opts._timeout = timeout
+            self._pg = dist.ProcessGroupNCCL(self._keys, self.rank, self.world_size, opts)
+        else:
+            self._pg = dist.ProcessGroupGloo(self._keys, self.rank, self.world_size, timeout)
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        """Broadcast ``tensor`` (contiguous; on CPU for gloo, on this rank's GPU for NCCL) from
-        group rank 0 to every rank, in place on the receivers.
+        """Broadcast ``tensor`` (contiguous; on CPU for gloo, on this rank's GPU for NCCL and
+        cuda:gloo) from group rank 0 to every rank, in place on the receivers. The first call
+        makes the backend (see the module doc): it waits, within ``timeout_s``, for every rank's
+        first broadcast.
 
         Raises:
-            GroupError: a peer died, the operation timed out, or the group is closed.
+            GroupError: a peer died or never came, the operation timed out, the tensor is on a
+                device the backend refuses, or the group is closed.
         """
-        if self._pg is None:
+        if self.closed:
             raise GroupError(f"group {self.name!r} is closed")
+        if self.backend != "gloo" and tensor.device.type != "cuda":
+            # What NCCL says of a host tensor; the cuda:gloo layout says the same.
+            raise GroupError(f"broadcast over {self.name!r}: a {tensor.device.type} tensor on a "
+                             f"{self.backend} group (No backend type associated with device type "
+                             f"{tensor.device.type})")
+        try:
+            if self._pg is None:
+                self._connect()
+        except Exception as e:  # noqa: BLE001 - a peer that never arrives: gloo times out here
+            raise GroupError(f"connecting {self.name!r} (rank {self.rank} of {self.world_size}) "
+                             f"failed: {str(e).splitlines()[0][:300]}") from None
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
@@ -104,28 +147,31 @@ class UpdateGroup:
 
     def close(self) -> None:
         """Leave the group (abort its connections; idempotent). Live peers' next operation fails."""
+        self.closed = True
         pg, self._pg = self._pg, None
         if pg is not None:
             try:
                 pg.abort()
             except Exception:  # noqa: BLE001 - a broken group may refuse; dropping it is enough
                 pass
-        self._store = None
+        self._store = self._keys = None
 
 
 def open_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,
                group_name: str = DEFAULT_GROUP_NAME, timeout_s: float = 60.0,
                device: torch.device | None = None) -> UpdateGroup:
-    """Join (rank 0: create and serve) the weight-update group; blocks until all ``world_size``
-    ranks have joined, at most about ``timeout_s`` seconds.
+    """Join (rank 0: create and serve) the weight-update group's rendezvous; blocks until all
+    ``world_size`` ranks have reached the store, at most about ``timeout_s`` seconds. The backend
+    itself is made at the first broadcast (the module doc says why).
 
     Args:
-        backend: "gloo" (CPU tensors) or "nccl" (GPU tensors; ``device`` is this rank's GPU).
+        backend: "gloo" (CPU tensors), "nccl" or "cuda:gloo" (GPU tensors).
         master_address, master_port: where rank 0 serves the rendezvous store.
         world_size: 1 (the source) + every engine rank.
         rank: 0 for the trainer's source rank; an engine's ``rank_offset + tp_rank``.
         group_name: the group's name (SGLang's ``group_name`` field).
         timeout_s: bound of the join and of every later operation.
+        device: unused (kept for callers; the backend binds no device at join).
 
     Raises:
         ValueError: an unknown backend or a rank outside the group.
@@ -142,21 +188,12 @@ def open_group(backend: str, master_address: str, master_port: int, world_size: 
         store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0),
                               timeout=timeout, wait_for_workers=True, multi_tenant=False)
         prefixed = dist.PrefixStore(group_name, store)  # init_custom_process_group's own prefix
-        device_kind = "cuda" if backend == "nccl" else "cpu"
+        device_kind = "cpu" if backend == "gloo" else "cuda"
         keys = dist.PrefixStore(f"{device_kind}/", dist.PrefixStore(f"{group_name}/", prefixed))
-        if backend == "gloo":
-            pg = dist.ProcessGroupGloo(keys, rank, world_size, timeout)
-        else:
-            opts = dist.ProcessGroupNCCL.Options()
-            opts.is_high_priority_stream = False
-            opts._timeout = timeout
-            pg = dist.ProcessGroupNCCL(keys, rank, world_size, opts)
-            if device is not None:
-                pg.eager_connect_single_device(device)
     except (RuntimeError, ValueError) as e:  # DistStoreError / DistNetworkError are RuntimeErrors
         raise GroupError(f"joining weight-update group {group_name!r} at {master_address}:{master_port} "
                          f"as rank {rank} of {world_size} failed: {str(e).splitlines()[0][:300]}") from None
-    return UpdateGroup(group_name, rank, world_size, backend, timeout_s, pg, store)
+    return UpdateGroup(group_name, rank, world_size, backend, timeout_s, None, store, keys)
 
 
 def bucket_bytes(shapes: list[list[int]], dtypes: list[torch.dtype]) -> int:

@@ -252,6 +252,75 @@ def test_our_trainer_side_talks_to_sglangs_own_group_and_bucket_code():
         assert have.dtype == want.dtype and torch.equal(have, want)
 
 
+def test_the_source_waits_for_engines_at_the_first_broadcast_as_sglangs_nccl_group_does():
+    """SGLang's NCCL group (``device_id=None``) makes its communicator at the first broadcast
+    inside /update_weights_from_distributed, which a worker sends only in the send phase, after
+    the trainer's open_group has returned. Modelled with gloo: the engine side reaches the
+    rendezvous at join (the TCPStore of init_custom_process_group, with its prefixes) and makes
+    its backend only at its first receive. A source that connected at join would wait for an
+    engine that is not there yet until its join timed out; ours returns from the join, and the
+    first broadcast brings both sides up. The built-in engine's groups join the same way."""
+    import torch.distributed as dist
+
+    from app.rollout.engine_weight_sync import EngineWeightGroups
+
+    port, name = free_port(), f"moerl-lazy-{free_port()}"
+    send_phase = threading.Event()
+    got: dict = {}
+
+    def engine_side() -> None:
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=20))
+        keys = dist.PrefixStore("cpu/", dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store)))
+        send_phase.wait(30)  # the worker's first update call comes in the send phase
+        pg = dist.ProcessGroupGloo(keys, 1, 2, timedelta(seconds=20))
+        t = torch.empty(4)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        pg.broadcast([t], opts).wait()
+        got["t"] = t
+
+    thread = threading.Thread(target=engine_side)
+    thread.start()
+    group = open_group("gloo", "127.0.0.1", port, 2, 0, name, timeout_s=5)
+    assert not group.connected
+    send_phase.set()
+    group.broadcast(torch.arange(4.0))
+    thread.join(30)
+    group.close()
+    assert torch.equal(got["t"], torch.arange(4.0))
+
+    # the built-in engine: its join leaves the backend to the first receive
+    port, name = free_port(), f"moerl-lazy-{free_port()}"
+    engine = EngineWeightGroups(timeout_s=20)
+    joined: dict = {}
+    thread = threading.Thread(target=lambda: joined.update(
+        answer=engine.init_group("127.0.0.1", port, 1, 2, name, "gloo")))
+    thread.start()
+    source = open_group("gloo", "127.0.0.1", port, 2, 0, name, timeout_s=20)
+    thread.join(30)
+    assert joined["answer"][0], joined
+    assert not engine.groups[name].connected and not source.connected
+    receiver = threading.Thread(target=lambda: got.update(
+        named=engine.receive(["w"], ["float32"], [[3]], name, None)))
+    receiver.start()
+    source.broadcast(torch.tensor([1.0, 2.0, 3.0]))
+    receiver.join(30)
+    source.close()
+    engine.close()
+    assert torch.equal(got["named"][0][1], torch.tensor([1.0, 2.0, 3.0]))
+
+
+def test_a_device_strict_group_refuses_host_tensors_as_nccl_does():
+    """cuda:gloo (trainer ranks and engines sharing a GPU) and NCCL take CUDA tensors only: a host
+    tensor is refused by name instead of travelling."""
+    from app.weight_group import GroupError
+
+    group = open_group("cuda:gloo", "127.0.0.1", free_port(), 1, 0, "moerl-strict", timeout_s=5)
+    with pytest.raises(GroupError, match="No backend type associated with device type cpu"):
+        group.broadcast(torch.zeros(2))
+    group.close()
+
+
 def test_buckets_hold_their_bound_and_round_trip():
     sizes = [100, 300, 50, 700, 20, 20]
     buckets = plan_buckets(sizes, limit=400)

@@ -183,9 +183,9 @@ class PushMember:
             if push is None or push["id"] != pid or push["state"] in ("cancelled", "failed", "done"):
                 return "untouched"
             if push["state"] in ("join", "send"):
-                group = push["group"]
-                if w.worker_id not in group["members"]:
-                    return "untouched"  # not ready in time: this push goes without us
+                group = push.get("groups", {}).get(w.worker_id)
+                if group is None:
+                    return "untouched"  # not ready in time (or our group failed): this push goes without us
                 if self.epoch != group["epoch"]:
                     if push["state"] == "send" or not await self._join(pid, group):
                         return "untouched"
@@ -204,7 +204,7 @@ class PushMember:
                 pass  # a broken or forgotten group: the new one has another name anyway
         self.epoch = self.group_name = None
         ok, message = await w.client.init_weights_update_group(
-            group["master_address"], group["master_port"], group["members"][w.worker_id], group["world_size"],
+            group["master_address"], group["master_port"], group["rank_offset"], group["world_size"],
             group["name"], group["backend"], timeout_s=self.cfg.timeout_s + 10)
         if not ok:
             log.warning("%s: could not join weight-update group %s: %s", w.worker_id, group["name"], message)

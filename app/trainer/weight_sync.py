@@ -1,5 +1,6 @@
 """Network weight sync, the trainer's side: each new policy version goes to every registered
-engine over one torch.distributed group, through SGLang's own weight-update routes.
+engine over torch.distributed weight-update groups (one per engine by default), through
+SGLang's own weight-update routes.
 
 Who drives what
 ---------------
@@ -17,13 +18,19 @@ rank 0 talks to Redis and the group):
    versions), writes its pause marker (app/rollout/probe.py), pauses its engine
    (``rollout.pause_mode``) and acks ``ready`` with its ranks and group epoch; a worker that
    is loading from the store, or not idle in time, acks ``busy``.
-2. group: the engines ready within ``weight_sync.ready_timeout_s`` are this push's members;
-   the others are left out (they keep serving, and catch up from the store). If the members
-   (or their epochs) differ from the current group's, rank 0 closes it and opens a new epoch:
-   ``state: join`` with ``{epoch, name, master_address, master_port, world_size, backend,
-   members: {worker: rank_offset}}``; each member's worker calls its engine's
-   ``/destroy_weights_update_group`` (the old one) and ``/init_weights_update_group``, and rank
-   0 serves the rendezvous (app/weight_group.py), all within ``weight_sync.timeout_s``.
+2. groups: the engines ready within ``weight_sync.ready_timeout_s`` are this push's members;
+   the others are left out (they keep serving, and catch up from the store). The members are
+   split into groups of ``weight_sync.engines_per_group`` engines (1, the default: a group per
+   engine, so that an engine that dies mid-push fails its own group only, where one NCCL group
+   over every engine would leave the others hanging in the broadcast until their NCCL watchdog
+   killed them; 0: one group of all, one broadcast tree, every member failing together). A
+   group whose members, ranks and epoch are unchanged stays; any other is closed and a new one
+   opened with a new epoch: ``state: join`` with ``groups: {worker: {epoch, name,
+   master_address, master_port, world_size, backend, rank_offset}}``; each worker of a new
+   group calls its engine's ``/destroy_weights_update_group`` (the old one) and
+   ``/init_weights_update_group``, and rank 0 serves the new groups' rendezvous at once
+   (app/weight_group.py), all within ``weight_sync.timeout_s``. The groups' backends are made
+   at their first broadcast, as SGLang's NCCL group is (app/weight_group.py says why).
 3. send: rank 0 writes the bucket plan (``[{names, dtypes, shapes}]``: Hugging Face names, per
    expert, in the publish dtype; buckets of at most ``weight_sync.bucket_bytes``) and ``state:
    send``. Each member calls ``/begin_weight_update``, then per bucket
@@ -33,7 +40,8 @@ rank 0 talks to Redis and the group):
    trainer rank gathers the tensors in publish.py's order and way (a dense tensor with
    ``full_tensor()``, an expert tensor only over the expert-data-parallel ranks, each EP
    rank's block then sent to rank 0 point to point), and rank 0 broadcasts each bucket as
-   soon as it is full. Memory: rank 0 holds one staging buffer of at most ``bucket_bytes``
+   soon as it is full, to every live group at once (a thread each; the source's link carries
+   a bucket once per group). Memory: rank 0 holds one staging buffer of at most ``bucket_bytes``
    (a single larger tensor travels alone) besides the tensor being gathered, which is what
    publish.py holds too (a full dense tensor, or one EP rank's expert block); the other ranks
    hold only their gathered tensor.
@@ -49,11 +57,12 @@ version through the disk path, labelled as what it is, and joins the next push.
 
 Failure semantics
 -----------------
-Every wait is bounded. A member that dies or stops during a push makes the broadcast fail on
-every live rank within ``timeout_s`` (gloo and NCCL both raise on a lost peer or a timeout); rank
-0 then closes the group, marks the push failed, keeps the gathers in step with the other
-trainer ranks without sending, and returns: the trainer goes on training. The next push
-rebuilds the group from whoever is ready. A surviving member whose push failed holds partly
+Every wait is bounded. A member that dies or stops during a push makes its group's broadcast
+fail on every live rank of that group within ``timeout_s`` (gloo and NCCL both raise on a lost
+peer or a timeout); rank 0 then closes that group, marks its members failed and goes on
+sending to the other groups (when none is left it keeps the gathers in step with the other
+trainer ranks without sending), and returns: the trainer goes on training. The next push
+rebuilds only the groups whose members changed, from whoever is ready. A surviving member whose push failed holds partly
 new weights under its old version: its worker keeps it paused and reloads the newest stored
 version before it serves again (app/rollout/weight_sync.py). Bounded on SGLang too: a member
 stuck in a broadcast whose source died waits for SGLang's own group timeout (torch's default,
@@ -75,6 +84,7 @@ import os
 import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -99,11 +109,11 @@ class PushResult:
             engine's own registration on the board says what it serves).
         left_out: registered workers that were not ready in time (or busy).
         failed: members whose push failed (the group, or their engine's load).
-        epoch: the group epoch used (None without a group).
-        rebuilt: a new group epoch was opened for this push.
+        epoch: the newest group epoch used (None without a group).
+        rebuilt: a new group (epoch) was opened for this push.
         buckets, bytes: what was broadcast.
         seconds: wall time of the whole push (prepare to the last ack).
-        error: why the group failed, if it did.
+        error: why a group failed, if one did.
     """
 
     version: int
@@ -120,9 +130,14 @@ class PushResult:
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """``weight_sync.backend`` for a trainer on ``device``: auto is nccl on CUDA, else gloo."""
+    """``weight_sync.backend`` for a trainer on ``device``: auto is nccl on CUDA (cuda:gloo when
+    ranks share a GPU: app/trainer/train.py, `SHARED_GPU_ENV`), else gloo."""
     if backend == "auto":
-        return "nccl" if device.type == "cuda" else "gloo"
+        if device.type != "cuda":
+            return "gloo"
+        from app.trainer.parallel import shared_gpu
+
+        return "cuda:gloo" if shared_gpu() else "nccl"
     return backend
 
 
@@ -140,15 +155,32 @@ def _free_port(address: str) -> int:
         return s.getsockname()[1]
 
 
+def partition(workers: list[str], per_group: int) -> list[tuple[str, ...]]:
+    """The ready workers (sorted) in groups of ``per_group`` engines (0: one group of all)."""
+    workers = sorted(workers)
+    if per_group <= 0 or not workers:
+        return [tuple(workers)] if workers else []
+    return [tuple(workers[i: i + per_group]) for i in range(0, len(workers), per_group)]
+
+
+@dataclass
+class _Group:
+    """One open weight-update group: its members' record entry and rank 0's membership."""
+
+    info: dict  # epoch, name, master_address, master_port, world_size, backend, members {worker: rank_offset}
+    ranks: dict[str, int]  # worker -> its engine's group ranks
+    group: UpdateGroup
+
+
 class WeightPusher:
     """The trainer's side of network weight sync (see the module doc). Create one on every
-    trainer rank; rank 0 holds the group and the board.
+    trainer rank; rank 0 holds the groups and the board.
 
     Args:
         cfg: the run's ``weight_sync`` section.
         rank: this trainer rank.
         device: the trainer's device (decides the backend for ``auto`` and where buckets are
-            staged: a GPU buffer for NCCL, a pinned host buffer for gloo).
+            staged: a GPU buffer for NCCL and cuda:gloo, a pinned host buffer for gloo).
         board: the `SyncBoard` of the run (rank 0; None elsewhere).
     """
 
@@ -161,11 +193,10 @@ class WeightPusher:
         self.board = board
         self.backend = resolve_backend(cfg.backend, device)
         self.token = uuid.uuid4().hex[:6]  # names this trainer's groups apart from a previous life's
-        self.epoch = 0
-        self.group: UpdateGroup | None = None
-        self.members: dict[str, tuple[int, int]] = {}  # worker -> (rank_offset, ranks)
-        self.group_info: dict = {}  # the push record's "group" of the current epoch
+        self.epoch = 0  # the last epoch given out: every new group gets the next one
+        self.groups: dict[tuple[str, ...], _Group] = {}  # members -> open group
         self._staging: torch.Tensor | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self.last = PushResult(-1)  # the latest push's outcome
 
     # ------------------------------------------------------------------ rank 0: the board
@@ -180,10 +211,40 @@ class WeightPusher:
                 return acks
             last = self.board.wait("ack-events", last, min(left, 0.5))
 
-    def _drop_group(self) -> None:
-        if self.group is not None:
-            self.group.close()
-        self.group, self.members, self.group_info = None, {}, {}
+    def _drop_groups(self, keys=None) -> None:
+        """Close the groups of ``keys`` (default: all)."""
+        for key in list(self.groups) if keys is None else keys:
+            g = self.groups.pop(key, None)
+            if g is not None:
+                g.group.close()
+
+    def _new_info(self, members: tuple[str, ...], ranks: dict[str, int], address: str, used: set[int]) -> dict:
+        """The record entry of a new group for ``members`` (a new epoch, a port not in ``used``)."""
+        self.epoch += 1
+        if self.cfg.master_port:
+            port = next(p for p in range(self.cfg.master_port, 65536) if p not in used)
+        else:
+            port = _free_port(address)
+        used.add(port)
+        offsets, cursor = {}, 1
+        for w in members:
+            offsets[w] = cursor
+            cursor += ranks[w]
+        return {"epoch": self.epoch, "name": f"moerl-{self.token}-e{self.epoch}", "master_address": address,
+                "master_port": port, "world_size": cursor, "backend": self.backend, "members": offsets}
+
+    def _open(self, infos: dict[tuple[str, ...], dict]) -> dict[tuple[str, ...], UpdateGroup | GroupError]:
+        """Rank 0 serves each new group's rendezvous, all at once (each waits for its members)."""
+        def one(info: dict):
+            try:
+                return open_group(self.backend, info["master_address"], info["master_port"], info["world_size"], 0,
+                                  info["name"], self.cfg.timeout_s)
+            except GroupError as e:
+                return e
+
+        with ThreadPoolExecutor(max_workers=max(len(infos), 1)) as pool:
+            futures = {key: pool.submit(one, info) for key, info in infos.items()}
+        return {key: f.result() for key, f in futures.items()}
 
     def _prepare(self, version: int, plan: list[dict]) -> dict | None:
         """Rank 0: steps 1-3 of the module doc up to the first bucket; the push record, or None
@@ -191,7 +252,7 @@ class WeightPusher:
         regs = self.board.engines()
         result = self.last
         if not regs:
-            self._drop_group()
+            self._drop_groups()
             return None
         push_id = f"v{version}-{uuid.uuid4().hex[:8]}"
         record: dict = {"id": push_id, "version": version, "state": "prepare"}
@@ -203,67 +264,97 @@ class WeightPusher:
             self.board.set_push({**record, "state": "cancelled"})
             return None
         ranks = {w: int(a["ranks"]) for w, a in ready.items()}
-        same = (self.group is not None and set(ranks) == set(self.members)
-                and all(self.members[w][1] == ranks[w] and ready[w].get("epoch") == self.epoch for w in ranks))
-        if not same:
-            self._drop_group()
-            self.epoch += 1
+        wanted = partition(list(ranks), self.cfg.engines_per_group)
+        # A group stays when its members are the same, with the same ranks, all still in it.
+        keep = [key for key in wanted if key in self.groups
+                and all(self.groups[key].ranks[w] == ranks[w] and ready[w].get("epoch") == self.groups[key].info["epoch"]
+                        for w in key)]
+        self._drop_groups([key for key in self.groups if key not in keep])
+        new = [key for key in wanted if key not in keep]
+        if new:
             result.rebuilt = True
             address = master_address(self.cfg.master_address)
-            port = self.cfg.master_port or _free_port(address)
-            offsets, cursor = {}, 1
-            for w in sorted(ranks):
-                offsets[w] = cursor
-                cursor += ranks[w]
-            group = {"epoch": self.epoch, "name": f"moerl-{self.token}-e{self.epoch}", "master_address": address,
-                     "master_port": port, "world_size": cursor, "backend": self.backend, "members": offsets}
-            record.update(state="join", group=group)
+            used = {g.info["master_port"] for g in self.groups.values()}
+            infos = {key: self._new_info(key, ranks, address, used) for key in new}
+            record.update(state="join", groups=self._entries({**{k: g.info for k, g in self.groups.items()}, **infos}))
             self.board.set_push(record)
-            try:
-                self.group = open_group(self.backend, address, port, cursor, 0, group["name"], self.cfg.timeout_s,
-                                        self.device if self.backend == "nccl" else None)
-            except GroupError as e:
-                result.error = str(e)
-                result.failed = sorted(ranks)
-                self.board.set_push({**record, "state": "failed", "error": str(e)})
-                log.warning("push v%d: %s", version, e)
-                return None
-            self.members = {w: (offsets[w], ranks[w]) for w in ranks}
-            self.group_info = group
-        record["group"] = self.group_info
-        result.epoch = self.epoch
+            for key, opened in self._open(infos).items():
+                if isinstance(opened, GroupError):
+                    result.failed.extend(key)
+                    result.error = str(opened)
+                    log.warning("push v%d: %s", version, opened)
+                else:
+                    self.groups[key] = _Group(infos[key], {w: ranks[w] for w in key}, opened)
+        if not self.groups:
+            self.board.set_push({**record, "state": "failed", "error": result.error})
+            return None
+        record["groups"] = self._entries({k: g.info for k, g in self.groups.items()})
+        result.epoch = max(g.info["epoch"] for g in self.groups.values())
         self.board.set_plan(push_id, plan)
         record.update(state="send", buckets=len(plan), load_format=BUCKET_FORMAT, progress=0)
         self.board.set_push(record)
         return record
 
-    def _finish(self, record: dict, error: str | None) -> None:
+    @staticmethod
+    def _entries(infos: dict[tuple[str, ...], dict]) -> dict[str, dict]:
+        """The push record's ``groups``: each member worker -> its group's entry, with its own
+        ``rank_offset``."""
+        return {w: {**{k: v for k, v in info.items() if k != "members"}, "rank_offset": offset}
+                for info in infos.values() for w, offset in info["members"].items()}
+
+    def _finish(self, record: dict, failed: dict[tuple[str, ...], str]) -> None:
         """Rank 0: step 4: the members' outcome, and the push record's last state."""
         result = self.last
-        members = set(record["group"]["members"])
-        if error is not None:
-            result.error = error
-            self._drop_group()
-            # Live members answer at once (their receive fails when the group closes, or they had
-            # everything); a dead one never does: a short grace, not the full timeout.
-            acks = self._wait_acks(record["id"], members, {"done", "failed"}, min(self.cfg.timeout_s, 2.0))
-        else:
-            acks = self._wait_acks(record["id"], members, {"done", "failed"}, self.cfg.timeout_s)
+        members = set(record["groups"])
+        lost = {w for key in failed for w in key}
+        # Live members answer within timeout_s; those of a failed group at once (their receive
+        # fails when the group closes, or they had everything), a dead one never: a short grace.
+        acks = self._wait_acks(record["id"], members - lost, {"done", "failed"}, self.cfg.timeout_s)
+        if lost:
+            acks.update(self._wait_acks(record["id"], lost, {"done", "failed"}, min(self.cfg.timeout_s, 2.0)))
         result.pushed = sorted(w for w, a in acks.items() if a["state"] == "done")
-        result.failed = sorted(members - set(result.pushed))
-        state = "failed" if error else "done"
-        self.board.set_push({**record, "state": state, "error": error,
+        result.failed = sorted(set(result.failed) | (members - set(result.pushed)))
+        if failed:
+            result.error = "; ".join(failed.values())
+        state = "failed" if failed and not result.pushed else "done"
+        self.board.set_push({**record, "state": state, "error": result.error,
                              "engines": {w: acks.get(w, {}).get("state", "missing") for w in sorted(members)}})
 
     # ------------------------------------------------------------------ every rank
     def _stage(self, nbytes: int) -> torch.Tensor:
-        """Rank 0's reusable bucket buffer: on the GPU for NCCL, pinned host memory for gloo."""
+        """Rank 0's reusable bucket buffer: on the GPU for NCCL and cuda:gloo, pinned host memory
+        for gloo."""
         if self._staging is None or self._staging.numel() < nbytes:
-            if self.backend == "nccl":
+            if self.backend != "gloo":
                 self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             else:
                 self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         return self._staging
+
+    def _broadcast(self, bucket: torch.Tensor, failed: dict[tuple[str, ...], str]) -> None:
+        """Rank 0: ``bucket`` to every live group at once; a group whose broadcast fails is
+        closed and recorded in ``failed`` (its members' engines reload from the store), the
+        others go on."""
+        live = [key for key in self.groups if key not in failed]
+        if len(live) == 1:
+            outcomes = {live[0]: self._try(self.groups[live[0]].group, bucket)}
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="weight-push")
+            futures = {key: self._pool.submit(self._try, self.groups[key].group, bucket) for key in live}
+            outcomes = {key: f.result() for key, f in futures.items()}
+        for key, error in outcomes.items():
+            if error is not None:
+                failed[key] = error
+                self.groups[key].group.close()
+
+    @staticmethod
+    def _try(group: UpdateGroup, bucket: torch.Tensor) -> str | None:
+        try:
+            group.broadcast(bucket)
+        except GroupError as e:
+            return str(e)
+        return None
 
     def push(self, model: torch.nn.Module, mesh, version: int, dtype: torch.dtype) -> PushResult:
         """Push policy ``version`` of ``model`` to the registered engines (collective: every
@@ -273,11 +364,12 @@ class WeightPusher:
             model: the policy (sharded by app/trainer/parallel.py, or a plain module on one rank).
             mesh: the `TrainerMesh`, or None for an unsharded one-rank model.
             version: the version the engines will report.
-            dtype: the dtype sent (the publish dtype, ``model.dtype``).
+            dtype: the dtype sent for floating-point tensors (the publish dtype, ``model.dtype``);
+                fp32 buffers stay fp32 (`app.trainer.publish.publish_dtype`).
 
         Returns:
-            a `PushResult` (rank 0's is complete). Never raises for an engine's or the
-            group's failure: those are in the result; the trainer goes on.
+            a `PushResult` (rank 0's is complete). Never raises for an engine's or a group's
+            failure: those are in the result; the trainer goes on.
         """
         t0 = time.perf_counter()
         self.last = PushResult(version)
@@ -285,7 +377,7 @@ class WeightPusher:
         # Every rank derives the same plan from shapes alone (publish.py's order and HF names).
         tensors = plan_version(model, mesh, dtype).tensors
         buckets = plan_buckets([t.nbytes for t in tensors], self.cfg.bucket_bytes)
-        meta = [{"names": [tensors[i].name for i in b], "dtypes": [dtype_name(dtype)] * len(b),
+        meta = [{"names": [tensors[i].name for i in b], "dtypes": [dtype_name(tensors[i].dtype) for i in b],
                  "shapes": [list(tensors[i].shape) for i in b]} for b in buckets]
         record = None
         if self.rank == 0:
@@ -300,45 +392,43 @@ class WeightPusher:
         if not box[0]:
             self.last.seconds = time.perf_counter() - t0
             return self.last
-        error = self._send(model, mesh, tensors, buckets, dtype, record)
+        failed: dict[tuple[str, ...], str] = {}
+        self._send(model, mesh, tensors, buckets, dtype, record, failed)
         if self.rank == 0:
             try:
-                self._finish(record, error)
+                self._finish(record, failed)
             except Exception as e:  # noqa: BLE001 - the engines' outcome is unknown; the next push re-checks
                 self.last.error = self.last.error or f"push v{version}: {e!r}"
-                self._drop_group()
+                self._drop_groups()
+            self._drop_groups(list(failed))
             self.last.sent = True
             self.last.buckets = len(buckets)
             self.last.bytes = sum(t.nbytes for t in tensors)
         self.last.seconds = time.perf_counter() - t0
         return self.last
 
-    def _send(self, model, mesh, tensors, buckets, dtype, record) -> str | None:
+    def _send(self, model, mesh, tensors, buckets, dtype, record, failed: dict) -> None:
         """Gather every tensor (all ranks, publish.py's collectives in its order) and broadcast
-        each full bucket from rank 0. Returns rank 0's group error, if any (None elsewhere)."""
+        each full bucket from rank 0 to the live groups (their failures go into ``failed``)."""
         rank = self.rank
         bucket_of = {i: k for k, b in enumerate(buckets) for i in b}
         pending: list[torch.Tensor] = []
-        error: str | None = None
 
         def add(i: int, piece: torch.Tensor) -> None:
-            nonlocal error
-            if error is not None:
+            if len(failed) == len(self.groups):  # every group failed: keep the gathers in step only
                 return
             pending.append(piece)
             k = bucket_of[i]
             if len(pending) < len(buckets[k]):
                 return
-            try:
-                nbytes = sum(t.numel() * t.element_size() for t in pending)
-                self.group.broadcast(pack_bucket(pending, self._stage(nbytes)))
-            except (GroupError, ValueError) as e:
-                error = str(e)
-                log.warning("push v%d: bucket %d/%d: %s", record["version"], k + 1, len(buckets), e)
-                self._drop_group()
+            nbytes = sum(t.numel() * t.element_size() for t in pending)
+            before = len(failed)
+            self._broadcast(pack_bucket(pending, self._stage(nbytes)), failed)
+            if len(failed) > before:
+                log.warning("push v%d: bucket %d/%d: %s", record["version"], k + 1, len(buckets),
+                            list(failed.values())[-1])
             pending.clear()
-            if error is None:
-                self.board.set_push({**record, "progress": k + 1})  # observability (and the tests' cue)
+            self.board.set_push({**record, "progress": k + 1})  # observability (and the tests' cue)
 
         by_source: dict[str, list[int]] = {}
         for i, t in enumerate(tensors):
@@ -346,7 +436,7 @@ class WeightPusher:
         state = model.state_dict()
         with torch.no_grad():
             for source, idx in by_source.items():
-                value = _gathered(state[source], dtype)  # every rank: publish.py's collective
+                value = _gathered(state[source], tensors[idx[0]].dtype)  # every rank: publish.py's collective
                 t = state[source]
                 if isinstance(t, DTensor) and "ep" in (t.device_mesh.mesh_dim_names or ()) and mesh.layout.ep > 1:
                     self._send_expert_blocks(value, mesh, [(i, tensors[i]) for i in idx], add)
@@ -354,7 +444,6 @@ class WeightPusher:
                     for i in idx:
                         add(i, _piece(value, tensors[i], 0))
                 del value
-        return error
 
     def _send_expert_blocks(self, value: torch.Tensor, mesh, pieces, add) -> None:
         """Rank 0 takes each EP rank's [E_local, ...] block in turn (its own, then the others'
@@ -378,8 +467,11 @@ class WeightPusher:
                         add(i, _piece(block, t, r * e_local))
 
     def close(self) -> None:
-        """Leave the group (the trainer stops)."""
-        self._drop_group()
+        """Leave every group (the trainer stops)."""
+        self._drop_groups()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
 
 def _piece(value: torch.Tensor, t, e_offset: int) -> torch.Tensor:
