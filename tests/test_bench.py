@@ -73,7 +73,12 @@ def test_train_step_bench_writes_result(tmp_path):
     assert positive(by["dense_matmul"]["tflops"])
     assert doc["ratios"]["ours tokens/s / stock transformers tokens/s"] == pytest.approx(
         ours["tokens_per_s"] / stock["tokens_per_s"])
-    for prefix in ("profile", "peer_profile"):  # ours, then the stock step, each split by kernel family
+    fsdp2 = by["stock_fsdp2"]  # the stock model with fp32 master weights under FSDP2: the peer that learns
+    for key in ("ms_per_step", "tokens_per_s", "model_tflops", "mfu_vs_dense"):
+        assert positive(fsdp2[key]), key
+    assert doc["ratios"]["ours tokens/s / stock FSDP2 tokens/s"] == pytest.approx(
+        ours["tokens_per_s"] / fsdp2["tokens_per_s"])
+    for prefix in ("profile", "peer_profile", "fsdp2_peer_profile"):  # ours, then the stock steps, each split by kernel family
         profiled = [f for f in doc["figures"] if f["name"].startswith(prefix + ":")]
         assert 0 < len(profiled) <= 20 and all(f["calls"] >= 1 for f in profiled)
         assert [f["self_ms"] for f in profiled] == sorted((f["self_ms"] for f in profiled), reverse=True)
@@ -85,6 +90,21 @@ def test_train_step_bench_writes_result(tmp_path):
     shape = doc["shape"]
     assert shape["rows"] == 4 and shape["seq_len"] == 8 and shape["tokens_per_step"] == 32
     assert doc["ratios"]["ours model TFLOP/s / dense matmul TFLOP/s (MFU)"] == pytest.approx(ours["mfu_vs_dense"])
+
+
+def test_lm_head_bench_compares_logprobs_and_gradients_with_torch(tmp_path):
+    r = invoke("lm-head", "--model", "tiny", "--tokens", "40", "--chunk", "16", "--temperature", "0.7",
+               "--dtype", "float32", "--device", "cpu", "--iters", "1", "--warmup", "0", "--out-dir", str(tmp_path))
+    assert r.exit_code == 0, r.output
+    doc = only_result(tmp_path, "lm_head")
+    by = {f["name"]: f for f in doc["figures"]}
+    assert positive(by["ours"]["ms_fwd_bwd"]) and positive(by["torch"]["ms_fwd_bwd"])
+    # ours computes torch's logprobs and the gradients of sum(w * logp) for per-token weights w
+    assert by["ours"]["max_abs_diff_logp"] < 1e-5
+    assert by["ours"]["max_rel_diff_grad_h"] < 1e-5 and by["ours"]["max_rel_diff_grad_w"] < 1e-5
+    assert doc["ratios"]["torch ms / ours ms"] == pytest.approx(by["torch"]["ms_fwd_bwd"] / by["ours"]["ms_fwd_bwd"])
+    bad = invoke("lm-head", "--model", "tiny", "--temperature", "0", "--device", "cpu", "--out-dir", str(tmp_path))
+    assert bad.exit_code == 2 and "--temperature" in bad.output
 
 
 def test_param_counts_follow_the_config():

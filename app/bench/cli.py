@@ -97,6 +97,29 @@ def train_step(
         raise SystemExit(2) from None
 
 
+@cli.command("lm-head")
+def lm_head(
+    model: str = typer.Option("qwen3-30b-a3b", help="Widths: qwen3-30b-a3b | deepseek-v3 | tiny."),
+    tokens: int = typer.Option(16384, help="Rows N (tokens) per forward."),
+    chunk: int = typer.Option(4096, help="Our chunk rows (trainer.logprob_chunk_tokens)."),
+    temperature: float = typer.Option(1.0, help="Sampling temperature of the logprobs."),
+    dtype: str = typer.Option("bfloat16", help="float32 | bfloat16"),
+    device: str = typer.Option("cuda", help="cpu | cuda"),
+    iters: int = typer.Option(5, help="Timed iterations."),
+    warmup: int = typer.Option(2, help="Untimed warm-up iterations."),
+    out_dir: str = typer.Option("runs/bench", help="Where the JSON result goes."),
+) -> None:
+    """The LM head and the loss's logit passes: ours vs plain torch vs liger-kernel's fused linear CE."""
+    from app.bench.lm_head import LMHeadBench, run
+
+    try:
+        run(LMHeadBench(model=model, tokens=tokens, chunk=chunk, temperature=temperature, dtype=dtype,
+                        device=device, iters=iters, warmup=warmup), out_dir=out_dir)
+    except ValueError as e:
+        typer.echo(f"moerl bench lm-head: error: {e}", err=True)
+        raise SystemExit(2) from None
+
+
 @cli.command("engine")
 def engine(
     model: str = typer.Option("tiny", help="Policy preset: tiny (CPU) | small (~0.5 B params, GPU)."),

@@ -8,13 +8,19 @@ on the fp32 master weights, micro-batches on a token budget and chunked logprobs
 head (no [B, L, V] tensor). The batch is synthetic GRPO groups (random prompt and completion ids,
 0/1 rewards, random engine logprobs) collated by `app.trainer.batch.collate_groups`.
 
-The peer (``--peer``) is stock transformers: its own ``Qwen3MoeForCausalLM`` /
+The peers (``--peer``) are stock transformers: its own ``Qwen3MoeForCausalLM`` /
 ``DeepseekV3ForCausalLM`` with its ``grouped_mm`` experts (``config._experts_implementation``),
-parameters and AdamW in the compute dtype (as a plain bf16 fine-tuning loop holds them), the same
-micro-batches, the same activation checkpointing (transformers' own), and the simplest GRPO
-loss on its full logits (``log_softmax`` in fp32, gather, advantage-weighted token mean). It
-does less than ours (no fp32 master copy, no TIS, no entropy, no clipping) on purpose: the
-figure is ours against what a user would write with the stock model.
+the same micro-batches, the same activation checkpointing (transformers' own), and the simplest
+GRPO loss on its full logits (``log_softmax`` in fp32, gather, advantage-weighted token mean). It
+does less than ours (no TIS, no entropy, no clipping) on purpose: the figure is ours against what
+a user would write with the stock model. Two of them:
+
+- ``stock_fsdp2``, the peer that learns: fp32 parameters under FSDP2 (``fully_shard`` per decoder
+  layer and the root, on the same one-rank group) with ``MixedPrecisionPolicy(param_dtype=
+  <compute dtype>, reduce_dtype=float32)`` and fused fp32 AdamW: the precision ours keeps;
+- ``stock_transformers``: parameters and AdamW in the compute dtype, as a plain bf16 fine-tuning loop
+  holds them; at RL learning rates (1e-6) its AdamW loses ~99 % of each update
+  (tests/test_sharded_trainer.py), so it is the speed of a step that does not train.
 
 Models (``--model``): ``tiny``/``small`` built in code; ``qwen3-30b-a3b`` and ``deepseek-v3`` are
 the published configs (app/model/config.real_config) with ``--layers`` decoder layers;
@@ -57,6 +63,11 @@ MODELS: dict[str, dict] = {
                   vocab_size=32768, max_position_embeddings=4096),
 }
 REAL = ("qwen3-30b-a3b", "deepseek-v3")
+# The peers: (figure name, under FSDP2 with fp32 parameters), their profile prefixes and ratios.
+PEERS = (("stock_fsdp2", True), ("stock_transformers", False))
+PROFILE = {"stock_fsdp2": "fsdp2_peer_profile", "stock_transformers": "peer_profile"}
+RATIO = {"stock_fsdp2": "ours tokens/s / stock FSDP2 tokens/s",
+         "stock_transformers": "ours tokens/s / stock transformers tokens/s"}
 _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -263,10 +274,12 @@ def _batch(bench: TrainStepBench, config, cfg):
     return collate_groups(groups, pad_id=config.pad_token_id or 0, scale_by_std=cfg.trainer.scale_by_std)
 
 
-def _peer(bench: TrainStepBench, config, device: torch.device):
-    """Stock transformers' model and a plain GRPO step (module docstring); returns step()."""
+def _peer(bench: TrainStepBench, config, device: torch.device, fsdp2: bool = False):
+    """Stock transformers' model and a plain GRPO step (module docstring): bf16 parameters, or
+    with ``fsdp2`` fp32 parameters under FSDP2 mixed precision; returns step()."""
     import copy
 
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
     from app.trainer.batch import plan_micro_batches, select_rows
@@ -276,9 +289,14 @@ def _peer(bench: TrainStepBench, config, device: torch.device):
     config._experts_implementation = "grouped_mm" if device.type == "cuda" else "eager"
     dtype = DTYPES[bench.dtype]
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if fsdp2 else dtype)
     if bench.activation_checkpointing != "none":
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if fsdp2:  # the same one-rank group ours runs on
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
     model.train()
     # Fused on CUDA, as transformers' Trainer defaults to (optim="adamw_torch_fused").
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7, betas=tuple(cfg.trainer.adam_betas),
@@ -392,17 +410,18 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
         profiled = profile_top(step, device, top=20, families=True) if bench.profile else []
         del step, model
         _free(device)
-        peer_s = peer_peak = None
-        peer_note = None
-        if bench.peer:
+        peers: dict[str, tuple] = {}  # name -> (seconds, peak)
+        peer_notes = []
+        for name, fsdp2 in PEERS if bench.peer else ():
             try:
-                peer_step = _peer(bench, config, device)
+                peer_step = _peer(bench, config, device, fsdp2=fsdp2)
                 peer_s, peer_peak, _ = _time(peer_step, bench, device)
+                peers[name] = (peer_s, peer_peak)
                 if bench.profile:
-                    profiled += profile_top(peer_step, device, top=20, prefix="peer_profile", families=True)
+                    profiled += profile_top(peer_step, device, top=20, prefix=PROFILE[name], families=True)
                 del peer_step
             except torch.cuda.OutOfMemoryError as e:  # the stock step may not fit where ours does
-                peer_note = f"stock transformers step ran out of memory: {str(e).splitlines()[0][:160]}"
+                peer_notes.append(f"{name} ran out of memory: {str(e).splitlines()[0][:160]}")
             _free(device)
         dense_n = bench.dense_n or (8192 if device.type == "cuda" else 512)
         dense_tflops = dense_matmul_tflops(device, dtype, dense_n)
@@ -430,12 +449,12 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
         *profiled,
     ]
     ratios = {"ours model TFLOP/s / dense matmul TFLOP/s (MFU)": ours_tflops / dense_tflops}
-    if peer_s is not None:
+    for k, (name, (peer_s, peer_peak)) in enumerate(peers.items()):
         peer_tflops = flops / peer_s / 1e12
-        figures.insert(1, {"name": "stock_transformers", "ms_per_step": peer_s * 1e3, "tokens_per_s": tokens / peer_s,
-                           "model_tflops": peer_tflops, "mfu_vs_dense": peer_tflops / dense_tflops,
-                           "peak_memory_gb": peer_peak[0] if peer_peak else None})
-        ratios["ours tokens/s / stock transformers tokens/s"] = peer_s / ours_s
+        figures.insert(1 + k, {"name": name, "ms_per_step": peer_s * 1e3, "tokens_per_s": tokens / peer_s,
+                               "model_tflops": peer_tflops, "mfu_vs_dense": peer_tflops / dense_tflops,
+                               "peak_memory_gb": peer_peak[0] if peer_peak else None})
+        ratios[RATIO[name]] = peer_s / ours_s
     if ours_peak is not None:
         ratios["moerl plan tensors / measured max_memory_allocated"] = predicted["tensors_gb"] / ours_peak[0]
         ratios["moerl plan device memory / measured max_memory_reserved"] = predicted["device_gb"] / ours_peak[1]
@@ -444,13 +463,13 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
         "(PaLM app. B; N_active excludes the input embedding and norms, routed experts x K/E; recompute not counted)",
         "ours = app.trainer.step.train_step on the trainer's layout (FSDP2, fp32 master weights, "
         f"{bench.dtype} compute, AdamW on fp32, chunked logprobs, TIS, entropy)",
-        "stock = transformers' model (grouped_mm experts on CUDA), parameters and AdamW in the compute dtype, "
-        "full-vocabulary log_softmax, the same micro-batches and activation checkpointing",
+        "stock_fsdp2 = transformers' model (grouped_mm experts on CUDA) under FSDP2, fp32 parameters and fused "
+        f"AdamW, {bench.dtype} compute, fp32 reduce; stock_transformers = the same model with parameters and AdamW in "
+        f"{bench.dtype}; both: full-vocabulary log_softmax, the same micro-batches and activation checkpointing",
         f"experts: {experts_impl}; routed experts {config.num_experts if config.model_type == 'qwen3_moe' else config.n_routed_experts}"
         f" top-{config.num_experts_per_tok}",
     ]
-    if peer_note:
-        notes.append(peer_note)
+    notes.extend(peer_notes)
     if ours_peak is None:
         notes.append("peak memory: not measured on CPU")
     if not math.isfinite(stats.get("loss", float("nan"))):
@@ -465,7 +484,7 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
           f"{bench.dtype} on {device}, micro-batch tokens {bench.micro_batch_tokens or 'all'}, AC "
           f"{bench.activation_checkpointing} ({bench.iters} steps after {bench.warmup} warm-up)")
     print(f"{'':<20}{'ms/step':>10}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'peak GB':>10}")
-    for f in figures[: 2 if peer_s is not None else 1]:
+    for f in figures[: 1 + len(peers)]:
         peak = f"{f['peak_memory_gb']:.1f}" if f["peak_memory_gb"] is not None else "-"
         print(f"{f['name']:<20}{f['ms_per_step']:>10.1f}{f['tokens_per_s']:>12,.0f}{f['model_tflops']:>10.1f}"
               f"{f['mfu_vs_dense']:>8.1%}{peak:>10}")
@@ -475,7 +494,7 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
           + (f"; measured {ours_peak[0]:.1f} GB allocated, {ours_peak[1]:.1f} GB reserved" if ours_peak else ""))
     if profiled:
         unit = "device" if device.type == "cuda" else "CPU"
-        for prefix, who in (("profile", "ours"), ("peer_profile", "stock transformers")):
+        for prefix, who in (("profile", "ours"), *((PROFILE[n], n) for n in peers)):
             rows = [f for f in profiled if f["name"].split(":", 1)[0] == prefix]
             if not rows:
                 continue
