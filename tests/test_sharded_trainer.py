@@ -29,6 +29,9 @@ VARIANTS = {
     "grpo-deepseek-v3-ac-selective": ({"model": {"preset": "tiny-deepseek-v3"},
                                        "trainer": {"activation_checkpointing": "selective"}}, "sgd"),
     "ppo": ({"trainer": {"algorithm": "ppo", "gae_lambda": 0.9, "gamma": 0.99}}, "sgd"),
+    # The aux loss over micro-batches and ranks, and DeepSeek-V3's aux-loss-free bias update.
+    "grpo-aux-3-micro-batches": ({"router": {"aux_loss_coef": 0.05}, "trainer": {"micro_batch_tokens": 24}}, "sgd"),
+    "grpo-deepseek-v3-bias": ({"model": {"preset": "tiny-deepseek-v3"}, "router": {"bias_update_rate": 0.01}}, "sgd"),
     "adamw": ({}, "adamw"),
 }
 N_GROUPS = 5  # over 4 ranks: one rank gets two groups, the others one (uneven shares)
@@ -74,7 +77,8 @@ def _step(cfg, kind, model, critic, groups, rank: int, world: int) -> dict:
     batch = collate_groups(split_groups(groups, world)[rank], scale_by_std=cfg.trainer.scale_by_std)
     applied, stats = train_step(cfg, model, opt, batch, pad_id=0, critic=critic)
     after = full_params(model) | ({f"critic.{k}": v for k, v in full_params(critic.module).items()} if critic else {})
-    return {"applied": applied, "stats": stats, "before": before, "after": after}
+    bias = {k: v.detach().clone() for k, v in model.named_buffers() if k.endswith("e_score_correction_bias")}
+    return {"applied": applied, "stats": stats, "before": before, "after": after, "bias": bias}
 
 
 def _sharded_worker(rank: int, world: int, port: int, names: list[str], out: str) -> None:
@@ -137,6 +141,10 @@ def test_dp2_x_ep2_step_equals_the_single_process_step(sharded_results, name):
     assert_params_match(delta, ref_delta, atol=2e-6, rtol=1e-4)
     if name == "grpo-3-micro-batches":
         assert got["stats"]["micro_batches"] >= 3 and ref["stats"]["micro_batches"] >= 3
+    if name == "grpo-deepseek-v3-bias":  # the bias moved, on every rank as on one (loads of every rank)
+        assert ref["bias"] and any(float(b.abs().max()) > 0 for b in ref["bias"].values())
+        for k in ref["bias"]:
+            torch.testing.assert_close(got["bias"][k], ref["bias"][k], atol=0, rtol=0)
     if name == "ppo":
         for key in ("vf_loss", "value", "return", "critic_grad_norm"):
             assert got["stats"][key] == pytest.approx(ref["stats"][key], rel=1e-4, abs=1e-6), key
@@ -149,6 +157,24 @@ def test_micro_batches_split_the_rows_and_equal_one_shot():
     assert one["stats"]["micro_batches"] == 1 and three["stats"]["micro_batches"] >= 3
     d1 = {k: one["before"][k] - one["after"][k] for k in one["after"]}
     d3 = {k: three["before"][k] - three["after"][k] for k in three["after"]}
+    assert_params_match(d3, d1, atol=2e-6, rtol=1e-4)
+
+
+def test_the_aux_loss_gives_the_same_update_for_any_micro_batch_split():
+    """One process: the aux loss per sequence over real tokens makes 1 and 3 micro-batches (with
+    their padding) the same step, the router included."""
+    VARIANTS["_aux-one"] = ({"router": {"aux_loss_coef": 0.05}}, "sgd")
+    try:
+        one, three = _reference("_aux-one"), _reference("grpo-aux-3-micro-batches")
+    finally:
+        del VARIANTS["_aux-one"]
+    assert one["stats"]["micro_batches"] == 1 and three["stats"]["micro_batches"] >= 3
+    d1 = {k: one["before"][k] - one["after"][k] for k in one["after"]}
+    d3 = {k: three["before"][k] - three["after"][k] for k in three["after"]}
+    plain = _reference("grpo")  # without the aux loss the router's update differs: the term is there
+    d0 = {k: plain["before"][k] - plain["after"][k] for k in plain["after"]}
+    router = [k for k in d1 if k.endswith("mlp.gate.weight")]
+    assert router and max(float((d1[k] - d0[k]).abs().max()) for k in router) > 1e-4
     assert_params_match(d3, d1, atol=2e-6, rtol=1e-4)
 
 
@@ -339,6 +365,46 @@ def _publish_worker(rank: int, world: int, port: int, root: str) -> None:
     assert not list((Path(root) / f"pod{rank}").rglob("*.safetensors"))  # uploaded, then removed
     dist.barrier()
     dist.destroy_process_group()
+
+
+def test_a_bf16_version_keeps_the_fp32_routing_bias_and_no_quantization_config(tmp_path):
+    """What is published is what is trained: DeepSeek-V3's routing bias goes out in fp32 (the
+    engines add it to the router's scores), every parameter in the publish dtype, and a
+    quantization_config inherited from an FP8 source is not copied over bf16 weights."""
+    import json
+
+    from safetensors import safe_open
+
+    from app.model.config import tiny_config
+    from app.model.parallel import EPContext
+    from app.model.policy import build_policy
+    from app.storage import open_store
+    from app.storage.policy import download_policy
+    from app.trainer.publish import publish_version
+
+    model = build_policy(tiny_config("tiny-deepseek-v3"), RunConfig().router, EPContext.local(), seed=0)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.linspace(-1e-3, 1e-3, b.numel()) + 1.0)  # not representable in bf16
+    model.config.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    store = open_store(f"file://{tmp_path}/store")
+    publish_version(model, None, 0, store=store, run_id="bf16", work_dir=tmp_path / "w", keep=1, dtype=torch.bfloat16)
+    local = download_policy(store, "bf16", 0, tmp_path / "v0")
+    assert "quantization_config" not in json.loads((local / "config.json").read_text())
+    dtypes = {}
+    for f in local.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            dtypes.update({k: st.get_slice(k).get_dtype() for k in st.keys()})
+    biases = {k: v for k, v in dtypes.items() if k.endswith("e_score_correction_bias")}
+    assert biases and set(biases.values()) == {"F32"}
+    assert {v for k, v in dtypes.items() if k not in biases} == {"BF16"}
+    from transformers import AutoModelForCausalLM
+
+    stock = AutoModelForCausalLM.from_pretrained(local)  # refused with an FP8 quantization_config
+    want = dict(model.named_buffers())
+    for k in biases:
+        assert torch.equal(stock.state_dict()[k], want[k]), k
 
 
 def test_two_ranks_publish_a_version_stock_transformers_loads(tmp_path):
