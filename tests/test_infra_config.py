@@ -249,3 +249,26 @@ def test_existing_placement_group_needs_placement_and_gpu_pools_stripe_instance_
         lambda d: d["pools"]["rollout-gpu"].update(placement_group_name="my-odcr-group"))
     cfg = load_config("prod")
     assert {p.name for p in cfg.pools.values() if p.local_storage == "RAID0"} == {"train-gpu", "rollout-gpu"}
+
+
+def test_preflight_finds_a_missing_admin_role_against_iam_over_http(moto_s3, tmp_path, monkeypatch, capsys):
+    """Issue 27 item 1: a role of admin_role_arns the stack does not create must exist before the
+    deploy; checked with boto3 against moto's IAM over HTTP, one line naming the ARN."""
+    import boto3
+
+    from infra.preflight import main, missing_admin_roles
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3)
+    account = "123456789012"  # moto's account
+    f = tmp_path / "staging.yaml"
+    f.write_text(f"account: '{account}'\nadmin_role_arns: ['arn:aws:iam::{account}:role/platform-admin', "
+                 f"'arn:aws:iam::{account}:role/moerl-staging-admin']\n")
+    cfg = load_config("staging", f)
+    iam = boto3.client("iam", endpoint_url=moto_s3, region_name="us-east-1")
+    assert missing_admin_roles(cfg, iam) == [f"arn:aws:iam::{account}:role/platform-admin"]  # the default one is created
+    assert main(["--env", "staging", "--config", str(f)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "admin_role_arns: arn:aws:iam::123456789012:role/platform-admin does not exist" in err[0]
+    iam.create_role(RoleName="platform-admin", AssumeRolePolicyDocument='{"Version":"2012-10-17","Statement":[]}')
+    assert main(["--env", "staging", "--config", str(f)]) == 0
+    f.write_text(f.read_text() + "create_admin_role: false\n")  # now the default role must exist too
+    assert missing_admin_roles(load_config("staging", f), iam) == [f"arn:aws:iam::{account}:role/moerl-staging-admin"]
