@@ -33,22 +33,15 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
 from constructs import Construct
 
-from infra.addons import EKS_ADDONS, addon_versions  # noqa: F401  (EKS_ADDONS re-exported)
-from infra.charts import (DCGM_EXPORTER, EFA_DEVICE_PLUGIN, KUBE_PROMETHEUS_STACK, LWS,  # noqa: F401
-                          MONITORING_NAMESPACE, NVIDIA_DEVICE_PLUGIN, VOLCANO)
+from infra.addons import DCGM_HOSTENGINE_PORT, EKS_ADDONS, addon_versions  # noqa: F401  (re-exported)
+from infra.charts import (DCGM_EXPORTER, EFA_DEVICE_PLUGIN, GRAFANA_DASHBOARD_LABEL, KUBE_PROMETHEUS_STACK,  # noqa: F401
+                          LWS, MONITORING_NAMESPACE, NVIDIA_DEVICE_PLUGIN, VOLCANO)
 from infra.config import (ACCELERATOR_LABEL, EFA_LABEL, GPU_TAINT_KEY, POOL_TAINT_KEY, PULL_THROUGH_CACHE,
                           DeploymentConfig, NodePool)
 from infra.instances import INSTANCE_TABLE
 from infra.network import NetworkStack
 from infra.storage import StorageStack
 
-# The port of the DCGM host engine (nv-hostengine) the node monitoring agent runs on every GPU node:
-# its dcgm-server DaemonSet binds every interface (`-b ALL`) on hostPort 5555
-# (aws/eks-node-monitoring-agent v1.6.7, charts/eks-node-monitoring-agent/templates/dcgm-daemonset.yaml).
-# The DCGM exporter (`DCGM_REMOTE_HOSTENGINE_INFO`, dcgm-exporter pkg/cmd/app.go) and the diagnostics
-# Job (`dcgmi diag --host`, charts8s/healthcheck.py) connect to it instead of starting their own:
-# one host engine per node, so profiling counters and health watches are not split between three.
-DCGM_HOSTENGINE_PORT = 5555
 # Every GPU pool's taints, tolerated by node-level GPU DaemonSets (taints are declared in infra/config.py).
 GPU_DAEMONSET_TOLERATIONS = [
     {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"},
@@ -455,11 +448,16 @@ class ClusterStack(Stack):
                     # Select every ServiceMonitor/PodMonitor (DCGM exporter's, charts8s'), not only this release's.
                     "serviceMonitorSelectorNilUsesHelmValues": False,
                     "podMonitorSelectorNilUsesHelmValues": False,
+                    # and every PrometheusRule (charts8s/alerts.py carries no release label)
+                    "ruleSelectorNilUsesHelmValues": False,
                     "retention": "15d",
                     "storageSpec": {"volumeClaimTemplate": {"spec": {
                         "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "200Gi"}}}}},
                 }},
                 "prometheus-node-exporter": {"tolerations": everywhere},
+                # Dashboards from ConfigMaps of the monitoring namespace with this label (charts8s/dashboards.py).
+                "grafana": {"sidecar": {"dashboards": {"enabled": True, "label": GRAFANA_DASHBOARD_LABEL[0],
+                                                       "labelValue": GRAFANA_DASHBOARD_LABEL[1]}}},
             },
         )
         for dep in (self.nodegroups["system"], self.addons["aws-ebs-csi-driver"]):

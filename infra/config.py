@@ -32,6 +32,13 @@ GPU_TAINT_KEY = "nvidia.com/gpu"
 # Labels the device-plugin DaemonSets select on.
 ACCELERATOR_LABEL = "moerl.dev/accelerator"
 EFA_LABEL = "moerl.dev/efa"
+# Node health (app/nodehealth.py, charts8s/nodehealth.py): the quarantine taint of a node that
+# failed a GPU or EFA check (NoSchedule, value = the failed checks; no moerl pod tolerates it), the
+# taint held while DCGM diagnostics run on an idle node, the pass/fail label and the results.
+UNHEALTHY_TAINT_KEY = "moerl.dev/unhealthy"
+DIAG_TAINT_KEY = "moerl.dev/diag-running"
+HEALTH_LABEL = "moerl.dev/health"
+HEALTH_ANNOTATION = "moerl.dev/health-results"
 
 POOL_NAMES: tuple[str, ...] = ("train-gpu", "rollout-gpu", "env-cpu", "buffer-mem", "system")
 # ECR pull-through cache rules (infra/storage.py): upstream registry host -> ECR repository prefix.
