@@ -648,6 +648,12 @@ def test_helm_charts_are_the_pinned_set_and_monitoring_waits_for_crds(pipeline):
     assert kps_id in by_chart["dcgm-exporter"][1]["DependsOn"]
     values = json.loads(kps["Properties"]["Values"])["prometheus"]["prometheusSpec"]
     assert values["serviceMonitorSelectorNilUsesHelmValues"] is False and values["podMonitorSelectorNilUsesHelmValues"] is False
+    # issue 27 item 14: the PrometheusRule of charts8s/alerts.py has no release label, and Grafana
+    # loads the dashboards of charts8s/dashboards.py by the label declared in infra/charts.py
+    from infra.charts import GRAFANA_DASHBOARD_LABEL
+    assert values["ruleSelectorNilUsesHelmValues"] is False
+    sidecar = json.loads(kps["Properties"]["Values"])["grafana"]["sidecar"]["dashboards"]
+    assert (sidecar["label"], sidecar["labelValue"]) == GRAFANA_DASHBOARD_LABEL and sidecar["enabled"] is True
     dcgm = json.loads(by_chart["dcgm-exporter"][1]["Properties"]["Values"])
     assert dcgm["nodeSelector"] == {"moerl.dev/accelerator": "nvidia"} and dcgm["serviceMonitor"]["enabled"] is True
 
