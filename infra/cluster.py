@@ -36,8 +36,8 @@ from constructs import Construct
 from infra.addons import DCGM_HOSTENGINE_PORT, EKS_ADDONS, addon_versions  # noqa: F401  (re-exported)
 from infra.charts import (DCGM_EXPORTER, EFA_DEVICE_PLUGIN, GRAFANA_DASHBOARD_LABEL, KUBE_PROMETHEUS_STACK,  # noqa: F401
                           LWS, MONITORING_NAMESPACE, NVIDIA_DEVICE_PLUGIN, VOLCANO)
-from infra.config import (ACCELERATOR_LABEL, EFA_LABEL, GPU_TAINT_KEY, POOL_TAINT_KEY, PULL_THROUGH_CACHE,
-                          DeploymentConfig, NodePool)
+from infra.config import (ACCELERATOR_LABEL, EFA_LABEL, GPU_TAINT_KEY, POOL_TAINT_KEY, DeploymentConfig,
+                          NodePool)
 from infra.instances import INSTANCE_TABLE
 from infra.network import NetworkStack
 from infra.storage import StorageStack
@@ -289,7 +289,7 @@ class ClusterStack(Stack):
         self.node_role.add_to_policy(iam.PolicyStatement(
             actions=["ecr:CreateRepository", "ecr:BatchImportUpstreamImage"],
             resources=[f"arn:{self.partition}:ecr:{cfg.region}:{cfg.account}:repository/{prefix}/*"
-                       for prefix in PULL_THROUGH_CACHE.values()]))
+                       for prefix in cfg.cache_prefixes.values()]))
         self.nodegroups: dict[str, eks.Nodegroup] = {}
         self.launch_templates: dict[str, ec2.CfnLaunchTemplate] = {}
         for pool in cfg.pools.values():

@@ -46,6 +46,12 @@ POOL_NAMES: tuple[str, ...] = ("train-gpu", "rollout-gpu", "env-cpu", "buffer-me
 # upstreamRegistryUrl; Docker Hub and ghcr.io need a Secrets Manager secret, nvcr.io is not an
 # upstream ECR supports). `cached_image` rewrites an image reference to its cached copy.
 PULL_THROUGH_CACHE = {"registry.k8s.io": "k8s", "quay.io": "quay", "public.ecr.aws": "ecr-public"}
+# Upstreams ECR caches only with the account's credentials for them, in a Secrets Manager secret
+# whose name starts with "ecr-pullthroughcache/" (ECR user guide, "Creating a pull through cache
+# rule"): upstream URL -> prefix, and the names images use for the registry.
+CREDENTIALED_CACHE = {"registry-1.docker.io": "docker-hub", "ghcr.io": "github"}
+_REGISTRY_ALIASES = {"docker.io": "registry-1.docker.io", "index.docker.io": "registry-1.docker.io",
+                     "registry-1.docker.io": "registry-1.docker.io", "ghcr.io": "ghcr.io"}
 MIN_K8S_VERSION = (1, 31)
 # The newest Kubernetes version in EKS standard support (EKS user guide, "Kubernetes versions
 # standard support": 1.36 released on EKS 2026-06, standard support to 2027-08). nodeadm enables
@@ -305,6 +311,9 @@ class DeploymentConfig(Model):
         change to a node group's scaling config never resets a running gang to the created size
         (EKS API NodegroupScalingConfig: CloudFormation takes no action when DesiredSize is
         removed from the template; creating a group needs all of min, max and desired or none).
+    pull_through_secrets: upstream (registry-1.docker.io, ghcr.io) -> ARN of the Secrets Manager
+        secret (name ecr-pullthroughcache/...) holding this account's credentials for it; each
+        gets a pull-through cache rule beside the credential-free ones (PULL_THROUGH_CACHE).
     models_prefix, data_prefix: key prefixes of the checkpoint bucket holding base models and
         datasets: both Pod Identity roles read them and neither may write there (operators
         upload). They must lie outside run_prefix, where the trainer writes.
@@ -336,6 +345,7 @@ class DeploymentConfig(Model):
     image_tag: str = Field("0.1.0", pattern=r"^[\w][\w.-]{0,127}$")
     admin_role_arns: list[str] = []
     create_admin_role: bool = True
+    pull_through_secrets: dict[Literal["registry-1.docker.io", "ghcr.io"], str] = {}
     node_groups_exist: bool = False
     models_prefix: str = Field("models", pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*$")
     data_prefix: str = Field("data", pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*$")
@@ -348,6 +358,15 @@ class DeploymentConfig(Model):
         for arn in v:
             if not re.match(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+$", arn):
                 raise ValueError(f"{arn!r} is not an IAM role ARN")
+        return v
+
+    @field_validator("pull_through_secrets")
+    @classmethod
+    def _secrets(cls, v: dict[str, str]) -> dict[str, str]:
+        for upstream, arn in v.items():
+            if not re.match(r"^arn:aws[a-z-]*:secretsmanager:[a-z0-9-]+:\d{12}:secret:ecr-pullthroughcache/[\w/+=.@-]+$", arn):
+                raise ValueError(f"{upstream}: {arn!r} is not the ARN of a Secrets Manager secret named "
+                                 "ecr-pullthroughcache/... (ECR reads pull-through credentials only from such secrets)")
         return v
 
     @field_validator("public_endpoint_cidrs")
@@ -435,13 +454,24 @@ class DeploymentConfig(Model):
         that the bucket policies (infra/storage.py) can refer to it without a cross-stack cycle."""
         return f"{self.name_prefix}-{role}"
 
+    @property
+    def cache_prefixes(self) -> dict[str, str]:
+        """Upstream registry URL -> ECR repository prefix of every pull-through cache rule of this deployment."""
+        return {**PULL_THROUGH_CACHE, **{u: CREDENTIALED_CACHE[u] for u in self.pull_through_secrets}}
+
     def cached_image(self, ref: str) -> str:
-        """`ref` through this account's ECR pull-through cache when its registry is one of
-        PULL_THROUGH_CACHE ('quay.io/prometheus/prometheus:v3' ->
-        '<account>.dkr.ecr.<region>.amazonaws.com/quay/prometheus/prometheus:v3'); else unchanged."""
+        """`ref` through this account's ECR pull-through cache when its registry has a rule
+        ('quay.io/prometheus/prometheus:v3' ->
+        '<account>.dkr.ecr.<region>.amazonaws.com/quay/prometheus/prometheus:v3'; a Docker Hub
+        official image 'docker.io/redis:7' -> '.../docker-hub/library/redis:7'); else unchanged."""
         host, _, rest = ref.partition("/")
-        prefix = PULL_THROUGH_CACHE.get(host)
-        return f"{self.account}.dkr.ecr.{self.region}.amazonaws.com/{prefix}/{rest}" if prefix and rest else ref
+        upstream = _REGISTRY_ALIASES.get(host, host)
+        prefix = self.cache_prefixes.get(upstream)
+        if not (prefix and rest):
+            return ref
+        if upstream == "registry-1.docker.io" and "/" not in rest:
+            rest = f"library/{rest}"
+        return f"{self.account}.dkr.ecr.{self.region}.amazonaws.com/{prefix}/{rest}"
 
     @property
     def default_admin_role_arn(self) -> str:

@@ -58,13 +58,12 @@ def acknowledgements(kind: str, cfg: DeploymentConfig) -> dict[str, str]:
     if kind != "cluster":
         return {}
     from infra.cluster import TRAINER_WRITE_AREAS
-    from infra.config import PULL_THROUGH_CACHE
 
     bucket = f"arn:<AWS::Partition>:s3:::{cfg.checkpoint_bucket}"
     prefixes = {f"{bucket}/{p}/*": f"the '{p}/' prefix" for p in (cfg.run_prefix, cfg.models_prefix, cfg.data_prefix)}
     prefixes.update({f"{bucket}/{cfg.run_prefix}/*/{a}/*": f"the '{a}' area of each run under '{cfg.run_prefix}/'"
                      for a in TRAINER_WRITE_AREAS})
-    repos = {f"arn:<AWS::Partition>:ecr:{cfg.region}:{cfg.account}:repository/{p}/*": p for p in PULL_THROUGH_CACHE.values()}
+    repos = {f"arn:<AWS::Partition>:ecr:{cfg.region}:{cfg.account}:repository/{p}/*": p for p in cfg.cache_prefixes.values()}
     public = {
         "AwsSolutions::AwsSolutions-EKS1":
             f"The API endpoint is public only to the configured CIDR blocks {cfg.public_endpoint_cidrs} "

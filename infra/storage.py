@@ -20,7 +20,7 @@ from aws_cdk import aws_kms as kms
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
-from infra.config import PULL_THROUGH_CACHE, DeploymentConfig
+from infra.config import DeploymentConfig
 from infra.network import NetworkStack
 
 # Lifecycle figures (days) for old object versions and abandoned multipart uploads.
@@ -74,8 +74,9 @@ class StorageStack(Stack):
         # upstream registry with an Amazon ECR private registry").
         self.cache_rules = {
             host: ecr.CfnPullThroughCacheRule(self, f"Cache-{prefix}", ecr_repository_prefix=prefix,
-                                              upstream_registry_url=host)
-            for host, prefix in PULL_THROUGH_CACHE.items()
+                                              upstream_registry_url=host,
+                                              credential_arn=cfg.pull_through_secrets.get(host))
+            for host, prefix in cfg.cache_prefixes.items()
         }
 
         self.repositories: dict[str, ecr.Repository] = {}

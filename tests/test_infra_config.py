@@ -272,3 +272,9 @@ def test_preflight_finds_a_missing_admin_role_against_iam_over_http(moto_s3, tmp
     assert main(["--env", "staging", "--config", str(f)]) == 0
     f.write_text(f.read_text() + "create_admin_role: false\n")  # now the default role must exist too
     assert missing_admin_roles(load_config("staging", f), iam) == [f"arn:aws:iam::{account}:role/moerl-staging-admin"]
+
+
+def test_pull_through_secrets_must_be_ecr_pullthroughcache_secrets():
+    msg = _bad(lambda d: d.update(pull_through_secrets={"ghcr.io": "arn:aws:secretsmanager:us-east-2:111111111111:secret:gh"}))
+    assert "pull_through_secrets" in msg and "ecr-pullthroughcache/" in msg
+    assert "pull_through_secrets" in _bad(lambda d: d.update(pull_through_secrets={"nvcr.io": "x"}))  # not an ECR upstream

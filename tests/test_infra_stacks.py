@@ -47,6 +47,8 @@ pools:
     instance_types: [p5.48xlarge, p5e.48xlarge]
     placement_group: true
     placement_group_name: moerl-reserved-pg
+pull_through_secrets:
+  registry-1.docker.io: arn:aws:secretsmanager:us-east-2:111111111111:secret:ecr-pullthroughcache/docker-hub-AbCdEf
 """
 
 
@@ -820,6 +822,20 @@ def test_pull_through_cache_rules_and_the_nodes_may_fill_them(pipeline):
     repo = f"arn:aws:ecr:us-east-2:{cfg.account}:repository/quay/prometheus/prometheus"
     assert policy.is_action_permitted("ecr:BatchImportUpstreamImage", repo) == PermissionResult.PERMITTED
     assert policy.is_action_permitted("ecr:CreateRepository", repo.replace("/quay/", "/moerl/")) != PermissionResult.PERMITTED
+
+
+def test_credentialed_pull_through_cache_rule_names_its_secret(variant):
+    """Docker Hub (and ghcr.io) are cached only with the account's credentials (ECR user guide)."""
+    cfg = variant.cfg
+    rules = {r["Properties"]["UpstreamRegistryUrl"]: r["Properties"]
+             for r in resources(Template.from_stack(variant.stacks["storage"]), "AWS::ECR::PullThroughCacheRule").values()}
+    assert rules["registry-1.docker.io"] == {"EcrRepositoryPrefix": "docker-hub", "UpstreamRegistryUrl": "registry-1.docker.io",
+                                             "CredentialArn": cfg.pull_through_secrets["registry-1.docker.io"]}
+    assert "CredentialArn" not in rules["quay.io"] and "ghcr.io" not in rules
+    assert cfg.cached_image("docker.io/volcanosh/vc-scheduler:v1.15.0") == \
+        "111111111111.dkr.ecr.us-east-2.amazonaws.com/docker-hub/volcanosh/vc-scheduler:v1.15.0"
+    assert cfg.cached_image("docker.io/redis:7.4") == "111111111111.dkr.ecr.us-east-2.amazonaws.com/docker-hub/library/redis:7.4"
+    assert cfg.cached_image("ghcr.io/oliver006/redis_exporter:v1.88.0") == "ghcr.io/oliver006/redis_exporter:v1.88.0"
 
 
 def test_s3_endpoint_admits_only_this_accounts_buckets(pipeline):
