@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION := 1
 
-.PHONY: run test system-deps clean
+.PHONY: run test test-infra system-deps clean
 
 system-deps:
 	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server; }
@@ -37,6 +37,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The pipeline's test job (infra/pipeline.py): the stacks, charts and ops manifests only.
+test-infra: $(STAMP)
+	$(BIN)/python -m pytest -q tests/test_infra_*.py tests/test_ops_charts.py
 
 clean:
 	rm -rf $(VENV) runs dist cdk.out

@@ -5,10 +5,18 @@ Two Indexed Jobs in the namespace `moerl-health`, as the AWS references run them
 DCGM diagnostics, then a multi-node NCCL all-reduce over EFA):
 
 - `gpu-dcgm-diag`: one pod per node (`nodes` of them, never two on one node), all GPUs of the
-  node, `dcgmi diag -r <level>` (level 2: about 2.5 to 10 minutes; 3 or 4 for a node under
-  suspicion). The image is the DCGM exporter's Ubuntu image of the pinned chart (infra/charts.py),
-  which carries DCGM's core and diagnostic packages. DCGM's diagnostics need CAP_SYS_ADMIN, so
-  this namespace admits privileged pods (Pod Security Admission level "privileged").
+  node (so nothing else runs on them meanwhile), `dcgmi diag -r <level>` (level 2: about 2.5 to 10
+  minutes; 3 or 4 for a node under suspicion). By default (`dcgm_host="node"`) dcgmi connects to
+  the node's one DCGM host engine, the node monitoring agent's (infra/cluster.py
+  DCGM_HOSTENGINE_PORT, `--host` the node's IP), which runs the tests; no second host engine
+  splits the GPUs' watches and profiling counters. `dcgm_host="embedded"` starts nv-hostengine in
+  the Job's container instead (CAP_SYS_ADMIN), for a node whose agent host engine is down. The
+  image is NVIDIA's DCGM image (nvcr.io/nvidia/cloud-native/dcgm: core, proprietary and the CUDA
+  diagnostic plugins; the AWS health-check recipe builds on it) at the DCGM version of the
+  agent's host engine (infra/addons.py NODE_AGENT_DCGM); the DCGM exporter's image has no
+  diagnostic plugins (its Dockerfile installs datacenter-gpu-manager-4-core and -proprietary
+  only). The namespace admits privileged pods (Pod Security Admission level "privileged") for
+  the embedded mode and the node health agent (charts8s/nodehealth.py).
 - `gpu-nccl-allreduce`: `nodes` pods on different nodes, every GPU and every EFA interface of
   the node, the trainer image, `torchrun -m app.healthcheck`: an all-reduce across all GPUs of
   the nodes, checked for exact results, with nccl-tests' bus bandwidth, failing under
@@ -28,12 +36,28 @@ from constructs import Construct
 from charts8s.kube import api_object, k8s_module
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 from charts8s.workloads import Plan
-from infra.charts import DCGM_EXPORTER
+from infra.addons import NODE_AGENT_DCGM, addon_versions
 
 NAMESPACE = "moerl-health"
 DCGM_JOB, NCCL_JOB, NCCL_SERVICE = "gpu-dcgm-diag", "gpu-nccl-allreduce", "gpu-nccl-allreduce"
-# The Ubuntu variant of the DCGM exporter image of the pinned chart: chart 4.8.2 = DCGM 4.5.3.
-DCGM_IMAGE = "nvcr.io/nvidia/k8s/dcgm-exporter:4.5.3-4.8.2-ubuntu22.04"
+DCGM_HOSTS = ("node", "embedded")
+
+
+def dcgm_image(k8s_version: str) -> str:
+    """NVIDIA's DCGM image at the DCGM version of the node monitoring agent pinned for `k8s_version`
+    (tag form `<dcgm>-1-ubuntu22.04`, as NVIDIA publishes it, e.g. 4.5.2-1-ubuntu22.04)."""
+    agent = addon_versions(k8s_version)["eks-node-monitoring-agent"]
+    return f"nvcr.io/nvidia/cloud-native/dcgm:{NODE_AGENT_DCGM[agent]}-1-ubuntu22.04"
+
+
+def dcgm_diag_command(level: int, dcgm_host: str) -> str:
+    """The diagnostics container's shell command (NODE_IP from the downward API)."""
+    if dcgm_host == "node":
+        # dcgmi's --host takes the address; its default port 5555 is the agent's DCGM_HOSTENGINE_PORT
+        # (tests/test_ops_charts.py holds the two equal).
+        return f"dcgmi diag -r {level} -j --host $(NODE_IP)"
+    # nv-hostengine in the background of this container; dcgmi's exit status is the result.
+    return f"(nv-hostengine -n &) ; sleep 5; dcgmi diag -r {level} -j"
 RDZV_PORT = 29500
 TRAINER_UID = 10001  # images/trainer.Dockerfile
 DEADLINE_S = 3 * 3600
@@ -62,11 +86,13 @@ class HealthCheckChart(cdk8s.Chart):
 
     nodes: train-gpu nodes to check (2 or more for the all-reduce; at most the pool's max_size).
     dcgm_level: `dcgmi diag -r` level (1 to 4).
+    dcgm_host: "node" (the agent's host engine) or "embedded" (module docstring).
     min_busbw_gbps: all-reduce bus-bandwidth floor at the largest size, GB/s (0: report only).
     Raises ValueError naming the argument when it is out of range.
     """
 
-    def __init__(self, scope: Construct, plan: Plan, nodes: int = 2, dcgm_level: int = 2, min_busbw_gbps: float = 0.0):
+    def __init__(self, scope: Construct, plan: Plan, nodes: int = 2, dcgm_level: int = 2, min_busbw_gbps: float = 0.0,
+                 dcgm_host: str = "node"):
         super().__init__(scope, "gpu-healthcheck")
         pool = plan.pool("train-gpu")
         if not 2 <= nodes <= pool.max_size:
@@ -75,32 +101,36 @@ class HealthCheckChart(cdk8s.Chart):
             raise ValueError(f"dcgm_level={dcgm_level}: dcgmi diag levels are 1 to 4")
         if min_busbw_gbps < 0:
             raise ValueError(f"min_busbw_gbps={min_busbw_gbps} must be >= 0")
+        if dcgm_host not in DCGM_HOSTS:
+            raise ValueError(f"dcgm_host={dcgm_host!r}: one of {list(DCGM_HOSTS)}")
         k8s, gpus = k8s_module(plan.cfg.k8s_version), plan.gpus_per_trainer
         api_object(self, k8s.KubeNamespace, NAMESPACE, labels={
             **labels("moerl-health"), "pod-security.kubernetes.io/enforce": "privileged"})
 
+        embedded = dcgm_host == "embedded"
+        caps = {"drop": ["ALL"], "add": ["SYS_ADMIN"]} if embedded else {"drop": ["ALL"]}
         dcgm = {
             **_placement(plan, DCGM_JOB), "automountServiceAccountToken": False,
             "containers": [{
-                "name": "dcgm", "image": DCGM_IMAGE, "imagePullPolicy": "IfNotPresent",
+                "name": "dcgm", "image": dcgm_image(plan.cfg.k8s_version), "imagePullPolicy": "IfNotPresent",
                 "command": ["/bin/bash", "-c"],
-                # nv-hostengine in the foreground of a subshell; dcgmi's exit status is the result.
-                "args": [f"(nv-hostengine -n &) ; sleep 5; dcgmi diag -r {dcgm_level} -j"],
+                "args": [dcgm_diag_command(dcgm_level, dcgm_host)],
+                "env": [{"name": "NODE_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}],
                 "resources": {"limits": {"nvidia.com/gpu": str(gpus), "cpu": "8", "memory": "32Gi"},
                               "requests": {"nvidia.com/gpu": str(gpus), "cpu": "8", "memory": "32Gi"}},
-                "securityContext": {"allowPrivilegeEscalation": False,
-                                    "capabilities": {"drop": ["ALL"], "add": ["SYS_ADMIN"]}},
+                "securityContext": {"allowPrivilegeEscalation": False, "capabilities": caps},
             }],
             "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
         }
         sys_admin = "DCGM diagnostics need CAP_SYS_ADMIN for their GPU tests (dcgm-exporter Dockerfile notes)"
-        root = "nv-hostengine and dcgmi diag run as root in NVIDIA's DCGM image; only this short-lived Job does"
-        pinned = "a version tag pinned in the repository (infra/charts.py, immutable ECR tags); IfNotPresent is intended"
+        root = "dcgmi (and nv-hostengine when embedded) run as root in NVIDIA's DCGM image; only this short-lived Job does"
+        pinned = "a version tag pinned in the repository (infra/addons.py NODE_AGENT_DCGM); IfNotPresent is intended"
+        skips = dict(CKV_K8S_23=root, CKV_K8S_40=root, CKV_K8S_22="dcgmi and nv-hostengine write logs and sockets under /var and /run",
+                     CKV_K8S_15=pinned, CKV_K8S_43=pinned)
+        if embedded:
+            skips.update(CKV_K8S_39=sys_admin, CKV_K8S_25=sys_admin, CKV_K8S_37=sys_admin)
         api_object(self, k8s.KubeJob, DCGM_JOB, NAMESPACE, labels=labels(DCGM_JOB), spec=_indexed_job(nodes, DCGM_JOB, dcgm),
-                   annotations=checkov_skips(CKV_K8S_39=sys_admin, CKV_K8S_25=sys_admin, CKV_K8S_37=sys_admin,
-                                             CKV_K8S_23=root, CKV_K8S_40=root,
-                                             CKV_K8S_22="nv-hostengine writes its log and socket under /var and /run",
-                                             CKV_K8S_15=pinned, CKV_K8S_43=pinned))
+                   annotations=checkov_skips(**skips))
 
         master = f"{NCCL_JOB}-0.{NCCL_SERVICE}.{NAMESPACE}.svc.cluster.local"
         limits = {"nvidia.com/gpu": str(gpus), "memory": "64Gi", "cpu": "32"}

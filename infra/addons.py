@@ -33,6 +33,20 @@ ADDON_VERSIONS: dict[str, dict[str, str]] = {
 }
 
 
+# The DCGM version of the host engine that each pinned eks-node-monitoring-agent runs on GPU nodes
+# (its dcgm-server DaemonSet; v1.6.7: image eks/observability/dcgm-exporter:4.5.2-4.8.1-ubuntu22.04,
+# aws/eks-node-monitoring-agent charts/eks-node-monitoring-agent/values.yaml at v1.6.7). DCGM clients
+# (dcgmi of the diagnostics Job, the exporter) are kept at this version.
+NODE_AGENT_DCGM = {"v1.6.7-eksbuild.1": "4.5.2"}
+# The port of the DCGM host engine (nv-hostengine) the node monitoring agent runs on every GPU node:
+# its dcgm-server DaemonSet binds every interface (`-b ALL`) on hostPort 5555
+# (aws/eks-node-monitoring-agent v1.6.7, charts/eks-node-monitoring-agent/templates/dcgm-daemonset.yaml).
+# The DCGM exporter (`DCGM_REMOTE_HOSTENGINE_INFO`, dcgm-exporter pkg/cmd/app.go) and the diagnostics
+# Job (`dcgmi diag --host`, charts8s/healthcheck.py) connect to it instead of starting their own:
+# one host engine per node, so profiling counters and health watches are not split between three.
+DCGM_HOSTENGINE_PORT = 5555
+
+
 def addon_versions(k8s_version: str) -> dict[str, str]:
     """The pinned `addonVersion` of every add-on in EKS_ADDONS for Kubernetes `k8s_version` ("1.36").
 

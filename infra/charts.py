@@ -23,3 +23,7 @@ DCGM_EXPORTER = ("https://nvidia.github.io/dcgm-exporter/helm-charts", "dcgm-exp
 
 HELM_CHARTS = (NVIDIA_DEVICE_PLUGIN, EFA_DEVICE_PLUGIN, VOLCANO, LWS, KUBE_PROMETHEUS_STACK, DCGM_EXPORTER)
 MONITORING_NAMESPACE = "monitoring"
+# The label kube-prometheus-stack's Grafana sidecar loads dashboard ConfigMaps by (grafana chart
+# values sidecar.dashboards.label / labelValue; set explicitly in infra/cluster.py, used by
+# charts8s/dashboards.py).
+GRAFANA_DASHBOARD_LABEL = ("grafana_dashboard", "1")

@@ -33,14 +33,20 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
 from constructs import Construct
 
-from infra.addons import EKS_ADDONS, addon_versions  # noqa: F401  (EKS_ADDONS re-exported)
-from infra.charts import (DCGM_EXPORTER, EFA_DEVICE_PLUGIN, KUBE_PROMETHEUS_STACK, LWS,  # noqa: F401
-                          MONITORING_NAMESPACE, NVIDIA_DEVICE_PLUGIN, VOLCANO)
-from infra.config import (ACCELERATOR_LABEL, EFA_LABEL, GPU_TAINT_KEY, POOL_TAINT_KEY,
-                          DeploymentConfig, NodePool)
+from infra.addons import DCGM_HOSTENGINE_PORT, EKS_ADDONS, addon_versions  # noqa: F401  (re-exported)
+from infra.charts import (DCGM_EXPORTER, EFA_DEVICE_PLUGIN, GRAFANA_DASHBOARD_LABEL, KUBE_PROMETHEUS_STACK,  # noqa: F401
+                          LWS, MONITORING_NAMESPACE, NVIDIA_DEVICE_PLUGIN, VOLCANO)
+from infra.config import (ACCELERATOR_LABEL, EFA_LABEL, GPU_TAINT_KEY, POOL_TAINT_KEY, DeploymentConfig,
+                          NodePool)
 from infra.instances import INSTANCE_TABLE
 from infra.network import NetworkStack
 from infra.storage import StorageStack
+
+# Every GPU pool's taints, tolerated by node-level GPU DaemonSets (taints are declared in infra/config.py).
+GPU_DAEMONSET_TOLERATIONS = [
+    {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"},
+    {"key": POOL_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"},
+]
 
 # configurationValues per add-on (each add-on's schema: `aws eks describe-addon-configuration`).
 ADDON_CONFIG: dict[str, dict] = {
@@ -49,7 +55,25 @@ ADDON_CONFIG: dict[str, dict] = {
     # The node plugin must run on every pool (all but system are tainted) to mount volumes there;
     # the default StorageClass (gp3, encrypted) holds Prometheus' volume.
     "aws-ebs-csi-driver": {"node": {"tolerateAllTaints": True}, "defaultStorageClass": {"enabled": True}},
+    # The agent's DCGM server has no tolerations by default (chart values `dcgmAgent.tolerations: []`)
+    # and every GPU pool is tainted: without these no GPU health check runs on a GPU node. The
+    # add-on accepts dcgmAgent.tolerations (configuration.schema.json of v1.6.7, DCGMAgent).
+    "eks-node-monitoring-agent": {"dcgmAgent": {"tolerations": GPU_DAEMONSET_TOLERATIONS}},
 }
+# Node auto repair of the training pool (AWS::EKS::Nodegroup NodeRepairConfig). A repair reboots or
+# replaces one node, and Volcano then restarts the whole gang from its last checkpoint, so: one
+# node at a time, and no action for the XIDs that an application fault raises (13: graphics engine
+# exception, 31: GPU memory page fault; NVIDIA XID catalog: restart the application) and that the
+# job's own restart already clears. Reasons are the agent's "NvidiaXID%dError"
+# (eks-node-monitoring-agent pkg/reasons/reasons.go) on its AcceleratedHardwareReady condition.
+# Agent v1.6.7 raises XID conditions only for its well-known list (monitors/nvidia/dcgm/
+# dcgm_policies.go), which holds neither 13 nor 31; the overrides keep a later agent from rebooting
+# a gang over them.
+TRAIN_REPAIR_NO_ACTION_XIDS = (13, 31)
+TRAIN_REPAIR_WAIT_MINS = 10
+TRAIN_MAX_PARALLEL_REPAIRS = 1
+# The areas of a run (app.storage.store.run_area) the trainer writes; nothing else under run_prefix.
+TRAINER_WRITE_AREAS = ("policy", "train", "trainer", "metrics", "tensorboard")
 # nodeadm (AL2023) configuration document of a node's launch template (awslabs/amazon-eks-ami,
 # nodeadm API node.eks.aws/v1alpha1); EKS merges it with the NodeConfig it writes itself.
 NODECONFIG_CONTENT_TYPE = "application/node.eks.aws"
@@ -142,6 +166,39 @@ def user_data(pool: NodePool) -> str | None:
     return "\n".join([*lines, f"--{USER_DATA_BOUNDARY}--", ""])
 
 
+def update_config(pool: NodePool) -> eks.CfnNodegroup.UpdateConfigProperty:
+    """The node group's update behaviour (AWS::EKS::Nodegroup UpdateConfig).
+
+    Fixed capacity (Capacity Block, ODCR, placement group; NodePool.fixed_capacity): the MINIMAL
+    strategy, which terminates old nodes before it launches new ones, where the DEFAULT one first
+    launches max(2 x AZs, maxUnavailable) extra nodes that the reservation or the placement group
+    cannot hold (EKS user guide, "Understand each phase of node updates"; EKS API
+    NodegroupUpdateConfig: "useful ... with hardware accelerators such as GPUs"). Every pool
+    replaces `max_unavailable_percent` of its nodes at once when set, else one (EKS's default).
+    """
+    strategy = "MINIMAL" if pool.fixed_capacity else "DEFAULT"
+    if pool.max_unavailable_percent:
+        return eks.CfnNodegroup.UpdateConfigProperty(max_unavailable_percentage=pool.max_unavailable_percent,
+                                                     update_strategy=strategy)
+    return eks.CfnNodegroup.UpdateConfigProperty(max_unavailable=1, update_strategy=strategy)
+
+
+def node_repair_config(pool: NodePool) -> eks.CfnNodegroup.NodeRepairConfigProperty:
+    """Node auto repair on every pool; on train-gpu one repair at a time and no action on the XIDs
+    of TRAIN_REPAIR_NO_ACTION_XIDS (AWS::EKS::NodeGroup NodeRepairConfig: an override needs all
+    four of its fields)."""
+    if pool.name != "train-gpu":
+        return eks.CfnNodegroup.NodeRepairConfigProperty(enabled=True)
+    return eks.CfnNodegroup.NodeRepairConfigProperty(
+        enabled=True, max_parallel_nodes_repaired_count=TRAIN_MAX_PARALLEL_REPAIRS,
+        node_repair_config_overrides=[
+            eks.CfnNodegroup.NodeRepairConfigOverridesProperty(
+                node_monitoring_condition="AcceleratedHardwareReady", node_unhealthy_reason=f"NvidiaXID{x}Error",
+                repair_action="NoAction", min_repair_wait_time_mins=TRAIN_REPAIR_WAIT_MINS)
+            for x in TRAIN_REPAIR_NO_ACTION_XIDS
+        ])
+
+
 def efa_interfaces(count: int, security_groups: list[str]) -> list[ec2.CfnLaunchTemplate.NetworkInterfaceProperty]:
     """Launch-template interfaces for `count` EFA network cards.
 
@@ -195,8 +252,20 @@ class ClusterStack(Stack):
             # its kubectl has the control plane's minor version.
             kubectl_provider_options=eks.KubectlProviderOptions(kubectl_layer=kubectl_layer(self, cfg.k8s_version)),
         )
+        self.admin_roles: dict[str, iam.Role] = {}
+        for arn in cfg.created_admin_roles:
+            # EKS rejects an access entry for a principal that does not exist (CreateAccessEntry:
+            # InvalidParameterException), after the cluster is up: create the default admin role in
+            # this stack, before its entry. Trusted by this account: an operator's or CI's principal
+            # may assume it where its own IAM policy allows sts:AssumeRole on it.
+            self.admin_roles[arn] = iam.Role(
+                self, "AdminRole", role_name=f"{cfg.name_prefix}-admin",
+                assumed_by=iam.AccountPrincipal(cfg.account),
+                description=f"moerl {cfg.env}: cluster-admin of {cfg.name_prefix} through an EKS access entry")
         for i, arn in enumerate(cfg.admin_role_arns):
-            self.cluster.grant_cluster_admin(f"Admin{i}", arn)
+            entry = self.cluster.grant_cluster_admin(f"Admin{i}", arn)
+            if arn in self.admin_roles:
+                entry.node.add_dependency(self.admin_roles[arn])
 
         # Each add-on at its pinned version (infra/addons.py), never EKS's default of the day.
         self.addons = {
@@ -215,6 +284,12 @@ class ClusterStack(Stack):
                           "AmazonEC2ContainerRegistryPullOnly", "AmazonSSMManagedInstanceCore")
             ],
         )
+        # The first pull of an image through a pull-through cache rule creates its repository and
+        # imports the image (ECR user guide, "IAM permissions required to sync an upstream registry").
+        self.node_role.add_to_policy(iam.PolicyStatement(
+            actions=["ecr:CreateRepository", "ecr:BatchImportUpstreamImage"],
+            resources=[f"arn:{self.partition}:ecr:{cfg.region}:{cfg.account}:repository/{prefix}/*"
+                       for prefix in cfg.cache_prefixes.values()]))
         self.nodegroups: dict[str, eks.Nodegroup] = {}
         self.launch_templates: dict[str, ec2.CfnLaunchTemplate] = {}
         for pool in cfg.pools.values():
@@ -304,16 +379,20 @@ class ClusterStack(Stack):
         cfn_ng: eks.CfnNodegroup = ng.node.default_child  # type: ignore[assignment]
         cfn_ng.instance_types = None if pool.capacity_block else list(pool.instance_types)
         cfn_ng.ami_type = ami_type(pool)
+        cfn_ng.update_config = update_config(pool)
+        cfn_ng.node_repair_config = node_repair_config(pool)
+        if cfg.node_groups_exist and pool.scaled_after_create:
+            # After the first deploy `infra.scale` owns the size: with DesiredSize out of the template,
+            # CloudFormation takes no action on it (EKS API, NodegroupScalingConfig.desiredSize), so a
+            # later change of min or max never resets a running gang to the size it was created at.
+            cfn_ng.add_property_deletion_override("ScalingConfig.DesiredSize")
         ng.node.add_dependency(self.addons["vpc-cni"])
         self.nodegroups[pool.name] = ng
         self.launch_templates[pool.name] = lt
 
     def _device_plugins(self) -> None:
         """NVIDIA and EFA device plugins, only on nodes that have the devices; the Volcano scheduler."""
-        tolerations = [
-            {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"},
-            {"key": POOL_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"},
-        ]
+        tolerations = GPU_DAEMONSET_TOLERATIONS
         repo, chart, version = NVIDIA_DEVICE_PLUGIN
         # The chart's default affinity looks for Node Feature Discovery labels we do not run;
         # replace it with our accelerator label.
@@ -369,28 +448,37 @@ class ClusterStack(Stack):
                     # Select every ServiceMonitor/PodMonitor (DCGM exporter's, charts8s'), not only this release's.
                     "serviceMonitorSelectorNilUsesHelmValues": False,
                     "podMonitorSelectorNilUsesHelmValues": False,
+                    # and every PrometheusRule (charts8s/alerts.py carries no release label)
+                    "ruleSelectorNilUsesHelmValues": False,
                     "retention": "15d",
                     "storageSpec": {"volumeClaimTemplate": {"spec": {
                         "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "200Gi"}}}}},
                 }},
                 "prometheus-node-exporter": {"tolerations": everywhere},
+                # Dashboards from ConfigMaps of the monitoring namespace with this label (charts8s/dashboards.py).
+                "grafana": {"sidecar": {"dashboards": {"enabled": True, "label": GRAFANA_DASHBOARD_LABEL[0],
+                                                       "labelValue": GRAFANA_DASHBOARD_LABEL[1]}}},
             },
         )
         for dep in (self.nodegroups["system"], self.addons["aws-ebs-csi-driver"]):
             self.prometheus.node.add_dependency(dep)
 
         repo, chart, version = DCGM_EXPORTER
-        gpu_tolerations = [
-            {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"},
-            {"key": POOL_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"},
-        ]
         self.dcgm_exporter = eks.HelmChart(
             self, "DcgmExporter", cluster=self.cluster, repository=repo, chart=chart, version=version,
             release="dcgm-exporter", namespace=MONITORING_NAMESPACE, wait=False,
             values={
                 "nodeSelector": {ACCELERATOR_LABEL: "nvidia"},
-                "tolerations": gpu_tolerations,
+                "tolerations": GPU_DAEMONSET_TOLERATIONS,
                 "serviceMonitor": {"enabled": True, "interval": "15s"},
+                # The node monitoring agent's host engine (DCGM_HOSTENGINE_PORT) instead of an embedded
+                # one; chart 4.8.2 values.yaml: extraEnv is appended to the container's env, and the
+                # exporter reads DCGM_REMOTE_HOSTENGINE_INFO as its -r flag. $(NODE_IP) expands to the
+                # variable defined before it (Kubernetes dependent environment variables).
+                "extraEnv": [
+                    {"name": "NODE_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
+                    {"name": "DCGM_REMOTE_HOSTENGINE_INFO", "value": f"$(NODE_IP):{DCGM_HOSTENGINE_PORT}"},
+                ],
             },
         )
         # The ServiceMonitor kind comes with kube-prometheus-stack's CRDs.
@@ -433,32 +521,46 @@ class ClusterStack(Stack):
         addon.node.add_dependency(self.addons["eks-pod-identity-agent"])
 
     def _pod_identity(self, storage: StorageStack) -> None:
-        """Pod Identity: trainer read/write, rollout workers read-only, both under run_prefix/."""
+        """Pod Identity: the trainer writes only the run areas app/ writes under run_prefix/; both
+        roles read runs, models_prefix/ and data_prefix/, and neither may write models or data.
+
+        Keys under run_prefix/ (app/storage/store.py run_area): <run>/policy/ (app/storage/policy.py,
+        trainer writes, rollout and feed read), <run>/train/ (app/trainer/state.py), <run>/trainer/
+        (app/storage/done.py), <run>/metrics/ and <run>/tensorboard/ (app/metrics.py). Base models
+        (model.path s3://...) and datasets (task.jsonl_path) live under models_prefix/ and
+        data_prefix/, uploaded by operators. Overwritten or deleted objects stay recoverable: the
+        bucket is versioned and neither role may delete an object version.
+        """
         cfg = self.cfg
         # ARNs from the configured bucket name (known at synth): no cross-stack export to pin.
         bucket_arn = f"arn:{self.partition}:s3:::{cfg.checkpoint_bucket}"
-        objects = f"{bucket_arn}/{cfg.run_prefix}/*"
-        list_under_prefix = iam.PolicyStatement(
+        shared = [f"{bucket_arn}/{p}/*" for p in (cfg.models_prefix, cfg.data_prefix)]
+        runs = f"{bucket_arn}/{cfg.run_prefix}/*"
+        list_prefixes = iam.PolicyStatement(
             actions=["s3:ListBucket"], resources=[bucket_arn],
-            conditions={"StringLike": {"s3:prefix": [f"{cfg.run_prefix}/*"]}},
+            conditions={"StringLike": {"s3:prefix": [f"{p}/*" for p in (cfg.run_prefix, cfg.models_prefix,
+                                                                          cfg.data_prefix)]}},
         )
-        self.trainer_role = iam.Role(self, "TrainerRole",
+        read_shared = iam.PolicyStatement(actions=["s3:GetObject"], resources=shared)
+        self.trainer_role = iam.Role(self, "TrainerRole", role_name=cfg.pod_role_name("trainer"),
                                      assumed_by=self._pod_principal(cfg.namespace, cfg.trainer_service_account),
-                                     description="moerl trainer: read/write the run prefix")
-        self.trainer_role.add_to_policy(list_under_prefix)
+                                     description="moerl trainer: write its run areas, read models and data")
+        self.trainer_role.add_to_policy(list_prefixes)
+        self.trainer_role.add_to_policy(read_shared)
+        self.trainer_role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[runs]))
         self.trainer_role.add_to_policy(iam.PolicyStatement(
-            actions=["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload",
-                     "s3:ListMultipartUploadParts"],
-            resources=[objects],
+            actions=["s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts"],
+            resources=[f"{bucket_arn}/{cfg.run_prefix}/*/{area}/*" for area in TRAINER_WRITE_AREAS],
         ))
         self.trainer_role.add_to_policy(iam.PolicyStatement(
             actions=["kms:Decrypt", "kms:GenerateDataKey"], resources=[storage.key.key_arn]))
 
-        self.rollout_role = iam.Role(self, "RolloutRole",
+        self.rollout_role = iam.Role(self, "RolloutRole", role_name=cfg.pod_role_name("rollout"),
                                      assumed_by=self._pod_principal(cfg.namespace, cfg.rollout_service_account),
-                                     description="moerl rollout workers: read the run prefix")
-        self.rollout_role.add_to_policy(list_under_prefix)
-        self.rollout_role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[objects]))
+                                     description="moerl rollout workers and feed: read runs, models and data")
+        self.rollout_role.add_to_policy(list_prefixes)
+        self.rollout_role.add_to_policy(read_shared)
+        self.rollout_role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[runs]))
         self.rollout_role.add_to_policy(iam.PolicyStatement(actions=["kms:Decrypt"], resources=[storage.key.key_arn]))
 
         for id, sa, role in (("TrainerIdentity", cfg.trainer_service_account, self.trainer_role),

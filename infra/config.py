@@ -32,8 +32,26 @@ GPU_TAINT_KEY = "nvidia.com/gpu"
 # Labels the device-plugin DaemonSets select on.
 ACCELERATOR_LABEL = "moerl.dev/accelerator"
 EFA_LABEL = "moerl.dev/efa"
+# Node health (app/nodehealth.py, charts8s/nodehealth.py): the quarantine taint of a node that
+# failed a GPU or EFA check (NoSchedule, value = the failed checks; no moerl pod tolerates it), the
+# taint held while DCGM diagnostics run on an idle node, the pass/fail label and the results.
+UNHEALTHY_TAINT_KEY = "moerl.dev/unhealthy"
+DIAG_TAINT_KEY = "moerl.dev/diag-running"
+HEALTH_LABEL = "moerl.dev/health"
+HEALTH_ANNOTATION = "moerl.dev/health-results"
 
 POOL_NAMES: tuple[str, ...] = ("train-gpu", "rollout-gpu", "env-cpu", "buffer-mem", "system")
+# ECR pull-through cache rules (infra/storage.py): upstream registry host -> ECR repository prefix.
+# Upstreams that ECR caches without credentials (ECR API CreatePullThroughCacheRule:
+# upstreamRegistryUrl; Docker Hub and ghcr.io need a Secrets Manager secret, nvcr.io is not an
+# upstream ECR supports). `cached_image` rewrites an image reference to its cached copy.
+PULL_THROUGH_CACHE = {"registry.k8s.io": "k8s", "quay.io": "quay", "public.ecr.aws": "ecr-public"}
+# Upstreams ECR caches only with the account's credentials for them, in a Secrets Manager secret
+# whose name starts with "ecr-pullthroughcache/" (ECR user guide, "Creating a pull through cache
+# rule"): upstream URL -> prefix, and the names images use for the registry.
+CREDENTIALED_CACHE = {"registry-1.docker.io": "docker-hub", "ghcr.io": "github"}
+_REGISTRY_ALIASES = {"docker.io": "registry-1.docker.io", "index.docker.io": "registry-1.docker.io",
+                     "registry-1.docker.io": "registry-1.docker.io", "ghcr.io": "ghcr.io"}
 MIN_K8S_VERSION = (1, 31)
 # The newest Kubernetes version in EKS standard support (EKS user guide, "Kubernetes versions
 # standard support": 1.36 released on EKS 2026-06, standard support to 2027-08). nodeadm enables
@@ -113,7 +131,16 @@ class NodePool(Model):
         lowered to it). None: desired_size. GPU pools default to 0, so a stack completes without
         waiting for GPU capacity; `python -m infra.scale` prints the commands that scale them to
         min/desired/max afterwards.
+    max_unavailable_percent: nodes replaced at once by a node group update, as a percentage of
+        the group (None: one node at a time, EKS's default). 32 Spot rollout nodes one at a time
+        take hours; a percentage replaces them in a few rounds.
     az: leave empty; every pool must run in the deployment's single AZ (validated).
+
+    A Capacity Block and a placement group are refused together: EC2 places a Capacity Block's
+    instances in an UltraCluster itself, and no AWS document or sample launches one into a
+    placement group (EC2 user guide, "Launch instances using Capacity Blocks": the requirements
+    are the block's AZ and platform; the EKS Capacity Block template holds the market type, the
+    reservation and the instance type only).
     """
 
     name: str
@@ -132,6 +159,7 @@ class NodePool(Model):
     placement_group_name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.+=@,-]{1,255}$")
     local_storage: Literal["RAID0", "none"] = "none"
     create_size: int | None = Field(None, ge=0)
+    max_unavailable_percent: int | None = Field(None, ge=1, le=100)
     az: str | None = None
 
     @field_validator("instance_types")
@@ -173,6 +201,9 @@ class NodePool(Model):
             raise ValueError(f"pool {self.name!r}: create_size={self.create_size} exceeds max_size={self.max_size}")
         if self.capacity_type == "CAPACITY_BLOCK" and not self.capacity_reservation_id:
             raise ValueError(f"pool {self.name!r}: CAPACITY_BLOCK needs capacity_reservation_id")
+        if self.capacity_type == "CAPACITY_BLOCK" and self.placement_group:
+            raise ValueError(f"pool {self.name!r}: a CAPACITY_BLOCK pool cannot also launch into a placement group "
+                             "(set placement_group: false; EC2 places a Capacity Block's instances itself)")
         if self.capacity_type == "SPOT" and self.capacity_reservation_id:
             raise ValueError(f"pool {self.name!r}: a Spot pool cannot target a capacity reservation")
         if self.capacity_reservation_id and len(self.instance_types) != 1:
@@ -209,6 +240,24 @@ class NodePool(Model):
         return self.capacity_type == "CAPACITY_BLOCK"
 
     @property
+    def fixed_capacity(self) -> bool:
+        """True when the pool cannot launch extra nodes for an update's surge: a Capacity Block, an
+        On-Demand Capacity Reservation or a cluster placement group holds exactly its nodes.
+
+        A managed node group update launches max(2 x AZs, maxUnavailable) nodes before it drains
+        old ones (EKS user guide, "Understand each phase of node updates", scale-up phase); such
+        pools use the MINIMAL update strategy instead, which terminates old nodes first (EKS API,
+        NodegroupUpdateConfig.updateStrategy), and `python -m infra.scale --before-update` scales
+        them to 0 before a deploy that replaces their nodes.
+        """
+        return self.capacity_block or bool(self.capacity_reservation_id) or self.placement_group
+
+    @property
+    def scaled_after_create(self) -> bool:
+        """True when the pool is created below its configured size and `infra.scale` sets the rest."""
+        return self.initial_sizes != (self.min_size, self.desired_size, self.max_size)
+
+    @property
     def initial_sizes(self) -> tuple[int, int, int]:
         """(MinSize, DesiredSize, MaxSize) the node group is created with (see create_size)."""
         want = self.desired_size if self.create_size is None else self.create_size
@@ -221,8 +270,9 @@ class PipelineConfig(Model):
 
     account, connection_arn: the tooling account and its CodeConnections connection to the
         repository; required, no defaults (a placeholder would deploy a pipeline that never runs).
-    synth_compute: CodeBuild compute type of the synth step (BUILD_GENERAL1_LARGE: 15 GB, 8 vCPU;
-        the default SMALL has 3 GB). The step runs only the infra and chart tests, not `make test`.
+    synth_compute: CodeBuild compute type of the synth and test steps (BUILD_GENERAL1_LARGE: 15 GB,
+        8 vCPU; the default SMALL has 3 GB). The synth step installs only locked packages and
+        synthesizes; the test step runs `make test-infra` (infra and ops-chart tests), not `make test`.
     """
 
     account: str = Field(pattern=r"^\d{12}$")
@@ -250,7 +300,23 @@ class DeploymentConfig(Model):
     image_repos: ECR repository name per image role (trainer, rollout, env).
     admin_role_arns: IAM roles given cluster-admin through EKS access entries; staging and prod
         need at least one (the API endpoint is private: without one nobody can run kubectl).
-        Default: arn:aws:iam::<account>:role/moerl-<env>-admin, a role the account must have.
+        Default: arn:aws:iam::<account>:role/moerl-<env>-admin (`default_admin_role_arn`).
+    create_admin_role: the cluster stack creates the role of admin_role_arns named
+        moerl-<env>-admin (trusted by this account's principals that IAM allows to assume it),
+        so its access entry never names a missing principal (EKS rejects one). Every other role
+        in admin_role_arns must already exist: `python -m infra.preflight` checks them before a
+        deploy. Turn it off when the account already has a role of that name.
+    node_groups_exist: set true once the first deploy has created the node groups. The template
+        then leaves DesiredSize out of every pool that `infra.scale` sizes (GPU pools), so a later
+        change to a node group's scaling config never resets a running gang to the created size
+        (EKS API NodegroupScalingConfig: CloudFormation takes no action when DesiredSize is
+        removed from the template; creating a group needs all of min, max and desired or none).
+    pull_through_secrets: upstream (registry-1.docker.io, ghcr.io) -> ARN of the Secrets Manager
+        secret (name ecr-pullthroughcache/...) holding this account's credentials for it; each
+        gets a pull-through cache rule beside the credential-free ones (PULL_THROUGH_CACHE).
+    models_prefix, data_prefix: key prefixes of the checkpoint bucket holding base models and
+        datasets: both Pod Identity roles read them and neither may write there (operators
+        upload). They must lie outside run_prefix, where the trainer writes.
     public_endpoint_cidrs: empty keeps the API endpoint private (reach it from inside the VPC);
         otherwise the endpoint is also public, open only to these CIDR blocks.
     retain_data: keep buckets and repositories when the stack is deleted (required in prod).
@@ -278,6 +344,11 @@ class DeploymentConfig(Model):
     }
     image_tag: str = Field("0.1.0", pattern=r"^[\w][\w.-]{0,127}$")
     admin_role_arns: list[str] = []
+    create_admin_role: bool = True
+    pull_through_secrets: dict[Literal["registry-1.docker.io", "ghcr.io"], str] = {}
+    node_groups_exist: bool = False
+    models_prefix: str = Field("models", pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*$")
+    data_prefix: str = Field("data", pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*$")
     public_endpoint_cidrs: list[str] = []
     retain_data: bool = True
 
@@ -287,6 +358,15 @@ class DeploymentConfig(Model):
         for arn in v:
             if not re.match(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+$", arn):
                 raise ValueError(f"{arn!r} is not an IAM role ARN")
+        return v
+
+    @field_validator("pull_through_secrets")
+    @classmethod
+    def _secrets(cls, v: dict[str, str]) -> dict[str, str]:
+        for upstream, arn in v.items():
+            if not re.match(r"^arn:aws[a-z-]*:secretsmanager:[a-z0-9-]+:\d{12}:secret:ecr-pullthroughcache/[\w/+=.@-]+$", arn):
+                raise ValueError(f"{upstream}: {arn!r} is not the ARN of a Secrets Manager secret named "
+                                 "ecr-pullthroughcache/... (ECR reads pull-through credentials only from such secrets)")
         return v
 
     @field_validator("public_endpoint_cidrs")
@@ -350,6 +430,12 @@ class DeploymentConfig(Model):
                              "(the API endpoint is private; see README 'Reaching the cluster')")
         if self.env == "prod" and not self.retain_data:
             raise ValueError("retain_data must be true in prod")
+        prefixes = {"run_prefix": self.run_prefix, "models_prefix": self.models_prefix, "data_prefix": self.data_prefix}
+        for a, pa in prefixes.items():
+            for b, pb in prefixes.items():
+                if a < b and (pa == pb or pa.startswith(pb + "/") or pb.startswith(pa + "/")):
+                    raise ValueError(f"{a} {pa!r} and {b} {pb!r} overlap; the trainer writes under run_prefix only, "
+                                     "so models and data need prefixes of their own")
         if len(set(self.image_repos.values())) != 3:
             raise ValueError("image_repos: trainer, rollout and env need three distinct repositories")
         return self
@@ -362,6 +448,40 @@ class DeploymentConfig(Model):
     def name_prefix(self) -> str:
         """Stack and resource name prefix, e.g. 'moerl-dev'."""
         return f"moerl-{self.env}"
+
+    def pod_role_name(self, role: Literal["trainer", "rollout"]) -> str:
+        """IAM role name of a Pod Identity role (infra/cluster.py), e.g. 'moerl-prod-trainer'; named so
+        that the bucket policies (infra/storage.py) can refer to it without a cross-stack cycle."""
+        return f"{self.name_prefix}-{role}"
+
+    @property
+    def cache_prefixes(self) -> dict[str, str]:
+        """Upstream registry URL -> ECR repository prefix of every pull-through cache rule of this deployment."""
+        return {**PULL_THROUGH_CACHE, **{u: CREDENTIALED_CACHE[u] for u in self.pull_through_secrets}}
+
+    def cached_image(self, ref: str) -> str:
+        """`ref` through this account's ECR pull-through cache when its registry has a rule
+        ('quay.io/prometheus/prometheus:v3' ->
+        '<account>.dkr.ecr.<region>.amazonaws.com/quay/prometheus/prometheus:v3'; a Docker Hub
+        official image 'docker.io/redis:7' -> '.../docker-hub/library/redis:7'); else unchanged."""
+        host, _, rest = ref.partition("/")
+        upstream = _REGISTRY_ALIASES.get(host, host)
+        prefix = self.cache_prefixes.get(upstream)
+        if not (prefix and rest):
+            return ref
+        if upstream == "registry-1.docker.io" and "/" not in rest:
+            rest = f"library/{rest}"
+        return f"{self.account}.dkr.ecr.{self.region}.amazonaws.com/{prefix}/{rest}"
+
+    @property
+    def default_admin_role_arn(self) -> str:
+        """arn:aws:iam::<account>:role/moerl-<env>-admin, the role `create_admin_role` creates."""
+        return f"arn:aws:iam::{self.account}:role/{self.name_prefix}-admin"
+
+    @property
+    def created_admin_roles(self) -> list[str]:
+        """The admin_role_arns the cluster stack creates (see create_admin_role)."""
+        return [a for a in self.admin_role_arns if self.create_admin_role and a == self.default_admin_role_arn]
 
 
 def _pool(name: str, types: list[str], capacity: str, sizes: tuple[int, int, int], **kw: Any) -> dict:
@@ -410,8 +530,10 @@ def default_config(env: str, account: str | None = None) -> dict:
                            hugepages_2mi=5120),
         # Spot GPU types with the same EFA layout (32 network cards); p5en (16 cards) would need
         # a node group of its own.
+        # 25 %: 32 rollout nodes are replaced in 4 rounds instead of 32; each round only lowers the
+        # fleet's throughput (engines are independent, the buffer absorbs it).
         "rollout-gpu": _pool("rollout-gpu", ["p5e.48xlarge", "p5.48xlarge"], "SPOT",
-                             s["rollout-gpu"], efa=True, disk_size_gib=512),
+                             s["rollout-gpu"], efa=True, disk_size_gib=512, max_unavailable_percent=25),
         "env-cpu": _pool("env-cpu", ["c7i.4xlarge", "c6i.4xlarge", "c7a.4xlarge", "c6a.4xlarge",
                                      "c5.4xlarge", "m7i.4xlarge"], "SPOT", s["env-cpu"]),
         "buffer-mem": _pool("buffer-mem", ["r7i.4xlarge", "r6i.4xlarge"], "ON_DEMAND", s["buffer-mem"]),

@@ -57,7 +57,13 @@ def acknowledgements(kind: str, cfg: DeploymentConfig) -> dict[str, str]:
                 f"({cfg.vpc_cidr}, a Fn::GetAtt cdk-nag cannot resolve); nothing outside the VPC reaches them."}
     if kind != "cluster":
         return {}
-    objects = f"arn:<AWS::Partition>:s3:::{cfg.checkpoint_bucket}/{cfg.run_prefix}/*"
+    from infra.cluster import TRAINER_WRITE_AREAS
+
+    bucket = f"arn:<AWS::Partition>:s3:::{cfg.checkpoint_bucket}"
+    prefixes = {f"{bucket}/{p}/*": f"the '{p}/' prefix" for p in (cfg.run_prefix, cfg.models_prefix, cfg.data_prefix)}
+    prefixes.update({f"{bucket}/{cfg.run_prefix}/*/{a}/*": f"the '{a}' area of each run under '{cfg.run_prefix}/'"
+                     for a in TRAINER_WRITE_AREAS})
+    repos = {f"arn:<AWS::Partition>:ecr:{cfg.region}:{cfg.account}:repository/{p}/*": p for p in cfg.cache_prefixes.values()}
     public = {
         "AwsSolutions::AwsSolutions-EKS1":
             f"The API endpoint is public only to the configured CIDR blocks {cfg.public_endpoint_cidrs} "
@@ -66,9 +72,12 @@ def acknowledgements(kind: str, cfg: DeploymentConfig) -> dict[str, str]:
     return {
         **public,
         **CLUSTER_ACKNOWLEDGEMENTS,
-        f"AwsSolutions::AwsSolutions-IAM5[Resource::{objects}]":
-            f"Pod Identity roles reach only objects under the run prefix '{cfg.run_prefix}/' of the "
-            "checkpoint bucket; run directories are created at run time, so the key ends in a wildcard.",
+        **{f"AwsSolutions::AwsSolutions-IAM5[Resource::{arn}]":
+           f"Pod Identity roles reach only objects under {what} of the checkpoint bucket; runs, models and "
+           "datasets are named at run time, so the key ends in a wildcard." for arn, what in prefixes.items()},
+        **{f"AwsSolutions::AwsSolutions-IAM5[Resource::{arn}]":
+           f"Nodes create and import only the repositories of the '{p}' pull-through cache rule; the first pull "
+           "of an upstream image names its repository." for arn, p in repos.items()},
     }
 
 
@@ -98,6 +107,9 @@ def pipeline_acknowledgements(pcfg: PipelineConfig) -> dict[str, str]:
         f"arn:<AWS::Partition>:logs:{r}:{a}:log-group:/aws/codebuild/*",
         f"arn:<AWS::Partition>:logs:{r}:{a}:log-group:/aws/codebuild/<PipelineBuildSynthCdkBuildProject6BEFA8E6>:*",
         f"arn:<AWS::Partition>:logs:{r}:{a}:log-group:/aws/codebuild/<PipelineUpdatePipelineSelfMutationDAA41400>:*",
+        # the infra test job before the first stage (infra/pipeline.py)
+        f"arn:<AWS::Partition>:codebuild:{r}:{a}:report-group/<PipelineDevInfraTestsBFD081A0>-*",
+        f"arn:<AWS::Partition>:logs:{r}:{a}:log-group:/aws/codebuild/<PipelineDevInfraTestsBFD081A0>:*",
     ):
         out[iam5.format(f"Resource::{resource}")] = f"Resource pattern {_PIPELINE}."
     return out

@@ -3,15 +3,25 @@ security group.
 
 The control plane needs subnets in two or more AZs (an EKS requirement); every node group uses
 the private subnet of one AZ (`cfg.az`), so EFA/NCCL traffic never crosses an AZ boundary.
-Nodes reach Pod Identity (eks-auth), STS, ECR (api, dkr; layers come from S3) and CloudWatch Logs
-through interface endpoints, so the one NAT gateway is on no path that node start-up or S3
-credentials depend on (EKS user guide, "Deploy private clusters with limited internet access").
+Nodes reach Pod Identity (eks-auth), STS, ECR (api, dkr; layers come from S3), CloudWatch Logs,
+EC2 (the VPC CNI's ipamd attaches interfaces and assigns addresses through the EC2 API) and SSM
+(Session Manager: ssm, ssmmessages, ec2messages) through interface endpoints, so the one NAT
+gateway is on no path that node start-up, pod networking or S3 credentials depend on (EKS user
+guide, "Deploy private clusters with limited internet access": ec2 for the VPC CNI; Systems
+Manager user guide, "Use VPC endpoints": ssm, ssmmessages, ec2messages).
+
+The S3 gateway endpoint's policy admits only buckets of this account and the ECR layer bucket of
+the region (ECR user guide, "Amazon ECR interface VPC endpoints": image layers come from
+prod-<region>-starport-layer-bucket), so credentials taken from a pod cannot copy data out to a
+bucket of another account through it; the checkpoint and artifacts buckets in turn refuse the
+Pod Identity roles outside this endpoint (infra/storage.py, aws:SourceVpce).
 """
 
 from __future__ import annotations
 
-from aws_cdk import Stack, Tags
+from aws_cdk import Aws, Stack, Tags
 from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_iam as iam
 from aws_cdk import aws_logs as logs
 from constructs import Construct
 
@@ -28,14 +38,30 @@ INTERFACE_ENDPOINTS = {
     "EcrApi": ec2.InterfaceVpcEndpointAwsService.ECR,
     "EcrDkr": ec2.InterfaceVpcEndpointAwsService.ECR_DOCKER,
     "Logs": ec2.InterfaceVpcEndpointAwsService.CLOUDWATCH_LOGS,
+    "Ec2": ec2.InterfaceVpcEndpointAwsService.EC2,               # VPC CNI (ipamd)
+    "Ssm": ec2.InterfaceVpcEndpointAwsService.SSM,               # Session Manager on the nodes
+    "SsmMessages": ec2.InterfaceVpcEndpointAwsService.SSM_MESSAGES,
+    "Ec2Messages": ec2.InterfaceVpcEndpointAwsService.EC2_MESSAGES,
 }
+
+
+def s3_endpoint_statements(account: str, region: str) -> list[iam.PolicyStatement]:
+    """Statements of the S3 gateway endpoint's policy: this account's buckets, and the ECR layer bucket."""
+    return [
+        iam.PolicyStatement(
+            sid="ThisAccountsBuckets", principals=[iam.AnyPrincipal()], actions=["s3:*"], resources=["*"],
+            conditions={"StringEquals": {"aws:ResourceAccount": account}}),
+        iam.PolicyStatement(
+            sid="EcrImageLayers", principals=[iam.AnyPrincipal()], actions=["s3:GetObject"],
+            resources=[f"arn:{Aws.PARTITION}:s3:::prod-{region}-starport-layer-bucket/*"]),
+    ]
 
 
 class NetworkStack(Stack):
     """VPC with public and private subnets in `cfg.control_plane_azs`, plus the EFA security group.
 
     Attributes other stacks use: vpc, node_subnets (the private subnet of `cfg.az`, a
-    SubnetSelection), control_plane_subnets (private subnets of every AZ), efa_sg.
+    SubnetSelection), control_plane_subnets (private subnets of every AZ), efa_sg, s3_endpoint.
     """
 
     def __init__(self, scope: Construct, id: str, *, cfg: DeploymentConfig, **kw) -> None:
@@ -69,7 +95,9 @@ class NetworkStack(Stack):
             traffic_type=ec2.FlowLogTrafficType.REJECT,
         )
         # Checkpoint traffic to S3 stays on the AWS network and skips the NAT gateway.
-        self.vpc.add_gateway_endpoint("S3", service=ec2.GatewayVpcEndpointAwsService.S3)
+        self.s3_endpoint = self.vpc.add_gateway_endpoint("S3", service=ec2.GatewayVpcEndpointAwsService.S3)
+        for statement in s3_endpoint_statements(cfg.account, cfg.region):
+            self.s3_endpoint.add_to_policy(statement)
         # Private DNS on: the SDKs and the kubelet's credential provider resolve the usual names.
         # Each endpoint's security group admits 443 from the VPC CIDR (the construct's default).
         self.interface_endpoints = {

@@ -1,10 +1,20 @@
-"""Promotion pipeline (CDK Pipelines): source -> synth (runs the test suite) -> dev -> staging ->
-manual approval -> prod. Each stage deploys into its environment's account (cross-account keys).
+"""Promotion pipeline (CDK Pipelines): source -> synth -> infra tests -> dev -> staging -> manual
+approval -> prod. Each stage deploys into its environment's account (cross-account keys).
 
-The synth step runs `make test` (the whole suite, ~15 min on 2 cores) and then the same synth as
-the operator's (`-c env=pipeline -c config=<file>`), on a CodeBuild machine sized for it
-(PipelineConfig.synth_compute; the default SMALL has 3 GB of memory). torch comes from the CPU
-wheel index there, not as a multi-GB CUDA build.
+The synth job's output is what deploys, so it installs only pinned, hash-checked packages: the
+CDK CLI from infra/cdk-cli/package-lock.json (`npm ci`, integrity-checked) and the Python
+packages of infra/requirements-synth.txt (`pip install --require-hashes --no-deps`), and runs the
+same synth as the operator's (`-c env=pipeline -c config=<file>`), nothing else. The tests run
+in a job of their own before the first deploy (`make test-infra`: tests/test_infra_*.py and
+tests/test_ops_charts.py, cfn-lint, cdk-nag and checkov included); that job installs the project
+with its test dependencies, and nothing it produces is deployed. Both run on a CodeBuild
+machine sized for them (PipelineConfig.synth_compute; the default SMALL has 3 GB); torch comes
+from the CPU wheel index there, not as a multi-GB CUDA build.
+
+CDK_CLI_VERSION is the CLI of infra/cdk-cli/package.json, also the pipeline's `cli_version`
+(self-mutation and asset publishing): CLI 2.1148.1 bundles cloud-assembly-schema >= 55.5.0
+(its npm devDependencies), so it reads what aws-cdk-lib 2.275.0 (schema 55.4.0) writes; a CLI
+older than the library's schema refuses the cloud assembly.
 """
 
 from __future__ import annotations
@@ -24,13 +34,30 @@ _COMPUTE = {"BUILD_GENERAL1_MEDIUM": codebuild.ComputeType.MEDIUM, "BUILD_GENERA
             "BUILD_GENERAL1_XLARGE": codebuild.ComputeType.X_LARGE}
 
 
+CDK_CLI_VERSION = "2.1148.1"
+# The asset-publishing jobs' cdk-assets (npm dist-tag latest when pinned, 2026-12; the library's
+# default is an unpinned "latest" install in a job that can write to every target account).
+CDK_ASSETS_VERSION = "4.7.3"
+CDK_CLI_DIR = "infra/cdk-cli"
+SYNTH_REQUIREMENTS = "infra/requirements-synth.txt"
+SYNTH_PYTHON = "python3.11"  # the cp311 wheels of SYNTH_REQUIREMENTS
+
+
 def synth_commands(config_path: str) -> list[str]:
-    """The synth step's commands: the test suite, then the synth of this same pipeline file."""
+    """The synth step's commands: the locked CLI and Python packages, then the synth of this same
+    pipeline file (cdk.json runs `.venv/bin/python -m infra.app`)."""
     return [
-        "npm install -g aws-cdk@2",
-        "make test",  # creates .venv, installs the project, runs the whole suite
-        f"JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION=1 cdk synth -c env=pipeline -c config={config_path}",
+        f"npm ci --prefix {CDK_CLI_DIR} --ignore-scripts",
+        f"{SYNTH_PYTHON} -m venv .venv",
+        f".venv/bin/pip install --require-hashes --no-deps -r {SYNTH_REQUIREMENTS}",
+        f"JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION=1 {CDK_CLI_DIR}/node_modules/.bin/cdk synth "
+        f"-c env=pipeline -c config={config_path}",
     ]
+
+
+def test_commands() -> list[str]:
+    """The test job's commands (Makefile `test-infra`: installs the project, runs the infra tests)."""
+    return ["make test-infra"]
 
 
 class PipelineStack(Stack):
@@ -52,8 +79,9 @@ class PipelineStack(Stack):
             cross_account_keys=True,
             enable_key_rotation=True,
             synth=pipelines.ShellStep("Synth", input=source, commands=synth_commands(config_path),
-                                      env={"PIP_EXTRA_INDEX_URL": "https://download.pytorch.org/whl/cpu"},
                                       primary_output_directory="cdk.out"),
+            cli_version=CDK_CLI_VERSION,
+            cdk_assets_cli_version=CDK_ASSETS_VERSION,
             synth_code_build_defaults=pipelines.CodeBuildOptions(
                 build_environment=codebuild.BuildEnvironment(
                     build_image=SYNTH_IMAGE,
@@ -62,9 +90,17 @@ class PipelineStack(Stack):
                 timeout=SYNTH_TIMEOUT,
             ),
         )
+        tests = pipelines.CodeBuildStep(
+            "InfraTests", input=source, commands=test_commands(),
+            env={"PIP_EXTRA_INDEX_URL": "https://download.pytorch.org/whl/cpu"},
+            build_environment=codebuild.BuildEnvironment(build_image=SYNTH_IMAGE,
+                                                         compute_type=_COMPUTE[pipeline_cfg.synth_compute]),
+            timeout=SYNTH_TIMEOUT)
         self.stages: dict[str, EnvStage] = {}
-        for cfg in configs:
+        for i, cfg in enumerate(configs):
             stage = EnvStage(self, cfg.env.capitalize(), cfg=cfg)
             pre = [pipelines.ManualApprovalStep("PromoteToProd")] if cfg.env == "prod" else []
+            if i == 0:
+                pre = [tests, *pre]  # no environment deploys before the tests pass
             self.pipeline.add_stage(stage, pre=pre)
             self.stages[cfg.env] = stage

@@ -23,7 +23,7 @@ def add_env_stacks(scope: Construct, cfg: DeploymentConfig) -> dict[str, object]
     p = cfg.name_prefix
     network = NetworkStack(scope, "Network", cfg=cfg, env=env, stack_name=f"{p}-network",
                            description=f"moerl {cfg.env}: VPC, S3 endpoint, EFA security group")
-    storage = StorageStack(scope, "Storage", cfg=cfg, env=env, stack_name=f"{p}-storage",
+    storage = StorageStack(scope, "Storage", cfg=cfg, network=network, env=env, stack_name=f"{p}-storage",
                            description=f"moerl {cfg.env}: checkpoint/artifact buckets, ECR repositories")
     cluster = ClusterStack(scope, "Cluster", cfg=cfg, network=network, storage=storage, env=env,
                            stack_name=f"{p}-cluster",

@@ -1,18 +1,27 @@
-"""Storage stack: checkpoint and artifacts buckets, their access-log bucket, ECR repositories.
+"""Storage stack: checkpoint and artifacts buckets, their access-log bucket, ECR repositories and
+the ECR pull-through cache rules of the public registries the cluster's charts pull from.
 
 Data survives `cdk destroy` when `cfg.retain_data` (required in prod); in dev the buckets and
 repositories are emptied and removed with the stack.
+
+The data buckets refuse the Pod Identity roles (trainer, rollout; named by
+DeploymentConfig.pod_role_name) any request that does not come through the VPC's S3 gateway
+endpoint (aws:SourceVpce; S3 user guide, "Controlling access from VPC endpoints with bucket
+policies"): credentials taken from a pod do not work from outside the VPC. Operators, the
+pipeline and CloudFormation are not fenced.
 """
 
 from __future__ import annotations
 
 from aws_cdk import Duration, RemovalPolicy, Stack
 from aws_cdk import aws_ecr as ecr
+from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
 from infra.config import DeploymentConfig
+from infra.network import NetworkStack
 
 # Lifecycle figures (days) for old object versions and abandoned multipart uploads.
 NONCURRENT_VERSION_DAYS = 30
@@ -25,10 +34,10 @@ class StorageStack(Stack):
     """Buckets, KMS key and ECR repositories of one environment.
 
     Attributes: key (kms.Key), checkpoint_bucket, artifacts_bucket, logs_bucket (s3.Bucket),
-    repositories (dict role -> ecr.Repository).
+    repositories (dict role -> ecr.Repository), cache_rules (dict upstream host -> CfnPullThroughCacheRule).
     """
 
-    def __init__(self, scope: Construct, id: str, *, cfg: DeploymentConfig, **kw) -> None:
+    def __init__(self, scope: Construct, id: str, *, cfg: DeploymentConfig, network: NetworkStack, **kw) -> None:
         super().__init__(scope, id, **kw)
         retain = cfg.retain_data
         removal = RemovalPolicy.RETAIN if retain else RemovalPolicy.DESTROY
@@ -52,6 +61,23 @@ class StorageStack(Stack):
         )
         self.checkpoint_bucket = self._data_bucket("Checkpoints", cfg.checkpoint_bucket, "checkpoints/", removal, retain)
         self.artifacts_bucket = self._data_bucket("Artifacts", cfg.artifacts_bucket, "artifacts/", removal, retain)
+        pod_roles = [f"arn:{self.partition}:iam::{cfg.account}:role/{cfg.pod_role_name(r)}" for r in ("trainer", "rollout")]
+        for bucket in (self.checkpoint_bucket, self.artifacts_bucket):
+            bucket.add_to_resource_policy(iam.PolicyStatement(
+                sid="PodRolesOnlyThroughTheVpcEndpoint", effect=iam.Effect.DENY, principals=[iam.AnyPrincipal()],
+                actions=["s3:*"], resources=[bucket.bucket_arn, bucket.arn_for_objects("*")],
+                conditions={"ArnEquals": {"aws:PrincipalArn": pod_roles},
+                            "StringNotEquals": {"aws:SourceVpce": network.s3_endpoint.vpc_endpoint_id}}))
+
+        # Nodes pull the public chart images through ECR (interface endpoints) instead of the NAT;
+        # the first pull of a tag creates its repository under the prefix (ECR user guide, "Sync an
+        # upstream registry with an Amazon ECR private registry").
+        self.cache_rules = {
+            host: ecr.CfnPullThroughCacheRule(self, f"Cache-{prefix}", ecr_repository_prefix=prefix,
+                                              upstream_registry_url=host,
+                                              credential_arn=cfg.pull_through_secrets.get(host))
+            for host, prefix in cfg.cache_prefixes.items()
+        }
 
         self.repositories: dict[str, ecr.Repository] = {}
         for role, name in cfg.image_repos.items():

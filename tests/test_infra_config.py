@@ -199,11 +199,49 @@ def test_gpu_pools_are_created_empty_and_scaled_by_command():
     assert set(cmds) == {"moerl-prod-train-gpu", "moerl-prod-rollout-gpu"}
     assert cmds["moerl-prod-train-gpu"][-1] == "minSize=16,maxSize=16,desiredSize=16"
     assert cmds["moerl-prod-rollout-gpu"][:3] == ["aws", "eks", "update-nodegroup-config"]
-    assert before_update_commands(cfg) == []
     data = default_config("prod")
-    data["pools"]["train-gpu"].update(capacity_type="CAPACITY_BLOCK", capacity_reservation_id="cr-0123456789abcdef0")
+    data["pools"]["train-gpu"].update(capacity_type="CAPACITY_BLOCK", capacity_reservation_id="cr-0123456789abcdef0",
+                                      placement_group=False)
     (cmd,) = before_update_commands(validate_config(data))
     assert cmd[cmd.index("--nodegroup-name") + 1] == "moerl-prod-train-gpu" and cmd[-1] == "minSize=0,maxSize=16,desiredSize=0"
+
+
+def _before_update_groups(data: dict) -> set[str]:
+    from infra.scale import before_update_commands
+    return {c[c.index("--nodegroup-name") + 1] for c in before_update_commands(validate_config(data))}
+
+
+def test_placement_group_and_odcr_pools_scale_to_zero_before_an_update():
+    """Issue 27 item 2: an update surges by max(2 x AZs, maxUnavailable) nodes, which an exact
+    placement group or ODCR cannot launch; `--before-update` covers them, not only Capacity Blocks."""
+    assert _before_update_groups(default_config("prod")) == {"moerl-prod-train-gpu"}  # cluster placement group
+    odcr = default_config("prod")
+    odcr["pools"]["train-gpu"].update(placement_group=False, capacity_reservation_id="cr-0123456789abcdef0")
+    assert _before_update_groups(odcr) == {"moerl-prod-train-gpu"}
+    spot = default_config("prod")
+    spot["pools"]["train-gpu"].update(placement_group=False)
+    assert _before_update_groups(spot) == set()  # plain On-Demand can surge
+    cfg = load_config("prod")
+    assert cfg.pools["train-gpu"].fixed_capacity and not cfg.pools["rollout-gpu"].fixed_capacity
+
+
+def test_capacity_block_with_a_placement_group_is_refused():
+    """Issue 27 item 3: no AWS source shows a Capacity Block launched into a placement group."""
+    msg = _bad(lambda d: d["pools"]["train-gpu"].update(capacity_type="CAPACITY_BLOCK",
+                                                         capacity_reservation_id="cr-0123456789abcdef0"))
+    assert "pools.train-gpu" in msg and "CAPACITY_BLOCK pool cannot also launch into a placement group" in msg
+    msg = _bad(lambda d: d["pools"]["train-gpu"].update(capacity_type="CAPACITY_BLOCK", placement_group_name="pg-1",
+                                                         capacity_reservation_id="cr-0123456789abcdef0"))
+    assert "placement group" in msg
+
+
+def test_models_and_data_prefixes_lie_outside_the_run_prefix():
+    """Issue 28 item 6: the trainer writes under run_prefix only, so shared models and data need their own."""
+    cfg = load_config("prod")
+    assert (cfg.run_prefix, cfg.models_prefix, cfg.data_prefix) == ("runs", "models", "data")
+    assert "overlap" in _bad(lambda d: d.update(models_prefix="runs/models"))
+    assert "overlap" in _bad(lambda d: d.update(data_prefix="runs"))
+    assert "overlap" in _bad(lambda d: d.update(run_prefix="data/runs"))
 
 
 def test_existing_placement_group_needs_placement_and_gpu_pools_stripe_instance_store():
@@ -211,3 +249,32 @@ def test_existing_placement_group_needs_placement_and_gpu_pools_stripe_instance_
         lambda d: d["pools"]["rollout-gpu"].update(placement_group_name="my-odcr-group"))
     cfg = load_config("prod")
     assert {p.name for p in cfg.pools.values() if p.local_storage == "RAID0"} == {"train-gpu", "rollout-gpu"}
+
+
+def test_preflight_finds_a_missing_admin_role_against_iam_over_http(moto_s3, tmp_path, monkeypatch, capsys):
+    """Issue 27 item 1: a role of admin_role_arns the stack does not create must exist before the
+    deploy; checked with boto3 against moto's IAM over HTTP, one line naming the ARN."""
+    import boto3
+
+    from infra.preflight import main, missing_admin_roles
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3)
+    account = "123456789012"  # moto's account
+    f = tmp_path / "staging.yaml"
+    f.write_text(f"account: '{account}'\nadmin_role_arns: ['arn:aws:iam::{account}:role/platform-admin', "
+                 f"'arn:aws:iam::{account}:role/moerl-staging-admin']\n")
+    cfg = load_config("staging", f)
+    iam = boto3.client("iam", endpoint_url=moto_s3, region_name="us-east-1")
+    assert missing_admin_roles(cfg, iam) == [f"arn:aws:iam::{account}:role/platform-admin"]  # the default one is created
+    assert main(["--env", "staging", "--config", str(f)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "admin_role_arns: arn:aws:iam::123456789012:role/platform-admin does not exist" in err[0]
+    iam.create_role(RoleName="platform-admin", AssumeRolePolicyDocument='{"Version":"2012-10-17","Statement":[]}')
+    assert main(["--env", "staging", "--config", str(f)]) == 0
+    f.write_text(f.read_text() + "create_admin_role: false\n")  # now the default role must exist too
+    assert missing_admin_roles(load_config("staging", f), iam) == [f"arn:aws:iam::{account}:role/moerl-staging-admin"]
+
+
+def test_pull_through_secrets_must_be_ecr_pullthroughcache_secrets():
+    msg = _bad(lambda d: d.update(pull_through_secrets={"ghcr.io": "arn:aws:secretsmanager:us-east-2:111111111111:secret:gh"}))
+    assert "pull_through_secrets" in msg and "ecr-pullthroughcache/" in msg
+    assert "pull_through_secrets" in _bad(lambda d: d.update(pull_through_secrets={"nvcr.io": "x"}))  # not an ECR upstream

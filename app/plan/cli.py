@@ -122,6 +122,8 @@ def plan(
     generation_s: float = typer.Option(None, "--generation-s", help="--traffic: seconds from a rollout's start "
                                        "to the buffer (default --step-s)."),
     load_s: float = typer.Option(0.0, "--load-s", help="--traffic: engine load time per version, seconds."),
+    fsx_tib: float = typer.Option(0.0, "--fsx-tib", help="--traffic: FSx for Lustre capacity, TiB (0: none)."),
+    fsx_mbps_per_tib: int = typer.Option(1000, "--fsx-mbps-per-tib", help="--traffic: FSx throughput per TiB."),
 ) -> None:
     """Print the per-GPU memory budget (exit 0 fits, 1 does not, 2 bad input)."""
     from pydantic import ValidationError
@@ -147,7 +149,7 @@ def plan(
         layout = resolve_layout(parallel, nodes * gpus_per_node, num_routed_experts(cfg))
         if traffic:
             _print_traffic(cfg, run, nodes, rollout_nodes, link_gbps, s3_gbps_per_node, step_s, publish_every,
-                           max_staleness, generation_s, load_s, json_out)
+                           max_staleness, generation_s, load_s, json_out, fsx_tib, fsx_mbps_per_tib)
             return
         _print_memory(cfg, run, layout, gpus_per_node, parallel, micro_batch_tokens, activation_checkpointing,
                       logprob_chunk_tokens, rollouts_per_gpu, seq_len, algorithm, gpu_memory_gib, fragmentation,
@@ -235,7 +237,7 @@ def _print_memory(cfg, run, layout, gpus_per_node, parallel, micro_batch_tokens,
 
 
 def _print_traffic(cfg, run, nodes, rollout_nodes, link_gbps, s3_gbps_per_node, step_s, publish_every,
-                   max_staleness, generation_s, load_s, json_out):
+                   max_staleness, generation_s, load_s, json_out, fsx_tib=0.0, fsx_mbps_per_tib=1000):
     from rich.console import Console
     from rich.table import Table
 
@@ -264,6 +266,8 @@ def _print_traffic(cfg, run, nodes, rollout_nodes, link_gbps, s3_gbps_per_node, 
             s3_bytes_per_hour_at_min=(path.s3_bytes * tr.versions_per_hour(t, pmin)) if pmin else None,
         ))
     network_ok = rows[0]["staleness"] <= t.max_staleness
+    starts = [vars(r) for r in tr.startup(cfg, nodes, rollout_nodes, dtype_bytes, fsx_tib=fsx_tib,
+                                          fsx_mbps_per_tib=fsx_mbps_per_tib, s3_gbps_per_node=t.s3_gbps_per_node)]
     if json_out:
         print(json.dumps(dict(
             model=dict(model_type=cfg.model_type, num_hidden_layers=cfg.num_hidden_layers),
@@ -272,7 +276,7 @@ def _print_traffic(cfg, run, nodes, rollout_nodes, link_gbps, s3_gbps_per_node, 
                        max_staleness=t.max_staleness, generation_s=t.generation_s, load_s=t.load_s,
                        publish_dtype=run.model.dtype),
             version_bytes=v, fp8_version_bytes=v8, versions_per_hour=per_hour, paths=rows,
-            network_within_staleness=network_ok), indent=1))
+            network_within_staleness=network_ok, startup=starts), indent=1))
     else:
         console = Console(width=160)
         console.print(
@@ -296,6 +300,13 @@ def _print_traffic(cfg, run, nodes, rollout_nodes, link_gbps, s3_gbps_per_node, 
         console.print(table)
         console.print("staleness = ceil((L + generation + step) / (P * step)); formulas and assumptions: "
                       "app/plan/traffic.py")
+        st = Table(title=f"Start-up reads per node (FSx: {fsx_tib:g} TiB x {fsx_mbps_per_tib} MB/s/TiB)")
+        for col in ("read", "GB per node", "nodes at once", "from S3 (s)", "from FSx (s)", "reads from"):
+            st.add_column(col, justify="left" if col in ("read", "reads from") else "right")
+        for r in starts:
+            st.add_row(r["role"], f"{r['nbytes'] / 1e9:,.1f}", str(r["nodes"]), f"{r['s3_s']:,.0f}",
+                       "-" if r["fsx_s"] is None else f"{r['fsx_s']:,.0f}", r["reads_from"])
+        console.print(st)
         console.print("[green]network path keeps staleness within max_staleness" if network_ok else
                       f"[red]network path exceeds max_staleness at P={t.publish_every}; min P: "
                       f"{rows[0]['min_publish_every'] or 'none (max_staleness 0)'}")

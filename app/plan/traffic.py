@@ -182,3 +182,92 @@ def versions_per_hour(t: TrafficInput, publish_every: int | None = None) -> floa
     """``3600 / (P * t_s)``."""
     p = t.publish_every if publish_every is None else publish_every
     return 3600.0 / (p * t.step_s)
+
+
+# ---------------------------------------------------------------- start-up reads (issue 27 item 12)
+#
+# Where each role reads its start-up bytes from, and how long a node takes, by estimate:
+#
+# - rollout node start: the base model (FP8 for the DeepSeek-V3 engines, else the publish dtype),
+#   every node of N_r; trainer start: the base weights, every trainer node its 1/N_t shard of the
+#   checkpoint; trainer resume: the training state (`STATE_BYTES_PER_PARAM`: fp32 master weights and
+#   AdamW's two fp32 moments, app/trainer/state.py), each trainer node its 1/N_t.
+# - From S3, N nodes reading the same keys at once: each node at most R, and all together at most
+#   the request rate of one prefix (`S3_GETS_PER_PREFIX` GET/s, S3 user guide "Best practices design
+#   patterns: optimizing Amazon S3 performance") times the ranged-GET part size `S3_PART_BYTES`:
+#   per-node rate = min(R, S3_GETS_PER_PREFIX * part / N).
+# - From FSx for Lustre (PERSISTENT_2, S3-linked): the file system's throughput is its capacity
+#   times the per-unit throughput (125/250/500/1000 MB/s/TiB; FSx for Lustre user guide,
+#   "Managing throughput capacity"), shared by the N readers, each at most the client rate
+#   `FSX_CLIENT_GBPS`: per-node rate = min(client, capacity * per-unit / N). The first read of a
+#   file that is still only in S3 imports it (lazy load): estimated as one S3 read of the bytes at
+#   the file system's rate, paid once per file, not per node.
+# Each row reads from whichever is faster; a restart or a node added later reads alone (N = 1).
+
+STATE_BYTES_PER_PARAM = 12  # fp32 master (4) + AdamW exp_avg (4) + exp_avg_sq (4)
+S3_GETS_PER_PREFIX = 5500  # GET/HEAD requests per second per partitioned prefix
+S3_PART_BYTES = 16 * 1024**2  # ranged-GET part size assumed for a tuned client
+# Lustre over the node's ENA interface, as for S3 (see S3_GBPS_PER_NODE): the same assumption.
+FSX_CLIENT_GBPS = 100.0
+FSX_PER_UNIT_MBPS = (125, 250, 500, 1000)
+
+
+@dataclass(frozen=True)
+class Startup:
+    """One start-up read: `role`, `nbytes` each node reads, `nodes` reading at once, seconds per
+    node from S3 and from FSx (None without a file system), and `reads_from` ("S3" or "FSx")."""
+
+    role: str
+    nbytes: int
+    nodes: int
+    s3_s: float
+    fsx_s: float | None
+    reads_from: str
+
+
+def s3_rate(nodes: int, s3_gbps_per_node: float = S3_GBPS_PER_NODE) -> float:
+    """Bytes/s each of `nodes` concurrent readers of one prefix gets from S3."""
+    return min(s3_gbps_per_node * 1e9 / 8, S3_GETS_PER_PREFIX * S3_PART_BYTES / nodes)
+
+
+def fsx_rate(nodes: int, fsx_tib: float, per_unit_mbps: int = 1000, client_gbps: float = FSX_CLIENT_GBPS) -> float:
+    """Bytes/s each of `nodes` concurrent readers gets from a file system of `fsx_tib` TiB.
+
+    Raises ValueError naming --fsx-tib or --fsx-mbps-per-tib when out of range.
+    """
+    if not 0 < fsx_tib < math.inf:
+        raise ValueError(f"--fsx-tib must be finite and > 0, got {fsx_tib}")
+    if per_unit_mbps not in FSX_PER_UNIT_MBPS:
+        raise ValueError(f"--fsx-mbps-per-tib must be one of {list(FSX_PER_UNIT_MBPS)} (PERSISTENT_2), got {per_unit_mbps}")
+    return min(client_gbps * 1e9 / 8, fsx_tib * per_unit_mbps * 1e6 / nodes)
+
+
+def startup(config: PretrainedConfig, trainer_nodes: int, rollout_nodes: int, dtype_bytes: int = 2,
+            fp8_engines: bool | None = None, fsx_tib: float = 0.0, fsx_mbps_per_tib: int = 1000,
+            s3_gbps_per_node: float = S3_GBPS_PER_NODE) -> list[Startup]:
+    """The start-up reads of the fleet (module notes above), first fleet-wide, then one node alone.
+
+    fp8_engines: the engines serve the FP8 checkpoint (default: for deepseek_v3).
+    fsx_tib: FSx for Lustre capacity, TiB (0: none).
+    """
+    if trainer_nodes < 1 or rollout_nodes < 1:
+        raise ValueError(f"--nodes and --rollout-nodes must be >= 1, got {trainer_nodes}, {rollout_nodes}")
+    fp8 = config.model_type == "deepseek_v3" if fp8_engines is None else fp8_engines
+    engine_bytes = fp8_version_bytes(config) if fp8 else version_bytes(config, dtype_bytes)
+    params = sum(p.numel for p in param_shapes(config))
+    rows = [
+        ("rollout nodes start (base model)", engine_bytes, rollout_nodes),
+        ("rollout node replaced (base model)", engine_bytes, 1),
+        ("trainer gang starts (base weights, own shard)", math.ceil(version_bytes(config, dtype_bytes) / trainer_nodes), trainer_nodes),
+        ("trainer gang resumes (training state, own shard)", math.ceil(params * STATE_BYTES_PER_PARAM / trainer_nodes), trainer_nodes),
+    ]
+    out = []
+    for role, nbytes, nodes in rows:
+        s3 = nbytes / s3_rate(nodes, s3_gbps_per_node)
+        fsx = None
+        if fsx_tib:
+            fsx = nbytes / fsx_rate(nodes, fsx_tib, fsx_mbps_per_tib)
+            if role.startswith("rollout nodes start"):  # the first read imports the model once
+                fsx += engine_bytes / fsx_rate(1, fsx_tib, fsx_mbps_per_tib)
+        out.append(Startup(role, nbytes, nodes, s3, fsx, "FSx" if fsx is not None and fsx < s3 else "S3"))
+    return out

@@ -1,0 +1,63 @@
+"""Checks to run against the target account before `cdk deploy`, for what the templates cannot
+create themselves: every admin role of `admin_role_arns` that the stack does not create must exist
+(EKS rejects an access entry for a missing principal, and does so after the cluster is up).
+
+    python -m infra.preflight --env staging [--config staging.yaml]     # exit 0 ok, 2 a problem
+
+Uses the caller's AWS credentials (boto3's default chain; AWS_ENDPOINT_URL is honoured). Prints
+one line per problem on stderr, naming the field and the ARN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from infra.config import ConfigError, DeploymentConfig, load_config
+
+
+def missing_admin_roles(cfg: DeploymentConfig, iam_client) -> list[str]:
+    """ARNs of admin_role_arns that neither exist in the account nor are created by the stack.
+
+    A role of another account cannot be read from here and is reported as well (an access entry
+    needs a principal of the cluster's account or one it can read).
+    """
+    created = set(cfg.created_admin_roles)
+    missing = []
+    for arn in cfg.admin_role_arns:
+        if arn in created:
+            continue
+        account, name = arn.split(":")[4], arn.split(":role/", 1)[1].rsplit("/", 1)[-1]
+        if account != cfg.account:
+            missing.append(arn)
+            continue
+        try:
+            iam_client.get_role(RoleName=name)
+        except iam_client.exceptions.NoSuchEntityException:
+            missing.append(arn)
+    return missing
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry; exit 2 with one line per problem on stderr."""
+    p = argparse.ArgumentParser(prog="infra.preflight", description=__doc__.splitlines()[0])
+    p.add_argument("--env", required=True)
+    p.add_argument("--config", default=None, help="deployment overrides YAML, as for cdk -c config=")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.env, args.config)
+    except ConfigError as e:
+        print(f"infra.preflight: {e}", file=sys.stderr)
+        return 2
+    import boto3
+
+    missing = missing_admin_roles(cfg, boto3.client("iam", region_name=cfg.region))
+    for arn in missing:
+        print(f"infra.preflight: admin_role_arns: {arn} does not exist in account {cfg.account} "
+              "(create it, or leave the default moerl-<env>-admin to the stack with create_admin_role)",
+              file=sys.stderr)
+    return 2 if missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
