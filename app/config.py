@@ -160,6 +160,9 @@ class RolloutConfig(Section):
     retry_backoff_s: float = Field(0.5, gt=0.0, description="First retry backoff; doubles.")
     policy_poll_s: float = Field(2.0, gt=0.0, description="Seconds between policy-version checks.")
     weight_update_timeout_s: float = Field(300.0, gt=0.0, description="One engine weight load.")
+    flush_timeout_s: float = Field(30.0, gt=0.0, description="How long the worker retries /flush_cache "
+                                   "(a second apart) on a paused engine before a weight update; still "
+                                   "refused, the update waits for the next poll with the weights untouched.")
     pause_mode: Literal["abort", "retract", "in_place"] = Field(
         "retract", description="SGLang /pause_generation mode around a weight update (the worker "
         "waits for its own requests first, so none is cut either way).")

@@ -89,6 +89,7 @@ class WorkerStats:
     tasks_dropped: int = 0  # ... of which dropped after buffer.max_failures
     weight_updates: int = 0
     weight_update_failures: int = 0
+    flushes_refused: int = 0  # updates put off: the paused engine refused /flush_cache (weights untouched)
     pushes_received: int = 0  # versions that came over the network (app/rollout/weight_sync.py)
     pushes_failed: int = 0
     buffer_errors: int = 0
@@ -422,14 +423,18 @@ class RolloutWorker:
         # Let this worker's requests finish so that no sequence mixes two weight versions.
         self._may_generate.clear()
         timeout = self.r.weight_update_timeout_s
-        unanswered = False
+        unanswered = refused = False
         try:
             await self._idle.wait()
-            self._mark_paused(timeout + 60.0)
+            self._mark_paused(timeout + self.r.flush_timeout_s + 60.0)
             await self.client.pause_generation(self.r.pause_mode)
-            started = time.monotonic()
             try:
-                ok, message = await self.client.update_weights_from_disk(str(path), version, timeout_s=timeout)
+                refused = not await self.flush_paused_engine()
+                ok, message = False, "the engine refused /flush_cache"
+                if not refused:
+                    started = time.monotonic()
+                    ok, message = await self.client.update_weights_from_disk(
+                        str(path), version, timeout_s=timeout, flush_cache=False)
             except EngineError as e:
                 ok, message, unanswered = False, str(e), e.timed_out
             finally:
@@ -446,6 +451,11 @@ class RolloutWorker:
                 self.metrics.observe_weight_update(time.monotonic() - started)
             log.info("%s: engine now at policy v%d", self.worker_id, version)
             return
+        if refused:
+            self.stats.flushes_refused += 1
+            log.warning("%s: the paused engine refused /flush_cache for %.0f s (a request still runs or "
+                        "queues); v%d is loaded at the next poll", self.worker_id, self.r.flush_timeout_s, version)
+            return
         self.stats.weight_update_failures += 1
         if unanswered:
             # No answer: ask the engine which version it serves before any new update.
@@ -454,6 +464,19 @@ class RolloutWorker:
                         self.worker_id, version, message)
         else:
             log.warning("%s: engine failed to load v%d (%s); keeps v%s", self.worker_id, version, message, self.engine_version)
+
+    async def flush_paused_engine(self) -> bool:
+        """Flush the paused engine's cache before its weights change, retried a second apart for
+        ``rollout.flush_timeout_s`` (Miles and slime: pause -> /flush_cache until it succeeds ->
+        update with flush_cache false). SGLang refuses a flush while a request runs or queues
+        (an in_place pause, a /health_generate probe caught mid-flight); a flush left to the
+        update itself would then fail the update after the weights changed, with the old
+        version still reported. True once flushed; False: nothing was changed.
+
+        Raises:
+            EngineError: the engine did not answer.
+        """
+        return await self.client.flush_until(self.r.flush_timeout_s)
 
     def _mark_paused(self, for_s: float | None) -> None:
         """Write (atomically) or remove the pause marker the engine's probes read."""
