@@ -35,6 +35,7 @@ from constructs import Construct
 
 from app.buffer.experience import PASSWORD_ENV
 from app.metrics import METRICS_PORT
+from app.model.source import store_copy_dir
 from app.rollout.engine_args import EngineLayout, sglang_command
 from app.torchx_component import CLUSTER_CONFIG, EFA_ENV, EFA_RESOURCE, HUGEPAGES_RESOURCE, NVSHMEM_EFA_ENV, worker_command
 from charts8s.cluster import ROLLOUT, TRAINER, run_config_volume
@@ -46,6 +47,7 @@ from charts8s.workloads import CACHE_GI, TMP_GI, Plan
 
 NAME = ROLLOUT
 UID = 10001  # the moerl user of images/*.Dockerfile (high UID: no clash with host users)
+BASE_MODEL_DIR = "/models/base"  # an s3:// base model's copy on each engine node (init container "model")
 STATE_DIR = "/run/moerl"  # shared by engine and worker: the worker's pause marker
 PAUSE_MARKER = f"{STATE_DIR}/engine-paused"
 PROBE_TIMEOUT_S = 25  # longer than SGLang's own 20 s /health_generate wait
@@ -68,13 +70,44 @@ def _probe(port: int, period: int, failures: int) -> dict:
             "timeoutSeconds": PROBE_TIMEOUT_S + 5, "failureThreshold": failures}
 
 
+def base_model(plan: Plan) -> str:
+    """The base checkpoint as the run names it (HF id, s3:// prefix or local path)."""
+    return plan.wl.rollout.model_path or plan.run.model.path
+
+
+def served_model_path(plan: Plan) -> str:
+    """SGLang's ``--model-path``: an s3:// base model's local copy (`model_init_container`
+    fetches it on every node of the engine first), else the path as given (a Hub id SGLang
+    downloads into HF_HOME itself). SGLang would map s3:// to its runai_streamer loader, which
+    the image does not carry, and every disk update would then inherit that load format."""
+    model = base_model(plan)
+    return str(store_copy_dir(model, BASE_MODEL_DIR)) if model.startswith("s3://") else model
+
+
+def model_init_container(plan: Plan) -> dict | None:
+    """Init container of every engine pod whose base model is an s3:// prefix: downloads it
+    into `BASE_MODEL_DIR` on the node's model volume (app/model/source.py, through the pod's S3
+    access); None for other paths."""
+    model = base_model(plan)
+    if not model.startswith("s3://"):
+        return None
+    res = {"cpu": "8", "memory": "16Gi"}
+    return {
+        "name": "model", "image": plan.images["rollout"], "imagePullPolicy": "IfNotPresent",
+        "command": ["python3", "-m", "app.model.source", model, "--cache-dir", BASE_MODEL_DIR],
+        "resources": {"requests": res, "limits": res},
+        "securityContext": container_security(),
+        "volumeMounts": [{"name": "models", "mountPath": "/models"}, {"name": "tmp", "mountPath": "/tmp"}],
+    }
+
+
 def engine_container(plan: Plan, layout: EngineLayout, *, leader: bool, host: str = "127.0.0.1",
                      probes: bool = True) -> dict:
     """The SGLang container of one node of an engine (`layout`); `leader`: node rank 0, which
     serves HTTP and gets the probes (when `probes`)."""
     wl, pool = plan.wl.rollout, plan.pool("rollout-gpu")
     spec = min(pool.specs, key=lambda s: s.vcpus)
-    model = wl.model_path or plan.run.model.path
+    model = served_model_path(plan)
     res = {"cpu": str(spec.vcpus - 16), "memory": f"{int(spec.memory_gib * 0.85) - pool.hugepages_2mi // 1024}Gi",
            "nvidia.com/gpu": str(plan.gpus_per_rollout)}
     if plan.efa_per_rollout:
@@ -124,8 +157,10 @@ def engine_volumes(plan: Plan) -> list[dict]:
 def engine_pod(plan: Plan, component: str, containers: list[dict]) -> dict:
     """Pod spec of one engine node: on the rollout-gpu pool (Spot tolerated), one per node."""
     pool = plan.pool("rollout-gpu")
+    init = model_init_container(plan)
     return {
         **on_pool(pool, spot=True),
+        **({"initContainers": [init]} if init else {}),
         "serviceAccountName": plan.cfg.rollout_service_account,
         "automountServiceAccountToken": True,  # Pod Identity: policy weights from S3
         "priorityClassName": NAME,

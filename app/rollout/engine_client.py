@@ -255,7 +255,7 @@ class EngineClient:
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: int | None = None, *, timeout_s: float | None = None,
-        flush_cache: bool | None = None, load_format: str | None = None,
+        flush_cache: bool | None = None, load_format: str | None = "auto",
     ) -> tuple[bool, str]:
         """Ask the engine to load ``model_path`` and report ``weight_version`` (sent as a string).
 
@@ -267,9 +267,11 @@ class EngineClient:
             flush_cache: sent when not None (SGLang's default is true: flush after the load,
                 failing the call if a request is running or queued); the worker flushes
                 before the update instead (`flush_cache`) and sends false.
-            load_format: sent when not None. SGLang fills a missing one with the format the
-                server started with (``--load-format``, resolved from ``--model-path``: an
-                ``s3://`` path resolves to ``runai_streamer``), which a local directory may not load.
+            load_format: sent when not None; "auto" (the default) loads a Hugging Face
+                safetensors directory, which every policy version is. SGLang fills a missing
+                one with the format the server started with (``--load-format`` as resolved
+                from ``--model-path``: an ``s3://`` path resolves to ``runai_streamer``, whose
+                loader cannot update from disk: "Failed to get model loader").
 
         Returns:
             (success, message) as the engine answered (a failed load is ``success == False``:

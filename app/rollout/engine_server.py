@@ -17,7 +17,8 @@ so that `app.rollout.engine_client.EngineClient` serves this engine and a real S
   ``weight_version`` (a string), with return_logprob ``output_token_logprobs``: [logprob,
   token_id, None], with return_routed_experts ``routed_experts``: base64 of the int32 ids
   ``[prompt + completion - 1 - start, layers, top_k]``}. Errors: HTTP 400 ``{"error": {"message": ...}}``.
-- ``POST /update_weights_from_disk`` {``model_path``, ``weight_version`` (string)?}:
+- ``POST /update_weights_from_disk`` {``model_path``, ``weight_version`` (string)?,
+  ``load_format`` (null, auto or safetensors)?, ``flush_cache`` (default true)?}:
   ``{success, message, num_paused_requests}``, HTTP 400 when success is false. Every call
   reloads the checkpoint (as SGLang); a failed load leaves the previous weights serving.
 - The weight-update group (SGLang's ``io_struct`` request types; app/rollout/engine_weight_sync.py):
@@ -829,6 +830,9 @@ def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> Fa
         # SGLang's UpdateWeightFromDiskReqInput.weight_version is Optional[str].
         if version is not None and not isinstance(version, str):
             return refuse(f"weight_version must be a string, got {version!r}")
+        if body.get("load_format") not in (None, "auto", "safetensors"):  # what this engine reads
+            return refuse(f"Failed to get model loader for load_format {body.get('load_format')!r}: this engine "
+                          "loads Hugging Face safetensors directories (auto)")
         flush = body.get("flush_cache", True)
         if not isinstance(flush, bool):
             return refuse(f"flush_cache must be true or false, got {flush!r}")
