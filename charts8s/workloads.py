@@ -74,6 +74,13 @@ class RolloutSpec(_Model):
     engine_port: int = Field(30000, ge=1024, le=65535)
     drain_margin_s: int = Field(15, ge=0, description="Added to rollout.drain_grace_s for the kubelet.")
     shm_gi: int = Field(64, ge=1, description="/dev/shm size limit, GiB (NCCL and CUDA IPC).")
+    # The engine's startup probe budget (charts8s/rollout.py `startup_budget_s`): SGLang reads
+    # the checkpoint from the node's disk, JIT-compiles its kernels (DeepGEMM) and captures CUDA
+    # graphs before it answers; a Hub model it downloads first. Conservative figures for a
+    # p5-class node (NVMe RAID0 read as safetensors are parsed; one S3/Hub stream per file).
+    load_gib_per_s: float = Field(2.0, gt=0, description="Checkpoint read rate of SGLang's loader from local disk.")
+    download_gib_per_s: float = Field(0.5, gt=0, description="Download rate of a Hub model by SGLang itself.")
+    boot_s: int = Field(1200, ge=0, description="Kernel JIT, CUDA-graph capture and the rest of a start, seconds.")
 
 
 class EnvSpec(_Model):

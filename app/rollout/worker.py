@@ -212,6 +212,11 @@ async def score_with_timeout(fn: ScoreFn, task: Task, completion: str, timeout_s
     return await pool.score(fn, task, completion, timeout_s)
 
 
+class GroupNotReady(RuntimeError):
+    """Not every pod of a multi-node engine holds the version yet (app/rollout/group.py): the
+    update waits for a later poll, the engine keeps serving what it has."""
+
+
 class EngineMisconfigured(ValueError):
     """The engine answers, but not as this run needs (e.g. no routed experts with
     ``rollout.routing_replay``): retrying cannot help, so the worker stops (its tasks go back)."""
@@ -234,12 +239,17 @@ class RolloutWorker:
             engine's probes (`app.rollout.probe`) read it, so a long load never fails them.
         metrics: an ``app.metrics.RunMetrics`` that gets the duration (s) of every disk weight
             update that succeeded; None: none recorded.
+        group: the `app.rollout.group.EngineGroup` of a multi-node engine this worker drives
+            from a pod of its own: the group's fetchers put each version on every node, the
+            worker asks for the update once all hold it, and records its pauses there (the
+            leader's fetcher keeps the probes' marker); None: the engine shares this worker's
+            disk and marker (one node, or the embedded loop).
     """
 
     def __init__(
         self, cfg: RunConfig, buffer: Any, client: EngineClient, worker_id: str, *,
         score_fn: ScoreFn | None = None, store: Any = None, max_groups: int | None = None,
-        pause_marker: str | os.PathLike | None = None, metrics: Any = None,
+        pause_marker: str | os.PathLike | None = None, metrics: Any = None, group: Any = None,
     ):
         self.cfg = cfg
         self.r = cfg.rollout
@@ -253,7 +263,13 @@ class RolloutWorker:
         self.metrics = metrics
         self.fatal: Exception | None = None  # set when the worker stopped on an EngineMisconfigured
         self.engine_version: int | None = None
-        self.cache_dir = Path(cfg.rollout.policy_cache_dir).resolve() / worker_id
+        self.group = group
+        if group is None:
+            self.cache_dir = Path(cfg.rollout.policy_cache_dir).resolve() / worker_id
+        else:  # the path on the engine's nodes (app/rollout/group.py), not on this pod
+            from app.rollout.group import group_cache_dir
+
+            self.cache_dir = group_cache_dir(cfg.rollout.policy_cache_dir, group.engine)
         self._stop = asyncio.Event()
         self._may_generate = asyncio.Event()  # cleared while weights are swapped
         self._may_generate.set()
@@ -356,6 +372,14 @@ class RolloutWorker:
 
     # -- policy versions -------------------------------------------------------------------
     def _download(self, version: int) -> Path:
+        """The local directory of policy ``version`` the engine can load: downloaded here, or,
+        for a multi-node engine, held by every pod of its group (raises `GroupNotReady` until then)."""
+        if self.group is not None:
+            missing = self.group.missing(version)
+            if missing:
+                raise GroupNotReady(f"engine {self.group.engine}: pod(s) {missing} of {self.group.size} do not "
+                                    f"hold policy v{version} yet")
+            return self.cache_dir / f"v{version}"
         from app.storage import open_store
         from app.storage.policy import download_policy
 
@@ -416,6 +440,9 @@ class RolloutWorker:
             return
         try:
             path = await asyncio.to_thread(self._download, version)
+        except GroupNotReady as e:
+            log.info("%s: %s; the engine stays at v%s", self.worker_id, e, self.engine_version)
+            return
         except Exception as e:  # noqa: BLE001 - retried at the next poll
             self.stats.weight_update_failures += 1
             log.warning("%s: download of policy v%d failed: %s", self.worker_id, version, e)
@@ -479,7 +506,13 @@ class RolloutWorker:
         return await self.client.flush_until(self.r.flush_timeout_s)
 
     def _mark_paused(self, for_s: float | None) -> None:
-        """Write (atomically) or remove the pause marker the engine's probes read."""
+        """Write (atomically) or remove the pause marker the engine's probes read; for a
+        multi-node engine, record the pause for its leader's fetcher to mirror."""
+        if self.group is not None:
+            try:
+                self.group.pause(None if for_s is None else time.time() + for_s)
+            except Exception as e:  # noqa: BLE001 - the probes may then fail a long load: said, not fatal
+                log.warning("%s: could not record the pause for the engine's probes: %s", self.worker_id, e)
         if self.pause_marker is None:
             return
         if for_s is None:
@@ -772,12 +805,15 @@ class RolloutWorker:
 
 async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_groups: int | None = None,
                      pause_marker: str | None = None, metrics_port: int = 0, metrics_addr: str = "0.0.0.0",
-                     metrics_every_s: float = 5.0) -> WorkerStats:
+                     metrics_every_s: float = 5.0, engine_group: str | None = None,
+                     group_size: int | None = None) -> WorkerStats:
     """Connect to the buffer and the engine, run a `RolloutWorker` until SIGTERM/SIGINT, drain.
 
     metrics_port: serve the worker's counters (WorkerStats, refreshed every `metrics_every_s`
         seconds and once more at exit) and its weight-update durations on
         ``http://<metrics_addr>:<port>/metrics`` (app.metrics); 0: no endpoint.
+    engine_group, group_size: the leader address and pod count of a multi-node engine whose
+        pods fetch the versions themselves (app/rollout/group.py); None: one-node engine.
 
     Raises:
         ValueError: ``rollout.reward_fn`` cannot be imported, or ``store_url`` is invalid.
@@ -803,8 +839,13 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
 
         metrics = RunMetrics(cfg.run_id)
         server = serve(metrics, metrics_port, metrics_addr)  # OSError (port taken) before any task is leased
+    group = None
+    if engine_group:
+        from app.rollout.group import EngineGroup
+
+        group = EngineGroup.of(buffer, engine_group, group_size or 1)
     worker = RolloutWorker(cfg, buffer, client, worker_id, score_fn=score_fn, store=store, max_groups=max_groups,
-                           pause_marker=pause_marker, metrics=metrics)
+                           pause_marker=pause_marker, metrics=metrics, group=group)
     if metrics is not None:
         async def report() -> None:
             while True:
@@ -852,6 +893,10 @@ def rollout(
     metrics_port: int = typer.Option(0, "--metrics-port", min=0, max=65535,
                                      help="Serve Prometheus /metrics on this port (0: none)."),
     metrics_addr: str = typer.Option("0.0.0.0", "--metrics-addr", help="Address /metrics listens on."),
+    engine_group: str = typer.Option(None, "--engine-group", help="A multi-node engine's leader address: its "
+                                     "pods fetch each version (python -m app.rollout.group) and this worker "
+                                     "waits for all of them before an update."),
+    group_size: int = typer.Option(None, "--group-size", min=1, help="Pods in that engine's group."),
 ) -> None:
     """Lease prompt groups, generate through the engine, score, publish; drain on SIGTERM."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -860,6 +905,9 @@ def rollout(
     except (FileNotFoundError, ValueError) as e:
         raise typer.BadParameter(str(e), param_hint="--config") from None
     url = engine_url or cfg.rollout.engine_url
+    if engine_group and not group_size:
+        raise typer.BadParameter("--engine-group needs --group-size", param_hint="--group-size")
     stats = asyncio.run(run_worker(cfg, url, worker_id, max_groups=max_groups, pause_marker=pause_marker,
-                                   metrics_port=metrics_port, metrics_addr=metrics_addr))
+                                   metrics_port=metrics_port, metrics_addr=metrics_addr, engine_group=engine_group,
+                                   group_size=group_size))
     print(json.dumps({"worker_id": worker_id, **asdict(stats)}), flush=True)
