@@ -139,6 +139,7 @@ def engine_container(plan: Plan, layout: EngineLayout, *, leader: bool, host: st
         env.update(EFA_ENV)
         if layout.profile.kind == "ep-deepep":
             env.update(NVSHMEM_EFA_ENV)
+    env.update(layout.engine_env())  # DeepEP's dispatch cap, consistent with the command's batch flags
     c = {
         "name": "engine", "image": plan.images["rollout"], "imagePullPolicy": "IfNotPresent",
         "command": sglang_command(layout, model, port=wl.engine_port, host=host,

@@ -286,7 +286,8 @@ def check(plan: Plan) -> Plan:
 
     Rules: trainer nodes <= train-gpu max_size; trainer.parallel fits the trainer's GPUs (nodes x
     GPUs per node; app/layout.py); rollout engines x nodes per engine <= rollout-gpu max_size (one
-    pod per node); each engine profile fits its nodes (`EngineLayout.check`) and DeepEP across
+    pod per node); each engine profile fits its nodes (`EngineLayout.check`), a DeepEP
+    low-latency decode stays within its dispatch cap (`EngineLayout.check_dispatch`), DeepEP across
     nodes has EFA; the model volume fits a rollout node's local disk; env replicas fit the env-cpu
     pool's vCPUs at max_size; every image has a tag or digest; a GPU pool has GPUs; with a reward
     model, its pods fit a rollout-gpu node and their nodes fit the pool beside the rollout pods.
@@ -324,9 +325,11 @@ def check(plan: Plan) -> Plan:
                             "and the run config's model.path is empty")
     layouts = {"run config rollout.engine": plan.engine}
     layouts.update({f"bench_rollout.profiles.{n}": lay for n, lay in plan.bench_layouts().items()})
+    smallest_gpu = min(s.gpu_memory_gib for s in roll.specs) if roll.gpu else 0
     for where, layout in layouts.items():
         try:
             layout.check(where)
+            layout.check_dispatch(smallest_gpu, where)
         except ValueError as e:
             raise WorkloadError(str(e)) from None
         if layout.nodes > 1 and layout.profile.kind == "ep-deepep" and not roll.efa:
