@@ -134,6 +134,25 @@ def store_copy_dir(url: str, cache_dir: str | os.PathLike) -> Path:
     return Path(cache_dir) / "s3" / quote(url.rstrip("/")[len("s3://"):], safe="")
 
 
+def config_source(path: str, cache_dir: str | os.PathLike) -> str:
+    """What ``transformers.AutoConfig.from_pretrained`` can read ``model.path``'s config.json
+    from without fetching the weights: for ``s3://bucket/prefix``, a directory under
+    ``cache_dir`` holding only that file (downloaded once); else the path itself (a local
+    directory, or a Hub id whose config the Hub client fetches alone)."""
+    if not path.startswith("s3://"):
+        return path
+    from app.storage import open_store
+
+    dest = Path(cache_dir) / "s3-config" / quote(path.rstrip("/")[len("s3://"):], safe="")
+    if not (dest / "config.json").is_file():
+        dest.mkdir(parents=True, exist_ok=True)
+        data = open_store(path.rstrip("/")).get_bytes("config.json")
+        tmp = dest / f".config.json.{uuid.uuid4().hex[:8]}"
+        tmp.write_bytes(data)
+        os.replace(tmp, dest / "config.json")
+    return str(dest)
+
+
 def _from_store(url: str, cache_dir: Path) -> Path:
     from botocore.exceptions import BotoCoreError, ClientError
 

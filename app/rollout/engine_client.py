@@ -216,7 +216,7 @@ class EngineClient:
     async def generate(
         self, prompt: list[int] | list[list[int]] | str, *, n: int = 1, max_new_tokens: int = 128,
         temperature: float = 1.0, top_p: float = 1.0, stop_token_ids: list[int] | None = None,
-        return_logprob: bool = True, return_routed_experts: bool = False,
+        return_logprob: bool = True, return_routed_experts: bool = False, routed_experts_start_len: int = 0,
     ) -> list[GenOutput]:
         """Generate ``n`` completions of each prompt in one request.
 
@@ -224,6 +224,8 @@ class EngineClient:
             prompt: one prompt's token ids, a batch of them, or one prompt as text (the server
                 tokenizes it).
             return_routed_experts: ask for ``meta_info.routed_experts`` (see the module doc).
+            routed_experts_start_len: the first position they cover (SGLang ``GenerateReqInput``:
+                rows ``[start, prompt + completion - 1)``, start in ``[0, prompt tokens]``).
 
         Returns:
             ``len(prompts) * n`` outputs, input-major (prompt i, sample j at ``i * n + j``).
@@ -246,6 +248,8 @@ class EngineClient:
         body.update(sampling_params=sp, return_logprob=return_logprob)
         if return_routed_experts:
             body["return_routed_experts"] = True
+            if routed_experts_start_len:
+                body["routed_experts_start_len"] = int(routed_experts_start_len)
         r = await self._request("POST", "/generate", json=body)
         data = r.json()
         items = data if isinstance(data, list) else [data]

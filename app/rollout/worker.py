@@ -285,7 +285,7 @@ class RolloutWorker:
         self.rewards = RewardPool(cfg.rollout.reward_threads)
         # A weight update whose answer never came: (version, when it may be sent again).
         self._unanswered_update: tuple[int, float] | None = None
-        self._routing_shape: tuple[int, int] | None = None  # (layers, top_k) of the served model
+        self._routing_shape: tuple[int, list[int], int] | None = None  # (layers, MoE layers, top_k) served
         # Held by whoever changes the engine's weights: the disk path or a network push.
         self.weights_lock = asyncio.Lock()
         # One thread for every buffer call: the buffer object is not assumed thread-safe.
@@ -528,10 +528,22 @@ class RolloutWorker:
         await self._may_generate.wait()
         self._generating += 1
         self._idle.clear()
+        prompt_routing = None
         try:
+            if self.r.routing_replay:
+                # The prompt's routing once per group: a one-token request first (its prefill is
+                # the one the group's samples reuse from the prefix cache), then the group asks
+                # only for its own tokens (routed_experts_start_len = P), instead of G copies.
+                (head,) = await self.client.generate(
+                    task.prompt_ids, n=1, max_new_tokens=1, temperature=self.r.temperature, top_p=self.r.top_p,
+                    return_routed_experts=True)
+                if head.finish_reason == "abort":
+                    raise EngineError(f"engine aborted the prompt-routing request of task {task.task_id}")
+                prompt_routing = head.routed_experts
             outs = await self.client.generate(
                 task.prompt_ids, n=task.group_size, max_new_tokens=self.r.max_new_tokens,
                 temperature=self.r.temperature, top_p=self.r.top_p, return_routed_experts=self.r.routing_replay,
+                routed_experts_start_len=len(task.prompt_ids) if self.r.routing_replay else 0,
             )
         finally:
             self._generating -= 1
@@ -541,41 +553,52 @@ class RolloutWorker:
             raise EngineError(f"engine aborted a request of task {task.task_id}")
         if any(len(o.logprobs) != len(o.token_ids) for o in outs):
             raise EngineError(f"engine returned fewer logprobs than tokens for task {task.task_id}")
-        if self.r.routing_replay and any(o.routed_experts is None for o in outs):
+        if self.r.routing_replay and (prompt_routing is None or any(o.routed_experts is None for o in outs)):
             raise EngineMisconfigured(
                 f"rollout.routing_replay is set but {self.client.url} returned no meta_info.routed_experts: "
                 "start SGLang (or `moerl engine`) with --enable-return-routed-experts")
+        if prompt_routing is not None:
+            import numpy as np
+
+            for o in outs:  # the prompt's rows, then the sample's own: every token fed, P + C - 1 rows
+                o.routed_experts = np.concatenate([prompt_routing, o.routed_experts])
         return outs
 
     def routed_experts(self, task: Task, out: GenOutput) -> dict:
         """The engine's routed experts of one completion as `Sample.routed_experts` stores them:
-        ``[P + C - 1, layers, top_k]`` (see app/buffer/records.py).
+        ``[P + C - 1, moe_layers, top_k]``, the rows of the MoE layers only (the engine reports
+        every decoder layer, zeros for dense ones: DeepSeek-V3's first three).
 
         Raises:
-            EngineMisconfigured: the id count does not fit that shape.
+            EngineMisconfigured: the id count does not fit the model's layers and top_k.
         """
         from app.buffer.records import encode_routed_experts
 
-        layers, top_k = self._routing_shape or self._model_routing_shape()
+        layers, moe, top_k = self._routing_shape or self._model_routing_shape()
         tokens = len(task.prompt_ids) + len(out.token_ids) - 1
-        ids = out.routed_experts
+        ids = out.routed_experts[: max(tokens, 0) * layers * top_k]  # a 0-token completion: P - 1 rows
         if ids.size != tokens * layers * top_k:
             raise EngineMisconfigured(
                 f"meta_info.routed_experts has {ids.size} ids; {tokens} tokens x {layers} layers x {top_k} "
                 f"experts expected for task {task.task_id}")
-        return encode_routed_experts(ids.reshape(tokens, layers, top_k))
+        return encode_routed_experts(ids.reshape(tokens, layers, top_k)[:, moe])
 
-    def _model_routing_shape(self) -> tuple[int, int]:
-        """(num_hidden_layers, num_experts_per_tok) of the run's model (its config.json, or the preset)."""
+    def _model_routing_shape(self) -> tuple[int, list[int], int]:
+        """(num_hidden_layers, the MoE layers' indices, num_experts_per_tok) of the run's model
+        (its config.json alone, or the preset)."""
+        from app.model.config import moe_layer_ids
+
         if self.cfg.model.path:
             from transformers import AutoConfig
 
-            config = AutoConfig.from_pretrained(self.cfg.model.path)
+            from app.model.source import config_source
+
+            config = AutoConfig.from_pretrained(config_source(self.cfg.model.path, self.cfg.model.cache_dir))
         else:
             from app.model.config import tiny_config
 
             config = tiny_config(self.cfg.model.preset)
-        self._routing_shape = (int(config.num_hidden_layers), int(config.num_experts_per_tok))
+        self._routing_shape = (int(config.num_hidden_layers), moe_layer_ids(config), int(config.num_experts_per_tok))
         return self._routing_shape
 
     def _error_group(self, task: Task) -> list[Sample]:

@@ -170,12 +170,14 @@ def _routed_experts(samples: list, length: int, moe_layers: list[int]) -> Tensor
         except ValueError as e:
             raise ValueError(f"sample {s.sample_id!r}: {e}") from None
         fed = len(s.prompt_ids) + len(s.completion_ids) - 1
-        if ids.dim() != 3 or ids.shape[0] != fed or ids.shape[1] <= max(moe_layers):
+        # The MoE layers' rows only (what workers store), or every layer's (older samples)
+        every = ids.dim() == 3 and ids.shape[1] > max(moe_layers) and ids.shape[1] != len(moe_layers)
+        if ids.dim() != 3 or ids.shape[0] != fed or not (every or ids.shape[1] == len(moe_layers)):
             raise ValueError(f"sample {s.sample_id!r}: routed_experts of shape {list(ids.shape)}, expected "
-                             f"[{fed}, >{max(moe_layers)}, K]")
+                             f"[{fed}, {len(moe_layers)} MoE layers (or every layer), K]")
         if out is None:
             out = torch.full((len(samples), length, len(moe_layers), ids.shape[2]), -1, dtype=torch.int64)
-        out[i, :fed] = ids[:, moe_layers]
+        out[i, :fed] = ids[:, moe_layers] if every else ids
     return out
 
 
