@@ -1,6 +1,7 @@
 """The rollout engines as charts8s renders each engine profile (issue 14): the example workloads in
-charts8s/examples (DeepSeek-V3 on one and on two p5en nodes per engine with DeepEP, Qwen3-30B-A3B
-with SGLang's all-to-all, and the all-to-all vs DeepEP bench pair), synthesized for prod with the
+charts8s/examples (Qwen3-30B-A3B on one p5en node per engine with DeepEP and with SGLang's
+all-to-all, DeepSeek-V3 in bf16 on two nodes with DeepEP, and the all-to-all vs DeepEP bench
+pair), synthesized for prod with the
 p5en rollout override, then checked against
 
 - the LeaderWorkerSet CRD schema of the LWS version infra/ installs (tests/data) and, strictly,
@@ -52,7 +53,7 @@ class Example:
         return [d for d in self.docs if d["kind"] == kind]
 
 
-@pytest.fixture(scope="module", params=["dsv3-1node-deepep", "dsv3-2node-deepep", "qwen3-30b-a3b-1node-ep", "dsv3-ab"])
+@pytest.fixture(scope="module", params=["qwen3-30b-a3b-1node-deepep", "dsv3-2node-deepep", "qwen3-30b-a3b-1node-ep", "dsv3-ab"])
 def example(request, tmp_path_factory) -> Example:
     return Example(request.param, tmp_path_factory.mktemp(request.param))
 

@@ -109,7 +109,7 @@ def deepep_engines() -> list[tuple[str, object, object]]:
     os.chdir(ROOT)
     out = []
     sources = [(load_config("prod", EXAMPLES / "p5en-rollout.deploy.yaml"), EXAMPLES / f"{n}.workloads.yaml")
-               for n in ("dsv3-1node-deepep", "dsv3-2node-deepep", "dsv3-ab")]
+               for n in ("qwen3-30b-a3b-1node-deepep", "dsv3-2node-deepep", "dsv3-ab")]
     sources.append((load_config("prod", ROOT / "recipes" / "deepseek-v3-grpo.deploy.yaml"),
                     ROOT / "recipes" / "deepseek-v3-grpo.workloads.yaml"))
     for cfg, path in sources:
