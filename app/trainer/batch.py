@@ -84,7 +84,8 @@ def collate_groups(
         scale_by_std: divide advantages by the group's reward std (see `group_advantages`).
         max_len: if set, a row longer than this is an error (protects memory).
         moe_layers: with routing replay, the decoder-layer indices of the MoE layers: each
-            sample's ``routed_experts`` (app.buffer.records, ``[P + C - 1, num_layers, K]``) is
+            sample's ``routed_experts`` (app.buffer.records: ``[P + C - 1, len(moe_layers), K]``
+            as workers store them, or ``[P + C - 1, num_layers, K]`` in older samples) is
             collated into `TrainBatch.routed_experts`.
 
     Returns:
