@@ -118,6 +118,13 @@ class EngineProfile(Section):
                                              "--max-batch); also the worker's default in-flight sequences.")
     chunked_prefill_size: int | None = Field(None, description="--chunked-prefill-size (-1 disables).")
     mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0, description="--mem-fraction-static.")
+    cuda_graph_max_bs: int | None = Field(None, ge=1, description="--cuda-graph-max-bs-decode (requests per "
+                                          "attention-DP rank in the largest decode CUDA graph); ep-deepep "
+                                          "profiles get max_running_requests / attn_dp_size when None.")
+    deepep_max_dispatch_tokens: int | None = Field(
+        None, ge=1, le=1024, description="SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK of ep-deepep profiles: the "
+        "tokens one rank may send in a low-latency dispatch (DeepEP's own bound is 1024); None: the decode "
+        "batch per rank, at least SGLang's default 128 (app/rollout/engine_args.py).")
     extra_args: list[str] = Field(default_factory=list, description="More SGLang flags, appended as given.")
 
     @model_validator(mode="after")
@@ -160,6 +167,9 @@ class RolloutConfig(Section):
     retry_backoff_s: float = Field(0.5, gt=0.0, description="First retry backoff; doubles.")
     policy_poll_s: float = Field(2.0, gt=0.0, description="Seconds between policy-version checks.")
     weight_update_timeout_s: float = Field(300.0, gt=0.0, description="One engine weight load.")
+    flush_timeout_s: float = Field(30.0, gt=0.0, description="How long the worker retries /flush_cache "
+                                   "(a second apart) on a paused engine before a weight update; still "
+                                   "refused, the update waits for the next poll with the weights untouched.")
     pause_mode: Literal["abort", "retract", "in_place"] = Field(
         "retract", description="SGLang /pause_generation mode around a weight update (the worker "
         "waits for its own requests first, so none is cut either way).")

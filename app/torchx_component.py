@@ -161,6 +161,7 @@ def trainer(
     name: str = "moerl-trainer",
     python: str = "",
     metrics_port: int = 0,
+    ep: int = 1,
 ) -> specs.AppDef:
     """The trainer gang: `nnodes` replicas x `nproc_per_node` ranks of `moerl train --config`.
 
@@ -174,6 +175,8 @@ def trainer(
         cpu, mem_mb: vCPU and memory (MB) per replica.
         python: "" (images: `torchrun` and `moerl` on PATH) or the interpreter to run them with.
         metrics_port: rank 0's Prometheus endpoint (`moerl train --metrics-port`); 0: none.
+        ep: the run's trainer.parallel.ep: with GPUs, EP groups within a node get
+            EP_DISABLE_GIN=1 (`app.model.parallel.deepep_gin_env`).
 
     Raises:
         ValueError: a count below 1, or gpus neither 0 nor nproc_per_node.
@@ -185,6 +188,10 @@ def trainer(
     env = dict(NCCL_ENV)
     if efa:
         env.update(EFA_ENV)
+    if gpus:
+        from app.model.parallel import deepep_gin_env
+
+        env.update(deepep_gin_env(ep, nproc_per_node))
     role = specs.Role(
         name=TRAINER_ROLE,
         image=image,

@@ -32,6 +32,7 @@ from app.torchx_component import CLUSTER_CONFIG, engine_command
 from charts8s.cluster import FEED, run_config_volume
 from charts8s.kube import api_object, k8s_module
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
+from charts8s.rollout import model_init_container, served_model_path
 from charts8s.workloads import Plan
 
 NAME = FEED
@@ -84,8 +85,7 @@ def feed_pod(plan: Plan) -> dict:
         listens = f"import socket; socket.create_connection(('127.0.0.1', {f.engine_port}), 5).close()"
         containers.append({
             "name": "engine", "image": plan.images["rollout"], "imagePullPolicy": "IfNotPresent",
-            "command": engine_command("sglang", plan.wl.rollout.model_path or plan.run.model.path,
-                                      f.engine_port, plan.feed_gpus),
+            "command": engine_command("sglang", served_model_path(plan), f.engine_port, plan.feed_gpus),
             "env": [{"name": "HF_HOME", "value": "/models/hf"}],
             "resources": {"requests": engine_res, "limits": engine_res},
             "securityContext": container_security(),
@@ -97,6 +97,9 @@ def feed_pod(plan: Plan) -> dict:
         volumes += [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{plan.wl.rollout.shm_gi}Gi"}},
                     {"name": "cache", "emptyDir": {"sizeLimit": "32Gi"}}]
         placement = on_pool(pool, spot=True)
+        init = model_init_container(plan)  # an s3:// base model: a local copy first (charts8s/rollout.py)
+        if init:
+            placement["initContainers"] = [init]
     else:
         placement = on_pool(plan.pool("buffer-mem"), spot=False)
     return {

@@ -4,9 +4,16 @@ The Kubernetes convention for an SGLang server over several nodes (kubernetes-si
 docs/examples/sglang/lws.yaml; SGLang docs/references/multi_node_deployment): a group of
 ``size`` pods, pod 0 the leader (node rank 0, the HTTP server), the others workers; each pod
 gets ``LWS_LEADER_ADDRESS`` (``<name>-<group>.<name>.<namespace>``, through the headless Service
-the controller makes), ``LWS_GROUP_SIZE`` and ``LWS_WORKER_INDEX``. ``RecreateGroupOnPodRestart``:
-when any pod of a group fails or restarts (a Spot node lost), the whole group is recreated, as a
-torch.distributed world cannot take a member back.
+the controller makes), ``LWS_GROUP_SIZE`` and ``LWS_WORKER_INDEX``.
+
+Restart policy ``RecreateGroupAfterStart`` (LWS v0.10 ``pkg/controllers/pod_controller.go``
+``handleRestartPolicy``): once every pod of a group has started, a restart of any container,
+init containers included (``ContainerRestarted``), or a lost pod (a Spot node) recreates the
+whole group, as a torch.distributed world cannot take a member back; while a pod of the group
+is still Pending (a node not there yet) a restart leaves the group alone instead of deleting the
+pods that did start, which ``RecreateGroupOnPodRestart`` does, over and over on a slow first
+boot. So nothing may run in a group's pods that restarts for reasons of its own: the rollout
+worker runs in a pod of its own (charts8s/rollout.py).
 
 The controller is installed by infra/ (a pinned Helm chart); the CRD schema of that version is
 in tests/data and every object here is validated against it.
@@ -23,6 +30,7 @@ KIND = "LeaderWorkerSet"
 # Lets `charts8s.kube.api_object` write the kind like a generated class.
 LeaderWorkerSet = SimpleNamespace(GVK=SimpleNamespace(api_version=API_VERSION, kind=KIND))
 ROLE_LABEL = "moerl.dev/engine-role"  # leader | worker: the probes, worker and Service target leaders
+RESTART_POLICY = "RecreateGroupAfterStart"  # see the module doc
 
 
 def leader_worker_set(scope, name: str, namespace: str, *, labels: dict, annotations: dict | None, replicas: int,
@@ -43,7 +51,7 @@ def leader_worker_set(scope, name: str, namespace: str, *, labels: dict, annotat
                             "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0}},
         "leaderWorkerTemplate": {
             "size": size,
-            "restartPolicy": "RecreateGroupOnPodRestart",
+            "restartPolicy": RESTART_POLICY,
             "leaderTemplate": template("leader", leader_pod),
             "workerTemplate": template("worker", worker_pod),
         },

@@ -25,7 +25,7 @@ import cdk8s
 from constructs import Construct
 
 from app.metrics import METRICS_PORT
-from charts8s.cluster import BUFFER_SERVICE, REDIS_EXPORTER_PORT, ROLLOUT, TRAINER
+from charts8s.cluster import BUFFER_SERVICE, REDIS_EXPORTER_PORT, ROLLOUT, ROLLOUT_WORKER, TRAINER
 from charts8s.kube import api_object, k8s_module
 from charts8s.placement import labels
 from charts8s.workloads import Plan
@@ -37,7 +37,8 @@ METRICS_PORT_NAME = "metrics"
 SCRAPE_INTERVAL = "15s"
 # Roles that serve /metrics, and the number of their port named METRICS_PORT_NAME. The buffer's
 # counters (buffer.stats()) also come from trainer rank 0; its exporter adds Redis's own figures.
-SCRAPED = {TRAINER: METRICS_PORT, ROLLOUT: METRICS_PORT, BUFFER_SERVICE: REDIS_EXPORTER_PORT}
+SCRAPED = {TRAINER: METRICS_PORT, ROLLOUT: METRICS_PORT, ROLLOUT_WORKER: METRICS_PORT,
+           BUFFER_SERVICE: REDIS_EXPORTER_PORT}
 
 _LABEL_SELECTOR = {"$ref": "/api/_definitions.json#/$defs/io.k8s.apimachinery.pkg.apis.meta.v1.LabelSelector"}
 _OBJECT_META = {"$ref": "/api/_definitions.json#/$defs/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"}

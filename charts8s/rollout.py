@@ -5,16 +5,23 @@ engine profile (``rollout.engine``: tp | ep | ep-deepep, nodes per engine).
   EFA device of the node) and the moerl rollout worker (container "worker"), which talks to it
   on loopback.
 - An engine over several nodes: a LeaderWorkerSet (charts8s/lws.py), one group per engine. The
-  leader pod runs SGLang's node rank 0 (the HTTP server) and the worker; the other pods run the
-  other node ranks (``--node-rank $(LWS_WORKER_INDEX)``, no HTTP server, so no probe and no
-  worker). Losing any pod of a group (a Spot node) recreates the whole group; the leader's worker
-  gets SIGTERM, its requests fail, and it releases their leases without publishing a partial
-  group (a group is one /generate request: all G completions or none).
+  leader pod runs SGLang's node rank 0 (the HTTP server, on the pod network); the other pods run
+  the other node ranks (``--node-rank $(LWS_WORKER_INDEX)``, no HTTP server, so no probe). Every
+  pod of the group also runs a fetcher (app/rollout/group.py) that puts each policy version on
+  its own node's disk, since SGLang loads a disk update on every rank. The workers are a
+  StatefulSet of their own (pod i drives group i over the network and updates it once every
+  pod holds the version): LWS recreates a group when any of its containers restarts, and a
+  worker restart must not cost two nodes their 0.6-1.3 TB of weights. Losing any pod of a group
+  (a Spot node) recreates the whole group; the worker's requests fail, it releases their
+  leases without publishing a partial group (a group is one /generate request: all G
+  completions or none) and waits for the engine to answer again.
 
 Probes (leader only): `app.rollout.probe`, which passes while the worker holds the engine paused
-for a weight update (its pause marker on a shared in-memory volume) and otherwise asks SGLang's
-/health_generate. SGLang answers 503 there during a pause, so probing it directly would restart
-an engine in the middle of a long weight load and flap readiness on every update.
+for a weight update (its pause marker on a shared in-memory volume; for a multi-node engine the
+leader's fetcher writes it from the pause the worker records in Redis) and otherwise asks
+SGLang's /health_generate. SGLang answers 503 there during a pause, so probing it directly would
+restart an engine in the middle of a long weight load and flap readiness on every update. The
+startup probe's budget is sized from the model and the node (`startup_budget_s`).
 
 On a Spot interruption the kubelet sends SIGTERM: the worker drains (rollout.drain_grace_s)
 while the engine's preStop sleep keeps it serving; terminationGracePeriodSeconds covers both.
@@ -35,17 +42,19 @@ from constructs import Construct
 
 from app.buffer.experience import PASSWORD_ENV
 from app.metrics import METRICS_PORT
-from app.rollout.engine_args import EngineLayout, sglang_command
+from app.model.source import store_copy_dir
+from app.rollout.engine_args import LWS_GROUP_SIZE, LWS_LEADER_ADDRESS, LWS_WORKER_INDEX, EngineLayout, sglang_command
 from app.torchx_component import CLUSTER_CONFIG, EFA_ENV, EFA_RESOURCE, HUGEPAGES_RESOURCE, NVSHMEM_EFA_ENV, worker_command
-from charts8s.cluster import ROLLOUT, TRAINER, run_config_volume
+from charts8s.cluster import ROLLOUT, ROLLOUT_WORKER, TRAINER, run_config_volume
 from charts8s.kube import api_object, k8s_module
-from charts8s.lws import leader_worker_set
+from charts8s.lws import ROLE_LABEL, leader_worker_set
 from charts8s.monitoring import metrics_port
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 from charts8s.workloads import CACHE_GI, TMP_GI, Plan
 
 NAME = ROLLOUT
 UID = 10001  # the moerl user of images/*.Dockerfile (high UID: no clash with host users)
+BASE_MODEL_DIR = "/models/base"  # an s3:// base model's copy on each engine node (init container "model")
 STATE_DIR = "/run/moerl"  # shared by engine and worker: the worker's pause marker
 PAUSE_MARKER = f"{STATE_DIR}/engine-paused"
 PROBE_TIMEOUT_S = 25  # longer than SGLang's own 20 s /health_generate wait
@@ -68,13 +77,57 @@ def _probe(port: int, period: int, failures: int) -> dict:
             "timeoutSeconds": PROBE_TIMEOUT_S + 5, "failureThreshold": failures}
 
 
+def startup_budget_s(plan: Plan) -> int:
+    """Seconds the startup probe allows SGLang to come up: read the checkpoint (model_gib at
+    load_gib_per_s from the node's disk), boot_s for kernel JIT and CUDA-graph capture, and,
+    for a Hub id SGLang downloads itself, model_gib at download_gib_per_s. An s3:// model is
+    on disk before the engine starts (init container, no probe runs meanwhile)."""
+    wl = plan.wl.rollout
+    budget = wl.boot_s + wl.model_gib / wl.load_gib_per_s
+    model = base_model(plan)
+    if not model.startswith(("s3://", "/")):
+        budget += wl.model_gib / wl.download_gib_per_s
+    return math.ceil(budget)
+
+
+def base_model(plan: Plan) -> str:
+    """The base checkpoint as the run names it (HF id, s3:// prefix or local path)."""
+    return plan.wl.rollout.model_path or plan.run.model.path
+
+
+def served_model_path(plan: Plan) -> str:
+    """SGLang's ``--model-path``: an s3:// base model's local copy (`model_init_container`
+    fetches it on every node of the engine first), else the path as given (a Hub id SGLang
+    downloads into HF_HOME itself). SGLang would map s3:// to its runai_streamer loader, which
+    the image does not carry, and every disk update would then inherit that load format."""
+    model = base_model(plan)
+    return str(store_copy_dir(model, BASE_MODEL_DIR)) if model.startswith("s3://") else model
+
+
+def model_init_container(plan: Plan) -> dict | None:
+    """Init container of every engine pod whose base model is an s3:// prefix: downloads it
+    into `BASE_MODEL_DIR` on the node's model volume (app/model/source.py, through the pod's S3
+    access); None for other paths."""
+    model = base_model(plan)
+    if not model.startswith("s3://"):
+        return None
+    res = {"cpu": "8", "memory": "16Gi"}
+    return {
+        "name": "model", "image": plan.images["rollout"], "imagePullPolicy": "IfNotPresent",
+        "command": ["python3", "-m", "app.model.source", model, "--cache-dir", BASE_MODEL_DIR],
+        "resources": {"requests": res, "limits": res},
+        "securityContext": container_security(),
+        "volumeMounts": [{"name": "models", "mountPath": "/models"}, {"name": "tmp", "mountPath": "/tmp"}],
+    }
+
+
 def engine_container(plan: Plan, layout: EngineLayout, *, leader: bool, host: str = "127.0.0.1",
                      probes: bool = True) -> dict:
     """The SGLang container of one node of an engine (`layout`); `leader`: node rank 0, which
     serves HTTP and gets the probes (when `probes`)."""
     wl, pool = plan.wl.rollout, plan.pool("rollout-gpu")
     spec = min(pool.specs, key=lambda s: s.vcpus)
-    model = wl.model_path or plan.run.model.path
+    model = served_model_path(plan)
     res = {"cpu": str(spec.vcpus - 16), "memory": f"{int(spec.memory_gib * 0.85) - pool.hugepages_2mi // 1024}Gi",
            "nvidia.com/gpu": str(plan.gpus_per_rollout)}
     if plan.efa_per_rollout:
@@ -86,6 +139,7 @@ def engine_container(plan: Plan, layout: EngineLayout, *, leader: bool, host: st
         env.update(EFA_ENV)
         if layout.profile.kind == "ep-deepep":
             env.update(NVSHMEM_EFA_ENV)
+    env.update(layout.engine_env())  # DeepEP's dispatch cap, consistent with the command's batch flags
     c = {
         "name": "engine", "image": plan.images["rollout"], "imagePullPolicy": "IfNotPresent",
         "command": sglang_command(layout, model, port=wl.engine_port, host=host,
@@ -101,7 +155,7 @@ def engine_container(plan: Plan, layout: EngineLayout, *, leader: bool, host: st
     }
     if leader and probes:
         # Loading a large MoE checkpoint takes minutes: liveness starts only after the first success.
-        c["startupProbe"] = _probe(wl.engine_port, 10, 180)
+        c["startupProbe"] = _probe(wl.engine_port, 10, math.ceil(startup_budget_s(plan) / 10))
         c["readinessProbe"] = _probe(wl.engine_port, 10, 3)
         c["livenessProbe"] = _probe(wl.engine_port, 30, 5)
     return c
@@ -124,8 +178,10 @@ def engine_volumes(plan: Plan) -> list[dict]:
 def engine_pod(plan: Plan, component: str, containers: list[dict]) -> dict:
     """Pod spec of one engine node: on the rollout-gpu pool (Spot tolerated), one per node."""
     pool = plan.pool("rollout-gpu")
+    init = model_init_container(plan)
     return {
         **on_pool(pool, spot=True),
+        **({"initContainers": [init]} if init else {}),
         "serviceAccountName": plan.cfg.rollout_service_account,
         "automountServiceAccountToken": True,  # Pod Identity: policy weights from S3
         "priorityClassName": NAME,
@@ -143,32 +199,98 @@ def engine_pod(plan: Plan, component: str, containers: list[dict]) -> dict:
     }
 
 
-def worker_container(plan: Plan) -> dict:
-    """The moerl rollout worker beside the engine's node rank 0."""
+def _secret_env(plan: Plan) -> dict:
+    return {"name": PASSWORD_ENV, "valueFrom": {"secretKeyRef": {"name": plan.wl.buffer.password_secret,
+                                                               "key": "password"}}}
+
+
+def leader_address(plan: Plan, group: str) -> str:
+    """A LeaderWorkerSet group's leader address, as LWS writes ``LWS_LEADER_ADDRESS``
+    (``<lws>-<group>.<lws>.<namespace>``, through the controller's headless Service)."""
+    return f"{NAME}-{group}.{NAME}.{plan.namespace}"
+
+
+def worker_container(plan: Plan, group: bool = False) -> dict:
+    """The moerl rollout worker: beside the engine's node rank 0 (one-node engines), or, with
+    `group`, alone in a pod of the workers' StatefulSet driving multi-node engine number
+    $(POD_INDEX) over the pod network (app/rollout/group.py)."""
     _, config_mount = run_config_volume()
-    secret_env = {"name": PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
-        "name": plan.wl.buffer.password_secret, "key": "password"}}}
     res = {"cpu": "4", "memory": "16Gi"}
+    env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}, _secret_env(plan)]
+    # The pod name is the worker id (its task-lease consumer name); the kubelet expands $(POD_NAME).
+    cmd = worker_command(CLUSTER_CONFIG, "$(POD_NAME)", None if group else PAUSE_MARKER, metrics_port=METRICS_PORT)
+    mounts = [config_mount, {"name": "tmp", "mountPath": "/tmp"}]
+    if group:
+        # StatefulSet pod i drives group i (the controller labels each pod with its ordinal).
+        env.insert(1, {"name": "POD_INDEX", "valueFrom": {"fieldRef": {
+            "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}})
+        addr = leader_address(plan, "$(POD_INDEX)")
+        cmd += ["--engine-url", f"http://{addr}:{plan.wl.rollout.engine_port}", "--engine-group", addr,
+                "--group-size", str(plan.engine.nodes)]
+    else:
+        mounts += [{"name": "models", "mountPath": "/models"}, {"name": "state", "mountPath": STATE_DIR}]
     return {
         "name": "worker", "image": plan.images["rollout"], "imagePullPolicy": "IfNotPresent",
-        # The pod name is the worker id (its task-lease consumer name); the kubelet expands $(POD_NAME).
-        "command": worker_command(CLUSTER_CONFIG, "$(POD_NAME)", PAUSE_MARKER, metrics_port=METRICS_PORT),
-        "ports": [metrics_port()],  # scraped by the moerl-rollout PodMonitor (charts8s/monitoring.py)
-        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}, secret_env],
+        "command": cmd,
+        "ports": [metrics_port()],  # scraped by the PodMonitors (charts8s/monitoring.py)
+        "env": env,
         "resources": {"requests": res, "limits": res},
         "securityContext": container_security(),
-        "volumeMounts": [config_mount, {"name": "models", "mountPath": "/models"}, {"name": "tmp", "mountPath": "/tmp"},
-                         {"name": "state", "mountPath": STATE_DIR}],
+        "volumeMounts": mounts,
+    }
+
+
+def fetcher_container(plan: Plan, leader: bool) -> dict:
+    """Every pod of a multi-node engine: puts each policy version on this node's model volume
+    and reports it (app/rollout/group.py); on the leader it also keeps the probes' pause marker.
+    It catches every error itself: a restart of any container recreates the group."""
+    _, config_mount = run_config_volume()
+    res = {"cpu": "2", "memory": "4Gi"}
+    cmd = ["python3", "-m", "app.rollout.group", "--config", CLUSTER_CONFIG, "--engine", LWS_LEADER_ADDRESS,
+           "--index", LWS_WORKER_INDEX, "--size", LWS_GROUP_SIZE]
+    mounts = [config_mount, {"name": "models", "mountPath": "/models"}, {"name": "tmp", "mountPath": "/tmp"}]
+    if leader:
+        cmd += ["--marker", PAUSE_MARKER]
+        mounts.append({"name": "state", "mountPath": STATE_DIR})
+    return {
+        "name": "fetcher", "image": plan.images["rollout"], "imagePullPolicy": "IfNotPresent", "command": cmd,
+        "env": [_secret_env(plan)], "resources": {"requests": res, "limits": res},
+        "securityContext": container_security(), "volumeMounts": mounts,
     }
 
 
 def rollout_pod(plan: Plan, leader: bool = True) -> dict:
-    """A rollout pod spec: the leader (engine node rank 0 + worker) or, in a multi-node engine,
-    one of the other nodes (engine only)."""
-    containers = [engine_container(plan, plan.engine, leader=leader)]
-    if leader:
-        containers.append(worker_container(plan))
-    return engine_pod(plan, NAME, containers)
+    """A rollout pod spec. One-node engine: SGLang and the worker. Multi-node engine: SGLang's
+    node rank and the fetcher, on the leader (rank 0, serving HTTP to its worker's pod) and on
+    every other node; the worker runs in a pod of its own (`worker_set_pod`), so that its
+    restarts do not recreate the group."""
+    if plan.engine.nodes == 1:
+        return engine_pod(plan, NAME, [engine_container(plan, plan.engine, leader=True), worker_container(plan)])
+    return engine_pod(plan, NAME, [engine_container(plan, plan.engine, leader=leader, host="0.0.0.0"),
+                                   fetcher_container(plan, leader)])
+
+
+def worker_set_pod(plan: Plan) -> dict:
+    """Pod of the multi-node engines' workers: on the rollout-gpu nodes' spare CPU (the engine
+    pod leaves 16 vCPU), near a leader where it can (preferred, not required), one per node."""
+    config_vol, _ = run_config_volume()
+    leaders = {**labels(NAME), ROLE_LABEL: "leader"}
+    return {
+        **on_pool(plan.pool("rollout-gpu"), spot=True),
+        "serviceAccountName": plan.cfg.rollout_service_account,
+        "automountServiceAccountToken": True,  # Pod Identity: the store (opened at start)
+        "priorityClassName": NAME,
+        "securityContext": pod_security(UID),
+        "terminationGracePeriodSeconds": grace_seconds(plan.run.rollout.drain_grace_s, plan.wl.rollout.drain_margin_s),
+        "containers": [worker_container(plan, group=True)],
+        "volumes": [config_vol, {"name": "tmp", "emptyDir": {"sizeLimit": f"{TMP_GI}Gi"}}],
+        "affinity": {
+            "podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": {
+                "topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": leaders}}}]},
+            "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
+                "topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": labels(ROLLOUT_WORKER)}}]},
+        },
+    }
 
 
 def group_network_policy(scope: Construct, k8s, name: str, namespace: str, lab: dict, multi_node: bool,
@@ -206,6 +328,13 @@ class RolloutChart(cdk8s.Chart):
             leader_worker_set(self, NAME, ns, labels=lab, annotations=skips, replicas=plan.rollout_replicas,
                               size=plan.engine.nodes, leader_pod=rollout_pod(plan, leader=True),
                               worker_pod=rollout_pod(plan, leader=False))
+            wlab = labels(ROLLOUT_WORKER)
+            api_object(self, k8s.KubeStatefulSet, ROLLOUT_WORKER, ns, labels=wlab, annotations=skips, spec={
+                "replicas": plan.rollout_replicas, "serviceName": ROLLOUT_WORKER,
+                "podManagementPolicy": "Parallel",  # pod i needs only group i, not pod i - 1
+                "selector": {"matchLabels": wlab},
+                "template": {"metadata": {"labels": wlab}, "spec": worker_set_pod(plan)},
+            })
         else:
             api_object(self, k8s.KubeDeployment, NAME, ns, labels=lab, annotations=skips, spec={
                 "replicas": plan.rollout_replicas,
@@ -220,4 +349,9 @@ class RolloutChart(cdk8s.Chart):
         # group (app/trainer/weight_sync.py); its sockets may be opened from either side.
         push = [{"from": [{"podSelector": {"matchLabels": labels(TRAINER)}}]}] \
             if plan.run.weight_sync.mode == "network" else []
+        if multi:  # the workers' pods call their engine's leader
+            push.append({"from": [{"podSelector": {"matchLabels": labels(ROLLOUT_WORKER)}}],
+                         "ports": [{"protocol": "TCP", "port": plan.wl.rollout.engine_port}]})
         group_network_policy(self, k8s, NAME, ns, lab, multi, extra_ingress=push)
+        if multi:  # the workers only dial out (their metrics scrape has its own policy: charts8s/monitoring.py)
+            group_network_policy(self, k8s, ROLLOUT_WORKER, ns, labels(ROLLOUT_WORKER), False)

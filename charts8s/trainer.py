@@ -48,7 +48,7 @@ def trainer_appdef(plan: Plan):
         # Leave room for the kubelet, system daemons and the device plugins.
         cpu=spec.vcpus - 8, mem_mb=int(spec.memory_gib * 1024 * 0.9) - hugepages,
         rdzv_port=plan.wl.trainer.rdzv_port, max_retries=plan.wl.trainer.max_retries, name=JOB_NAME,
-        metrics_port=METRICS_PORT,
+        metrics_port=METRICS_PORT, ep=plan.run.trainer.parallel.ep,
     )
 
 

@@ -71,9 +71,19 @@ class RolloutSpec(_Model):
     replicas: int | None = Field(None, ge=1)
     model_path: str | None = None
     model_gib: float = Field(57.0, gt=0)
+    model_quantization: Literal["fp8"] | None = Field(
+        None, description="The served checkpoint's quantization_config.quant_method (None: bf16/fp32 weights). "
+        "Policy versions carry unquantized weights, so an fp8 engine is refused (see `check`).")
     engine_port: int = Field(30000, ge=1024, le=65535)
     drain_margin_s: int = Field(15, ge=0, description="Added to rollout.drain_grace_s for the kubelet.")
     shm_gi: int = Field(64, ge=1, description="/dev/shm size limit, GiB (NCCL and CUDA IPC).")
+    # The engine's startup probe budget (charts8s/rollout.py `startup_budget_s`): SGLang reads
+    # the checkpoint from the node's disk, JIT-compiles its kernels (DeepGEMM) and captures CUDA
+    # graphs before it answers; a Hub model it downloads first. Conservative figures for a
+    # p5-class node (NVMe RAID0 read as safetensors are parsed; one S3/Hub stream per file).
+    load_gib_per_s: float = Field(2.0, gt=0, description="Checkpoint read rate of SGLang's loader from local disk.")
+    download_gib_per_s: float = Field(0.5, gt=0, description="Download rate of a Hub model by SGLang itself.")
+    boot_s: int = Field(1200, ge=0, description="Kernel JIT, CUDA-graph capture and the rest of a start, seconds.")
 
 
 class EnvSpec(_Model):
@@ -248,6 +258,28 @@ def _node_gpus(pool: NodePool) -> int:
     return min(s.gpus for s in pool.specs)
 
 
+# Hub checkpoints whose config.json declares block-scaled FP8 (quantization_config quant_method
+# "fp8", weight_block_size [128, 128]): an engine serving one is fp8 without being told.
+FP8_CHECKPOINTS = frozenset({"deepseek-ai/DeepSeek-V3", "deepseek-ai/DeepSeek-V3-0324", "deepseek-ai/DeepSeek-V3-Base",
+                             "deepseek-ai/DeepSeek-R1", "deepseek-ai/DeepSeek-R1-0528", "deepseek-ai/DeepSeek-V3.1"})
+
+
+def engine_quantization(plan: "Plan") -> tuple[str, str] | None:
+    """(field, method) when the rollout engines serve quantized weights: declared
+    (rollout.model_quantization), asked of SGLang (--quantization in the profile's extra_args),
+    or a Hub checkpoint known to be FP8; None for unquantized engines."""
+    wl = plan.wl.rollout
+    if wl.model_quantization:
+        return "rollout.model_quantization", wl.model_quantization
+    extra = plan.run.rollout.engine.extra_args
+    if "--quantization" in extra[:-1]:
+        return "run config rollout.engine.extra_args", extra[extra.index("--quantization") + 1]
+    model = wl.model_path or plan.run.model.path
+    if model in FP8_CHECKPOINTS:
+        return "rollout.model_path", "fp8"
+    return None
+
+
 # OCI distribution-spec reference: lower-case repository path components, then a tag
 # ([A-Za-z0-9_][A-Za-z0-9._-]{0,127}) or a digest; an optional registry host[:port] first.
 _IMAGE_REF = re.compile(
@@ -279,9 +311,11 @@ def check(plan: Plan) -> Plan:
 
     Rules: trainer nodes <= train-gpu max_size; trainer.parallel fits the trainer's GPUs (nodes x
     GPUs per node; app/layout.py); rollout engines x nodes per engine <= rollout-gpu max_size (one
-    pod per node); each engine profile fits its nodes (`EngineLayout.check`) and DeepEP across
+    pod per node); each engine profile fits its nodes (`EngineLayout.check`), a DeepEP
+    low-latency decode stays within its dispatch cap (`EngineLayout.check_dispatch`), DeepEP across
     nodes has EFA; the model volume fits a rollout node's local disk; env replicas fit the env-cpu
-    pool's vCPUs at max_size; every image has a tag or digest; a GPU pool has GPUs; with a reward
+    pool's vCPUs at max_size; the engines serve unquantized weights, as the policy versions
+    are (`engine_quantization`); every image has a tag or digest; a GPU pool has GPUs; with a reward
     model, its pods fit a rollout-gpu node and their nodes fit the pool beside the rollout pods.
     """
     cfg, wl = plan.cfg, plan.wl
@@ -315,11 +349,24 @@ def check(plan: Plan) -> Plan:
     if not (wl.rollout.model_path or plan.run.model.path):
         raise WorkloadError("rollout.model_path: SGLang needs a checkpoint (HF id or directory); none given "
                             "and the run config's model.path is empty")
+    quantized = engine_quantization(plan)
+    if quantized:
+        # SGLang copies an update's tensors into the engine's parameters as they are: bf16 into
+        # fp8 ones, keeping the checkpoint's weight_scale_inv (default_weight_loader), so the
+        # engine would serve wrong weights without an error.
+        field, method = quantized
+        raise WorkloadError(
+            f"{field}: the rollout engines would serve {method} weights, but policy versions carry "
+            f"{plan.run.model.dtype} tensors without scales, which SGLang loads into {method} parameters under the "
+            "checkpoint's old scales; serve an unquantized copy of the base model (e.g. a bf16 conversion under "
+            "the run's bucket) and give its size as rollout.model_gib")
     layouts = {"run config rollout.engine": plan.engine}
     layouts.update({f"bench_rollout.profiles.{n}": lay for n, lay in plan.bench_layouts().items()})
+    smallest_gpu = min(s.gpu_memory_gib for s in roll.specs) if roll.gpu else 0
     for where, layout in layouts.items():
         try:
             layout.check(where)
+            layout.check_dispatch(smallest_gpu, where)
         except ValueError as e:
             raise WorkloadError(str(e)) from None
         if layout.nodes > 1 and layout.profile.kind == "ep-deepep" and not roll.efa:

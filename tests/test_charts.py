@@ -441,8 +441,10 @@ def test_charts_and_torchx_component_agree(prod):
     dep = prod.get("Deployment", "moerl-rollout")["spec"]["template"]["spec"]
     engine = next(c for c in dep["containers"] if c["name"] == "engine")
     assert engine["image"] == plan.images["rollout"]
-    model = plan.wl.rollout.model_path or plan.run.model.path
-    assert engine["command"] == engine_command("sglang", model, 30000, plan.gpus_per_rollout)
+    from charts8s.rollout import served_model_path
+
+    # the charts serve an s3:// base model from its local copy (tests/test_model_paths.py)
+    assert engine["command"] == engine_command("sglang", served_model_path(plan), 30000, plan.gpus_per_rollout)
     assert trainer_command(CLUSTER_CONFIG, 1, 8, 29500, True).startswith("torchrun ")
 
 

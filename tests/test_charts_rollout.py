@@ -1,6 +1,7 @@
 """The rollout engines as charts8s renders each engine profile (issue 14): the example workloads in
-charts8s/examples (DeepSeek-V3 on one and on two p5en nodes per engine with DeepEP, Qwen3-30B-A3B
-with SGLang's all-to-all, and the all-to-all vs DeepEP bench pair), synthesized for prod with the
+charts8s/examples (Qwen3-30B-A3B on one p5en node per engine with DeepEP and with SGLang's
+all-to-all, DeepSeek-V3 in bf16 on two nodes with DeepEP, and the all-to-all vs DeepEP bench
+pair), synthesized for prod with the
 p5en rollout override, then checked against
 
 - the LeaderWorkerSet CRD schema of the LWS version infra/ installs (tests/data) and, strictly,
@@ -52,7 +53,7 @@ class Example:
         return [d for d in self.docs if d["kind"] == kind]
 
 
-@pytest.fixture(scope="module", params=["dsv3-1node-deepep", "dsv3-2node-deepep", "qwen3-30b-a3b-1node-ep", "dsv3-ab"])
+@pytest.fixture(scope="module", params=["qwen3-30b-a3b-1node-deepep", "dsv3-2node-deepep", "qwen3-30b-a3b-1node-ep", "dsv3-ab"])
 def example(request, tmp_path_factory) -> Example:
     return Example(request.param, tmp_path_factory.mktemp(request.param))
 
@@ -146,20 +147,56 @@ def test_multi_node_engines_are_leader_worker_groups(example):
     spec = lws["spec"]
     t = spec["leaderWorkerTemplate"]
     assert spec["replicas"] == example.plan.rollout_replicas and t["size"] == lay.nodes
-    assert t["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert t["restartPolicy"] == "RecreateGroupAfterStart"  # the LWS v0.10 CRD's enum has it (validated above)
     assert spec["startupPolicy"] == "LeaderCreated"  # the leader is ready only once every rank joined
     leader, worker = t["leaderTemplate"]["spec"], t["workerTemplate"]["spec"]
-    assert [c["name"] for c in leader["containers"]] == ["engine", "worker"]
-    assert [c["name"] for c in worker["containers"]] == ["engine"]
+    # nothing that restarts on its own in a group's pods: LWS recreates the group on any container
+    # restart; the rollout worker is a StatefulSet of its own
+    assert [c["name"] for c in leader["containers"]] == ["engine", "fetcher"]
+    assert [c["name"] for c in worker["containers"]] == ["engine", "fetcher"]
     assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(engine_of(leader))
     assert not {"startupProbe", "readinessProbe", "livenessProbe"} & set(engine_of(worker))  # rank >= 1: no HTTP
     cmd = engine_of(worker)["command"]
     assert cmd[cmd.index("--node-rank") + 1] == "$(LWS_WORKER_INDEX)"
     assert cmd[cmd.index("--dist-init-addr") + 1].startswith("$(LWS_LEADER_ADDRESS):")
-    # group peers reach each other (rendezvous, NCCL bootstrap); nobody else gets in
+    (sts,) = [d for d in example.kind("StatefulSet") if d["metadata"]["name"] == "moerl-rollout-worker"]
+    assert sts["spec"]["replicas"] == example.plan.rollout_replicas
+    (wc,) = sts["spec"]["template"]["spec"]["containers"]
+    # worker pod i drives group i: its engine URL and group name are LWS's leader address of group i
+    env = {"POD_INDEX": "3"}
+    expand = [a.replace("$(POD_INDEX)", env["POD_INDEX"]) for a in wc["command"]]
+    addr = f"moerl-rollout-3.moerl-rollout.{example.cfg.namespace}"
+    assert expand[expand.index("--engine-group") + 1] == addr
+    assert expand[expand.index("--engine-url") + 1] == f"http://{addr}:{example.plan.wl.rollout.engine_port}"
+    assert {"name": "POD_INDEX", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}} in wc["env"]
+    for pod in (leader, worker):
+        (fetcher,) = [c for c in pod["containers"] if c["name"] == "fetcher"]
+        f = fetcher["command"]
+        assert f[f.index("--engine") + 1] == "$(LWS_LEADER_ADDRESS)" and f[f.index("--index") + 1] == "$(LWS_WORKER_INDEX)"
+        assert ("--marker" in f) == (pod is leader)
+    # group peers reach each other (rendezvous, NCCL bootstrap), the workers reach the engine port
     (np,) = [d for d in example.kind("NetworkPolicy") if d["metadata"]["name"] == "moerl-rollout"]
-    (rule,) = np["spec"]["ingress"]
-    assert rule["from"] == [{"podSelector": {"matchLabels": lws["metadata"]["labels"]}}]
+    peers, workers = np["spec"]["ingress"][:2]
+    assert peers["from"] == [{"podSelector": {"matchLabels": lws["metadata"]["labels"]}}]
+    assert workers["from"] == [{"podSelector": {"matchLabels": sts["spec"]["template"]["metadata"]["labels"]}}]
+    assert workers["ports"] == [{"protocol": "TCP", "port": example.plan.wl.rollout.engine_port}]
+
+
+def test_the_startup_probe_allows_for_the_models_load_and_download(example):
+    """The leader's startup budget covers the checkpoint read from the node's disk, kernel JIT and
+    graph capture, and a Hub model's own download (30 minutes was less than a DeepSeek-V3 first boot)."""
+    wl = example.plan.wl.rollout
+    need = wl.boot_s + wl.model_gib / wl.load_gib_per_s
+    if not (wl.model_path or "").startswith(("s3://", "/")):
+        need += wl.model_gib / wl.download_gib_per_s
+    leaders = [pod for name, role, pod in engine_pods(example) if role == "leader" and name == "moerl-rollout"]
+    for pod in leaders:
+        probe = engine_of(pod)["startupProbe"]
+        allowed = probe["periodSeconds"] * probe["failureThreshold"]
+        assert need <= allowed < need + probe["periodSeconds"]
+    if wl.model_gib >= 600:
+        assert all(engine_of(p)["startupProbe"]["periodSeconds"] * engine_of(p)["startupProbe"]["failureThreshold"]
+                   > 1800 for p in leaders)
 
 
 def test_deepep_pods_get_efa_hugepages_and_nvshmem(example):
@@ -254,13 +291,17 @@ def test_checkov_passes_on_the_multi_node_and_bench_manifests(tmp_path):
 
 @pytest.mark.parametrize("env", ["dev", "staging", "prod"])
 def test_the_default_rollout_engine_command_parses_with_sglang_arguments(env):
-    from charts8s.rollout import engine_container
+    from app.model.source import store_copy_dir
+    from charts8s.rollout import BASE_MODEL_DIR, engine_container
 
     plan = load_workloads(load_config(env))
     cmd = engine_container(plan, plan.engine, leader=True)["command"]
     ns = parse_launch_server(cmd)
     assert ns.tp_size == plan.gpus_per_rollout and ns.moe_a2a_backend == "none" and ns.nnodes == 1
-    assert ns.model_path == (plan.wl.rollout.model_path or plan.run.model.path) and ns.port == plan.wl.rollout.engine_port
+    base = plan.wl.rollout.model_path or plan.run.model.path
+    # an s3:// base model is served from the copy the pod's init container fetched (tests/test_model_paths.py)
+    local = str(store_copy_dir(base, BASE_MODEL_DIR)) if base.startswith("s3://") else base
+    assert ns.model_path == local and ns.port == plan.wl.rollout.engine_port
 
 
 def test_the_worker_serves_the_port_its_podmonitor_scrapes(example):
@@ -271,16 +312,22 @@ def test_the_worker_serves_the_port_its_podmonitor_scrapes(example):
     from charts8s.placement import labels
 
     assert "moerl-rollout" in SCRAPED
-    # The run's engines (the bench pair's engines are driven by the bench Jobs, without a worker).
+    # The run's engines (the bench pair's engines are driven by the bench Jobs, without a worker);
+    # multi-node engines' workers are the moerl-rollout-worker StatefulSet, scraped as a role of its own.
     leaders = [pod for name, role, pod in engine_pods(example) if name == "moerl-rollout" and role == "leader"]
     assert leaders
+    if example.plan.engine.nodes > 1:
+        assert "moerl-rollout-worker" in SCRAPED
+        leaders = [d["spec"]["template"]["spec"] for d in example.kind("StatefulSet")
+                   if d["metadata"]["name"] == "moerl-rollout-worker"]
     for pod in leaders:
         (worker,) = [c for c in pod["containers"] if c["name"] == "worker"]
         assert worker["ports"] == [metrics_port()]
         cmd = worker["command"]
         assert cmd[cmd.index("--metrics-port") + 1] == str(METRICS_PORT)
     templates = [d["spec"]["template"] for d in example.kind("Deployment") if d["metadata"]["name"] == "moerl-rollout"]
-    templates += [d["spec"]["leaderWorkerTemplate"]["leaderTemplate"] for d in example.kind("LeaderWorkerSet")
-                  if d["metadata"]["name"] == "moerl-rollout"]
     for t in templates:
         assert labels("moerl-rollout").items() <= t["metadata"]["labels"].items()
+    for d in example.kind("StatefulSet"):
+        if d["metadata"]["name"] == "moerl-rollout-worker":
+            assert labels("moerl-rollout-worker").items() <= d["spec"]["template"]["metadata"]["labels"].items()

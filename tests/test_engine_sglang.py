@@ -21,6 +21,7 @@ from app.envs.tokenizer import BOS_ID
 from app.rollout import probe
 from app.rollout.engine_client import EngineClient, decode_routed_experts
 from app.rollout.engine_server import Engine, create_app, load_checkpoint
+from app.rollout.engine_weight_sync import NOT_FLUSHED
 from app.rollout.sampler import RoutingCapture, SamplingParams
 from helpers import tiny_moe_checkpoint
 
@@ -128,17 +129,24 @@ def test_every_update_reloads_and_a_paused_engine_swaps_at_once(ckpts):
         held = asyncio.create_task(engine.submit([[BOS_ID, 6]], [LONG]))
         await until(lambda: engine.live_rows == 1)
         await c.pause_generation("in_place")
+        # SGLang's default flush after the load is refused while the row is held: the call
+        # fails with the new weights in and the version not taken
+        flushed = await c.update_weights_from_disk(str(ckpts[0]), 9)
+        version_after_refusal = engine.weight_version
         t0 = time.monotonic()
-        ok4, _ = await c.update_weights_from_disk(str(ckpts[1]), 3)
+        ok4, _ = await c.update_weights_from_disk(str(ckpts[1]), 3, flush_cache=False)
         swap_s = time.monotonic() - t0
         still_live = not held.done()
         await c.continue_generation()
         (_, held_version), = await held
-        return ok1, ok2, loads, ok3, out, version, ok4, swap_s, still_live, held_version
+        return (ok1, ok2, loads, ok3, out, version, ok4, swap_s, still_live, held_version, flushed,
+                version_after_refusal)
 
-    ok1, ok2, loads, ok3, out, version, ok4, swap_s, still_live, held_version = with_engine(ckpts[0], body)
+    (ok1, ok2, loads, ok3, out, version, ok4, swap_s, still_live, held_version, flushed,
+     version_after_refusal) = with_engine(ckpts[0], body)
     assert ok1 and ok2 and loads == 2
     assert ok3 and len(out.token_ids) == LONG.max_new_tokens and version == "1"  # finished before the swap
+    assert flushed == (False, NOT_FLUSHED) and version_after_refusal == "2"
     assert ok4 and still_live and held_version == "3" and swap_s < 30
 
 

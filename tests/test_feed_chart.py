@@ -26,6 +26,10 @@ def _synth(tmp_path: Path, run: str | None = None, text: str = "") -> tuple:
     return plan, docs
 
 
+from app.model.source import store_copy_dir  # noqa: E402
+from charts8s.rollout import BASE_MODEL_DIR  # noqa: E402
+
+
 def _get(docs, kind, name):
     (d,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
     return d
@@ -41,7 +45,12 @@ def test_feed_pod_with_evaluation_has_its_engine_on_a_rollout_node(tmp_path):
     feed, engine = pod["containers"]
     assert feed["command"] == ["moerl", "feed", "--config", CLUSTER_CONFIG, "--run-dir", "/models/feed",
                                "--when-done", "idle", "--engine-url", "http://127.0.0.1:30000"]
-    assert engine["command"] == engine_command("sglang", plan.run.model.path, 30000, plan.gpus_per_rollout)
+    # an s3:// base model: served from the copy the pod's init container fetches first
+    assert plan.run.model.path.startswith("s3://")
+    served = str(store_copy_dir(plan.run.model.path, BASE_MODEL_DIR))
+    assert engine["command"] == engine_command("sglang", served, 30000, plan.gpus_per_rollout)
+    (init,) = pod["initContainers"]
+    assert init["command"] == ["python3", "-m", "app.model.source", plan.run.model.path, "--cache-dir", BASE_MODEL_DIR]
     assert int(engine["resources"]["limits"]["nvidia.com/gpu"]) == plan.feed_gpus == plan.gpus_per_rollout
     # a weight load blocks /health_generate: liveness must not depend on it; startup may
     assert "/health_generate" not in " ".join(engine["livenessProbe"]["exec"]["command"])

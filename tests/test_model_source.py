@@ -214,3 +214,20 @@ def test_the_trainer_starts_from_an_s3_model_path(s3_model, hf_dir, tmp_path, re
     got = {k: v for f in v0.glob("*.safetensors") for k, v in load_file(f).items()}
     want = {k: v for f in hf_dir.glob("*.safetensors") for k, v in load_file(f).items()}
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_init_container_command_fetches_into_the_path_sglang_is_given(s3_model, hf_dir, tmp_path):
+    """`python3 -m app.model.source PATH --cache-dir DIR` (the engine pods' init container)
+    downloads into `store_copy_dir` (the --model-path charts8s renders) and prints it; a prefix
+    that holds no model ends in one error line on stderr and exit 2."""
+    from app.model.source import store_copy_dir
+
+    cache = tmp_path / "base"
+    run = [sys.executable, "-m", "app.model.source", s3_model, "--cache-dir", str(cache)]
+    got = subprocess.run(run, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert got.returncode == 0, got.stderr
+    assert Path(got.stdout.strip()) == store_copy_dir(s3_model, cache)
+    assert _files(store_copy_dir(s3_model, cache)) == _files(hf_dir)
+    bad = subprocess.run(run[:3] + [s3_model + "-none", "--cache-dir", str(cache)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.splitlines()[-1].startswith("app.model.source: model.path")

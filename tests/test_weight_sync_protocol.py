@@ -400,6 +400,9 @@ def test_a_prepare_during_a_version_check_waits_for_the_weights_lock():
         async def pause_generation(self, mode):
             pass
 
+        async def flush_until(self, within_s):
+            return True
+
         async def continue_generation(self):
             pass
 

@@ -463,12 +463,15 @@ class UnansweredUpdates(EngineClient):
         self.polls += 1
         return 1 if self.loaded_after is not None and self.polls >= self.loaded_after else 0
 
-    async def update_weights_from_disk(self, model_path, weight_version=None, *, timeout_s=None):
+    async def update_weights_from_disk(self, model_path, weight_version=None, *, timeout_s=None, **body):
         self.updates += 1
         raise EngineError("POST /update_weights_from_disk failed: ReadTimeout", None, timed_out=True)
 
     async def pause_generation(self, mode="abort"):
         pass
+
+    async def flush_cache(self):
+        return True
 
     async def continue_generation(self):
         pass

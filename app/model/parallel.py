@@ -12,6 +12,7 @@ import ctypes
 import importlib.metadata
 import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -167,6 +168,33 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
 _logged_auto = False
 
 
+def deepep_gin_env(ep: int, ranks_per_node: int) -> dict[str, str]:
+    """The trainer's environment for DeepEP by layout: ``EP_DISABLE_GIN=1`` when every EP group
+    lies within one node, else nothing.
+
+    EP is the innermost dimension of the trainer's mesh (app/layout.py: ``[dp_replicate,
+    efsdp, ep]``) and torchrun numbers a node's ranks consecutively, so the EP groups are
+    node-local exactly when ``ep`` divides the ranks per node. DeepEP then moves tokens over
+    NVLink only; the sgl-deep-ep 0.1.2.post1 buffer otherwise asserts that NCCL has a GIN
+    backend for more than one rank ("NCCL GIN is unavailable ...", unless EP_DISABLE_GIN is set
+    in its ``_C`` extension), which NCCL 2.30.7 between p5en GPUs does not give, so `auto` would
+    fall back to all-to-all. Across nodes GIN is what DeepEP uses: not disabled.
+    """
+    return {"EP_DISABLE_GIN": "1"} if ep > 1 and ranks_per_node % ep == 0 else {}
+
+
+def gin_note(ep: int, ranks_per_node: int | None = None) -> str:
+    """Why DeepEP does or does not need NCCL GIN for EP groups of ``ep`` ranks (for `auto`'s
+    log line); ``ranks_per_node`` defaults to torchrun's LOCAL_WORLD_SIZE."""
+    per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", ep))
+    disabled = os.environ.get("EP_DISABLE_GIN", "0") not in ("", "0")
+    if per_node % ep == 0:
+        return (f"EP groups of {ep} ranks within a node (NVLink): NCCL GIN "
+                + ("disabled (EP_DISABLE_GIN=1)" if disabled else "not disabled: set EP_DISABLE_GIN=1"))
+    return (f"EP groups of {ep} ranks span nodes of {per_node}: DeepEP needs NCCL GIN"
+            + (", but EP_DISABLE_GIN is set" if disabled else ""))
+
+
 def init_ep(cfg: ParallelConfig, group: dist.ProcessGroup | None = None, hidden_size: int | None = None) -> EPContext:
     """Resolve the EP part of ``trainer.parallel`` into an EPContext.
 
@@ -224,7 +252,8 @@ def init_ep(cfg: ParallelConfig, group: dist.ProcessGroup | None = None, hidden_
             if not _logged_auto:
                 _logged_auto = True
                 if reason:
-                    log.warning("trainer.parallel.ep_backend=auto: using alltoall because %s", reason)
+                    log.warning("trainer.parallel.ep_backend=auto: using alltoall because %s (%s)", reason,
+                                gin_note(size))
                 else:
-                    log.info("trainer.parallel.ep_backend=auto: using deepep")
+                    log.info("trainer.parallel.ep_backend=auto: using deepep (%s)", gin_note(size))
     return EPContext(group=group, rank=rank, size=size, backend=backend)

@@ -126,14 +126,40 @@ def _check_files(path: str, names: set[str], where: str) -> None:
         )
 
 
+def store_copy_dir(url: str, cache_dir: str | os.PathLike) -> Path:
+    """Where `resolve_model_path` keeps the copy of ``s3://bucket/prefix`` under ``cache_dir``
+    (known before the download: charts8s points SGLang's ``--model-path`` at it)."""
+    if not url.startswith("s3://"):
+        raise ValueError(f"model.path {url!r}: not an s3:// prefix")
+    return Path(cache_dir) / "s3" / quote(url.rstrip("/")[len("s3://"):], safe="")
+
+
+def config_source(path: str, cache_dir: str | os.PathLike) -> str:
+    """What ``transformers.AutoConfig.from_pretrained`` can read ``model.path``'s config.json
+    from without fetching the weights: for ``s3://bucket/prefix``, a directory under
+    ``cache_dir`` holding only that file (downloaded once); else the path itself (a local
+    directory, or a Hub id whose config the Hub client fetches alone)."""
+    if not path.startswith("s3://"):
+        return path
+    from app.storage import open_store
+
+    dest = Path(cache_dir) / "s3-config" / quote(path.rstrip("/")[len("s3://"):], safe="")
+    if not (dest / "config.json").is_file():
+        dest.mkdir(parents=True, exist_ok=True)
+        data = open_store(path.rstrip("/")).get_bytes("config.json")
+        tmp = dest / f".config.json.{uuid.uuid4().hex[:8]}"
+        tmp.write_bytes(data)
+        os.replace(tmp, dest / "config.json")
+    return str(dest)
+
+
 def _from_store(url: str, cache_dir: Path) -> Path:
     from botocore.exceptions import BotoCoreError, ClientError
 
     from app.storage import open_store
 
     url = url.rstrip("/")
-    bucket_and_prefix = url[len("s3://"):]
-    dest = cache_dir / "s3" / quote(bucket_and_prefix, safe="")
+    dest = store_copy_dir(url, cache_dir)
     with _HostLock(url, cache_dir):
         if dest.is_dir():  # only a finished download is ever renamed to dest
             return dest
@@ -176,3 +202,28 @@ def _from_hub(repo_id: str, cache_dir: Path) -> Path:
             ) from None
     _check_files(repo_id, {p.name for p in snapshot.iterdir()}, f"Hub snapshot {snapshot}")
     return snapshot
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python3 -m app.model.source PATH --cache-dir DIR``: fetch ``model.path`` PATH (see
+    `resolve_model_path`) into DIR and print the local directory; one line on stderr and exit
+    2 when it cannot be had. The rollout pods' init container runs it on every node of an
+    engine, so that SGLang loads a local directory (charts8s/rollout.py)."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python3 -m app.model.source", description=main.__doc__.splitlines()[0])
+    p.add_argument("path")
+    p.add_argument("--cache-dir", required=True)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        print(resolve_model_path(args.path, args.cache_dir), flush=True)
+    except (OSError, ValueError) as e:
+        print(f"app.model.source: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -23,6 +23,29 @@ LWS_WORKER_INDEX = "$(LWS_WORKER_INDEX)"
 LWS_GROUP_SIZE = "$(LWS_GROUP_SIZE)"
 
 
+# SGLang 0.5.23 ``srt/environ.py``: SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK's default,
+# and DeepEP's low-latency bound on it (``token_dispatcher/deepep.py`` asserts <= 1024).
+DEEPEP_DEFAULT_DISPATCH_TOKENS = 128
+DEEPEP_MAX_DISPATCH_TOKENS = 1024
+NVSHMEM_QP_DEPTH_DEFAULT = 1024  # ``token_dispatcher/deepep.py`` _NVSHMEM_QP_DEPTH_DEFAULT
+
+
+def default_decode_graph_bs(gpu_memory_gib: float, tp_size: int) -> int:
+    """SGLang 0.5.23's default decode CUDA-graph batch per rank by GPU memory
+    (``arg_groups/memory_hook.py`` ``handle_gpu_memory_settings``), before it is capped by
+    ``--max-running-requests``."""
+    mib = gpu_memory_gib * 1024
+    if mib < 20 * 1024:
+        return 8
+    if mib < 35 * 1024:
+        return 48 if tp_size < 4 else 160
+    if mib < 60 * 1024:
+        return 32 if tp_size < 4 else 160
+    if mib < 160 * 1024:
+        return 256 if tp_size < 4 else 512
+    return 512
+
+
 @dataclass(frozen=True)
 class EngineLayout:
     """An `EngineProfile` resolved against the GPUs of one node.
@@ -55,6 +78,74 @@ class EngineLayout:
     @property
     def a2a_backend(self) -> str | None:
         return {"tp": None, "ep": "none", "ep-deepep": "deepep"}[self.profile.kind]
+
+    @property
+    def low_latency(self) -> bool:
+        """DeepEP's low-latency kernels run the decode (``--deepep-mode`` auto or low_latency)."""
+        return self.profile.kind == "ep-deepep" and self.profile.deepep_mode in ("auto", "low_latency")
+
+    @property
+    def max_running_requests(self) -> int | None:
+        """``--max-running-requests``: the profile's, or for DeepEP low latency its in-flight
+        default (SGLang splits it over the attention-DP ranks)."""
+        if self.profile.max_running_requests or not self.low_latency:
+            return self.profile.max_running_requests
+        return self.profile.default_inflight_sequences()
+
+    @property
+    def decode_graph_bs(self) -> int | None:
+        """``--cuda-graph-max-bs-decode``: the profile's, or for DeepEP low latency the
+        requests one attention-DP rank runs at most."""
+        if self.profile.cuda_graph_max_bs or not self.low_latency:
+            return self.profile.cuda_graph_max_bs
+        return max(1, self.max_running_requests // self.profile.attn_dp_size)
+
+    @property
+    def dispatch_tokens(self) -> int:
+        """SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK (ep-deepep): the profile's, else the
+        decode graph batch per rank, at least SGLang's default."""
+        return self.profile.deepep_max_dispatch_tokens or max(DEEPEP_DEFAULT_DISPATCH_TOKENS, self.decode_graph_bs or 0)
+
+    def decode_tokens_per_rank(self, gpu_memory_gib: float) -> int:
+        """Tokens one rank dispatches in its largest decode step as SGLang 0.5.23 resolves the
+        command (one token per request, no speculative decoding): the decode CUDA-graph batch
+        (``--cuda-graph-max-bs-decode``, else the GPU-memory default capped by
+        ``--max-running-requests``), no more than that rank's share of the running requests."""
+        bs = self.decode_graph_bs
+        mrr = self.max_running_requests
+        if bs is None:
+            bs = default_decode_graph_bs(gpu_memory_gib, self.tp_size)
+            if mrr is not None:
+                bs = min(bs, mrr)
+        if mrr is not None:
+            bs = min(bs, max(1, mrr // self.profile.attn_dp_size))
+        return bs
+
+    def engine_env(self) -> dict[str, str]:
+        """Environment of the engine's SGLang processes for this layout: for DeepEP low latency
+        the dispatch cap and NVSHMEM's queue-pair depth (SGLang raises it to
+        ``max(1024, 2 * (cap + 1))`` itself; written out so the pod spec says what runs)."""
+        if not self.low_latency:
+            return {}
+        cap = self.dispatch_tokens
+        return {"SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": str(cap),
+                "NVSHMEM_QP_DEPTH": str(max(NVSHMEM_QP_DEPTH_DEFAULT, 2 * (cap + 1)))}
+
+    def check_dispatch(self, gpu_memory_gib: float, where: str = "rollout.engine") -> None:
+        """Raise ValueError naming the field when a DeepEP low-latency decode can send more
+        tokens per rank than the dispatch cap (SGLang 0.5.23 checks this for deepep_v2 only:
+        ``arg_groups/moe_hook.py`` ``validate_deepep_v2_dispatch_token_budget``; for deepep
+        nothing clamps it) or the cap exceeds DeepEP's bound."""
+        if not self.low_latency:
+            return
+        tokens, cap = self.decode_tokens_per_rank(gpu_memory_gib), self.dispatch_tokens
+        if cap > DEEPEP_MAX_DISPATCH_TOKENS:
+            raise ValueError(f"{where}: {cap} dispatch tokens per rank exceed DeepEP's low-latency bound of "
+                             f"{DEEPEP_MAX_DISPATCH_TOKENS}; lower max_running_requests or cuda_graph_max_bs")
+        if tokens > cap:
+            raise ValueError(f"{where}.deepep_max_dispatch_tokens={cap}: a decode step sends up to {tokens} tokens per "
+                             "rank (cuda_graph_max_bs, and max_running_requests over attn_dp_size); raise it "
+                             "(SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK) or lower those")
 
     def check(self, where: str = "rollout.engine") -> None:
         """Raise ValueError naming the field when the profile cannot run on these GPUs.
@@ -114,7 +205,8 @@ def sglang_command(
     if p.enable_dp_lm_head:
         cmd.append("--enable-dp-lm-head")
     for flag, value in (("--moe-dense-tp-size", p.moe_dense_tp_size), ("--moe-runner-backend", p.moe_runner_backend),
-                        ("--max-running-requests", p.max_running_requests),
+                        ("--max-running-requests", layout.max_running_requests),
+                        ("--cuda-graph-max-bs-decode", layout.decode_graph_bs),
                         ("--chunked-prefill-size", p.chunked_prefill_size),
                         ("--mem-fraction-static", p.mem_fraction_static)):
         if value is not None:

@@ -22,7 +22,8 @@ docs "SGLang Native APIs"):
   message}, HTTP 400 when success is false; none is ever retried (a join or a receive waits for
   the trainer's side of a collective: sending it twice would wait for a broadcast that never comes);
 - ``/pause_generation`` {mode: abort | retract | in_place} (``{}`` means abort),
-  ``/continue_generation``, ``/flush_cache``, ``/health_generate`` (SGLang waits while paused and
+  ``/continue_generation``, ``/flush_cache`` (HTTP 400 when refused: a request running or
+  queued), ``/health_generate`` (SGLang waits while paused and
   answers 503 after 20 s), ``/model_info`` (``/get_model_info`` is SGLang's deprecated alias).
 
 Transient failures (connection errors, timeouts, HTTP 5xx) are retried with exponential backoff
@@ -215,7 +216,7 @@ class EngineClient:
     async def generate(
         self, prompt: list[int] | list[list[int]] | str, *, n: int = 1, max_new_tokens: int = 128,
         temperature: float = 1.0, top_p: float = 1.0, stop_token_ids: list[int] | None = None,
-        return_logprob: bool = True, return_routed_experts: bool = False,
+        return_logprob: bool = True, return_routed_experts: bool = False, routed_experts_start_len: int = 0,
     ) -> list[GenOutput]:
         """Generate ``n`` completions of each prompt in one request.
 
@@ -223,6 +224,8 @@ class EngineClient:
             prompt: one prompt's token ids, a batch of them, or one prompt as text (the server
                 tokenizes it).
             return_routed_experts: ask for ``meta_info.routed_experts`` (see the module doc).
+            routed_experts_start_len: the first position they cover (SGLang ``GenerateReqInput``:
+                rows ``[start, prompt + completion - 1)``, start in ``[0, prompt tokens]``).
 
         Returns:
             ``len(prompts) * n`` outputs, input-major (prompt i, sample j at ``i * n + j``).
@@ -245,6 +248,8 @@ class EngineClient:
         body.update(sampling_params=sp, return_logprob=return_logprob)
         if return_routed_experts:
             body["return_routed_experts"] = True
+            if routed_experts_start_len:
+                body["routed_experts_start_len"] = int(routed_experts_start_len)
         r = await self._request("POST", "/generate", json=body)
         data = r.json()
         items = data if isinstance(data, list) else [data]
@@ -253,13 +258,24 @@ class EngineClient:
         return [parse_generate_item(it) for it in items]
 
     async def update_weights_from_disk(
-        self, model_path: str, weight_version: int | None = None, *, timeout_s: float | None = None
+        self, model_path: str, weight_version: int | None = None, *, timeout_s: float | None = None,
+        flush_cache: bool | None = None, load_format: str | None = "auto",
     ) -> tuple[bool, str]:
         """Ask the engine to load ``model_path`` and report ``weight_version`` (sent as a string).
 
         Sent once, never retried: SGLang reloads (and flushes) on every call, and a load the
         client gave up waiting for goes on in the server. After an `EngineError` ask
         `weight_version` before sending it again.
+
+        Args:
+            flush_cache: sent when not None (SGLang's default is true: flush after the load,
+                failing the call if a request is running or queued); the worker flushes
+                before the update instead (`flush_cache`) and sends false.
+            load_format: sent when not None; "auto" (the default) loads a Hugging Face
+                safetensors directory, which every policy version is. SGLang fills a missing
+                one with the format the server started with (``--load-format`` as resolved
+                from ``--model-path``: an ``s3://`` path resolves to ``runai_streamer``, whose
+                loader cannot update from disk: "Failed to get model loader").
 
         Returns:
             (success, message) as the engine answered (a failed load is ``success == False``:
@@ -271,6 +287,10 @@ class EngineClient:
         body: dict[str, Any] = {"model_path": model_path}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
+        if flush_cache is not None:
+            body["flush_cache"] = bool(flush_cache)
+        if load_format is not None:
+            body["load_format"] = load_format
         r = await self._request(
             "POST", "/update_weights_from_disk", json=body, ok_statuses=(200, 400), timeout_s=timeout_s, retries=0,
         )
@@ -350,9 +370,27 @@ class EngineClient:
         await self._request("POST", "/continue_generation", json={})
 
     async def flush_cache(self) -> bool:
-        """Drop the prefix cache; False when the server refused (requests in flight)."""
+        """Drop the prefix cache; False when the server refused (a request running, or queued
+        while not paused: SGLang ``Scheduler.flush_cache``). Never deferred (SGLang's
+        ``?timeout=`` waits for the waiting line too, which a paused engine never empties)."""
         r = await self._request("POST", "/flush_cache", ok_statuses=(200, 400))
         return r.status_code == 200
+
+    async def flush_until(self, within_s: float, every_s: float = 1.0) -> bool:
+        """`flush_cache`, retried every ``every_s`` while refused, for at most ``within_s``
+        seconds (what Miles and slime do after pausing, before a weight update: 60 tries a
+        second apart). True once flushed; False if still refused at the end.
+
+        Raises:
+            EngineError: the engine did not answer (after the client's retries).
+        """
+        deadline = time.monotonic() + within_s
+        while True:
+            if await self.flush_cache():
+                return True
+            if time.monotonic() + every_s > deadline:
+                return False
+            await asyncio.sleep(every_s)
 
     async def health_generate(self, timeout_s: float = 30.0) -> bool:
         """True when the engine generates a token within ``timeout_s`` (no retries)."""

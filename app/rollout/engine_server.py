@@ -17,7 +17,8 @@ so that `app.rollout.engine_client.EngineClient` serves this engine and a real S
   ``weight_version`` (a string), with return_logprob ``output_token_logprobs``: [logprob,
   token_id, None], with return_routed_experts ``routed_experts``: base64 of the int32 ids
   ``[prompt + completion - 1 - start, layers, top_k]``}. Errors: HTTP 400 ``{"error": {"message": ...}}``.
-- ``POST /update_weights_from_disk`` {``model_path``, ``weight_version`` (string)?}:
+- ``POST /update_weights_from_disk`` {``model_path``, ``weight_version`` (string)?,
+  ``load_format`` (null, auto or safetensors)?, ``flush_cache`` (default true)?}:
   ``{success, message, num_paused_requests}``, HTTP 400 when success is false. Every call
   reloads the checkpoint (as SGLang); a failed load leaves the previous weights serving.
 - The weight-update group (SGLang's ``io_struct`` request types; app/rollout/engine_weight_sync.py):
@@ -31,7 +32,8 @@ so that `app.rollout.engine_client.EngineClient` serves this engine and a real S
   progress, 503 after ``--health-check-timeout`` (20 s) without: so 503 while paused, as SGLang.
   ``GET /health`` is the same unless ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false``.
 - ``POST /pause_generation`` {``mode``: abort (default, as SGLang) | retract | in_place} (see
-  `Engine`), ``POST /continue_generation``, ``POST /flush_cache`` (no prefix cache here),
+  `Engine`), ``POST /continue_generation``, ``POST /flush_cache`` (``?timeout=``; no prefix cache
+  here, but refused as SGLang refuses it: a live row, or a waiting one while not paused),
   ``GET /model_info`` (``/get_model_info``: deprecated alias that logs a warning, as SGLang),
   ``GET /get_weight_version`` and ``/weight_version``, ``GET /server_info`` (batching counters).
 
@@ -214,6 +216,7 @@ class EngineStats:
     failed_weight_loads: int = 0
     aborted: int = 0  # sequences ended by a pause in mode abort
     retracted: int = 0  # sequences put back in the queue by a pause in mode retract
+    flushes_refused: int = 0  # /flush_cache (or an update's flush) refused: a request ran or queued
 
 
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -441,12 +444,30 @@ class Engine:
         self.paused = False
         self._poke()
 
-    async def update_weights(self, model_path: str, weight_version: str | None) -> tuple[bool, str]:
+    def idle(self, ignore_waiting: bool) -> bool:
+        """SGLang's ``Scheduler.is_fully_idle``: no live row and, unless ``ignore_waiting``,
+        nobody waiting."""
+        return not len(self.batch) and (ignore_waiting or not any(not x.future.done() for x in self.waiting))
+
+    def flush_cache(self) -> bool:
+        """SGLang's ``Scheduler.flush_cache``: refused (False) unless idle, the waiting line
+        ignored while paused (``is_fully_idle(ignore_waiting=paused)``). There is no prefix
+        cache here; the refusal is what a worker must cope with."""
+        if self.idle(ignore_waiting=self.paused):
+            return True
+        self.stats.flushes_refused += 1
+        return False
+
+    async def update_weights(self, model_path: str, weight_version: str | None,
+                             flush_cache: bool = True) -> tuple[bool, str]:
         """Load a checkpoint and swap it in; on failure keep the previous weights.
 
         The new checkpoint is read while generation goes on; then (unless paused) admission
         stops and the live rows finish on the old weights before the swap. Every call loads
-        the checkpoint again, as SGLang does.
+        the checkpoint again, as SGLang does. With ``flush_cache`` (SGLang's default) the
+        cache is flushed after the swap; a refused flush (rows held by an in_place pause)
+        fails the call with the new weights already serving and ``weight_version`` not taken
+        (SGLang ``SchedulerWeightUpdaterManager.flush_cache_after_weight_update``).
 
         Returns:
             (success, message).
@@ -475,8 +496,6 @@ class Engine:
                 self.loaded = new
                 if self.capture_routing:
                     self.capture = capture
-                if version is not None:
-                    self.weight_version = version
                 # Rows held by an in_place pause continue on the new weights (as in SGLang).
                 old = self.batch
                 self.batch = self._new_batch()
@@ -484,6 +503,11 @@ class Engine:
                     old.model, old.capture = new.model, self.capture
                     self.batch = old
                 self.stats.weight_loads += 1
+                if flush_cache and len(self.batch):
+                    self.stats.flushes_refused += 1
+                    return False, NOT_FLUSHED
+                if version is not None:
+                    self.weight_version = version
         finally:
             self.updates -= 1
             self._poke()
@@ -806,7 +830,13 @@ def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> Fa
         # SGLang's UpdateWeightFromDiskReqInput.weight_version is Optional[str].
         if version is not None and not isinstance(version, str):
             return refuse(f"weight_version must be a string, got {version!r}")
-        ok, message = await engine.update_weights(body["model_path"], version)
+        if body.get("load_format") not in (None, "auto", "safetensors"):  # what this engine reads
+            return refuse(f"Failed to get model loader for load_format {body.get('load_format')!r}: this engine "
+                          "loads Hugging Face safetensors directories (auto)")
+        flush = body.get("flush_cache", True)
+        if not isinstance(flush, bool):
+            return refuse(f"flush_cache must be true or false, got {flush!r}")
+        ok, message = await engine.update_weights(body["model_path"], version, flush)
         return JSONResponse(
             {"success": ok, "message": message, "num_paused_requests": 0}, status_code=200 if ok else 400
         )
@@ -899,8 +929,15 @@ def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> Fa
         return Response(status_code=200 if ok else 503)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache():
-        return Response(content="Cache flushed.\n", status_code=200)
+    async def flush_cache(timeout: float = 0.0):
+        # SGLang's SchedulerFlushWrapper: timeout 0 flushes (or refuses) at once; > 0 waits up
+        # to that long for the engine to be idle, the waiting line included, then flushes.
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while timeout > 0 and not engine.idle(ignore_waiting=False) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if engine.flush_cache():
+            return Response(content="Cache flushed.\n", status_code=200)
+        return Response(content="Flush cache failed.\n", status_code=400)
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request):

@@ -10,7 +10,8 @@ the worker's generation, waits for its in-flight requests, pauses the engine
 (``rollout.pause_mode``) under the pause marker, acks ``ready``, and follows the trainer:
 join the group (``/init_weights_update_group``, after destroying its previous one), then
 ``/begin_weight_update``, one ``/update_weights_from_distributed`` per bucket (the version on
-the last), ``/end_weight_update``, ack ``done``, continue.
+the last, ``flush_cache`` false: the cache was flushed after the pause, before ``ready``, as
+Miles flushes before its pushes), ``/end_weight_update``, ack ``done``, continue.
 
 What the engine serves is never claimed: the worker's ``engine_version`` moves to N only on a
 complete push. A push that fails after it began leaves the engine's weights partly new
@@ -150,6 +151,13 @@ class PushMember:
                 w._mark_paused(self.cfg.ready_timeout_s + self.cfg.timeout_s + 30)
                 await w.client.pause_generation(w.r.pause_mode)
                 paused = True
+                # The cache goes before the weights change, as Miles does (the buckets then
+                # carry flush_cache false): a flush refused after a bucket would fail the push
+                # with the weights already changed. Refused within the ready budget: busy.
+                if not await w.client.flush_until(max(0.0, deadline - time.monotonic())):
+                    w.stats.flushes_refused += 1
+                    await self._board("ack", pid, w.worker_id, "busy")
+                    return
                 await self._board("ack", pid, w.worker_id, "ready", ranks=self.ranks, epoch=self.epoch)
                 if await self._follow(pid) == "dirty":
                     self.dirty = True
@@ -233,7 +241,7 @@ class PushMember:
                     await self._renew()
                     ok, message = await w.client.update_weights_from_distributed(
                         bucket["names"], bucket["dtypes"], bucket["shapes"], self.group_name,
-                        load_format=push.get("load_format"), flush_cache=last,
+                        load_format=push.get("load_format"), flush_cache=False,
                         weight_version=version if last else None, timeout_s=t)
                     if not ok:
                         message = f"bucket {k + 1}/{len(plan)}: {message}"
@@ -278,9 +286,11 @@ class PushMember:
                 return False
             version = int(current[0])
             path = await asyncio.to_thread(w._download, version)
-            w._mark_paused(w.r.weight_update_timeout_s + 60)
-            ok, message = await w.client.update_weights_from_disk(str(path), version,
-                                                                  timeout_s=w.r.weight_update_timeout_s)
+            w._mark_paused(w.r.weight_update_timeout_s + w.r.flush_timeout_s + 60)
+            ok, message = False, "the engine refused /flush_cache"
+            if await w.flush_paused_engine():
+                ok, message = await w.client.update_weights_from_disk(
+                    str(path), version, timeout_s=w.r.weight_update_timeout_s, flush_cache=False)
         except Exception as e:  # noqa: BLE001 - store, Redis or engine: retried while paused
             ok, message = False, repr(e)
         if not ok:

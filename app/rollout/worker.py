@@ -89,6 +89,7 @@ class WorkerStats:
     tasks_dropped: int = 0  # ... of which dropped after buffer.max_failures
     weight_updates: int = 0
     weight_update_failures: int = 0
+    flushes_refused: int = 0  # updates put off: the paused engine refused /flush_cache (weights untouched)
     pushes_received: int = 0  # versions that came over the network (app/rollout/weight_sync.py)
     pushes_failed: int = 0
     buffer_errors: int = 0
@@ -211,6 +212,11 @@ async def score_with_timeout(fn: ScoreFn, task: Task, completion: str, timeout_s
     return await pool.score(fn, task, completion, timeout_s)
 
 
+class GroupNotReady(RuntimeError):
+    """Not every pod of a multi-node engine holds the version yet (app/rollout/group.py): the
+    update waits for a later poll, the engine keeps serving what it has."""
+
+
 class EngineMisconfigured(ValueError):
     """The engine answers, but not as this run needs (e.g. no routed experts with
     ``rollout.routing_replay``): retrying cannot help, so the worker stops (its tasks go back)."""
@@ -233,12 +239,17 @@ class RolloutWorker:
             engine's probes (`app.rollout.probe`) read it, so a long load never fails them.
         metrics: an ``app.metrics.RunMetrics`` that gets the duration (s) of every disk weight
             update that succeeded; None: none recorded.
+        group: the `app.rollout.group.EngineGroup` of a multi-node engine this worker drives
+            from a pod of its own: the group's fetchers put each version on every node, the
+            worker asks for the update once all hold it, and records its pauses there (the
+            leader's fetcher keeps the probes' marker); None: the engine shares this worker's
+            disk and marker (one node, or the embedded loop).
     """
 
     def __init__(
         self, cfg: RunConfig, buffer: Any, client: EngineClient, worker_id: str, *,
         score_fn: ScoreFn | None = None, store: Any = None, max_groups: int | None = None,
-        pause_marker: str | os.PathLike | None = None, metrics: Any = None,
+        pause_marker: str | os.PathLike | None = None, metrics: Any = None, group: Any = None,
     ):
         self.cfg = cfg
         self.r = cfg.rollout
@@ -252,7 +263,13 @@ class RolloutWorker:
         self.metrics = metrics
         self.fatal: Exception | None = None  # set when the worker stopped on an EngineMisconfigured
         self.engine_version: int | None = None
-        self.cache_dir = Path(cfg.rollout.policy_cache_dir).resolve() / worker_id
+        self.group = group
+        if group is None:
+            self.cache_dir = Path(cfg.rollout.policy_cache_dir).resolve() / worker_id
+        else:  # the path on the engine's nodes (app/rollout/group.py), not on this pod
+            from app.rollout.group import group_cache_dir
+
+            self.cache_dir = group_cache_dir(cfg.rollout.policy_cache_dir, group.engine)
         self._stop = asyncio.Event()
         self._may_generate = asyncio.Event()  # cleared while weights are swapped
         self._may_generate.set()
@@ -268,7 +285,7 @@ class RolloutWorker:
         self.rewards = RewardPool(cfg.rollout.reward_threads)
         # A weight update whose answer never came: (version, when it may be sent again).
         self._unanswered_update: tuple[int, float] | None = None
-        self._routing_shape: tuple[int, int] | None = None  # (layers, top_k) of the served model
+        self._routing_shape: tuple[int, list[int], int] | None = None  # (layers, MoE layers, top_k) served
         # Held by whoever changes the engine's weights: the disk path or a network push.
         self.weights_lock = asyncio.Lock()
         # One thread for every buffer call: the buffer object is not assumed thread-safe.
@@ -355,6 +372,14 @@ class RolloutWorker:
 
     # -- policy versions -------------------------------------------------------------------
     def _download(self, version: int) -> Path:
+        """The local directory of policy ``version`` the engine can load: downloaded here, or,
+        for a multi-node engine, held by every pod of its group (raises `GroupNotReady` until then)."""
+        if self.group is not None:
+            missing = self.group.missing(version)
+            if missing:
+                raise GroupNotReady(f"engine {self.group.engine}: pod(s) {missing} of {self.group.size} do not "
+                                    f"hold policy v{version} yet")
+            return self.cache_dir / f"v{version}"
         from app.storage import open_store
         from app.storage.policy import download_policy
 
@@ -415,6 +440,9 @@ class RolloutWorker:
             return
         try:
             path = await asyncio.to_thread(self._download, version)
+        except GroupNotReady as e:
+            log.info("%s: %s; the engine stays at v%s", self.worker_id, e, self.engine_version)
+            return
         except Exception as e:  # noqa: BLE001 - retried at the next poll
             self.stats.weight_update_failures += 1
             log.warning("%s: download of policy v%d failed: %s", self.worker_id, version, e)
@@ -422,14 +450,18 @@ class RolloutWorker:
         # Let this worker's requests finish so that no sequence mixes two weight versions.
         self._may_generate.clear()
         timeout = self.r.weight_update_timeout_s
-        unanswered = False
+        unanswered = refused = False
         try:
             await self._idle.wait()
-            self._mark_paused(timeout + 60.0)
+            self._mark_paused(timeout + self.r.flush_timeout_s + 60.0)
             await self.client.pause_generation(self.r.pause_mode)
-            started = time.monotonic()
             try:
-                ok, message = await self.client.update_weights_from_disk(str(path), version, timeout_s=timeout)
+                refused = not await self.flush_paused_engine()
+                ok, message = False, "the engine refused /flush_cache"
+                if not refused:
+                    started = time.monotonic()
+                    ok, message = await self.client.update_weights_from_disk(
+                        str(path), version, timeout_s=timeout, flush_cache=False)
             except EngineError as e:
                 ok, message, unanswered = False, str(e), e.timed_out
             finally:
@@ -446,6 +478,11 @@ class RolloutWorker:
                 self.metrics.observe_weight_update(time.monotonic() - started)
             log.info("%s: engine now at policy v%d", self.worker_id, version)
             return
+        if refused:
+            self.stats.flushes_refused += 1
+            log.warning("%s: the paused engine refused /flush_cache for %.0f s (a request still runs or "
+                        "queues); v%d is loaded at the next poll", self.worker_id, self.r.flush_timeout_s, version)
+            return
         self.stats.weight_update_failures += 1
         if unanswered:
             # No answer: ask the engine which version it serves before any new update.
@@ -455,8 +492,27 @@ class RolloutWorker:
         else:
             log.warning("%s: engine failed to load v%d (%s); keeps v%s", self.worker_id, version, message, self.engine_version)
 
+    async def flush_paused_engine(self) -> bool:
+        """Flush the paused engine's cache before its weights change, retried a second apart for
+        ``rollout.flush_timeout_s`` (Miles and slime: pause -> /flush_cache until it succeeds ->
+        update with flush_cache false). SGLang refuses a flush while a request runs or queues
+        (an in_place pause, a /health_generate probe caught mid-flight); a flush left to the
+        update itself would then fail the update after the weights changed, with the old
+        version still reported. True once flushed; False: nothing was changed.
+
+        Raises:
+            EngineError: the engine did not answer.
+        """
+        return await self.client.flush_until(self.r.flush_timeout_s)
+
     def _mark_paused(self, for_s: float | None) -> None:
-        """Write (atomically) or remove the pause marker the engine's probes read."""
+        """Write (atomically) or remove the pause marker the engine's probes read; for a
+        multi-node engine, record the pause for its leader's fetcher to mirror."""
+        if self.group is not None:
+            try:
+                self.group.pause(None if for_s is None else time.time() + for_s)
+            except Exception as e:  # noqa: BLE001 - the probes may then fail a long load: said, not fatal
+                log.warning("%s: could not record the pause for the engine's probes: %s", self.worker_id, e)
         if self.pause_marker is None:
             return
         if for_s is None:
@@ -472,10 +528,22 @@ class RolloutWorker:
         await self._may_generate.wait()
         self._generating += 1
         self._idle.clear()
+        prompt_routing = None
         try:
+            if self.r.routing_replay:
+                # The prompt's routing once per group: a one-token request first (its prefill is
+                # the one the group's samples reuse from the prefix cache), then the group asks
+                # only for its own tokens (routed_experts_start_len = P), instead of G copies.
+                (head,) = await self.client.generate(
+                    task.prompt_ids, n=1, max_new_tokens=1, temperature=self.r.temperature, top_p=self.r.top_p,
+                    return_routed_experts=True)
+                if head.finish_reason == "abort":
+                    raise EngineError(f"engine aborted the prompt-routing request of task {task.task_id}")
+                prompt_routing = head.routed_experts
             outs = await self.client.generate(
                 task.prompt_ids, n=task.group_size, max_new_tokens=self.r.max_new_tokens,
                 temperature=self.r.temperature, top_p=self.r.top_p, return_routed_experts=self.r.routing_replay,
+                routed_experts_start_len=len(task.prompt_ids) if self.r.routing_replay else 0,
             )
         finally:
             self._generating -= 1
@@ -485,41 +553,52 @@ class RolloutWorker:
             raise EngineError(f"engine aborted a request of task {task.task_id}")
         if any(len(o.logprobs) != len(o.token_ids) for o in outs):
             raise EngineError(f"engine returned fewer logprobs than tokens for task {task.task_id}")
-        if self.r.routing_replay and any(o.routed_experts is None for o in outs):
+        if self.r.routing_replay and (prompt_routing is None or any(o.routed_experts is None for o in outs)):
             raise EngineMisconfigured(
                 f"rollout.routing_replay is set but {self.client.url} returned no meta_info.routed_experts: "
                 "start SGLang (or `moerl engine`) with --enable-return-routed-experts")
+        if prompt_routing is not None:
+            import numpy as np
+
+            for o in outs:  # the prompt's rows, then the sample's own: every token fed, P + C - 1 rows
+                o.routed_experts = np.concatenate([prompt_routing, o.routed_experts])
         return outs
 
     def routed_experts(self, task: Task, out: GenOutput) -> dict:
         """The engine's routed experts of one completion as `Sample.routed_experts` stores them:
-        ``[P + C - 1, layers, top_k]`` (see app/buffer/records.py).
+        ``[P + C - 1, moe_layers, top_k]``, the rows of the MoE layers only (the engine reports
+        every decoder layer, zeros for dense ones: DeepSeek-V3's first three).
 
         Raises:
-            EngineMisconfigured: the id count does not fit that shape.
+            EngineMisconfigured: the id count does not fit the model's layers and top_k.
         """
         from app.buffer.records import encode_routed_experts
 
-        layers, top_k = self._routing_shape or self._model_routing_shape()
+        layers, moe, top_k = self._routing_shape or self._model_routing_shape()
         tokens = len(task.prompt_ids) + len(out.token_ids) - 1
-        ids = out.routed_experts
+        ids = out.routed_experts[: max(tokens, 0) * layers * top_k]  # a 0-token completion: P - 1 rows
         if ids.size != tokens * layers * top_k:
             raise EngineMisconfigured(
                 f"meta_info.routed_experts has {ids.size} ids; {tokens} tokens x {layers} layers x {top_k} "
                 f"experts expected for task {task.task_id}")
-        return encode_routed_experts(ids.reshape(tokens, layers, top_k))
+        return encode_routed_experts(ids.reshape(tokens, layers, top_k)[:, moe])
 
-    def _model_routing_shape(self) -> tuple[int, int]:
-        """(num_hidden_layers, num_experts_per_tok) of the run's model (its config.json, or the preset)."""
+    def _model_routing_shape(self) -> tuple[int, list[int], int]:
+        """(num_hidden_layers, the MoE layers' indices, num_experts_per_tok) of the run's model
+        (its config.json alone, or the preset)."""
+        from app.model.config import moe_layer_ids
+
         if self.cfg.model.path:
             from transformers import AutoConfig
 
-            config = AutoConfig.from_pretrained(self.cfg.model.path)
+            from app.model.source import config_source
+
+            config = AutoConfig.from_pretrained(config_source(self.cfg.model.path, self.cfg.model.cache_dir))
         else:
             from app.model.config import tiny_config
 
             config = tiny_config(self.cfg.model.preset)
-        self._routing_shape = (int(config.num_hidden_layers), int(config.num_experts_per_tok))
+        self._routing_shape = (int(config.num_hidden_layers), moe_layer_ids(config), int(config.num_experts_per_tok))
         return self._routing_shape
 
     def _error_group(self, task: Task) -> list[Sample]:
@@ -749,12 +828,15 @@ class RolloutWorker:
 
 async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_groups: int | None = None,
                      pause_marker: str | None = None, metrics_port: int = 0, metrics_addr: str = "0.0.0.0",
-                     metrics_every_s: float = 5.0) -> WorkerStats:
+                     metrics_every_s: float = 5.0, engine_group: str | None = None,
+                     group_size: int | None = None) -> WorkerStats:
     """Connect to the buffer and the engine, run a `RolloutWorker` until SIGTERM/SIGINT, drain.
 
     metrics_port: serve the worker's counters (WorkerStats, refreshed every `metrics_every_s`
         seconds and once more at exit) and its weight-update durations on
         ``http://<metrics_addr>:<port>/metrics`` (app.metrics); 0: no endpoint.
+    engine_group, group_size: the leader address and pod count of a multi-node engine whose
+        pods fetch the versions themselves (app/rollout/group.py); None: one-node engine.
 
     Raises:
         ValueError: ``rollout.reward_fn`` cannot be imported, or ``store_url`` is invalid.
@@ -780,8 +862,13 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
 
         metrics = RunMetrics(cfg.run_id)
         server = serve(metrics, metrics_port, metrics_addr)  # OSError (port taken) before any task is leased
+    group = None
+    if engine_group:
+        from app.rollout.group import EngineGroup
+
+        group = EngineGroup.of(buffer, engine_group, group_size or 1)
     worker = RolloutWorker(cfg, buffer, client, worker_id, score_fn=score_fn, store=store, max_groups=max_groups,
-                           pause_marker=pause_marker, metrics=metrics)
+                           pause_marker=pause_marker, metrics=metrics, group=group)
     if metrics is not None:
         async def report() -> None:
             while True:
@@ -829,6 +916,10 @@ def rollout(
     metrics_port: int = typer.Option(0, "--metrics-port", min=0, max=65535,
                                      help="Serve Prometheus /metrics on this port (0: none)."),
     metrics_addr: str = typer.Option("0.0.0.0", "--metrics-addr", help="Address /metrics listens on."),
+    engine_group: str = typer.Option(None, "--engine-group", help="A multi-node engine's leader address: its "
+                                     "pods fetch each version (python -m app.rollout.group) and this worker "
+                                     "waits for all of them before an update."),
+    group_size: int = typer.Option(None, "--group-size", min=1, help="Pods in that engine's group."),
 ) -> None:
     """Lease prompt groups, generate through the engine, score, publish; drain on SIGTERM."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -837,6 +928,9 @@ def rollout(
     except (FileNotFoundError, ValueError) as e:
         raise typer.BadParameter(str(e), param_hint="--config") from None
     url = engine_url or cfg.rollout.engine_url
+    if engine_group and not group_size:
+        raise typer.BadParameter("--engine-group needs --group-size", param_hint="--group-size")
     stats = asyncio.run(run_worker(cfg, url, worker_id, max_groups=max_groups, pause_marker=pause_marker,
-                                   metrics_port=metrics_port, metrics_addr=metrics_addr))
+                                   metrics_port=metrics_port, metrics_addr=metrics_addr, engine_group=engine_group,
+                                   group_size=group_size))
     print(json.dumps({"worker_id": worker_id, **asdict(stats)}), flush=True)

@@ -84,7 +84,8 @@ def collate_groups(
         scale_by_std: divide advantages by the group's reward std (see `group_advantages`).
         max_len: if set, a row longer than this is an error (protects memory).
         moe_layers: with routing replay, the decoder-layer indices of the MoE layers: each
-            sample's ``routed_experts`` (app.buffer.records, ``[P + C - 1, num_layers, K]``) is
+            sample's ``routed_experts`` (app.buffer.records: ``[P + C - 1, len(moe_layers), K]``
+            as workers store them, or ``[P + C - 1, num_layers, K]`` in older samples) is
             collated into `TrainBatch.routed_experts`.
 
     Returns:
@@ -170,12 +171,14 @@ def _routed_experts(samples: list, length: int, moe_layers: list[int]) -> Tensor
         except ValueError as e:
             raise ValueError(f"sample {s.sample_id!r}: {e}") from None
         fed = len(s.prompt_ids) + len(s.completion_ids) - 1
-        if ids.dim() != 3 or ids.shape[0] != fed or ids.shape[1] <= max(moe_layers):
+        # The MoE layers' rows only (what workers store), or every layer's (older samples)
+        every = ids.dim() == 3 and ids.shape[1] > max(moe_layers) and ids.shape[1] != len(moe_layers)
+        if ids.dim() != 3 or ids.shape[0] != fed or not (every or ids.shape[1] == len(moe_layers)):
             raise ValueError(f"sample {s.sample_id!r}: routed_experts of shape {list(ids.shape)}, expected "
-                             f"[{fed}, >{max(moe_layers)}, K]")
+                             f"[{fed}, {len(moe_layers)} MoE layers (or every layer), K]")
         if out is None:
             out = torch.full((len(samples), length, len(moe_layers), ids.shape[2]), -1, dtype=torch.int64)
-        out[i, :fed] = ids[:, moe_layers]
+        out[i, :fed] = ids[:, moe_layers] if every else ids
     return out
 
 
