@@ -35,10 +35,11 @@ rank 0 talks to Redis and the group):
    expert, in the publish dtype; buckets of at most ``weight_sync.bucket_bytes``) and ``state:
    send``. Each member calls ``/begin_weight_update``, then per bucket
    ``/update_weights_from_distributed`` (``load_format: flattened_bucket``; ``weight_version``
-   and ``flush_cache`` on the last bucket only, so the engine reports N only once it holds
-   all of N), then ``/end_weight_update``, and acks ``done`` or ``failed``. Meanwhile every
-   trainer rank gathers the tensors in publish.py's order and way (a dense tensor with
-   ``full_tensor()``, an expert tensor only over the expert-data-parallel ranks, each EP
+   on the last bucket only, so the engine reports N only once it holds all of N;
+   ``flush_cache`` false on every bucket: the worker flushed the paused engine before acking
+   ready, app/rollout/weight_sync.py), then ``/end_weight_update``, and acks ``done`` or
+   ``failed``. Meanwhile every trainer rank gathers the tensors in publish.py's order and way
+   (a dense tensor in full, an expert tensor only over the expert-data-parallel ranks, each EP
    rank's block then sent to rank 0 point to point), and rank 0 broadcasts each bucket as
    soon as it is full, to every live group at once (a thread each; the source's link carries
    a bucket once per group). Memory: rank 0 holds one staging buffer of at most ``bucket_bytes``
