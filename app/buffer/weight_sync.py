@@ -10,8 +10,10 @@ trainer. They meet here (protocol: app/trainer/weight_sync.py), every key under
                    engine that is gone drops out by itself, and no clock is compared across hosts.
     engine-ids     set of the worker ids that registered (members whose key expired are removed
                    when read).
-    push           JSON of the current push: ``{id, version, state, time, group?, buckets?,
-                   progress?, error?, engines?}``, written by the trainer only. ``state`` moves
+    push           JSON of the current push: ``{id, version, state, time, groups?, buckets?,
+                   progress?, error?, engines?}`` (``groups``: worker id -> its weight-update
+                   group: epoch, name, master address and port, world size, backend, its rank
+                   offset), written by the trainer only. ``state`` moves
                    prepare -> (cancelled | join -> send | send) -> done | failed.
     plan:<push id> JSON list of buckets ``[{names, dtypes, shapes}]`` of that push (expires).
     acks:<push id> hash worker_id -> JSON ``{state, ...}`` (ready | busy | joined | done |
