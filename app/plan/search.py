@@ -9,7 +9,8 @@ cannot shard is left out (the plan's own error).
 
 Best first (`rank_key`), the order in which a step gets cheaper at the same memory verdict:
   1. least recomputation: checkpointing none, then selective, then full (full recomputes every
-     layer's forward in its backward, about a third more FLOPs);
+     layer's forward in its backward, about a third more FLOPs; selective saves the exchanges only
+     on the alltoall dispatcher, elsewhere it counts as full);
   2. fewest micro-batches per step (larger GEMMs; FSDP2 gathers every unit once per micro-batch);
   3. the smallest EP degree (fewer all-to-all peers; up to the GPUs of a node it stays on NVLink);
   4. the fewest FSDP shards (dp_shard: all-gathers and reduce-scatters over fewer ranks, HSDP
@@ -27,7 +28,7 @@ from transformers import PretrainedConfig
 from app.layout import Layout, resolve_layout
 from app.model.config import num_routed_experts
 
-RANKING = ("least recomputation (checkpointing none < selective < full), then fewest micro-batches, then "
+RANKING = ("least recomputation (checkpointing none < selective on alltoall < full), then fewest micro-batches, then "
            "smallest ep, then fewest FSDP shards (dp_shard), then most headroom")
 _AC_ORDER = {"none": 0, "selective": 1, "full": 2}
 
@@ -81,7 +82,15 @@ def evaluate(inp, reason: str) -> dict:
                       fits=p.fits)
 
 
+def recomputation(row: dict) -> int:
+    """0 none, 1 selective, 2 full; selective off the alltoall dispatcher keeps nothing more than
+    full (app/plan/activations.py ``checkpoint_kept``) and recomputes as much, so it counts as full."""
+    ac = row["activation_checkpointing"]
+    if ac == "selective" and row["ep_backend"] != "alltoall":
+        ac = "full"
+    return _AC_ORDER[ac]
+
+
 def rank_key(row: dict) -> tuple:
     """Sort key of a fitting row, best first (module docstring)."""
-    return (_AC_ORDER[row["activation_checkpointing"]], row["micro_batches"], row["ep"], row["dp_shard"],
-            -row["headroom"])
+    return (recomputation(row), row["micro_batches"], row["ep"], row["dp_shard"], -row["headroom"])
