@@ -59,6 +59,9 @@ class MicroBatch:
         expert_rows: N, rows this rank's local experts receive per MoE layer (T*K when balanced).
         compute_bytes: bytes per element of the compute dtype (2 for bf16).
         padding_mask: whether the model gets an ``attention_mask`` (see the module docstring).
+        backend: the resolved dispatcher (``local``, ``alltoall``, ``deepep``): what selective
+            checkpointing keeps and the dispatch transients depend on it.
+        top_k: K, experts per token (for `sent_rows`).
     """
 
     seqs: int
@@ -66,11 +69,19 @@ class MicroBatch:
     expert_rows: int
     compute_bytes: int = 2
     padding_mask: bool = True
+    backend: str = "local"
+    top_k: int | None = None
 
     @property
     def tokens(self) -> int:
         """T = B * S."""
         return self.seqs * self.seq_len
+
+    @property
+    def sent_rows(self) -> int:
+        """S = T*K, the (token, expert) rows this rank sends out (all of them, imbalance or not);
+        ``expert_rows`` when ``top_k`` is not given (EP 1: every row stays)."""
+        return self.tokens * self.top_k if self.top_k is not None else self.expert_rows
 
 
 def _norm(name: str, t: int, width: int, b: int) -> list[Term]:
@@ -182,23 +193,67 @@ def layer_saved(config: PretrainedConfig, layer: int, mb: MicroBatch) -> int:
 def checkpoint_kept(config: PretrainedConfig, layer: int, mb: MicroBatch, mode: str) -> int:
     """Bytes a checkpointed layer keeps between its forward and its backward.
 
-    ``full``: its input [T, H]. ``selective``: also, for a MoE layer, the dispatch output [N, H]
-    and the combine output [T, H], so the all-to-alls are not run again in the recompute.
+    ``full``: its input [T, H]. ``selective``: also, for a MoE layer on the ``alltoall``
+    dispatcher, the outputs of its three exchanges, which app/model/dispatch/alltoall.py keeps
+    for the recompute (app/model/dispatch/exchange_cache.py): the received rows [N, H] and their
+    gate weights [N] fp32 (dispatch) and the rows received back [S, H] (combine, before the
+    per-token sum; S = T*K). The ``local`` and ``deepep`` dispatchers keep nothing, so selective
+    is full checkpointing there.
     """
     t, b, h = mb.tokens, mb.compute_bytes, config.hidden_size
     kept = b * t * h
-    if mode == "selective" and is_moe_layer(config, layer):
-        kept += b * mb.expert_rows * h + b * t * h
+    if mode == "selective" and is_moe_layer(config, layer) and mb.backend == "alltoall":
+        kept += b * mb.expert_rows * h + FP32 * mb.expert_rows + b * mb.sent_rows * h
     return kept
 
 
 def recompute_bytes(config: PretrainedConfig, layer: int, mb: MicroBatch, mode: str) -> int:
     """Bytes the recomputed forward of a checkpointed layer materializes in its backward (beyond
-    what `checkpoint_kept` already holds)."""
-    saved = layer_saved(config, layer, mb)
-    if mode == "selective" and is_moe_layer(config, layer):
-        saved -= mb.compute_bytes * mb.expert_rows * config.hidden_size
-    return saved
+    what `checkpoint_kept` already holds): every tensor the layer saves, in both modes (a
+    selective recompute replays the kept exchanges but regroups the received rows again, a new
+    [N, H] copy that the experts save)."""
+    return layer_saved(config, layer, mb)
+
+
+def dispatch_forward(config: PretrainedConfig, layer: int, mb: MicroBatch) -> Term:
+    """Transient tensors of one MoE layer's combine in the forward (or in a checkpointed layer's
+    recompute), beyond the layer's saved tensors; the largest moment of dispatch + combine.
+
+    From the code (app/model/moe.py ``MoEBlock.forward``, app/model/dispatch/): the experts'
+    output y [N, H] is alive (the block's local) while the combine runs;
+      ``local``:    unpermute sums y into the output [T, H]:                     b*H*(N + T)
+      ``alltoall``: y regrouped by source rank [N, H] (a local of ``combine``), the exchange
+                    back [S, H], its per-token sum [T, H]:                       b*H*(2N + S + T)
+      ``deepep``:   unpermute to received tokens [<= N, H], DeepEP's combined [T, H]:
+                                                                                 b*H*(2N + T)
+    (dispatch's own transients, the send rows [S, H] and received rows [N, H] beside the
+    regrouped copy, are smaller and gone by then). N: the busiest EP rank's received rows.
+    """
+    if not is_moe_layer(config, layer):
+        return Term("dispatch/combine transients (dense layer: none)", 0, "0")
+    b, h, t, n, s = mb.compute_bytes, config.hidden_size, mb.tokens, mb.expert_rows, mb.sent_rows
+    rows = {"local": n + t, "alltoall": 2 * n + s + t, "deepep": 2 * n + t}[mb.backend]
+    what = {"local": "N + T", "alltoall": "2N + S + T", "deepep": "2N + T"}[mb.backend]
+    return Term(f"combine forward transients ({mb.backend}: expert output, regrouped/sent-back rows, token sums)",
+                b * h * rows, f"{b}*{h}*({what}) with N={n}, S={s}, T={t}")
+
+
+def dispatch_backward(config: PretrainedConfig, layer: int, mb: MicroBatch) -> Term:
+    """Transient gradient rows of one MoE layer's combine backward (the first op of its backward,
+    when all of the layer's saved tensors are still alive), beyond the residual gradient [T, H]:
+      ``local``:    the gathered row gradient [N, H]:                            b*H*N
+      ``alltoall``: the gathered rows to send [S, H] and the received [N, H] (the exchange's
+                    input and output), then the received and its regrouped copy: b*H*(N + max(S, N))
+      ``deepep``:   DeepEP's received token gradients [<= N, H] and their row gather [N, H]:
+                                                                                 b*H*2N
+    """
+    if not is_moe_layer(config, layer):
+        return Term("dispatch/combine backward transients (dense layer: none)", 0, "0")
+    b, h, n, s = mb.compute_bytes, config.hidden_size, mb.expert_rows, mb.sent_rows
+    rows = {"local": n, "alltoall": n + max(s, n), "deepep": 2 * n}[mb.backend]
+    what = {"local": "N", "alltoall": "N + max(S, N)", "deepep": "2N"}[mb.backend]
+    return Term(f"combine backward transients ({mb.backend}: row gradients sent and received)",
+                b * h * rows, f"{b}*{h}*({what}) with N={n}, S={s}")
 
 
 def backward_transient(config: PretrainedConfig, layer: int, mb: MicroBatch) -> int:
@@ -241,26 +296,69 @@ def root_terms(config: PretrainedConfig, mb: MicroBatch) -> list[Term]:
     ]
 
 
-def logprob_forward(config: PretrainedConfig, chunk: int, entropy: bool) -> Term:
-    """Peak of the chunked LM head + log-softmax forward (the lead's ``chunked_logprobs``,
-    app/model/logprobs.py): the previous chunk's fp32 logits [C, V] are still referenced while the
-    next chunk's bf16 GEMM output and its fp32 copy are made, 10 bytes per element; with entropy,
-    ``exp(z - lse)`` and ``p * z`` add two fp32 [C, V], 16 bytes. Measured on the H200 with
+def _chunks(rows: int, chunk: int) -> list[int]:
+    return [min(chunk, rows - s) for s in range(0, rows, chunk)] or [0]
+
+
+def logprob_forward(config: PretrainedConfig, chunk: int, entropy: bool, rows: int | None = None,
+                    compute_bytes: int = 2, fused: bool = True) -> Term:
+    """Peak of the chunked LM head + log-softmax forward (`app.model.logprobs.chunked_logprobs`)
+    over ``rows`` scored rows (default: one chunk), beyond its inputs.
+
+    ``fused`` (the Triton passes, app/model/logit_kernels.py; CUDA): per chunk the GEMM's output
+    z [c, V] in the compute dtype and `logit_stats`'s three fp32 [c] results, while the previous
+    chunk's results (2, with entropy 3, fp32 [c]) are still bound and the outputs logp and lse
+    [rows] (and the entropy [rows]) fp32 exist: ``b*c*V + 12*c + 4*c_prev*(2 + e) + 4*rows*(2 + e)``.
+    No fp32 [c, V] block is made. Checked exactly on CPU through Triton's interpreter
+    (tests/test_plan.py).
+
+    Torch path (not ``fused``): the previous chunk's fp32 logits [C, V] are still referenced while
+    the next chunk's bf16 GEMM output and its fp32 copy are made, 10 bytes per element; with
+    entropy, ``exp(z - lse)`` and ``p * z`` add two fp32 [C, V], 16 bytes. Measured on the H200 with
     C = 4096: 6.224 GB (Qwen3, 622.3 M elements) and 5.295 GB (DeepSeek-V3, 529.5 M) without
     entropy, 9.957 and 8.473 GB with it: 10.0 and 16.0 bytes per element.
     """
-    v, per = config.vocab_size, (16 if entropy else 10)
-    return Term(f"LM-head chunk forward [C={chunk}, V={v}] ({per} B/elem{', with entropy' if entropy else ''})",
-                per * chunk * v, f"{per}*{chunk}*{v}")
+    v = config.vocab_size
+    if not fused:
+        per = 16 if entropy else 10
+        return Term(f"LM-head chunk forward, torch ops [C={chunk}, V={v}] ({per} B/elem"
+                    f"{', with entropy' if entropy else ''})", per * chunk * v, f"{per}*{chunk}*{v}")
+    rows = chunk if rows is None else rows
+    b, e = compute_bytes, int(entropy)
+    sizes = _chunks(rows, chunk)
+    peak = max(b * c * v + 12 * c + 4 * (sizes[i - 1] if i else 0) * (2 + e) for i, c in enumerate(sizes))
+    peak += 4 * rows * (2 + e)
+    return Term(f"LM-head chunk forward, Triton [C={chunk}, V={v}]: z in the compute dtype, no fp32 block",
+                peak, f"{b}*{sizes[0]}*{v} + fp32 row stats ({rows} rows)")
 
 
-def logprob_backward(config: PretrainedConfig, chunk: int, tokens: int, compute_bytes: int) -> Term:
-    """Peak of the chunked backward: two chunks' logits (8 bytes per [C, V] element: the previous
-    bf16 gradient and the next recomputed bf16 and fp32 logits), the fp32 LM-head weight-gradient
-    accumulator [V, H] and the gradient of the scored rows [T, H]. Fitted to the H200 measurement
-    (C = 4096, 16384 rows): 6.325 GB Qwen3 (formula 6.29), 8.179 GB DeepSeek-V3 (formula 8.17).
+def logprob_backward(config: PretrainedConfig, chunk: int, tokens: int, compute_bytes: int,
+                     fused: bool = True, entropy: bool = False) -> Term:
+    """Peak of the chunked backward over ``tokens`` scored rows, beyond its inputs and saved
+    tensors: the row gradient [rows, H] (compute dtype) and the fp32 LM-head weight-gradient
+    accumulator [V, H] throughout, plus the largest of
+
+      ``fused`` (`logit_grad`, the Triton pass): while chunk i's kernel runs, the previous chunk's
+      dz [c, V] is still bound and chunk i's z and dz [c, V] (compute dtype) exist: 3 blocks of
+      ``b`` bytes per element once a second chunk runs (2 for one chunk); when ``dz.T @ h`` makes
+      the chunk's [V, H] weight gradient in the compute dtype beside dz; at the end, the last dz
+      and the bf16 copy of the accumulator [V, H]. With the entropy output, autograd also
+      materialises its (zero) gradient [rows] fp32. Checked exactly on CPU through Triton's
+      interpreter (tests/test_plan.py).
+
+      torch path: two chunks' logits (8 bytes per [C, V] element: the previous bf16 gradient and
+      the next recomputed bf16 and fp32 logits). Fitted to the H200 measurement (C = 4096, 16384
+      rows): 6.325 GB Qwen3 (formula 6.29), 8.179 GB DeepSeek-V3 (formula 8.17).
     """
-    v, h = config.vocab_size, config.hidden_size
-    n = 8 * chunk * v + FP32 * v * h + compute_bytes * tokens * h
-    return Term("LM-head chunk backward: logits 8 B/elem [C, V] + fp32 weight grad [V, H] + row grads [T, H]",
-                n, f"8*{chunk}*{v} + {FP32}*{v}*{h} + {compute_bytes}*{tokens}*{h}")
+    v, h, b = config.vocab_size, config.hidden_size, compute_bytes
+    base = FP32 * v * h + b * tokens * h + (FP32 * tokens if entropy and fused else 0)
+    if not fused:
+        return Term("LM-head chunk backward, torch ops: logits 8 B/elem [C, V] + fp32 weight grad [V, H] "
+                    "+ row grads [T, H]", 8 * chunk * v + base, f"8*{chunk}*{v} + {FP32}*{v}*{h} + {b}*{tokens}*{h}")
+    sizes = _chunks(tokens, chunk)
+    kernel = max(b * v * ((sizes[i - 1] if i else 0) + 2 * c) for i, c in enumerate(sizes))
+    weight_grad = max(b * c * v + b * v * h for c in sizes)
+    peak = base + max(kernel, weight_grad)
+    return Term(f"LM-head chunk backward, Triton [C={chunk}, V={v}]: dz, z, dz in the compute dtype + fp32 "
+                f"weight grad [V, H] + row grads [T, H]", peak,
+                f"{FP32}*{v}*{h} + {b}*{tokens}*{h} + max({kernel:,}, {weight_grad:,})")

@@ -90,8 +90,8 @@ def plan(
     ep: int = typer.Option(None, "--ep", min=1, help="trainer.parallel.ep."),
     dp_shard: int = typer.Option(None, "--dp-shard", help="trainer.parallel.dp_shard (-1: world / dp_replicate)."),
     dp_replicate: int = typer.Option(None, "--dp-replicate", min=1, help="trainer.parallel.dp_replicate."),
-    ep_backend: str = typer.Option(None, "--ep-backend", help="auto | local | alltoall | deepep (auto: deepep "
-                                   "when ep > 1, as on the GPU images)."),
+    ep_backend: str = typer.Option(None, "--ep-backend", help="auto | local | alltoall | deepep (auto: what the "
+                                   "trainer would run; the plan says which and why)."),
     micro_batch_tokens: int = typer.Option(None, "--micro-batch-tokens", min=1,
                                            help="trainer.micro_batch_tokens (default: one micro-batch)."),
     activation_checkpointing: str = typer.Option(None, "--activation-checkpointing", help="none | full | selective."),
@@ -107,6 +107,13 @@ def plan(
     fragmentation: float = typer.Option(None, "--fragmentation", help="Allocator reserve over live tensors "
                                         "(default 1.33, default allocator; 1.13 measured with "
                                         "expandable_segments:True)."),
+    expert_imbalance: float = typer.Option(None, "--expert-imbalance", help="Rows the busiest EP rank receives "
+                                           "over the mean (default 1.7, measured: app/plan/memory.py)."),
+    collectives: str = typer.Option("nccl", "--collectives", help="nccl (one rank per GPU) | gloo (several ranks "
+                                    "on one GPU over cuda:gloo: no NCCL buffers)."),
+    kl_coef: float = typer.Option(None, "--kl-coef", help="trainer.kl_coef (> 0 holds the frozen reference)."),
+    search: bool = typer.Option(False, "--search", help="List every layout, micro-batch size and checkpointing "
+                                "mode that fits the world, best first."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
     detail: bool = typer.Option(False, "--detail", help="Also list one decoder layer's saved tensors per kind."),
     traffic: bool = typer.Option(False, "--traffic", help="Print the weight-sync traffic budget instead."),
@@ -146,6 +153,11 @@ def plan(
             parallel = ParallelConfig(**par)
         except ValidationError as e:  # name the field the flag sets
             raise ValueError(f"trainer.parallel.{e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}") from None
+        if search:
+            _print_search(cfg, run, nodes, gpus_per_node, parallel, rollouts_per_gpu, seq_len, algorithm,
+                          logprob_chunk_tokens, gpu_memory_gib, fragmentation, expert_imbalance, collectives,
+                          kl_coef, json_out)
+            return
         layout = resolve_layout(parallel, nodes * gpus_per_node, num_routed_experts(cfg))
         if traffic:
             _print_traffic(cfg, run, nodes, rollout_nodes, link_gbps, s3_gbps_per_node, step_s, publish_every,
@@ -153,24 +165,24 @@ def plan(
             return
         _print_memory(cfg, run, layout, gpus_per_node, parallel, micro_batch_tokens, activation_checkpointing,
                       logprob_chunk_tokens, rollouts_per_gpu, seq_len, algorithm, gpu_memory_gib, fragmentation,
-                      json_out, detail)
+                      json_out, detail, expert_imbalance, collectives, kl_coef)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
 
 
-def _print_memory(cfg, run, layout, gpus_per_node, parallel, micro_batch_tokens, activation_checkpointing,
-                  logprob_chunk_tokens, rollouts_per_gpu, seq_len, algorithm, gpu_memory_gib, fragmentation,
-                  json_out, detail):
-    from rich.console import Console
-    from rich.table import Table
-
-    from app.plan.memory import FRAGMENTATION, PlanInput, constants, plan_memory
+def _plan_input(cfg, run, layout, gpus_per_node, ep_backend, micro_batch_tokens, activation_checkpointing,
+                logprob_chunk_tokens, rollouts_per_gpu, seq_len, algorithm, gpu_memory_gib, fragmentation,
+                expert_imbalance, collectives, kl_coef):
+    """The `PlanInput` of the flags over the run config, and why the dispatcher is the one it is."""
+    from app.plan.memory import EXPERT_IMBALANCE, FRAGMENTATION, PlanInput, resolve_ep_backend
     from infra.instances import instance_spec
 
     t = run.trainer
-    backend = parallel.ep_backend
-    if backend == "auto":
-        backend = "deepep" if layout.ep > 1 else "local"
+    if collectives not in ("nccl", "gloo"):
+        raise ValueError(f"--collectives must be nccl or gloo, got {collectives!r}")
+    if kl_coef is not None and not 0 <= kl_coef < float("inf"):
+        raise ValueError(f"--kl-coef must be finite and >= 0, got {kl_coef}")
+    backend, reason = resolve_ep_backend(ep_backend, layout.ep, cfg.hidden_size, collectives)
     inp = PlanInput(
         config=cfg, layout=layout, gpus_per_node=gpus_per_node, rollouts_per_gpu=rollouts_per_gpu, seq_len=seq_len,
         micro_batch_tokens=micro_batch_tokens if micro_batch_tokens is not None else t.micro_batch_tokens,
@@ -180,10 +192,30 @@ def _print_memory(cfg, run, layout, gpus_per_node, parallel, micro_batch_tokens,
         log_entropy=t.log_entropy,
         gpu_memory_gib=gpu_memory_gib if gpu_memory_gib is not None else instance_spec("p5en.48xlarge").gpu_memory_gib,
         fragmentation=FRAGMENTATION if fragmentation is None else fragmentation,
+        reference=(t.kl_coef if kl_coef is None else kl_coef) > 0,
+        expert_imbalance=EXPERT_IMBALANCE if expert_imbalance is None else expert_imbalance,
+        collectives=collectives,
     )
+    return inp, reason
+
+
+def _print_memory(cfg, run, layout, gpus_per_node, parallel, micro_batch_tokens, activation_checkpointing,
+                  logprob_chunk_tokens, rollouts_per_gpu, seq_len, algorithm, gpu_memory_gib, fragmentation,
+                  json_out, detail, expert_imbalance=None, collectives="nccl", kl_coef=None):
+    from rich.console import Console
+    from rich.table import Table
+
+    from app.plan.memory import constants, plan_memory
+
+    inp, reason = _plan_input(cfg, run, layout, gpus_per_node, parallel.ep_backend, micro_batch_tokens,
+                              activation_checkpointing, logprob_chunk_tokens, rollouts_per_gpu, seq_len, algorithm,
+                              gpu_memory_gib, fragmentation, expert_imbalance, collectives, kl_coef)
     p = plan_memory(inp)
     if json_out:
-        print(json.dumps(p.to_json(), indent=1))
+        out = p.to_json()
+        out["layout"]["ep_backend_requested"] = parallel.ep_backend
+        out["layout"]["ep_backend_reason"] = reason
+        print(json.dumps(out, indent=1))
     else:
         console = Console(width=160)
         m, lay = p.micro_batch, layout
@@ -193,7 +225,9 @@ def _print_memory(cfg, run, layout, gpus_per_node, parallel, micro_batch_tokens,
             f"{gpus_per_node}, dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard}, ep {lay.ep}, efsdp "
             f"{lay.efsdp}, {inp.ep_backend} | {inp.rollouts_per_gpu} x {inp.seq_len} tokens per GPU in "
             f"{p.micro_batches} micro-batches of {m.seqs} x {m.seq_len} = {m.tokens} tokens | checkpointing "
-            f"{inp.activation_checkpointing} | {inp.algorithm} | {inp.compute_dtype}")
+            f"{inp.activation_checkpointing} | {inp.algorithm}{' + reference' if inp.reference else ''} | "
+            f"{inp.compute_dtype} | expert imbalance {inp.expert_imbalance:g} | {inp.collectives}")
+        console.print(f"ep_backend {parallel.ep_backend} -> {inp.ep_backend}: {reason}")
         table = Table(title="Per-GPU memory (GiB)", show_lines=False)
         for col, kw in (("term", {}), ("GiB", dict(justify="right")), ("in peak", dict(justify="center")),
                         ("formula", dict(overflow="fold", max_width=70))):
@@ -208,14 +242,20 @@ def _print_memory(cfg, run, layout, gpus_per_node, parallel, micro_batch_tokens,
         for name in p.phases:
             phases.add_row(("[bold]" if name == peak else "") + name, _gib(p.phase_bytes(name)))
         console.print(phases)
+        over = Table(title="Outside torch's allocator (GiB)")
+        over.add_column("what")
+        over.add_column("GiB", justify="right")
+        over.add_column("formula", overflow="fold", max_width=80)
+        for term in p.overhead_terms:
+            over.add_row(term.name, _gib(term.bytes), term.formula)
+        console.print(over)
         c = constants() | {"FRAGMENTATION": inp.fragmentation}
         summary = Table(title="Total", show_header=False)
         summary.add_column("")
         summary.add_column("", justify="right")
         summary.add_row(f"tensors at the peak ({peak}; compare max_memory_allocated)", _gib(p.tensors_peak))
         summary.add_row(f"x FRAGMENTATION {c['FRAGMENTATION']} (compare max_memory_reserved)", _gib(p.reserved))
-        nccl = c["NCCL_OVERHEAD_GIB"] if layout.world > 1 else 0.0
-        summary.add_row(f"+ CUDA_OVERHEAD_GIB {c['CUDA_OVERHEAD_GIB']} + NCCL_OVERHEAD_GIB {nccl}", _gib(p.overhead))
+        summary.add_row("+ CUDA context and NCCL buffers (table above)", _gib(p.overhead))
         summary.add_row("[bold]predicted device memory", _gib(p.predicted))
         summary.add_row("capacity (--gpu-memory-gib)", _gib(p.capacity))
         summary.add_row("headroom", _gib(p.headroom))
@@ -233,6 +273,53 @@ def _print_memory(cfg, run, layout, gpus_per_node, parallel, micro_batch_tokens,
                 d.add_row("[bold]total", f"{sum(x.bytes for x in terms):,}", "")
                 console.print(d)
     if not p.fits:
+        raise typer.Exit(1)
+
+
+def _print_search(cfg, run, nodes, gpus_per_node, parallel, rollouts_per_gpu, seq_len, algorithm,
+                  logprob_chunk_tokens, gpu_memory_gib, fragmentation, expert_imbalance, collectives, kl_coef,
+                  json_out):
+    """``--search``: every candidate of `app.plan.search.candidates` planned; those that fit,
+    best first (`app.plan.search.rank_key` says what best means). Exit 0 if one fits, else 1."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from app.plan import search as sr
+
+    world = nodes * gpus_per_node
+    rows = []
+    for cand in sr.candidates(cfg, world, rollouts_per_gpu, seq_len):
+        try:
+            inp, reason = _plan_input(cfg, run, cand.layout, gpus_per_node, parallel.ep_backend,
+                                      cand.micro_batch_tokens, cand.activation_checkpointing, logprob_chunk_tokens,
+                                      rollouts_per_gpu, seq_len, algorithm, gpu_memory_gib, fragmentation,
+                                      expert_imbalance, collectives, kl_coef)
+        except ValueError as e:  # e.g. --ep-backend local for an ep > 1 candidate
+            if cand.layout.ep == 1:
+                raise
+            rows.append(dict(ep=cand.layout.ep, fits=False, error=str(e)))
+            continue
+        rows.append(sr.evaluate(inp, reason))
+    fits = sorted((r for r in rows if r["fits"]), key=sr.rank_key)
+    if json_out:
+        print(json.dumps(dict(world=world, gpus_per_node=gpus_per_node, rollouts_per_gpu=rollouts_per_gpu,
+                              seq_len=seq_len, best_first=sr.RANKING, candidates=len(rows), fits=fits), indent=1))
+    else:
+        console = Console(width=160)
+        console.print(f"[bold]{cfg.model_type}[/] {cfg.num_hidden_layers} layers on {nodes} x {gpus_per_node} GPUs, "
+                      f"{rollouts_per_gpu} x {seq_len} tokens per GPU: {len(fits)} of {len(rows)} candidates fit. "
+                      f"Best first: {sr.RANKING}")
+        table = Table(title="Layouts that fit")
+        for col in ("#", "ep", "dp_shard", "dp_replicate", "efsdp", "backend", "micro-batch tokens", "micro-batches",
+                    "AC", "peak phase", "tensors GiB", "device GiB", "headroom GiB"):
+            table.add_column(col, justify="left" if col in ("backend", "AC", "peak phase") else "right")
+        for i, r in enumerate(fits, 1):
+            table.add_row(str(i), str(r["ep"]), str(r["dp_shard"]), str(r["dp_replicate"]), str(r["efsdp"]),
+                          r["ep_backend"], str(r["micro_batch_tokens"]), str(r["micro_batches"]),
+                          r["activation_checkpointing"], r["peak_phase"], _gib(r["tensors_peak"]),
+                          _gib(r["predicted"]), _gib(r["headroom"]))
+        console.print(table)
+    if not fits:
         raise typer.Exit(1)
 
 
