@@ -60,3 +60,12 @@ def test_auto_says_why_gin_is_or_is_not_needed(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert gin_note(4) == "EP groups of 4 ranks within a node (NVLink): NCCL GIN not disabled: set EP_DISABLE_GIN=1"
     assert gin_note(64) == "EP groups of 64 ranks span nodes of 8: DeepEP needs NCCL GIN"
+
+
+def test_the_gpu_trainer_pods_use_the_allocator_the_plan_fits_deepseek_v3_with():
+    """`moerl plan` fits DeepSeek-V3 on 16 x 8 H200 (EP 32, 8K micro-batches) only with the
+    fragmentation of expandable segments: every GPU trainer pod sets it."""
+    for recipe, env in (("deepseek-v3-grpo", "prod"), ("qwen3-30b-a3b-grpo", "dev")):
+        _, pod_env = _job_env(recipe, env)
+        assert pod_env.get("PYTORCH_CUDA_ALLOC_CONF") == "expandable_segments:True", recipe
+
