@@ -167,11 +167,21 @@ class RolloutConfig(Section):
                                  "routed to and store them with every sample (R3).")
     policy_cache_dir: str = Field("runs/policy-cache", description="Local copies of policy versions.")
     reward_fn: str = Field("app.envs.rewards:score", description="module:attr of score(task, text).")
-    truncated_reward: float | None = Field(
-        0.0, description="Reward of a completion cut at max_new_tokens (None: score it normally)."
+    overlong_reward: float | None = Field(
+        0.0, description="A fixed overlong penalty: the reward of a completion cut at max_new_tokens, "
+        "in place of the verifier's (None: score it normally). Not DAPO's overlong filtering "
+        "(trainer.overlong_filter) nor its soft penalty (trainer.overlong_buffer_tokens)."
     )
     reward_url: str = Field("http://127.0.0.1:8080", description="`moerl reward` server; used when "
                             "task.reward_model is set.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "truncated_reward" in data:
+            raise ValueError("truncated_reward was renamed rollout.overlong_reward (a fixed reward for a "
+                             "completion cut at max_new_tokens)")
+        return data
 
     def inflight_tasks(self) -> int:
         """Prompt groups a worker generates at once: the in-flight sequences in whole groups (>= 1)."""
@@ -354,6 +364,10 @@ class RunConfig(Section):
                 f"buffer.capacity_groups={self.buffer.capacity_groups} must be >= (trainer.save_every + 1) "
                 f"* trainer.groups_per_step = {need}: taken groups stay in Redis until the next save"
             )
+        if t.algorithm == "grpo" and self.rollout.group_size < 2:
+            # TRL refuses it too (GRPOConfig: num_generations >= 2).
+            raise ValueError(f"rollout.group_size={self.rollout.group_size}: GRPO needs at least 2 completions "
+                             "per prompt (advantages are relative to the prompt's group; one gives none)")
         if self.router.routing_replay:  # the deprecated spelling: one switch, read from rollout
             self.rollout.routing_replay = True
         if self.env.name and self.rollout.routing_replay:

@@ -21,6 +21,7 @@ Sources:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,11 +41,16 @@ def group_advantages(
     std division because it up-weights groups whose rewards barely differ). The std is the
     unbiased (N-1) sample std, as in TRL and verl; a group of one sample gets advantage 0.
 
+    A group whose rewards are all equal gets advantages of exactly 0: in float arithmetic its
+    centred rewards are a rounding residue of one sign for the whole group (eight rewards of 0.6
+    leave +-6e-8), which the division by ``std + eps`` would scale up to a training signal. The
+    mean and std are computed in float64 for the same reason.
+
     Args:
         rewards: ``[B]`` float32, one scalar reward per completion.
         group_ids: ``[B]`` int64 in ``[0, n_groups)``; completions of one prompt share an id.
         scale_by_std: divide by the group's reward std.
-        eps: added to the std so that a group with equal rewards gets advantage 0, not NaN.
+        eps: added to the std so that a group of nearly equal rewards stays finite.
 
     Returns:
         ``[B]`` float32 advantages.
@@ -66,17 +72,21 @@ def group_advantages(
         raise ValueError("group_ids must be >= 0")
     if not torch.isfinite(rewards).all():
         raise ValueError("rewards contain NaN or inf")
-    rewards = rewards.float()
+    r = rewards.double()
     group_ids = group_ids.long()
     n_groups = int(group_ids.max()) + 1
-    count = torch.zeros(n_groups).index_add_(0, group_ids, torch.ones_like(rewards))
-    mean = torch.zeros(n_groups).index_add_(0, group_ids, rewards) / count.clamp(min=1)
-    centered = rewards - mean[group_ids]
+    zeros = r.new_zeros(n_groups)
+    count = zeros.index_add(0, group_ids, torch.ones_like(r))
+    mean = zeros.index_add(0, group_ids, r) / count.clamp(min=1)
+    lo = torch.full_like(zeros, math.inf).scatter_reduce(0, group_ids, r, "amin")
+    hi = torch.full_like(zeros, -math.inf).scatter_reduce(0, group_ids, r, "amax")
+    flat = (lo == hi)[group_ids]
+    centered = torch.where(flat, torch.zeros_like(r), r - mean[group_ids])
     if not scale_by_std:
-        return centered
-    sq = torch.zeros(n_groups).index_add_(0, group_ids, centered.square())
+        return centered.float()
+    sq = zeros.index_add(0, group_ids, centered.square())
     std = (sq / (count - 1).clamp(min=1)).sqrt()
-    return centered / (std[group_ids] + eps)
+    return (centered / (std[group_ids] + eps)).float()
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:

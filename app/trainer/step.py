@@ -170,7 +170,7 @@ def train_step(
 
     targets = None
     if critic is not None:
-        targets = _ppo_targets(cfg, critic.module, batch, micro)
+        targets = _ppo_targets(cfg, critic.module, batch, micro, device)
 
     model.train()
     if critic is not None:
@@ -278,9 +278,9 @@ def _micro_step(cfg: RunConfig, model: nn.Module, mb: TrainBatch, rows, denomina
     loss.backward()
     return True, sums, maxima
 
-def _ppo_targets(cfg: RunConfig, critic: nn.Module, batch: TrainBatch, micro: list[tuple]):
+def _ppo_targets(cfg: RunConfig, critic: nn.Module, batch: TrainBatch, micro: list[tuple], device):
     """Critic values of every row (gradient-free pass over the micro-batches), then GAE and the
-    whole-batch whitening (a collective) on this rank's full ``[B, L]`` batch."""
+    whole-batch whitening (a collective, on ``device``) on this rank's full ``[B, L]`` batch."""
     from app.trainer.ppo import ppo_targets
 
     t = cfg.trainer
@@ -291,7 +291,8 @@ def _ppo_targets(cfg: RunConfig, critic: nn.Module, batch: TrainBatch, micro: li
             v = critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask).float().cpu()
             if rows is not None:
                 values[rows, : v.shape[1]] = v
-    return ppo_targets(batch.rewards, values, batch.completion_mask, t.gamma, t.gae_lambda, t.whiten_advantages)
+    return ppo_targets(batch.rewards, values, batch.completion_mask, t.gamma, t.gae_lambda, t.whiten_advantages,
+                       device=device)
 
 
 def _slice_targets(targets, rows: Tensor | None, mb: TrainBatch):
