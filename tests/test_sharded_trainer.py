@@ -29,6 +29,11 @@ VARIANTS = {
     "grpo-deepseek-v3-ac-selective": ({"model": {"preset": "tiny-deepseek-v3"},
                                        "trainer": {"activation_checkpointing": "selective"}}, "sgd"),
     "ppo": ({"trainer": {"algorithm": "ppo", "gae_lambda": 0.9, "gamma": 0.99}}, "sgd"),
+    # GSPO's sequence ratio, Dr. GRPO's constant normaliser (global sequence count), token-masked IS,
+    # dual-clip and the entropy bonus (global token count), over micro-batches.
+    "gspo-dr-grpo-objectives": ({"trainer": {"ratio_level": "sequence", "loss_agg": "seq-mean-token-sum-norm",
+                                             "scale_by_std": False, "rollout_is": "token_mask", "rollout_is_min": 0.5,
+                                             "dual_clip": 3.0, "entropy_coef": 0.01, "micro_batch_tokens": 24}}, "sgd"),
     "adamw": ({}, "adamw"),
 }
 N_GROUPS = 5  # over 4 ranks: one rank gets two groups, the others one (uneven shares)
@@ -137,6 +142,9 @@ def test_dp2_x_ep2_step_equals_the_single_process_step(sharded_results, name):
     assert_params_match(delta, ref_delta, atol=2e-6, rtol=1e-4)
     if name == "grpo-3-micro-batches":
         assert got["stats"]["micro_batches"] >= 3 and ref["stats"]["micro_batches"] >= 3
+    if name == "gspo-dr-grpo-objectives":
+        assert 0 < ref["stats"]["is_masked_frac"] < 1
+        assert got["stats"]["is_masked_frac"] == pytest.approx(ref["stats"]["is_masked_frac"], rel=1e-6)
     if name == "ppo":
         for key in ("vf_loss", "value", "return", "critic_grad_norm"):
             assert got["stats"][key] == pytest.approx(ref["stats"][key], rel=1e-4, abs=1e-6), key

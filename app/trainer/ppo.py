@@ -237,22 +237,28 @@ def ppo_policy_loss(
     Args:
         logprobs, old_logprobs, mask: ``[B, L]`` as for `grpo_loss`.
         advantages: ``[B, L]`` float32 per-token advantages (whitened GAE).
-        kwargs: the keyword arguments of `grpo_loss`; ``rollout_logprobs`` / ``ref_logprobs``
-            ``[B, L]`` when given.
+        kwargs: the keyword arguments of `grpo_loss`; ``rollout_logprobs`` / ``ref_logprobs`` /
+            ``entropy`` ``[B, L]`` when given.
 
     Raises:
-        ValueError: ``advantages`` is not ``[B, L]``, ``loss_agg`` is not token-mean, or any
-            error of `grpo_loss`.
+        ValueError: ``advantages`` is not ``[B, L]``, ``loss_agg`` is not token-mean,
+            ``ratio_level`` or ``rollout_is`` is sequence-level, or any error of `grpo_loss`.
     """
     if advantages.shape != logprobs.shape or logprobs.dim() != 2:
         raise ValueError(f"advantages {tuple(advantages.shape)} must be [B, L] like logprobs {tuple(logprobs.shape)}")
     if kwargs.get("loss_agg", "token-mean") != "token-mean":
         raise ValueError(f"PPO needs trainer.loss_agg='token-mean', got {kwargs['loss_agg']!r}")
+    # A row of the per-token view is one token: a sequence-level ratio or weight would silently
+    # become a token-level one.
+    if kwargs.get("ratio_level", "token") != "token":
+        raise ValueError(f"PPO needs trainer.ratio_level='token', got {kwargs['ratio_level']!r}")
+    if str(kwargs.get("rollout_is", "token_truncate")).startswith("sequence"):
+        raise ValueError(f"PPO needs a token-level trainer.rollout_is, got {kwargs['rollout_is']!r}")
 
     def rows(x: Tensor | None) -> Tensor | None:
         return None if x is None else x.reshape(-1, 1)
 
-    for key in ("rollout_logprobs", "ref_logprobs"):
+    for key in ("rollout_logprobs", "ref_logprobs", "entropy"):
         kwargs[key] = rows(kwargs.get(key))
     return grpo_loss(rows(logprobs), rows(old_logprobs), advantages.reshape(-1), rows(mask), **kwargs)
 

@@ -237,8 +237,10 @@ def _micro_step(cfg: RunConfig, model: nn.Module, mb: TrainBatch, rows, denomina
     """Forward, loss and backward of one micro-batch (collective). Returns (finite on every rank,
     detached fp32 sums, maxima); when a loss is not finite on some rank, no rank runs backward."""
     t = cfg.trainer
+    # The entropy bonus back-propagates through the entropy; logging alone does not.
     logp, ent, _ = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.completion_mask,
-                                           with_entropy=t.log_entropy, **kw)
+                                           with_entropy=t.log_entropy or t.entropy_coef > 0,
+                                           entropy_grad=t.entropy_coef > 0, **kw)
     ref_logp = None
     if ref_model is not None:
         with torch.no_grad():
@@ -246,7 +248,9 @@ def _micro_step(cfg: RunConfig, model: nn.Module, mb: TrainBatch, rows, denomina
     policy_kw = dict(
         clip_eps_low=t.clip_eps_low, clip_eps_high=t.clip_eps_high, loss_agg=t.loss_agg,
         denominator=denominator, rollout_logprobs=mb.rollout_logprobs, tis_cap=t.tis_cap,
-        ref_logprobs=ref_logp, kl_coef=t.kl_coef,
+        ref_logprobs=ref_logp, kl_coef=t.kl_coef, ratio_level=t.ratio_level, rollout_is=t.rollout_is,
+        rollout_is_min=t.rollout_is_min, dual_clip=t.dual_clip, entropy=ent, entropy_coef=t.entropy_coef,
+        token_denominator=counts[0], norm_tokens=cfg.max_policy_tokens(),
     )
     vout = None
     if critic is None:
