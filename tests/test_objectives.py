@@ -570,3 +570,11 @@ def test_the_loop_trains_on_groups_with_signal_and_records_the_rest(tmp_path, re
         for g in line["groups"]:
             assert int(g["task_id"][1:]) % 2 == 0  # only groups with signal were trained on
         assert line["skipped"] and all(r == "no_signal" for _, _, r in line["skipped"])
+
+
+def test_bench_loop_refuses_an_objective_its_trl_leg_would_not_run(tmp_path):
+    from app.bench.loop import grpo_args
+
+    cfg = RunConfig.model_validate({"trainer": {"ratio_level": "sequence"}})
+    with pytest.raises(ValueError, match="objective=gspo"):
+        grpo_args(cfg, tmp_path, 1)

@@ -423,14 +423,16 @@ def grpo_args(cfg, out_dir: Path, max_steps: int):
     """``trl.GRPOConfig`` mirroring ``cfg``'s GRPO recipe (see the module docstring).
 
     Raises:
-        ValueError: the recipe has no TRL equivalent (sequence-mean loss, KL, a PPO trainer).
+        ValueError: the recipe has no TRL equivalent here (sequence-mean loss, KL, a PPO trainer,
+            an objective other than plain GRPO: app/config.py TrainerConfig.objective).
     """
     from trl import GRPOConfig
 
     t, r = cfg.trainer, cfg.rollout
-    if t.algorithm != "grpo" or t.kl_coef > 0 or t.loss_agg != "token-mean":
+    if t.algorithm != "grpo" or t.kl_coef > 0 or t.loss_agg != "token-mean" or t.objective() != "grpo":
         raise ValueError("bench loop compares the token-mean GRPO recipe without KL "
-                         f"(trainer.algorithm={t.algorithm}, kl_coef={t.kl_coef}, loss_agg={t.loss_agg})")
+                         f"(trainer.algorithm={t.algorithm}, kl_coef={t.kl_coef}, loss_agg={t.loss_agg}, "
+                         f"objective={t.objective()})")
     return GRPOConfig(
         output_dir=str(out_dir),
         per_device_train_batch_size=t.groups_per_step * r.group_size,
