@@ -177,7 +177,8 @@ def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
 
 
 def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, cap: float | None) -> Tensor | None:
-    """Truncated importance-sampling weights ``min(exp(old - rollout), cap)``, detached.
+    """Truncated importance-sampling weights ``min(exp(old - rollout), cap)``, detached: the
+    ``token_truncate`` mode of `rollout_is_weights` over every position.
 
     The engine (sampler) and the trainer compute slightly different probabilities for the same
     weights (kernels, precision) and, in asynchronous RL, for different weights; weighting each
@@ -195,8 +196,7 @@ def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, cap: float | Non
     """
     if cap is None:
         return None
-    log_ratio = (old_logprobs.detach() - rollout_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    return log_ratio.exp().clamp(max=cap)
+    return rollout_is_weights(old_logprobs, rollout_logprobs, torch.ones_like(rollout_logprobs), "token_truncate", cap)[0]
 
 
 def rollout_is_weights(
