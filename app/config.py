@@ -177,11 +177,21 @@ class RolloutConfig(Section):
                                  "routed to and store them with every sample (R3).")
     policy_cache_dir: str = Field("runs/policy-cache", description="Local copies of policy versions.")
     reward_fn: str = Field("app.envs.rewards:score", description="module:attr of score(task, text).")
-    truncated_reward: float | None = Field(
-        0.0, description="Reward of a completion cut at max_new_tokens (None: score it normally)."
+    overlong_reward: float | None = Field(
+        0.0, description="A fixed overlong penalty: the reward of a completion cut at max_new_tokens, "
+        "in place of the verifier's (None: score it normally). Not DAPO's overlong filtering "
+        "(trainer.overlong_filter) nor its soft penalty (trainer.overlong_buffer_tokens)."
     )
     reward_url: str = Field("http://127.0.0.1:8080", description="`moerl reward` server; used when "
                             "task.reward_model is set.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "truncated_reward" in data:
+            raise ValueError("truncated_reward was renamed rollout.overlong_reward (a fixed reward for a "
+                             "completion cut at max_new_tokens)")
+        return data
 
     def inflight_tasks(self) -> int:
         """Prompt groups a worker generates at once: the in-flight sequences in whole groups (>= 1)."""
@@ -229,8 +239,33 @@ class TrainerConfig(Section):
     clip_eps_high: float = Field(0.28, ge=0.0)
     kl_coef: float = Field(0.0, ge=0.0)
     scale_by_std: bool = True
-    loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
-    tis_cap: float | None = Field(2.0, gt=0.0, description="Truncated IS cap; None disables.")
+    loss_agg: Literal["token-mean", "seq-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="token-mean (DAPO), seq-mean (GRPO) or seq-mean-token-sum-norm (Dr. GRPO: "
+        "token sums over sequences x the most policy tokens a completion may have).")
+    tis_cap: float | None = Field(2.0, gt=0.0, description="Truncated IS cap (C_max of rollout_is); None "
+                                  "disables the importance weights against the engine.")
+    # Objectives (app/trainer/grpo.py; the README's table names each one's paper and TRL/verl option).
+    ratio_level: Literal["token", "sequence"] = Field(
+        "token", description="sequence: GSPO's ratio, the geometric mean of the token ratios, clipped per sequence.")
+    rollout_is: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
+        "token_truncate", description="Importance weights against the engine's logprobs (with tis_cap): "
+        "per token or per sequence (product of the token ratios), truncated to [rollout_is_min, tis_cap] "
+        "or zeroed outside it.")
+    rollout_is_min: float | None = Field(None, gt=0.0, description="C_min of rollout_is; None: no lower bound.")
+    dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip bound c: the loss of a token with a "
+                                    "negative advantage A is at most -c * A. None: off.")
+    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus: the loss minus this x the mean token "
+                                "entropy (back-propagated through it).")
+    dynamic_sampling: bool = Field(False, description="DAPO dynamic sampling: skip groups whose rewards are all "
+                                   "equal (no advantage); taken from the buffer and committed all the same.")
+    dynamic_sampling_max_skipped: int = Field(8, ge=0, description="Groups without signal skipped per step at "
+                                              "most; after that they fill the batch (the trainer never starves).")
+    overlong_filter: bool = Field(False, description="DAPO overlong filtering: completions cut at max_new_tokens "
+                                  "are masked out of the loss (they still count in their group's advantages).")
+    overlong_buffer_tokens: int | None = Field(None, ge=1, description="DAPO soft overlong penalty: the last this "
+                                               "many tokens before max_new_tokens ramp a penalty from 0 to "
+                                               "-overlong_penalty_factor, added to the reward. None: off.")
+    overlong_penalty_factor: float = Field(1.0, gt=0.0, description="The soft overlong penalty at max_new_tokens.")
     publish_every: int = Field(1, ge=1, description="Steps between policy versions.")
     keep_versions: int = Field(3, ge=1)
     batch_timeout_s: float = Field(600.0, gt=0.0, description="Max wait for one step's groups.")
@@ -239,6 +274,24 @@ class TrainerConfig(Section):
     save_every: int = Field(1, ge=1, description="Steps between saved training states. Taken groups "
                             "leave Redis only at a save: capacity_groups must hold save_every + 1 steps.")
     keep_states: int = Field(2, ge=1, description="Complete training states kept in the store.")
+
+    def objective(self) -> str:
+        """The objective's name for metrics.jsonl: ``grpo``, ``gspo``, ``dr_grpo``, ``gspo+dr_grpo`` or
+        ``ppo``, then ``+`` each modifier that is on (``is=<rollout_is>`` when not the default,
+        ``dual_clip``, ``entropy_bonus``, ``dynamic_sampling``, ``overlong_filter``, ``soft_overlong``)."""
+        dr = self.loss_agg == "seq-mean-token-sum-norm" and not self.scale_by_std
+        if self.algorithm == "ppo":
+            parts = ["ppo"]
+        else:
+            parts = ["gspo"] if self.ratio_level == "sequence" else ([] if dr else ["grpo"])
+            parts += ["dr_grpo"] if dr else []
+        if self.tis_cap is not None and self.rollout_is != "token_truncate":
+            parts.append(f"is={self.rollout_is}")
+        parts += [name for name, on in (("dual_clip", self.dual_clip is not None), ("entropy_bonus", self.entropy_coef > 0),
+                                        ("dynamic_sampling", self.dynamic_sampling),
+                                        ("overlong_filter", self.overlong_filter),
+                                        ("soft_overlong", self.overlong_buffer_tokens is not None)) if on]
+        return "+".join(parts)
 
 
 class WeightSyncConfig(Section):
@@ -370,6 +423,33 @@ class RunConfig(Section):
                 f"buffer.capacity_groups={self.buffer.capacity_groups} must be >= (trainer.save_every + 1) "
                 f"* trainer.groups_per_step = {need}: taken groups stay in Redis until the next save"
             )
+        if t.algorithm == "grpo" and self.rollout.group_size < 2:
+            # TRL refuses it too (GRPOConfig: num_generations >= 2).
+            raise ValueError(f"rollout.group_size={self.rollout.group_size}: GRPO needs at least 2 completions "
+                             "per prompt (advantages are relative to the prompt's group; one gives none)")
+        if t.dynamic_sampling:
+            need = (t.save_every + 1) * (t.groups_per_step + t.dynamic_sampling_max_skipped)
+            if self.buffer.capacity_groups < need:
+                raise ValueError(
+                    f"buffer.capacity_groups={self.buffer.capacity_groups} must be >= (trainer.save_every + 1) * "
+                    f"(trainer.groups_per_step + trainer.dynamic_sampling_max_skipped) = {need} with "
+                    "trainer.dynamic_sampling: skipped groups stay in Redis until the next save too")
+            if t.algorithm == "ppo":
+                raise ValueError("trainer.dynamic_sampling: GRPO only (PPO's advantages come from its critic, "
+                                 "so a group of equal rewards still carries signal)")
+        if t.algorithm == "ppo" and t.ratio_level != "token":
+            raise ValueError("trainer.ratio_level=sequence (GSPO): needs one advantage per sequence; use grpo")
+        if t.algorithm == "ppo" and t.rollout_is.startswith("sequence"):
+            raise ValueError(f"trainer.rollout_is={t.rollout_is}: PPO supports the token-level modes only")
+        if t.rollout_is_min is not None and t.tis_cap is not None and t.rollout_is_min >= t.tis_cap:
+            raise ValueError(f"trainer.rollout_is_min={t.rollout_is_min} must be < trainer.tis_cap={t.tis_cap}")
+        if t.overlong_buffer_tokens is not None:
+            if t.overlong_buffer_tokens > self.rollout.max_new_tokens:
+                raise ValueError(f"trainer.overlong_buffer_tokens={t.overlong_buffer_tokens} must be <= "
+                                 f"rollout.max_new_tokens={self.rollout.max_new_tokens}")
+            if self.env.name:
+                raise ValueError("trainer.overlong_buffer_tokens: not supported with env.name (an episode's "
+                                 "length is not one generation's)")
         if self.router.routing_replay:  # the deprecated spelling: one switch, read from rollout
             self.rollout.routing_replay = True
         if self.env.name and self.rollout.routing_replay:
@@ -384,6 +464,18 @@ class RunConfig(Section):
         if t.algorithm == "ppo" and t.loss_agg != "token-mean":
             raise ValueError(f"trainer.loss_agg={t.loss_agg!r}: PPO's per-token advantages need 'token-mean'")
         return self
+
+    def max_policy_tokens(self) -> int:
+        """The most policy tokens one sample can hold: ``rollout.max_new_tokens``, times
+        ``env.max_turns`` for episodes (Dr. GRPO's constant normaliser)."""
+        return self.rollout.max_new_tokens * (self.env.max_turns if self.env.name else 1)
+
+    def soft_overlong(self) -> tuple[int, int, float] | None:
+        """``(max_tokens, buffer_tokens, factor)`` of DAPO's soft overlong penalty, or None when off."""
+        t = self.trainer
+        if t.overlong_buffer_tokens is None:
+            return None
+        return self.rollout.max_new_tokens, t.overlong_buffer_tokens, t.overlong_penalty_factor
 
     def validated(self) -> "RunConfig":
         """This config validated again (after fields were set in code).

@@ -20,7 +20,7 @@ first version, then the newest one whenever it is ``eval_every`` or more version
 measured (and the final one), is downloaded, loaded into the engine
 (``/update_weights_from_disk``, SGLang's API) and the held-out prompts are generated through it
 (``feed.eval_samples`` completions each at ``rollout.temperature``, and one greedy), scored as
-rollouts are (``rollout.truncated_reward`` for a cut-off completion, the task's verifier
+rollouts are (``rollout.overlong_reward`` for a cut-off completion, the task's verifier
 otherwise). One JSON line per measured version goes to ``<run-dir>/heldout.jsonl`` and stdout (the final
 version's line is marked; written again, marked, if it was measured before the done marker was read).
 The prompt source never waits for the engine: evaluation starts when the engine answers, and a
@@ -250,7 +250,7 @@ class HeldOutEval:
 
     async def _mean(self, engine, ids: list[list[int]], n: int, temperature: float) -> float:
         """Mean reward of ``n`` completions per prompt; a truncated completion earns
-        ``rollout.truncated_reward`` (as in rollouts), others the task's verifier."""
+        ``rollout.overlong_reward`` (as in rollouts), others the task's verifier."""
         from app.envs.rewards import score_answer_spec
 
         r = self.cfg.rollout
@@ -263,8 +263,8 @@ class HeldOutEval:
                                                           return_logprob=False) for i in part))
             for i, group in zip(part, outs):
                 for o in group:
-                    if o.finish_reason == "length" and r.truncated_reward is not None:
-                        total += r.truncated_reward
+                    if o.finish_reason == "length" and r.overlong_reward is not None:
+                        total += r.overlong_reward
                     else:
                         total += score_answer_spec(self.prompts[i].spec, o.text)
                     count += 1

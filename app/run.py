@@ -190,7 +190,7 @@ def held_out_reward(cfg: RunConfig, model_dir: Path) -> dict:
     _, heldout = make_splits(cfg.task)
     r = evaluate_checkpoint(model_dir, heldout, temperature=cfg.rollout.temperature,
                             max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.task.seed,
-                            env=cfg.env if cfg.env.name else None, truncated_reward=cfg.rollout.truncated_reward)
+                            env=cfg.env if cfg.env.name else None, overlong_reward=cfg.rollout.overlong_reward)
     return {"n": r.n, "mean_reward": r.sampled, "greedy": r.greedy}
 
 

@@ -48,7 +48,7 @@ def run_config(tmp_path: Path, redis_url: str, env_url: str, **env) -> RunConfig
     cfg.buffer.lease_ms = 30_000
     cfg.rollout.group_size = G
     cfg.rollout.max_new_tokens = 6
-    cfg.rollout.truncated_reward = None  # every turn goes to the environment
+    cfg.rollout.overlong_reward = None  # every turn goes to the environment
     cfg.rollout.policy_cache_dir = str(tmp_path / "cache")
     cfg.rollout.retry_backoff_s = 0.05
     cfg.env.name = "spell-retry"

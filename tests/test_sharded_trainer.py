@@ -32,6 +32,11 @@ VARIANTS = {
     # The aux loss over micro-batches and ranks, and DeepSeek-V3's aux-loss-free bias update.
     "grpo-aux-3-micro-batches": ({"router": {"aux_loss_coef": 0.05}, "trainer": {"micro_batch_tokens": 24}}, "sgd"),
     "grpo-deepseek-v3-bias": ({"model": {"preset": "tiny-deepseek-v3"}, "router": {"bias_update_rate": 0.01}}, "sgd"),
+    # GSPO's sequence ratio, Dr. GRPO's constant normaliser (global sequence count), token-masked IS,
+    # dual-clip and the entropy bonus (global token count), over micro-batches.
+    "gspo-dr-grpo-objectives": ({"trainer": {"ratio_level": "sequence", "loss_agg": "seq-mean-token-sum-norm",
+                                             "scale_by_std": False, "rollout_is": "token_mask", "rollout_is_min": 0.5,
+                                             "dual_clip": 3.0, "entropy_coef": 0.01, "micro_batch_tokens": 24}}, "sgd"),
     "adamw": ({}, "adamw"),
 }
 N_GROUPS = 5  # over 4 ranks: one rank gets two groups, the others one (uneven shares)
@@ -145,6 +150,9 @@ def test_dp2_x_ep2_step_equals_the_single_process_step(sharded_results, name):
         assert ref["bias"] and any(float(b.abs().max()) > 0 for b in ref["bias"].values())
         for k in ref["bias"]:
             torch.testing.assert_close(got["bias"][k], ref["bias"][k], atol=0, rtol=0)
+    if name == "gspo-dr-grpo-objectives":
+        assert 0 < ref["stats"]["is_masked_frac"] < 1
+        assert got["stats"]["is_masked_frac"] == pytest.approx(ref["stats"]["is_masked_frac"], rel=1e-6)
     if name == "ppo":
         for key in ("vf_loss", "value", "return", "critic_grad_norm"):
             assert got["stats"][key] == pytest.approx(ref["stats"][key], rel=1e-4, abs=1e-6), key

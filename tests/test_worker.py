@@ -320,7 +320,7 @@ def test_task_the_engine_refuses_is_consumed_not_recycled(tmp_path, redis_server
     """A prompt longer than the context gets HTTP 400 on every worker: published as an all-error
     group with reward 0 instead of going back to the queue forever."""
     # Truncated completions scored like the others, so every good sample earns the scorer's 1.0.
-    cfg = make_config(tmp_path, redis_server, engine, truncated_reward=None)
+    cfg = make_config(tmp_path, redis_server, engine, overlong_reward=None)
     buf = ExperienceBuffer.from_config(cfg)
     long_task = Task(task_id="train-long", prompt_ids=[BOS_ID] + [40] * 119, prompt="x" * 119,
                      answer="{}", group_size=G)  # 120 + max_new_tokens 24 > 128 positions
@@ -431,10 +431,10 @@ def test_worker_rides_through_a_redis_restart(tmp_path, local_redis, engine):
     assert stats.groups_published + stats.duplicate_groups >= len(tasks)
 
 
-@pytest.mark.parametrize("truncated_reward", [0.0, None])
-def test_truncated_completions_get_the_configured_reward(tmp_path, redis_server, engine, truncated_reward):
+@pytest.mark.parametrize("overlong_reward", [0.0, None])
+def test_truncated_completions_get_the_configured_reward(tmp_path, redis_server, engine, overlong_reward):
     # A random tiny model rarely emits <eos> within 3 tokens: most completions are cut ("length").
-    cfg = make_config(tmp_path, redis_server, engine, max_new_tokens=3, truncated_reward=truncated_reward)
+    cfg = make_config(tmp_path, redis_server, engine, max_new_tokens=3, overlong_reward=overlong_reward)
     buf = ExperienceBuffer.from_config(cfg)
     buf.put_tasks(make_tasks(2))
 
@@ -448,7 +448,7 @@ def test_truncated_completions_get_the_configured_reward(tmp_path, redis_server,
     samples = [s for gs in groups.values() for g in gs for s in g.samples]
     cut = [s for s in samples if s.finish_reason == "length"]
     assert cut, "expected some completions cut at max_new_tokens"
-    assert all(s.reward == (1.0 if truncated_reward is None else 0.0) for s in cut)
+    assert all(s.reward == (1.0 if overlong_reward is None else 0.0) for s in cut)
     assert all(s.reward == 1.0 for s in samples if s.finish_reason == "stop")
 
 

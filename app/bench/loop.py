@@ -19,7 +19,7 @@ How the comparison is kept fair:
   recipe like `moerl run` does); TRL loads it with ``AutoModelForCausalLM.from_pretrained``;
 * same data and reward: the training prompts of ``make_splits(cfg.task)`` (plain-text prompts,
   tokenized by the same tokenizer with ``<bos>``), scored as the rollout worker scores them:
-  ``app.envs.rewards`` on the decoded completion, and ``rollout.truncated_reward`` for one cut
+  ``app.envs.rewards`` on the decoded completion, and ``rollout.overlong_reward`` for one cut
   at max new tokens (without it TRL's policy learns to stop emitting ``<eos>``: run-on text
   earns partial credit from spell_backward's verifier, and held-out reward, where an unfinished
   answer scores 0, falls);
@@ -395,14 +395,14 @@ def profile_summary(profiles, extra_cpu_s: dict[str, float], records: list[dict]
 # -- leg 2: TRL's GRPOTrainer ------------------------------------------------------------------
 
 
-def trl_reward_fn(eos_ids: list[int], truncated_reward: float | None):
+def trl_reward_fn(eos_ids: list[int], overlong_reward: float | None):
     """The TRL reward function of the recipe, scored as the rollout worker scores.
 
     TRL calls it with lists (``reward_funcs`` signature): ``prompts``, ``completions`` (decoded
     without special tokens), ``completion_ids`` (cut after the first EOS, which they keep), and
     the dataset's extra columns (here ``spec``, the JSON a rollout Task carries). A completion
     that never reached EOS was cut at max new tokens: like the worker (``finish_reason ==
-    "length"``) it gets ``rollout.truncated_reward`` instead of the verifier's partial credit
+    "length"``) it gets ``rollout.overlong_reward`` instead of the verifier's partial credit
     (unless that is None); every other one gets ``app.envs.rewards`` on its text.
     """
     from app.envs.rewards import score_answer_spec
@@ -413,7 +413,7 @@ def trl_reward_fn(eos_ids: list[int], truncated_reward: float | None):
         out = []
         for text, ids, answer in zip(completions, completion_ids, spec):
             cut = not stops.intersection(ids)
-            out.append(truncated_reward if cut and truncated_reward is not None else score_answer_spec(answer, text))
+            out.append(overlong_reward if cut and overlong_reward is not None else score_answer_spec(answer, text))
         return out
 
     return reward
@@ -423,14 +423,16 @@ def grpo_args(cfg, out_dir: Path, max_steps: int):
     """``trl.GRPOConfig`` mirroring ``cfg``'s GRPO recipe (see the module docstring).
 
     Raises:
-        ValueError: the recipe has no TRL equivalent (sequence-mean loss, KL, a PPO trainer).
+        ValueError: the recipe has no TRL equivalent here (sequence-mean loss, KL, a PPO trainer,
+            an objective other than plain GRPO: app/config.py TrainerConfig.objective).
     """
     from trl import GRPOConfig
 
     t, r = cfg.trainer, cfg.rollout
-    if t.algorithm != "grpo" or t.kl_coef > 0 or t.loss_agg != "token-mean":
+    if t.algorithm != "grpo" or t.kl_coef > 0 or t.loss_agg != "token-mean" or t.objective() != "grpo":
         raise ValueError("bench loop compares the token-mean GRPO recipe without KL "
-                         f"(trainer.algorithm={t.algorithm}, kl_coef={t.kl_coef}, loss_agg={t.loss_agg})")
+                         f"(trainer.algorithm={t.algorithm}, kl_coef={t.kl_coef}, loss_agg={t.loss_agg}, "
+                         f"objective={t.objective()})")
     return GRPOConfig(
         output_dir=str(out_dir),
         per_device_train_batch_size=t.groups_per_step * r.group_size,
@@ -517,7 +519,7 @@ def run_trl(cfg, base: Path, out_dir: Path, seconds: float, before: dict) -> dic
     deadline = Deadline()
     eos = model.generation_config.eos_token_id
     eos_ids = [tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos] if eos is not None else [])]
-    reward = trl_reward_fn(eos_ids, cfg.rollout.truncated_reward)
+    reward = trl_reward_fn(eos_ids, cfg.rollout.overlong_reward)
     reward.__name__ = "reward"  # TRL names its reward metrics after the function
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=grpo_args(cfg, out_dir, t.steps),
                           train_dataset=dataset, processing_class=tokenizer, optimizers=(opt, sched),

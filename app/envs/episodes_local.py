@@ -108,11 +108,11 @@ def _generate(model, pad_id: int, eos_id: int, seqs: list[list[int]], temperatur
 
 
 def play(model, tokenizer, prompts: list[Prompt], cfg: EnvConfig, temperature: float, max_new_tokens: int,
-         truncated_reward: float | None = 0.0, batch_size: int = 128) -> list[float]:
+         overlong_reward: float | None = 0.0, batch_size: int = 128) -> list[float]:
     """The reward of one episode per prompt, ``model`` generating each turn.
 
     A turn with no ``<eos>`` within ``max_new_tokens`` ends the episode with
-    ``truncated_reward`` (as in rollouts; None: the environment scores it); an episode that runs
+    ``overlong_reward`` (as in rollouts; None: the environment scores it); an episode that runs
     out of ``cfg.max_turns`` turns gets 0.
 
     Returns:
@@ -136,8 +136,8 @@ def play(model, tokenizer, prompts: list[Prompt], cfg: EnvConfig, temperature: f
             chunk = active[start:start + batch_size]
             turns = _generate(model, pad, tokenizer.eos_token_id, [seqs[i] for i in chunk], temperature, max_new_tokens)
             for i, (turn, finished) in zip(chunk, turns):
-                if not finished and truncated_reward is not None:
-                    rewards[i] = truncated_reward
+                if not finished and overlong_reward is not None:
+                    rewards[i] = overlong_reward
                     continue
                 text = renderer.decode(turn)
                 obs = envs[i].step(TextAction(text=text))

@@ -85,18 +85,18 @@ def mean_reward(model, tokenizer, prompts: list[Prompt], temperature: float, max
 
 
 def mean_episode_reward(model, tokenizer, prompts: list[Prompt], env, temperature: float, max_new_tokens: int,
-                        samples: int = 1, truncated_reward: float | None = 0.0) -> float:
+                        samples: int = 1, overlong_reward: float | None = 0.0) -> float:
     """Mean reward of ``samples`` episodes per prompt of environment ``env`` (an EnvConfig)."""
     from app.envs.episodes_local import play
 
     items = [p for p in prompts for _ in range(samples)]
-    rewards = play(model, tokenizer, items, env, temperature, max_new_tokens, truncated_reward)
+    rewards = play(model, tokenizer, items, env, temperature, max_new_tokens, overlong_reward)
     return sum(rewards) / len(items)
 
 
 def evaluate(model, tokenizer, prompts: list[Prompt], temperature: float = 1.0, max_new_tokens: int = 8,
              greedy: bool = True, seed: int = 0, samples: int = 4, env=None,
-             truncated_reward: float | None = 0.0) -> EvalResult:
+             overlong_reward: float | None = 0.0) -> EvalResult:
     """Held-out mean reward of ``model`` (sampled at ``temperature``, and greedy if asked).
 
     ``samples`` completions per prompt (default 4) halve the sampling noise of the sampled figure
@@ -117,7 +117,7 @@ def evaluate(model, tokenizer, prompts: list[Prompt], temperature: float = 1.0, 
     try:
         if env is not None:
             def score(temp: float, n: int) -> float:
-                return mean_episode_reward(model, tokenizer, prompts, env, temp, max_new_tokens, n, truncated_reward)
+                return mean_episode_reward(model, tokenizer, prompts, env, temp, max_new_tokens, n, overlong_reward)
         else:
             def score(temp: float, n: int) -> float:
                 return mean_reward(model, tokenizer, prompts, temp, max_new_tokens, n)
@@ -132,7 +132,7 @@ def evaluate(model, tokenizer, prompts: list[Prompt], temperature: float = 1.0, 
 
 def evaluate_checkpoint(path: str | os.PathLike, prompts: list[Prompt], temperature: float = 1.0,
                         max_new_tokens: int = 8, greedy: bool = True, seed: int = 0, samples: int = 4,
-                        env=None, truncated_reward: float | None = 0.0) -> EvalResult:
+                        env=None, overlong_reward: float | None = 0.0) -> EvalResult:
     """`evaluate` a checkpoint directory loaded with stock transformers (model and tokenizer).
 
     Raises:
@@ -148,7 +148,7 @@ def evaluate_checkpoint(path: str | os.PathLike, prompts: list[Prompt], temperat
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     return evaluate(model, tokenizer, prompts, temperature, max_new_tokens, greedy, seed, samples, env,
-                    truncated_reward)
+                    overlong_reward)
 
 
 cli = typer.Typer(add_completion=False, help="Held-out mean reward of a checkpoint.")
@@ -168,7 +168,7 @@ def main(
     _, heldout = make_splits(cfg.task)
     temp = cfg.rollout.temperature if temperature is None else temperature
     res = evaluate_checkpoint(checkpoint, heldout, temp, cfg.rollout.max_new_tokens, seed=cfg.task.seed,
-                              env=cfg.env if cfg.env.name else None, truncated_reward=cfg.rollout.truncated_reward)
+                              env=cfg.env if cfg.env.name else None, overlong_reward=cfg.rollout.overlong_reward)
     typer.echo(json.dumps(asdict(res)))
 
 

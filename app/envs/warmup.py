@@ -183,7 +183,7 @@ def run_warmup(cfg: RunConfig, out: Path, threads: int | None = 1, log=print) ->
                      env_cfg=cfg.env)
     wall = time.monotonic() - t0
     result = evaluate(model, tokenizer, heldout, cfg.rollout.temperature, cfg.rollout.max_new_tokens, seed=t.seed,
-                      env=cfg.env if cfg.env.name else None, truncated_reward=cfg.rollout.truncated_reward)
+                      env=cfg.env if cfg.env.name else None, overlong_reward=cfg.rollout.overlong_reward)
     save_policy(model, out, EPContext.local(), overwrite=True)
     save_tokenizer(out, tokenizer)
     summary = dict(task=t.name, steps=t.warmup_steps, first_loss=losses[0], last_loss=losses[-1],

@@ -14,7 +14,8 @@ fp32 block; elsewhere they are plain torch ops.
 
 Math (temperature T, logits z = h W^T / T, p = softmax(z)):
   logp(y) = z_y - logsumexp(z);  d logp(y) / d z = onehot(y) - p;
-  dz/dh = W / T, dz/dW = h / T;  entropy H = logsumexp(z) - sum_v p_v z_v (no gradient).
+  dz/dh = W / T, dz/dW = h / T;  entropy H = logsumexp(z) - sum_v p_v z_v,
+  dH / dz = -p * (log p + H) (only with ``entropy_grad``: the entropy bonus).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from app.model.logit_kernels import logit_grad, logit_stats
 
 def chunked_logprobs(
     hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0, chunk: int = 4096,
-    with_entropy: bool = False, fused: bool | None = None,
+    with_entropy: bool = False, fused: bool | None = None, entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probability of each target token under ``softmax(hidden @ weight.T / temperature)``.
 
@@ -40,13 +41,15 @@ def chunked_logprobs(
         targets: ``[N]`` int64 token ids in ``[0, V)`` (checked: one host sync), on hidden's device.
         temperature: sampling temperature (finite, > 0), as the engine applies it before sampling.
         chunk: rows per chunk (>= 1).
-        with_entropy: also return the entropy of each row's distribution (detached).
+        with_entropy: also return the entropy of each row's distribution.
         fused: the Triton softmax passes (`app.model.logit_kernels`); None (default) uses them
             where they run compiled (CUDA with triton, bf16/fp16/fp32), torch ops otherwise.
+        entropy_grad: the entropy carries gradient to hidden and weight (an entropy bonus);
+            otherwise it is detached. Its backward runs on torch ops, chunk by chunk.
 
     Returns:
-        ``(logp [N] with gradient to hidden and weight, entropy [N] (detached) or None)``, fp32
-        (float64 for float64 inputs).
+        ``(logp [N] with gradient to hidden and weight, entropy [N] or None)``, fp32 (float64
+        for float64 inputs).
 
     Raises:
         ValueError: shapes, dtypes, devices or arguments disagree, or a target is outside the
@@ -74,7 +77,7 @@ def chunked_logprobs(
     if fused is None:
         fused = kernels.usable(hidden)
     logp, ent = _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), int(chunk), with_entropy,
-                                       bool(fused))
+                                       bool(fused), bool(with_entropy and entropy_grad))
     return logp, (ent if with_entropy else None)
 
 
@@ -92,7 +95,7 @@ def _chunk_logits(h: Tensor, weight: Tensor, temperature: float) -> Tensor:
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy, fused):
+    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy, fused, entropy_grad):
         n = hidden.shape[0]
         acc = _acc_dtype(hidden)
         logp = torch.empty(n, dtype=acc, device=hidden.device)
@@ -115,21 +118,34 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 # H = lse - sum p z, with p = exp(z - lse) formed in place of z's copy.
                 p = torch.exp(z - c_lse[:, None])
                 ent[s : s + chunk] = c_lse - (p * z).sum(-1)
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
         ctx.temperature, ctx.chunk, ctx.fused = temperature, chunk, fused
-        ctx.mark_non_differentiable(ent)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(ent)
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not zeros
         return logp, ent
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_ent):
-        hidden, weight, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_ent):
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
         t, chunk = ctx.temperature, ctx.chunk
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=_acc_dtype(weight), device=weight.device) if need_w else None
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]
-            if ctx.fused:
+            if grad_ent is not None:
+                # Entropy bonus: dL/dz = g_logp * (onehot - p) - g_H * p * (log p + H).
+                z = _chunk_logits(h, weight, t)
+                logp_all = z - lse[s : s + chunk, None]
+                p = logp_all.exp()
+                dz = -p * grad_logp[s : s + chunk, None]
+                dz.scatter_add_(1, targets[s : s + chunk, None], grad_logp[s : s + chunk, None])
+                dz -= grad_ent[s : s + chunk, None] * p * (logp_all + ent[s : s + chunk, None])
+                dz = (dz / t).to(weight.dtype)
+            elif ctx.fused:
                 dz = logit_grad(h @ weight.t(), lse[s : s + chunk], targets[s : s + chunk], grad_logp[s : s + chunk],
                                 t, weight.dtype)
             else:
@@ -142,12 +158,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_h[s : s + chunk] = dz @ weight
             if need_w:
                 grad_w += dz.t() @ h  # one GEMM per chunk in the weight's dtype, summed in fp32
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None, None
 
 
 def sequence_logprobs(
     model, input_ids: Tensor, attention_mask: Tensor, mask: Tensor, temperature: float = 1.0,
-    chunk: int = 4096, with_entropy: bool = False,
+    chunk: int = 4096, with_entropy: bool = False, entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """Per-token logprobs of a causal LM at the positions ``mask`` selects, without [B, L, V] logits.
 
@@ -160,7 +176,7 @@ def sequence_logprobs(
         attention_mask: ``[B, L]`` int64 (1 on real tokens).
         mask: ``[B, L]`` float32; position ``t >= 1`` with ``mask > 0`` gets
             ``log p(input_ids[:, t] | input_ids[:, :t])`` (predicted at ``t - 1``).
-        temperature, chunk, with_entropy: as `chunked_logprobs`.
+        temperature, chunk, with_entropy, entropy_grad: as `chunked_logprobs`.
 
     Returns:
         ``(logp [B, L] fp32, entropy [B, L] fp32 or None, hidden [B, L, H])``, 0 where not selected;
@@ -179,11 +195,11 @@ def sequence_logprobs(
     h = hidden[:, :-1][sel]
     weight = model.lm_head.weight
     logp, ent = chunked_logprobs(h.to(weight.dtype), weight, input_ids[:, 1:][sel], temperature, chunk,
-                                 with_entropy)
+                                 with_entropy, entropy_grad=entropy_grad)
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=hidden.device)
     out = torch.cat([out[:, :1], out[:, 1:].masked_scatter(sel, logp)], dim=1)
     ent_out = None
     if ent is not None:
         ent_out = torch.zeros(input_ids.shape, dtype=torch.float32, device=hidden.device)
-        ent_out[:, 1:][sel] = ent
+        ent_out = torch.cat([ent_out[:, :1], ent_out[:, 1:].masked_scatter(sel, ent.float())], dim=1)
     return out, ent_out, hidden

@@ -33,9 +33,11 @@ class _ScoresTokens:
     which FSDP has gathered only inside a forward of the root."""
 
     def sequence_logprobs(self, input_ids: Tensor, attention_mask: Tensor, mask: Tensor,
-                          temperature: float = 1.0, chunk: int = 4096, with_entropy: bool = False):
+                          temperature: float = 1.0, chunk: int = 4096, with_entropy: bool = False,
+                          entropy_grad: bool = False):
         """`app.model.logprobs.sequence_logprobs` of this model (see there for shapes)."""
-        return sequence_logprobs(self, input_ids, attention_mask, mask, temperature, chunk, with_entropy)
+        return sequence_logprobs(self, input_ids, attention_mask, mask, temperature, chunk, with_entropy,
+                                 entropy_grad)
 
 
 class Qwen3MoePolicy(_ScoresTokens, Qwen3MoeForCausalLM):

@@ -18,7 +18,7 @@ tokens; ``policy_version`` the oldest weight version of its turns (DESIGN.md §3
 ``finish_reason`` "stop" when the environment ended the episode, "length" when a turn hit
 ``max_new_tokens`` or the turns ran out.
 
-A turn cut at ``max_new_tokens`` ends the episode with ``rollout.truncated_reward`` (as a
+A turn cut at ``max_new_tokens`` ends the episode with ``rollout.overlong_reward`` (as a
 truncated single-turn completion; the environment is not sent a partial answer) unless that is
 None, in which case the turn goes to the environment like any other. An episode that runs out
 of turns without ``done`` gets reward 0.
@@ -113,8 +113,8 @@ class EpisodeRunner:
             mask += [1] * len(out.token_ids)
             logprobs += out.logprobs
             seq += out.token_ids
-            if out.finish_reason == "length" and self.r.truncated_reward is not None:
-                reward, finish = self.r.truncated_reward, "length"
+            if out.finish_reason == "length" and self.r.overlong_reward is not None:
+                reward, finish = self.r.overlong_reward, "length"
                 break
             text = self.renderer.decode(out.token_ids)
             result = await env.step({"text": text})

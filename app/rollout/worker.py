@@ -641,11 +641,12 @@ class RolloutWorker:
                 self.stats.reward_timeouts += 1
             elif problem == "error":
                 self.stats.reward_errors += 1
-            if o.finish_reason == "length" and self.r.truncated_reward is not None:
-                # Cut off at max_new_tokens: no verifier call, a fixed reward (overlong
-                # filtering, Yu et al. 2025 DAPO); otherwise a dense verifier pays for run-on
-                # text and the policy learns to stop emitting <eos>.
-                reward = self.r.truncated_reward
+            if o.finish_reason == "length" and self.r.overlong_reward is not None:
+                # Cut off at max_new_tokens: no verifier call, a fixed overlong penalty (the
+                # reward rollout.overlong_reward); otherwise a dense verifier pays for run-on text
+                # and the policy learns to stop emitting <eos>. DAPO's overlong filtering (masking
+                # such samples out of the loss) is the trainer's, trainer.overlong_filter.
+                reward = self.r.overlong_reward
             version = o.weight_version if o.weight_version is not None else (self.engine_version or 0)
             samples.append(Sample(
                 sample_id=task.sample_id(self.cfg.run_id, j), task_id=task.task_id, index=j,
@@ -655,7 +656,7 @@ class RolloutWorker:
                 routed_experts=ids,
             ))
         failed = [problem for (o, (_, problem)) in zip(outs, rewards) if problem is not None
-                  and not (o.finish_reason == "length" and self.r.truncated_reward is not None)]
+                  and not (o.finish_reason == "length" and self.r.overlong_reward is not None)]
         if failed:
             raise GroupFailed(f"task {task.task_id}: {len(failed)} reward call(s) failed ({', '.join(sorted(set(failed)))})")
         return samples

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from app.trainer.grpo import group_advantages
+from app.trainer.grpo import group_advantages, soft_overlong_penalty
 
 
 @dataclass
@@ -66,14 +66,30 @@ class TrainBatch:
         return TrainBatch(**fields)
 
 
+def sample_rewards(samples: list, soft_overlong: tuple[int, int, float] | None = None) -> Tensor:
+    """The rewards the trainer trains on, ``[n]`` float32: each sample's reward plus, with
+    ``soft_overlong = (max_tokens, buffer_tokens, factor)`` (`RunConfig.soft_overlong`), DAPO's
+    soft overlong penalty of its completion length (`app.trainer.grpo.soft_overlong_penalty`)."""
+    rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
+    if soft_overlong is not None and samples:
+        lengths = torch.tensor([len(s.completion_ids) for s in samples])
+        rewards = rewards + soft_overlong_penalty(lengths, *soft_overlong)
+    return rewards
+
+
 def collate_groups(
     groups: list, pad_id: int = 0, scale_by_std: bool = True, max_len: int | None = None,
-    moe_layers: list[int] | None = None,
+    moe_layers: list[int] | None = None, mask_truncated: bool = False,
+    soft_overlong: tuple[int, int, float] | None = None,
 ) -> TrainBatch:
     """Collate whole groups (``app.buffer.records.Group``) into one padded `TrainBatch`.
 
     Advantages are computed per group here, over all of the group's samples
     (`app.trainer.grpo.group_advantages`), so a group must never be split across calls.
+    With ``mask_truncated`` (DAPO's overlong filtering, Yu et al. 2025 §3.4; TRL
+    ``mask_truncated_completions``) the completion mask of a sample cut at max_new_tokens
+    (``finish_reason == "length"``) is all zeros: no gradient, no place in any denominator; its
+    reward still counts in its group's advantages, as in DAPO and TRL.
 
     Args:
         groups: groups with ``.samples``; each sample has ``sample_id``, ``prompt_ids``,
@@ -87,6 +103,8 @@ def collate_groups(
             sample's ``routed_experts`` (app.buffer.records: ``[P + C - 1, len(moe_layers), K]``
             as workers store them, or ``[P + C - 1, num_layers, K]`` in older samples) is
             collated into `TrainBatch.routed_experts`.
+        mask_truncated: mask truncated samples out of the loss (see above).
+        soft_overlong: DAPO's soft overlong penalty on the rewards (`sample_rewards`).
 
     Returns:
         A `TrainBatch` with ``B = total samples``; with no groups, ``B = 0`` and ``L = 1``.
@@ -138,10 +156,12 @@ def collate_groups(
         attention_mask[i, : p + c] = 1
         loss_mask = getattr(s, "loss_mask", None)
         mask = torch.ones(c) if loss_mask is None else torch.tensor(loss_mask, dtype=torch.float32)
+        if mask_truncated and s.finish_reason == "length":
+            mask = torch.zeros(c)
         completion_mask[i, p : p + c] = mask
         if c:
             rollout_logprobs[i, p : p + c] = torch.tensor(s.logprobs, dtype=torch.float32) * mask
-    rewards = torch.tensor([float(s.reward) for _, s in rows], dtype=torch.float32)
+    rewards = sample_rewards([s for _, s in rows], soft_overlong)
     group_ids = torch.tensor([g for g, _ in rows], dtype=torch.int64)
     routed = _routed_experts([s for _, s in rows], L, moe_layers) if moe_layers is not None else None
     return TrainBatch(

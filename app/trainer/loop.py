@@ -32,10 +32,13 @@ precede it were rolled back (their groups are trained again). app/ledger.py audi
 
 Metrics: one JSON line per step in ``<run_dir>/metrics.jsonl`` (rank 0), whole-batch figures:
   step, policy_version, applied (False: non-finite step skipped), bad_steps, time (unix s);
+  objective (`TrainerConfig.objective`: grpo, gspo, dr_grpo, ppo, and the modifiers that are on);
   groups, samples, reward_mean, reward_max, completion_len_mean, staleness_mean, staleness_max;
   push_s, pushed_engines, push_failed_engines, push_left_out (network weight sync only);
   loss, pg_loss, tokens, clip_frac, ratio, ratio_max, approx_kl (k3, old||current),
-  mismatch_kl (k3, engine||trainer), tis, tis_max, tis_trunc_frac, entropy, kl_ref (kl_coef>0),
+  mismatch_kl (k3, engine||trainer), tis, tis_max, tis_trunc_frac, is_masked_frac (tokens whose
+  importance weight a *_mask rollout_is mode zeroed), dual_clip_frac (dual_clip), entropy, kl_ref (kl_coef>0),
+  no_signal_skipped, no_signal_admitted (dynamic_sampling, app/trainer/sampling.py),
   grad_norm (before clipping), lr, micro_batches; PPO: vf_loss, vf_clip_frac, value, return,
   value_error, critic_grad_norm; wait_s (waiting for groups), step_s, publish_s, save_s;
   samples_total, overstale_dropped, malformed_groups, error_groups; buffer (ExperienceBuffer.stats()).
@@ -57,6 +60,7 @@ import torch.distributed as dist
 from app.config import RunConfig
 from app.trainer import TrainingError
 from app.trainer.batch import collate_groups, split_groups
+from app.trainer.sampling import SignalFilter
 
 log = logging.getLogger("moerl.train")
 
@@ -349,17 +353,18 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
             skipped: list = []
             if rank == 0:
                 payload = {"parts": None, "error": None, "stop": False, "meta": {}}
+                signal_filter = SignalFilter.of(cfg)  # DAPO dynamic sampling, or None
 
                 def keep(g) -> bool:
                     nonlocal commit_point
                     commit_point = newer_entry(commit_point, g.entry_id)
                     return usable(g, state, cfg.buffer.max_staleness, pad_id, trained=trained, skipped=skipped,
-                                  moe_layers=moe_layers)
+                                  moe_layers=moe_layers) and (signal_filter is None or signal_filter.admit(g, skipped))
 
                 try:
                     groups, wait_s = take_groups(buffer, cfg, state.version, lambda: stop_requested, keep)
                     payload["parts"] = split_groups(groups, world)
-                    payload["meta"] = batch_meta(groups, state.version)
+                    payload["meta"] = batch_meta(groups, state.version) | (signal_filter.meta() if signal_filter else {})
                 except Stop:
                     payload["stop"] = True
                 except Exception as e:
@@ -369,7 +374,8 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
             msg = scatter_groups(payload, rank)
             t0 = time.perf_counter()
             batch = collate_groups(msg["parts"][rank], pad_id=pad_id, scale_by_std=t.scale_by_std,
-                                   moe_layers=moe_layers)
+                                   moe_layers=moe_layers, mask_truncated=t.overlong_filter,
+                                   soft_overlong=cfg.soft_overlong())
             lr = step_lr(t, state.step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -416,7 +422,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
             if rank == 0:
                 record = {
                     "time": time.time(), "step": state.step, "policy_version": state.version,
-                    "applied": applied, "bad_steps": state.bad_steps, **msg["meta"],
+                    "objective": t.objective(), "applied": applied, "bad_steps": state.bad_steps, **msg["meta"],
                     **{k: v for k, v in stats.items()}, "lr": lr,
                     "wait_s": wait_s, "step_s": step_s, "publish_s": publish_s, "save_s": save_s, **push_meta,
                     "samples_total": state.samples, "overstale_dropped": state.overstale,

@@ -108,38 +108,54 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: 
     return advantages, returns
 
 
-def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, distributed: bool = True) -> Tensor:
+def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, distributed: bool = True,
+           device: torch.device | str | None = None) -> Tensor:
     """Advantage whitening: ``(x - mean) / sqrt(var + eps)`` over the masked tokens of the WHOLE
     batch, 0 outside the mask (the advantage normalisation of the PPO authors' implementation,
     openai/baselines ppo2, used with Schulman et al. 2017; verl and OpenRLHF do the same).
 
+    Two passes in float64: the mean first, then the mean squared deviation from it. The one-pass
+    ``E[x^2] - E[x]^2`` in float32 cancels catastrophically once ``|mean| / std`` passes ~1e3
+    (advantages of a large constant reward with a young critic), giving a std far from the truth.
+
     With a process group of several ranks (each holding part of the batch) the mean and the
-    (biased) variance are of every rank's tokens: the sums are all-reduced, so this is a
-    collective that every rank must call, also with an empty mask.
+    (biased) variance are of every rank's tokens: the sums are all-reduced (twice), so this is a
+    collective that every rank must call, also with an empty mask. The all-reduced tensors live
+    on ``device`` (the trainer's; an NCCL group refuses CPU tensors), which defaults to ``x``'s.
 
     Args:
         x: ``[B, L]`` float32.
         mask: ``[B, L]`` float32 completion mask.
         eps: added to the variance.
         distributed: all-reduce over the default process group when it has > 1 rank.
+        device: where the all-reduced moments live; None: the group's collective device
+            (`app.model.parallel.collective_device`), or ``x.device`` without a group.
 
     Returns:
-        ``[B, L]`` float32.
+        ``[B, L]`` float32, on ``x``'s device.
     """
     if x.shape != mask.shape:
         raise ValueError(f"x {tuple(x.shape)} and mask {tuple(mask.shape)} differ")
-    x, mask = x.detach().float(), mask.float()
-    moments = torch.stack([mask.sum(), (x * mask).sum(), (x.square() * mask).sum()])
-    if distributed and dist.is_initialized() and dist.get_world_size() > 1:
+    reduce = distributed and dist.is_initialized() and dist.get_world_size() > 1
+    if device is not None:
+        dev = torch.device(device)
+    else:  # NCCL refuses host tensors: reduce on the group's device
         from app.model.parallel import collective_device
 
-        moments = moments.to(collective_device())  # NCCL refuses host tensors
-        dist.all_reduce(moments, op=dist.ReduceOp.SUM)
-        moments = moments.to(x.device)
-    n = moments[0].clamp(min=1.0)
-    mean = moments[1] / n
-    var = (moments[2] / n - mean.square()).clamp(min=0.0)
-    return (x - mean) * torch.rsqrt(var + eps) * mask
+        dev = collective_device() if reduce else x.device
+    x, mask = x.detach().double(), mask.double()
+
+    def total(t: Tensor) -> Tensor:
+        t = t.to(dev)
+        if reduce:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.to(x.device)
+
+    first = total(torch.stack([mask.sum(), (x * mask).sum()]))
+    n = first[0].clamp(min=1.0)
+    mean = first[1] / n
+    var = total(((x - mean).square() * mask).sum().reshape(1))[0] / n
+    return ((x - mean) * torch.rsqrt(var + eps) * mask).float()
 
 
 def value_loss(
@@ -227,22 +243,28 @@ def ppo_policy_loss(
     Args:
         logprobs, old_logprobs, mask: ``[B, L]`` as for `grpo_loss`.
         advantages: ``[B, L]`` float32 per-token advantages (whitened GAE).
-        kwargs: the keyword arguments of `grpo_loss`; ``rollout_logprobs`` / ``ref_logprobs``
-            ``[B, L]`` when given.
+        kwargs: the keyword arguments of `grpo_loss`; ``rollout_logprobs`` / ``ref_logprobs`` /
+            ``entropy`` ``[B, L]`` when given.
 
     Raises:
-        ValueError: ``advantages`` is not ``[B, L]``, ``loss_agg`` is not token-mean, or any
-            error of `grpo_loss`.
+        ValueError: ``advantages`` is not ``[B, L]``, ``loss_agg`` is not token-mean,
+            ``ratio_level`` or ``rollout_is`` is sequence-level, or any error of `grpo_loss`.
     """
     if advantages.shape != logprobs.shape or logprobs.dim() != 2:
         raise ValueError(f"advantages {tuple(advantages.shape)} must be [B, L] like logprobs {tuple(logprobs.shape)}")
     if kwargs.get("loss_agg", "token-mean") != "token-mean":
         raise ValueError(f"PPO needs trainer.loss_agg='token-mean', got {kwargs['loss_agg']!r}")
+    # A row of the per-token view is one token: a sequence-level ratio or weight would silently
+    # become a token-level one.
+    if kwargs.get("ratio_level", "token") != "token":
+        raise ValueError(f"PPO needs trainer.ratio_level='token', got {kwargs['ratio_level']!r}")
+    if str(kwargs.get("rollout_is", "token_truncate")).startswith("sequence"):
+        raise ValueError(f"PPO needs a token-level trainer.rollout_is, got {kwargs['rollout_is']!r}")
 
     def rows(x: Tensor | None) -> Tensor | None:
         return None if x is None else x.reshape(-1, 1)
 
-    for key in ("rollout_logprobs", "ref_logprobs"):
+    for key in ("rollout_logprobs", "ref_logprobs", "entropy"):
         kwargs[key] = rows(kwargs.get(key))
     return grpo_loss(rows(logprobs), rows(old_logprobs), advantages.reshape(-1), rows(mask), **kwargs)
 
@@ -263,7 +285,7 @@ class PPOTargets:
 
 
 def ppo_targets(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float,
-                whiten_advantages: bool = True) -> PPOTargets:
+                whiten_advantages: bool = True, device: torch.device | str | None = None) -> PPOTargets:
     """Token rewards -> GAE -> (optionally) whitened advantages, for one batch. Collective when
     whitening under a process group of several ranks (see `whiten`).
 
@@ -273,9 +295,10 @@ def ppo_targets(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam
         mask: ``[B, L]`` float32 completion mask.
         gamma, lam: see `gae`.
         whiten_advantages: normalise the advantages over the whole batch.
+        device: the trainer's device, where the whitening's all-reduce runs (None: the tensors').
     """
     values = values.detach().float() * mask
     advantages, returns = gae(token_rewards(rewards, mask), values, mask, gamma, lam)
     if whiten_advantages:
-        advantages = whiten(advantages, mask)
+        advantages = whiten(advantages, mask, device=device)
     return PPOTargets(values=values, returns=returns, advantages=advantages)

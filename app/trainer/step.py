@@ -178,7 +178,7 @@ def train_step(
 
     targets = None
     if critic is not None:
-        targets = _ppo_targets(cfg, critic.module, batch, micro)
+        targets = _ppo_targets(cfg, critic.module, batch, micro, device)
 
     model.train()
     if critic is not None:
@@ -257,8 +257,10 @@ def _micro_step(cfg: RunConfig, model: nn.Module, mb: TrainBatch, rows, denomina
     in each of ``blocks`` or None without blocks); when a loss is not finite on some rank, no
     rank runs backward."""
     t = cfg.trainer
+    # The entropy bonus back-propagates through the entropy; logging alone does not.
     logp, ent, _ = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.completion_mask,
-                                           with_entropy=t.log_entropy, **kw)
+                                           with_entropy=t.log_entropy or t.entropy_coef > 0,
+                                           entropy_grad=t.entropy_coef > 0, **kw)
     # Read the routing now: a recompute in backward writes last_topk_idx again.
     load = (torch.stack([expert_counts(b.last_topk_idx, b.num_experts, tokens) for b in blocks])
             if blocks else None)
@@ -269,7 +271,9 @@ def _micro_step(cfg: RunConfig, model: nn.Module, mb: TrainBatch, rows, denomina
     policy_kw = dict(
         clip_eps_low=t.clip_eps_low, clip_eps_high=t.clip_eps_high, loss_agg=t.loss_agg,
         denominator=denominator, rollout_logprobs=mb.rollout_logprobs, tis_cap=t.tis_cap,
-        ref_logprobs=ref_logp, kl_coef=t.kl_coef,
+        ref_logprobs=ref_logp, kl_coef=t.kl_coef, ratio_level=t.ratio_level, rollout_is=t.rollout_is,
+        rollout_is_min=t.rollout_is_min, dual_clip=t.dual_clip, entropy=ent, entropy_coef=t.entropy_coef,
+        token_denominator=counts[0], norm_tokens=cfg.max_policy_tokens(),
     )
     vout = None
     if critic is None:
@@ -303,9 +307,9 @@ def _micro_step(cfg: RunConfig, model: nn.Module, mb: TrainBatch, rows, denomina
     loss.backward()
     return True, sums, maxima, load
 
-def _ppo_targets(cfg: RunConfig, critic: nn.Module, batch: TrainBatch, micro: list[tuple]):
+def _ppo_targets(cfg: RunConfig, critic: nn.Module, batch: TrainBatch, micro: list[tuple], device):
     """Critic values of every row (gradient-free pass over the micro-batches), then GAE and the
-    whole-batch whitening (a collective) on this rank's full ``[B, L]`` batch."""
+    whole-batch whitening (a collective, on ``device``) on this rank's full ``[B, L]`` batch."""
     from app.trainer.ppo import ppo_targets
 
     t = cfg.trainer
@@ -316,7 +320,8 @@ def _ppo_targets(cfg: RunConfig, critic: nn.Module, batch: TrainBatch, micro: li
             v = critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask).float().cpu()
             if rows is not None:
                 values[rows, : v.shape[1]] = v
-    return ppo_targets(batch.rewards, values, batch.completion_mask, t.gamma, t.gae_lambda, t.whiten_advantages)
+    return ppo_targets(batch.rewards, values, batch.completion_mask, t.gamma, t.gae_lambda, t.whiten_advantages,
+                       device=device)
 
 
 def _slice_targets(targets, rows: Tensor | None, mb: TrainBatch):
