@@ -253,7 +253,7 @@ def rollout(
     """Rollout workers: `replicas` x (engine on loopback + `moerl rollout --config`).
 
     A replica restarts alone (RetryPolicy.REPLICA): its leased tasks return to the queue when
-    their leases expire, so other replicas go on (DESIGN.md §3, task lease).
+    their leases expire, so other replicas go on (docs/ARCHITECTURE.md, "Task lease").
 
     Args:
         engine: "builtin" (`moerl engine`, CPU, local) or "sglang" (the cluster's engine).

@@ -317,7 +317,7 @@ def test_failed_reward_fails_the_group_and_warm_up_comes_first(tmp_path, redis_s
 
 def test_episode_keeps_the_oldest_version_of_its_turns(tmp_path, redis_server, retry_server):
     """Turns generated at versions 5 then 4 (an engine restarted on an older version): the sample
-    carries 4, the version staleness is measured from (DESIGN.md section 3)."""
+    carries 4, the version staleness is measured from (docs/ARCHITECTURE.md, "Policy version and staleness")."""
     from app.envs.chat import TextRenderer
     from app.rollout.episodes import EpisodeRunner
 

@@ -1,7 +1,7 @@
 """What travels through the experience buffer: tasks (prompt groups to generate), samples and groups.
 
 Plain dataclasses with `to_dict` / `from_dict` so they cross Redis as JSON. The ids follow the
-task-lease contract of DESIGN.md §3: a sample id is a pure function of (run, prompt id, sample
+task-lease contract (docs/ARCHITECTURE.md, "Task lease"): a sample id is a pure function of (run, prompt id, sample
 index, attempt), so a replayed task produces the same ids and cannot enter training twice.
 """
 
@@ -183,7 +183,7 @@ def decode_routed_experts(stored: dict[str, Any]) -> np.ndarray:
 
 @dataclass
 class Group:
-    """The G samples of one prompt attempt: trained on whole or not at all (DESIGN.md §3).
+    """The G samples of one prompt attempt: trained on whole or not at all (docs/ARCHITECTURE.md, "GRPO group").
 
     Attributes:
         task_id, attempt: the prompt attempt these samples answer.

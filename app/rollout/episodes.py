@@ -14,7 +14,7 @@ One episode (`EpisodeRunner.episode`), on its own WebSocket session (app/envs/en
 The sample (`app.buffer.records.Sample`): ``prompt_ids`` = the first prompt; ``completion_ids``
 = everything after it, turns and observations in order; ``loss_mask`` 1 on generated tokens and
 0 on observation tokens; ``logprobs`` the engine's at generated tokens, 0.0 at observation
-tokens; ``policy_version`` the oldest weight version of its turns (DESIGN.md §3);
+tokens; ``policy_version`` the oldest weight version of its turns (docs/ARCHITECTURE.md, "Policy version and staleness");
 ``finish_reason`` "stop" when the environment ended the episode, "length" when a turn hit
 ``max_new_tokens`` or the turns ran out.
 

@@ -1,4 +1,4 @@
-"""Policy versions in the object store (the checkpoint layout of DESIGN.md §3).
+"""Policy versions in the object store (docs/ARCHITECTURE.md, "Checkpoint layout").
 
     <run>/policy/v{N}/                 a Hugging Face directory (config.json, *.safetensors, index)
     <run>/policy/v{N}/moerl-manifest.json   file names and sizes, written after the files

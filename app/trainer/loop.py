@@ -7,7 +7,7 @@ ranks (every rank is a data-parallel rank; app/layout.py); each rank runs its mi
 rank uploads what it owns) and save the training state (app/trainer/state.py: DCP, each tensor
 once).
 
-Policy versions (DESIGN.md §3): version 0 is the initial policy, published before the first
+Policy versions (docs/ARCHITECTURE.md, "Policy version and staleness"): version 0 is the initial policy, published before the first
 step if the store has none; every ``trainer.publish_every`` steps the next version is published
 and announced. With ``weight_sync.mode: network`` each version is first pushed to the
 registered engines (app/trainer/weight_sync.py) and only every ``weight_sync.store_every``-th

@@ -1,6 +1,6 @@
 """Publish a policy version from the sharded trainer: every rank writes and uploads what it owns.
 
-The order makes a version visible only when it is complete (DESIGN.md §3), and no rank gathers
+The order makes a version visible only when it is complete (docs/ARCHITECTURE.md, "Checkpoint layout"), and no rank gathers
 the whole model or assumes a disk shared with another trainer pod:
 
 1. every rank derives the same plan from the model's global shapes alone (`plan_version`): each

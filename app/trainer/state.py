@@ -1,7 +1,7 @@
 """Training state in the object store: saved every ``trainer.save_every`` steps, resumed from the
 newest complete one (issue 4; sharded through torch.distributed.checkpoint since issue 13).
 
-Layout (DESIGN.md §3: training state lives apart from the policy weights):
+Layout (docs/ARCHITECTURE.md, "Checkpoint layout": training state lives apart from the policy weights):
 
     <run>/train/s{step:08d}/dcp/.metadata        DCP's global metadata (rank 0)
     <run>/train/s{step:08d}/dcp/__{r}_0.distcp   rank r's tensors: its FSDP shards of the fp32

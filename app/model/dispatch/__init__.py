@@ -1,4 +1,4 @@
-"""Expert-parallel token dispatch and combine (DESIGN.md §3).
+"""Expert-parallel token dispatch and combine (docs/ARCHITECTURE.md, "EP dispatcher").
 
 ``dispatch(x[T,H], topk_idx[T,K] int64, topk_weights[T,K] fp32) -> Dispatched`` hands this rank
 the rows its local experts must process, grouped contiguously by local expert (expert 0 first),
