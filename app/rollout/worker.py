@@ -309,8 +309,9 @@ class RolloutWorker:
             deadline = time.monotonic() + limit
             while not await self.episodes.healthy():
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"environment server {self.cfg.env.url} not healthy after {limit:.0f} s")
+                    raise TimeoutError(f"environment server {self.episodes.url} not healthy after {limit:.0f} s")
                 await self._sleep_or_stop(0.5)
+            await self.episodes.read_wire()  # a schema without text fields ends the worker here
             return
         warm = getattr(self.score_fn, "warm", None)
         if callable(warm):
@@ -677,7 +678,7 @@ class RolloutWorker:
                     self._unanswered_update = None
                 if self._env_suspect:
                     if not await self.episodes.healthy():
-                        log.warning("%s: environment %s unhealthy; not leasing", self.worker_id, self.cfg.env.url)
+                        log.warning("%s: environment %s unhealthy; not leasing", self.worker_id, self.episodes.url)
                         await self._sleep_or_stop(self.r.retry_backoff_s * 4)
                         continue
                     self._env_suspect = False
@@ -829,13 +830,19 @@ def rollout(
     metrics_port: int = typer.Option(0, "--metrics-port", min=0, max=65535,
                                      help="Serve Prometheus /metrics on this port (0: none)."),
     metrics_addr: str = typer.Option("0.0.0.0", "--metrics-addr", help="Address /metrics listens on."),
+    env_url: str = typer.Option(None, "--env-url", help="Environment server (default: env.url; moerl run "
+                                "passes the `moerl env` it started)."),
 ) -> None:
     """Lease prompt groups, generate through the engine, score, publish; drain on SIGTERM."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from app.logs import setup_logging
+
+    setup_logging()
     try:
         cfg = RunConfig.load(config)
     except (FileNotFoundError, ValueError) as e:
         raise typer.BadParameter(str(e), param_hint="--config") from None
+    if env_url:
+        cfg.env.url = env_url
     url = engine_url or cfg.rollout.engine_url
     stats = asyncio.run(run_worker(cfg, url, worker_id, max_groups=max_groups, pause_marker=pause_marker,
                                    metrics_port=metrics_port, metrics_addr=metrics_addr))
