@@ -246,7 +246,7 @@ def start_from_base(loop: EmbeddedLoop, cache_root: Path, label: str,
     loop.write_config()
     before = held_out_reward(loop.cfg, base, loop.env_url)
     (out or console).print(f"held-out reward {label}: sampled {before['mean_reward']:.3f}, greedy "
-                           f"{before['greedy']:.3f} (n={before['n']})")
+                           f"{before['greedy']:.3f} (n={before['n']})", soft_wrap=True)
     feeder = make_feeder(loop.cfg, base, loop.buffer, cache_dir=loop.run_dir)
     feeder.top_up()
     return base, before, feeder
@@ -267,16 +267,17 @@ def start_environment(loop: EmbeddedLoop, out: Console) -> None:
         return
     if env.served_by_moerl():
         loop.ensure_env()
-        out.print(f"environment: {env.name} served by moerl env at {loop.env_url}")
+        out.print(f"environment: {env.name} served by moerl env at {loop.env_url}", soft_wrap=True)
     else:
         loop.ensure_env()
-        out.print(f"environment: {env.name} at {env.url} (env.url): the user's server; moerl starts none")
+        out.print(f"environment: {env.name} at {env.url} (env.url): the user's server; moerl starts none",
+                  soft_wrap=True)
     if not env.builtin():
         from app.envs.wire import fetch_wire_format
 
         wire = fetch_wire_format(loop.env_url)
         out.print(f"environment: actions go in {wire.action_field!r}, observations are read from "
-                  f"{wire.observation_field!r} (its /schema)")
+                  f"{wire.observation_field!r} (its /schema)", soft_wrap=True)
 
 
 def progress_loop(loop: EmbeddedLoop, feeder: TaskFeeder, steps: int) -> None:
