@@ -263,14 +263,16 @@ class EmbeddedLoop:
         trainer = self.sup.procs.get("trainer")
         return trainer is not None and trainer.returncode() == 0
 
-    def stop_rollout(self, grace_s: float | None = None) -> None:
-        """Drain the workers (SIGTERM, as on a Spot notice), then stop the engines."""
+    def stop_rollout(self, grace_s: float | None = None, keep_env: bool = False) -> None:
+        """Drain the workers (SIGTERM, as on a Spot notice), then stop the engines and, unless
+        ``keep_env`` (a user's environment is played against its server for the final held-out
+        evaluation), the environment server."""
         grace = self.cfg.rollout.drain_grace_s + 5 if grace_s is None else grace_s
         workers = [p for n, p in self.sup.procs.items() if n.startswith("worker-")]
         for p in workers:
             p.stop(grace)
         for n, p in self.sup.procs.items():
-            if n.startswith(("engine-", "env-")):
+            if n.startswith("engine-") or (n.startswith("env-") and not keep_env):
                 p.stop(10)
 
     def close(self) -> None:

@@ -341,7 +341,8 @@ def run(
         loop.start_rollout(base)
         progress_loop(loop, feeder, loop.cfg.trainer.steps)
         feeder.close()
-        loop.stop_rollout()
+        # A user's environment is evaluated against its server: `moerl env` stays up for it.
+        loop.stop_rollout(keep_env=bool(loop.cfg.env.name) and not loop.cfg.env.builtin())
         final = latest_local_policy(loop)
         after = held_out_reward(loop.cfg, final, loop.env_url)
         summary = summarize(loop, before, after, started)

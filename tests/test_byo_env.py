@@ -206,3 +206,24 @@ def test_moerl_run_trains_a_users_environment_at_its_url(tmp_path):
     steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert any(0.0 < s["reward_mean"] < 1.0 and s["grad_norm"] > 0 for s in steps), steps
     assert yaml.safe_load((out / "run.yaml").read_text())["env"]["url"] == server.url
+
+
+def test_moerl_runs_own_env_server_serves_the_import_path_and_outlives_the_rollout(tmp_path):
+    """The `moerl env` process `moerl run` starts for an import path: it serves the class
+    (its /schema names the class's fields), the workers would get its address, and it stays
+    up after the rollout stops, for the held-out episodes after RL."""
+    from app.embedded import EmbeddedLoop
+    from app.envs.wire import fetch_wire_format
+
+    cfg = RunConfig.model_validate({"task": {"source": "env"}, "env": {"name": GUESS}})
+    loop = EmbeddedLoop(cfg, tmp_path / "run")
+    try:
+        loop.ensure_env()
+        assert loop.env_url.startswith("http://127.0.0.1:") and loop.cfg.env.url is None  # run.yaml keeps None
+        loop.stop_rollout(keep_env=True)
+        assert loop.sup.procs["env-0"].alive()
+        assert fetch_wire_format(loop.env_url).action_field == "message"
+        loop.stop_rollout()
+        assert not loop.sup.procs["env-0"].alive()
+    finally:
+        loop.close()

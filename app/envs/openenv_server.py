@@ -133,6 +133,11 @@ def user_environment(path: str):
     from openenv.core.env_server.types import Action, Observation
 
     module_name, _, attr = path.partition(":")
+    import os
+    import sys
+
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())  # as `python -m` has it: the `moerl` script's path lacks it
     try:
         env_cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
