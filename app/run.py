@@ -439,7 +439,8 @@ def summarize(loop: EmbeddedLoop, before: dict, after: dict, started: float) -> 
     elapsed = max(records[-1]["time"] - records[0]["time"], 1e-9) if len(records) > 1 else float("nan")
     summary = {
         "run_dir": str(loop.run_dir),
-        "task": loop.cfg.task.name + (f" in env {loop.cfg.env.name}" if loop.cfg.env.name else ""),
+        "task": (loop.cfg.task.name if loop.cfg.task.source != "env" else "its own episodes")
+        + (f" in env {loop.cfg.env.name}" if loop.cfg.env.name else ""),
         "held_out_prompts": before["n"],
         "held_out_reward_before": before["mean_reward"],
         "held_out_reward_after": after["mean_reward"],

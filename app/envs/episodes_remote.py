@@ -88,8 +88,9 @@ async def _play_chunk(model, tokenizer, specs: list[str], env_cfg, url: str, wir
 
 
 def play(model, tokenizer, prompts, env_cfg, url: str, wire: WireFormat, temperature: float, max_new_tokens: int,
-         truncated_reward: float | None = 0.0, batch_size: int = 128) -> list[float]:
-    """The reward of one episode per prompt (``Prompt.spec`` is each reset's spec), in order.
+         truncated_reward: float | None = 0.0, batch_size: int = 64) -> list[float]:
+    """The reward of one episode per prompt (``Prompt.spec`` is each reset's spec), in order;
+    ``batch_size`` episodes (sessions) at a time, their turns generated as one batch.
 
     Raises:
         EnvError: an environment call failed or answered malformed.
@@ -159,8 +160,9 @@ async def _demo_chunk(rows: list[dict], tokenizer, env_cfg, url: str, wire: Wire
 
 
 def demonstrations(rows: list[dict], tokenizer, env_cfg, url: str, wire: WireFormat,
-                   batch_size: int = 128) -> list[tuple[list[int], list[int]]]:
-    """``(ids, mask)`` of every demonstration row, played against the server at ``url``.
+                   batch_size: int = 32) -> list[tuple[list[int], list[int]]]:
+    """``(ids, mask)`` of every demonstration row, played against the server at ``url``,
+    ``batch_size`` sessions at a time (a user's server may be one small process).
 
     Raises:
         EnvError: an environment call failed.
