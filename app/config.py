@@ -10,7 +10,10 @@ Each section belongs to the package that uses it; add a field to your own sectio
 from __future__ import annotations
 
 import os
+import re
 import tempfile
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,10 +21,25 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
+def _numeric_not_bool(annotation: Any) -> bool:
+    """Whether a field of this type takes an int or a float and not a bool."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
+        else (annotation,)
+    return bool({int, float} & set(args)) and bool not in args
+
+
 class Section(BaseModel):
-    """Base of every config section: unknown keys are rejected."""
+    """Base of every config section: unknown keys are rejected, and so is a bool where a number
+    is wanted (pydantic would read ``publish_every: true`` as 1)."""
 
     model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_number(cls, v: Any, info) -> Any:
+        if isinstance(v, bool) and _numeric_not_bool(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"{str(v).lower()} is a bool, not a number")
+        return v
 
 
 class ParallelConfig(Section):
@@ -143,6 +161,13 @@ class EngineProfile(Section):
         return self.max_running_requests or SEQUENCES_PER_DP_RANK * self.attn_dp_size
 
 
+# The lowest sampling temperature. Logits are divided by it: at 1e-45 (a subnormal) any logit
+# above 3.4e-7 becomes inf in float32 and bfloat16 (max 3.4e38) and the softmax NaN; at 1e-6 a
+# logit must pass 3.4e32 to overflow. SGLang decodes greedily below the same 1e-6
+# (sglang/srt/sampling/sampling_params.py, _SAMPLING_EPS), so nothing lower is a temperature.
+MIN_TEMPERATURE = 1e-6
+
+
 class RolloutConfig(Section):
     """Rollout workers and their engine."""
 
@@ -150,7 +175,8 @@ class RolloutConfig(Section):
     engine: EngineProfile = EngineProfile()
     group_size: int = Field(8, ge=1, description="G completions per prompt (GRPO group).")
     max_new_tokens: int = Field(32, ge=1)
-    temperature: float = Field(1.0, gt=0.0)
+    temperature: float = Field(1.0, ge=MIN_TEMPERATURE, description="Sampling temperature; at least "
+                               "MIN_TEMPERATURE, below which logits / temperature overflow.")
     publish_every_groups: int = Field(1, ge=1, description="Groups per published portion.")
     drain_grace_s: float = Field(30.0, gt=0.0, description="SIGTERM drain budget, seconds.")
     request_timeout_s: float = Field(60.0, gt=0.0)
@@ -335,7 +361,10 @@ class TaskConfig(Section):
     reasoning-gym ``spell_backward`` on 3-6 letter words, compact prompts ``word=``.
     """
 
-    source: Literal["reasoning-gym", "jsonl"] = "reasoning-gym"
+    source: Literal["reasoning-gym", "jsonl", "env"] = Field(
+        "reasoning-gym", description="Where problems come from: a reasoning-gym dataset, a JSONL of "
+        "{prompt, answer} rows, or (env) the environment's own episodes, numbered: each reset gets "
+        'spec {"source": "env", "split": "train" | "heldout", "index": i, "seed": task.seed}.')
     name: str = Field("spell_backward", description="reasoning-gym dataset name.")
     params: dict[str, Any] = Field(
         default_factory=lambda: {"min_word_len": 3, "max_word_len": 6},
@@ -348,8 +377,16 @@ class TaskConfig(Section):
     warmup_steps: int = Field(150, ge=1, description="Supervised warm-up steps (moerl warmup).")
     warmup_lr: float = Field(3e-3, gt=0.0, description="Peak AdamW lr of the warm-up (cosine to 10%).")
     warmup_batch_size: int = Field(64, ge=1)
+    warmup_done: bool = Field(False, description="model.path is already this task's warm-up checkpoint "
+                              "(moerl run records it in run.yaml): re-used as --config, no second warm-up.")
     reward_model: str | None = Field(None, description="HF sequence-classification checkpoint that scores "
                                      "completions (`moerl reward`) instead of the task's verifier.")
+
+
+# The environments moerl ships (app/envs/environments.py ENVIRONMENTS), and what else env.name
+# may be: an OpenEnv Environment class of the user's, package.module:Class.
+BUILTIN_ENVIRONMENTS = ("spell-retry", "calculator")
+IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 
 
 class EnvConfig(Section):
@@ -361,15 +398,32 @@ class EnvConfig(Section):
     done (app/rollout/episodes.py). ``name`` None keeps the single-turn verifier path.
     """
 
-    name: Literal["spell-retry", "calculator"] | None = Field(
-        None, description="Environment served to the workers (app/envs/environments.py); None: single-turn.")
-    url: str = Field("http://127.0.0.1:8090", description="Base URL of the `moerl env` server (ws://.../ws).")
+    name: str | None = Field(
+        None, description="The environment: spell-retry or calculator (app/envs/environments.py), an "
+        "OpenEnv Environment class of your own as an import path package.module:Class (served by "
+        "`moerl env`), or, with url set, any label of an environment served elsewhere; None: single-turn.")
+    url: str | None = Field(None, description="An environment server of your own (OpenEnv's WebSocket "
+                            "protocol, http(s)://host:port): moerl starts none and the workers use it. None: "
+                            "moerl serves env.name itself (`moerl run`: a `moerl env` process; the "
+                            "cluster: the env pool's Service).")
+    demos_path: str | None = Field(None, description="JSONL of warm-up demonstrations for an environment "
+                                   'of your own: {"spec": ..., "actions": ["turn", ...]} per line, played '
+                                   "against it (README); None: the built-in environments' scripted ones.")
     max_turns: int = Field(3, ge=1, description="Policy turns per episode at most.")
     step_timeout_s: float = Field(10.0, gt=0.0, description="Wait for one reset/step answer, seconds.")
     episode_timeout_s: float = Field(120.0, gt=0.0, description="The server closes an episode's session "
                                      "(WebSocket) this long after it opened.")
     max_sessions: int = Field(256, ge=1, description="Concurrent episodes one env server holds.")
     attempts: int = Field(2, ge=1, description="spell-retry: answers accepted, the first and each retry after feedback.")
+
+    def builtin(self) -> bool:
+        """Whether ``name`` is one of the environments moerl ships (played in process when
+        moerl evaluates or demonstrates them)."""
+        return self.name in BUILTIN_ENVIRONMENTS
+
+    def served_by_moerl(self) -> bool:
+        """Whether moerl runs the environment's server (no ``url`` given)."""
+        return self.name is not None and self.url is None
 
 
 class FeedConfig(Section):
@@ -386,9 +440,11 @@ class FeedConfig(Section):
 
 
 def _describe(e: ValidationError) -> str:
-    """A pydantic error as 'invalid run config' plus one line per field path."""
-    lines = [f"{'.'.join(map(str, err['loc'])) or '(run config)'}: {err['msg']}" for err in e.errors()]
-    return "invalid run config:\n  " + "\n  ".join(lines)
+    """A pydantic error as one line: 'invalid run config: <field path>: <why>; ...' (the CLI's
+    one line, exit 2)."""
+    parts = [f"{'.'.join(map(str, err['loc'])) or '(run config)'}: {err['msg'].removeprefix('Value error, ')}"
+             for err in e.errors()]
+    return "invalid run config: " + "; ".join(parts)
 
 
 class RunConfig(Section):
@@ -457,6 +513,14 @@ class RunConfig(Section):
         if self.env.name and self.feed.eval_every:
             raise ValueError("feed.eval_every: the feed's held-out evaluation scores single completions; with "
                              "env.name it is not supported yet (moerl run evaluates episodes in process)")
+        e = self.env
+        if e.name is not None and e.url is None and e.name not in BUILTIN_ENVIRONMENTS and not IMPORT_PATH.match(e.name):
+            raise ValueError(f"env.name: {e.name!r} is not a built-in environment ({', '.join(BUILTIN_ENVIRONMENTS)}) "
+                             "nor an import path package.module:Class; or set env.url to a server of your own")
+        if self.task.source == "env" and not self.env.name:
+            raise ValueError("task.source=env: the environment's own episodes need env.name")
+        if self.env.demos_path and not self.env.name:
+            raise ValueError("env.demos_path: demonstrations need env.name")
         if self.env.name and t.algorithm == "ppo":
             # GAE (app/trainer/ppo.py) stops at masked tokens: it would not carry the episode's
             # reward back across the environment's observations to earlier turns.

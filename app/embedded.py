@@ -56,6 +56,10 @@ class EmbeddedLoop:
         self.redis: LocalRedis | None = None
         self.engine_ports: dict[int, int] = {}
         self.env_port: int | None = None  # the environment server's (`start_env`)
+        # Where the workers reach the environment: a server of the user's (env.url), or the
+        # `moerl env` that `start_env` starts. Passed as --env-url, never written into run.yaml,
+        # so that run.yaml re-used as --config still says "moerl serves it".
+        self.env_url: str | None = self.cfg.env.url
         self._watchdog_stop = threading.Event()
         self._watchdog: threading.Thread | None = None
         self._answered: set[tuple[str, int]] = set()  # (engine name, start count) seen healthy
@@ -100,33 +104,50 @@ class EmbeddedLoop:
 
     def start_env(self) -> Proc:
         """Start the environment server (`moerl env`, the env pool's role) on a free loopback
-        port and point ``env.url`` of the run config at it; one for every worker, as one
-        Service is in the cluster. Wait for it with `wait_env`."""
+        port; the workers reach it at `env_url` (one server for every worker, as one Service
+        is in the cluster). Wait for it with `wait_env`.
+
+        Raises:
+            ValueError: ``env.url`` names a server of the user's: moerl starts none.
+        """
+        if not self.cfg.env.served_by_moerl():
+            raise ValueError(f"env.url is {self.cfg.env.url}: the environment is served there, not by moerl")
         port = self.env_port or free_port()
         self.env_port = port
-        self.cfg.env.url = f"http://127.0.0.1:{port}"
+        self.env_url = f"http://127.0.0.1:{port}"
         self.write_config()
         argv = moerl_argv("env", "--config", str(self.config_path), "--port", str(port))
         return self.sup.start("env-0", argv, ONE_THREAD_ENV)
 
     def wait_env(self, timeout_s: float = 120.0) -> None:
-        """Block until the environment server answers /health.
+        """Block until the environment server (moerl's, or the user's at ``env.url``) answers
+        /health.
 
         Raises:
             RoleFailed: it exited or did not become healthy within `timeout_s`.
         """
-        proc = self.sup.procs["env-0"]
+        proc = self.sup.procs.get("env-0")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not proc.alive():
+            if proc is not None and not proc.alive():
                 raise RoleFailed(f"env-0 exited with {proc.returncode()}:\n{proc.tail()}")
             try:
-                if httpx.get(self.cfg.env.url + "/health", timeout=5).status_code == 200:
+                if httpx.get(self.env_url.rstrip("/") + "/health", timeout=5).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
-        raise RoleFailed(f"env-0 not healthy after {timeout_s:.0f}s:\n{proc.tail()}")
+        tail = f":\n{proc.tail()}" if proc is not None else ""
+        raise RoleFailed(f"environment server {self.env_url} not healthy after {timeout_s:.0f}s{tail}")
+
+    def ensure_env(self) -> None:
+        """With ``env.name``: start `moerl env` unless it runs or ``env.url`` names the user's
+        server, and wait until the server answers."""
+        if not self.cfg.env.name:
+            return
+        if self.cfg.env.served_by_moerl() and "env-0" not in self.sup.procs:
+            self.start_env()
+        self.wait_env()
 
     def engine_url(self, i: int) -> str:
         return f"http://127.0.0.1:{self.engine_ports[i]}"
@@ -157,6 +178,8 @@ class EmbeddedLoop:
             "rollout", "--config", str(self.config_path), "--engine-url", self.engine_url(i),
             "--worker-id", f"worker-{i}", "--pause-marker", str(self.pause_marker(i)),
         )
+        if self.cfg.env.name:
+            argv += ["--env-url", self.env_url]
         return self.sup.start(f"worker-{i}", argv, ONE_THREAD_ENV)
 
     def pause_marker(self, i: int) -> Path:
@@ -178,9 +201,7 @@ class EmbeddedLoop:
     def start_rollout(self, model_path: Path) -> None:
         """Start every engine (and, with ``env.name``, the environment server), wait until each
         is healthy, then start the workers and the engine watchdog (`watch_engines`)."""
-        if self.cfg.env.name and "env-0" not in self.sup.procs:
-            self.start_env()
-            self.wait_env()
+        self.ensure_env()
         for i in range(self.workers):
             self.start_engine(i, model_path)
         for i in range(self.workers):
@@ -242,14 +263,16 @@ class EmbeddedLoop:
         trainer = self.sup.procs.get("trainer")
         return trainer is not None and trainer.returncode() == 0
 
-    def stop_rollout(self, grace_s: float | None = None) -> None:
-        """Drain the workers (SIGTERM, as on a Spot notice), then stop the engines."""
+    def stop_rollout(self, grace_s: float | None = None, keep_env: bool = False) -> None:
+        """Drain the workers (SIGTERM, as on a Spot notice), then stop the engines and, unless
+        ``keep_env`` (a user's environment is played against its server for the final held-out
+        evaluation), the environment server."""
         grace = self.cfg.rollout.drain_grace_s + 5 if grace_s is None else grace_s
         workers = [p for n, p in self.sup.procs.items() if n.startswith("worker-")]
         for p in workers:
             p.stop(grace)
         for n, p in self.sup.procs.items():
-            if n.startswith(("engine-", "env-")):
+            if n.startswith("engine-") or (n.startswith("env-") and not keep_env):
                 p.stop(10)
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
 """`moerl feed`: the prompt source of a run, and the cluster's held-out evaluator.
 
-    moerl feed --config run.yaml [--run-dir DIR] [--engine-url http://127.0.0.1:30000]
+    moerl feed --config run.yaml [--run-dir runs/<run_id>/feed] [--engine-url http://127.0.0.1:30000]
 
 Prompt source (`TaskFeeder`; `moerl run` uses the same class in-process): the training prompts
 of the run config's task (reasoning-gym, or a JSONL file given as a path or as a ``s3://`` /
@@ -271,6 +271,23 @@ class HeldOutEval:
         return total / count
 
 
+def check_new_or_same_run(run_dir: Path, store, run_id: str) -> None:
+    """Refuse a run directory whose ``issued.jsonl`` belongs to an earlier run: the feeder
+    writes its first line only after the run's policy v0 is in the store, so a non-empty
+    ledger with no policy of ``run_id`` in this store is another run's (a restarted feeder of
+    the same run finds its versions and appends, as it must).
+
+    Raises:
+        ValueError: naming the directory.
+    """
+    from app.storage.policy import latest_policy_version
+
+    ledger = Path(run_dir) / "issued.jsonl"
+    if ledger.is_file() and ledger.stat().st_size and latest_policy_version(store, run_id) is None:
+        raise ValueError(f"--run-dir {run_dir}: its issued.jsonl is an earlier run's (this store has no policy "
+                         f"of run {run_id!r} yet); give a new run a new --run-dir")
+
+
 def wait_for_policy(store, run_id: str, stop: Callable[[], bool], poll_s: float) -> int | None:
     """Block until the store holds a policy version (the trainer's v0); None if stopped first."""
     from app.storage.policy import latest_policy_version
@@ -300,6 +317,7 @@ def run_feed(cfg: RunConfig, run_dir: Path, engine_url: str | None = None, when_
     run_dir.mkdir(parents=True, exist_ok=True)
     store = open_store(cfg.store_url)
     ExperienceBuffer.from_config(cfg).close()  # fail now, with the URL, if Redis is unreachable
+    check_new_or_same_run(run_dir, store, cfg.run_id)
     first = wait_for_policy(store, cfg.run_id, stop, cfg.feed.poll_s)
     if first is None:
         return {"queued": 0, "measured": [], "done": False}
@@ -368,7 +386,8 @@ def _measure(evaluator: HeldOutEval, version: int, final: bool = False) -> None:
 @cli.command()
 def feed(
     config: Path = typer.Option(..., "--config", exists=True, dir_okay=False, help="Run config YAML."),
-    run_dir: Path = typer.Option(Path("runs/feed"), "--run-dir", help="issued.jsonl, heldout.jsonl, caches."),
+    run_dir: Path = typer.Option(None, "--run-dir", help="issued.jsonl, heldout.jsonl, caches "
+                                 "(default runs/<run_id>/feed)."),
     engine_url: str = typer.Option(None, "--engine-url", help="Engine for held-out evaluation "
                                    "(feed.eval_every > 0); none: no evaluation."),
     when_done: str = typer.Option("exit", "--when-done", help="exit | idle, once the trainer is done."),
@@ -376,8 +395,11 @@ def feed(
     """Queue the run's prompts until the trainer is done; measure held-out reward on the way."""
     if when_done not in ("exit", "idle"):
         raise typer.BadParameter(f"{when_done!r}: must be 'exit' or 'idle'", param_hint="--when-done")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s feed %(message)s", stream=sys.stderr)
+    from app.logs import setup_logging
+
+    setup_logging("%(asctime)s feed %(message)s")
     cfg = RunConfig.load(config)
+    run_dir = run_dir or Path("runs") / cfg.run_id / "feed"
     stopping = []
 
     def on_signal(signum, frame):

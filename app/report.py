@@ -76,7 +76,9 @@ def write_plot(records: list[dict], path: str | os.PathLike, evals: dict[str, fl
     Args:
         records: metrics.jsonl records, in step order.
         path: the PNG to write.
-        evals: optional held-out figures drawn as horizontal lines, e.g. {"held-out before": 0.3}.
+        evals: optional held-out figures drawn as horizontal lines, e.g. {"held-out sampled before
+            RL": 0.3, "held-out greedy before RL": 0.6}: greedy ones in blue, others in green,
+            dotted when the name says "before", dashed otherwise.
     """
     import matplotlib
 
@@ -91,9 +93,11 @@ def write_plot(records: list[dict], path: str | os.PathLike, evals: dict[str, fl
     ax1.plot(minutes, rewards, alpha=0.35, label="batch mean reward")
     ax1.plot(minutes, rolling_mean(rewards, 20), label="batch mean reward, 20-step mean")
     for name, value in (evals or {}).items():
-        ax1.axhline(value, linestyle="--", color="gray" if "before" in name else "green", label=name)
+        # Sampled and greedy side by side: one colour each, dotted before RL, dashed after.
+        color = "tab:blue" if "greedy" in name else "tab:green"
+        ax1.axhline(value, linestyle=":" if "before" in name else "--", color=color, label=name)
     ax1.set_ylabel("reward")
-    ax1.legend(loc="lower right")
+    ax1.legend(loc="lower right", fontsize="small")
     ax1.grid(alpha=0.3)
     ax2.plot(minutes[1:], rolling_mean(throughput(records), 20), color="tab:orange")
     ax2.set_ylabel("trained samples / s (20-step mean)")

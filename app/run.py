@@ -82,9 +82,9 @@ def task_preset(name: str) -> RunConfig:
     * ``spell_backward``: `embedded_default` (single turn, the task's verifier);
     * ``spell-retry``: the same words as multi-turn episodes: an answer, per-letter feedback
       when it is wrong, one retry (``env.attempts`` 2, ``env.max_turns`` 2);
-    * ``calculator``: reasoning-gym ``basic_arithmetic`` products of two 2-digit numbers
-      (``95*21=``) with the calculator tool: a call ``[95*21]``, the answer ``=1995``, then
-      the final answer (``env.max_turns`` 2, at most one call).
+    * ``calculator``: reasoning-gym ``basic_arithmetic`` products of two 3-digit numbers
+      (``378*937=``) with the calculator tool: a call ``[378*937]``, the answer ``=354186``,
+      then the final answer (``env.max_turns`` 2, at most one call).
 
     Both environments run 150 steps at ``trainer.lr`` 2e-4, half the single-turn lr.
 
@@ -102,12 +102,16 @@ def task_preset(name: str) -> RunConfig:
         cfg.env.name = "calculator"
         cfg.env.max_turns = 2
         cfg.task.name = "basic_arithmetic"
-        cfg.task.params = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2, "operators": ["*"],
+        # 3-digit operands: the tool's value is 5-6 digits to copy and the call 9 characters, so
+        # greedy decoding after the warm-up is not already perfect (2-digit products left it at
+        # 0.98, and RL's gain was sampling sharpening only).
+        cfg.task.params = {"min_terms": 2, "max_terms": 2, "min_digits": 3, "max_digits": 3, "operators": ["*"],
                            "allow_parentheses": False, "allow_negation": False}
-        cfg.rollout.max_new_tokens = 10  # "[95*21]" + <eos> is 8 tokens
-        # The warm-up fits this format fast: 100 steps leave the sampled held-out reward near
-        # 0.2 (greedy near 1.0), room for RL; 150 would leave 0.8.
-        cfg.task.warmup_steps = 100
+        cfg.rollout.max_new_tokens = 12  # "[123*456]" + <eos> is 10 tokens
+        # Warm-up of the 3-digit format: 100 steps left held-out sampled 0.009 (almost no group
+        # with a success: nothing for GRPO to compare) and greedy 0.52; 150 leave sampled 0.44,
+        # greedy 0.885: room for both.
+        cfg.task.warmup_steps = 150
     if cfg.env.name:
         cfg.trainer.steps = 150  # a few minutes of this machine per run
         # Half the single-turn lr: at 4e-4 the calculator's greedy reward fell from 0.98 to
@@ -118,8 +122,9 @@ def task_preset(name: str) -> RunConfig:
 
 
 def check_inputs(cfg: RunConfig) -> None:
-    """Fail before any process starts: the task's prompt sets can be built and the model
-    config is valid for the EP size.
+    """Fail before any process starts: the task's prompt sets can be built, a user's environment
+    class can be served and its demonstrations read, and the model config is valid for the EP
+    size.
 
     Raises:
         ValueError, FileNotFoundError: naming the field or file (see `make_splits`,
@@ -129,6 +134,14 @@ def check_inputs(cfg: RunConfig) -> None:
     from app.model.config import tiny_config, validate_config
 
     make_splits(cfg.task)
+    if cfg.env.name and cfg.env.served_by_moerl() and not cfg.env.builtin():
+        from app.envs.openenv_server import user_environment
+
+        user_environment(cfg.env.name)  # importable, an OpenEnv Environment, reset takes spec
+    if cfg.env.demos_path:
+        from app.envs.episodes_remote import load_demos
+
+        load_demos(cfg.env.demos_path)
     if cfg.model.path:
         from app.model.checkpoint import check_checkpoint
         from app.model.source import resolve_model_path
@@ -153,34 +166,51 @@ def _interrupt(signum, frame) -> None:
 
 def warmup_dir(cfg: RunConfig, cache_root: Path) -> Path:
     """Where the warm-up checkpoint for this recipe is cached (key: model, task and seed)."""
-    recipe = {"model": cfg.model.model_dump(), "task": cfg.task.model_dump(), "ep": cfg.trainer.parallel.ep}
+    recipe = {"model": cfg.model.model_dump(), "task": cfg.task.model_dump(exclude={"warmup_done"}),
+              "ep": cfg.trainer.parallel.ep}
     if cfg.env.name:  # the warm-up plays the environment's demonstrations
         recipe["env"] = cfg.env.model_dump(exclude={"url"})
+        if cfg.env.demos_path and Path(cfg.env.demos_path).is_file():
+            recipe["demos"] = hashlib.sha256(Path(cfg.env.demos_path).read_bytes()).hexdigest()
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     return cache_root / f"warmup-{key}"
 
 
 def make_base_policy(loop: EmbeddedLoop, cache_root: Path) -> Path:
-    """Run `moerl warmup` once per recipe; later runs reuse the checkpoint.
+    """Run `moerl warmup` once per recipe; later runs reuse the checkpoint. A config that says
+    the warm-up is done (``task.warmup_done``: a run's own run.yaml re-used as ``--config``)
+    starts from its ``model.path`` as it is: a second warm-up on a warmed checkpoint would
+    leave RL nothing to gain.
 
     Raises:
         RoleFailed: the warm-up process failed (its log tail is in the message).
+        ValueError: ``task.warmup_done`` without ``model.path``.
     """
-    out = warmup_dir(loop.cfg, cache_root)
+    cfg = loop.cfg
+    if cfg.task.warmup_done:
+        if not cfg.model.path:
+            raise ValueError("task.warmup_done: true needs model.path (the warm-up checkpoint it names)")
+        console.print(f"warm-up: already done (task.warmup_done): starting from {cfg.model.path}")
+        return Path(cfg.model.path)
+    out = warmup_dir(cfg, cache_root)
     if (out / "config.json").exists():
         console.print(f"warm-up: reusing {out}")
         return out
     console.print("warm-up: supervised fit of the tiny base policy on the task's training examples")
-    proc = loop.sup.start("warmup", moerl_argv("warmup", "--config", str(loop.config_path), "--out", str(out)))
+    argv = moerl_argv("warmup", "--config", str(loop.config_path), "--out", str(out))
+    if cfg.env.name and not cfg.env.builtin():
+        argv += ["--env-url", loop.env_url]
+    proc = loop.sup.start("warmup", argv)
     code = proc.wait(timeout_s=1800)
     if code != 0:
         raise RoleFailed(f"warm-up failed with {code}:\n{proc.tail(30)}")
     return out
 
 
-def held_out_reward(cfg: RunConfig, model_dir: Path) -> dict:
-    """Held-out mean reward of the policy in `model_dir`: one completion per held-out prompt
-    sampled at the rollout temperature (the figure RL is judged by), and the greedy one."""
+def held_out_reward(cfg: RunConfig, model_dir: Path, env_url: str | None = None) -> dict:
+    """Held-out mean reward of the policy in `model_dir`: completions (or episodes) sampled at
+    the rollout temperature (the figure RL is judged by), and the greedy one. A user's
+    environment is played against its server at `env_url` (default ``env.url``)."""
     from transformers.utils import logging as hf_logging
 
     from app.envs.evaluate import evaluate_checkpoint
@@ -190,7 +220,8 @@ def held_out_reward(cfg: RunConfig, model_dir: Path) -> dict:
     _, heldout = make_splits(cfg.task)
     r = evaluate_checkpoint(model_dir, heldout, temperature=cfg.rollout.temperature,
                             max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.task.seed,
-                            env=cfg.env if cfg.env.name else None, overlong_reward=cfg.rollout.overlong_reward)
+                            env=cfg.env if cfg.env.name else None, overlong_reward=cfg.rollout.overlong_reward,
+                            env_url=env_url)
     return {"n": r.n, "mean_reward": r.sampled, "greedy": r.greedy}
 
 
@@ -208,15 +239,45 @@ def start_from_base(loop: EmbeddedLoop, cache_root: Path, label: str,
         RoleFailed: the warm-up process failed.
     """
     loop.start_redis()
+    start_environment(loop, out or console)
     base = make_base_policy(loop, cache_root)
     loop.cfg.model.path = str(base)
+    loop.cfg.task.warmup_done = True  # run.yaml records it: re-used as --config, no second warm-up
     loop.write_config()
-    before = held_out_reward(loop.cfg, base)
-    (out or console).print(f"held-out reward {label}: {before['mean_reward']:.3f} (n={before['n']}, "
-                           f"greedy {before['greedy']:.3f})")
+    before = held_out_reward(loop.cfg, base, loop.env_url)
+    (out or console).print(f"held-out reward {label}: sampled {before['mean_reward']:.3f}, greedy "
+                           f"{before['greedy']:.3f} (n={before['n']})", soft_wrap=True)
     feeder = make_feeder(loop.cfg, base, loop.buffer, cache_dir=loop.run_dir)
     feeder.top_up()
     return base, before, feeder
+
+
+def start_environment(loop: EmbeddedLoop, out: Console) -> None:
+    """With ``env.name``: start `moerl env` (or, with ``env.url``, use the user's server, and
+    say so), wait until it answers, and for a user's environment read its text fields from its
+    ``/schema`` now, so that a server that does not fit moerl's contract fails before the
+    warm-up (app/envs/wire.py).
+
+    Raises:
+        RoleFailed: the server exited or never answered.
+        WireError (a ValueError): its schema has no usable text field.
+    """
+    env = loop.cfg.env
+    if not env.name:
+        return
+    if env.served_by_moerl():
+        loop.ensure_env()
+        out.print(f"environment: {env.name} served by moerl env at {loop.env_url}", soft_wrap=True)
+    else:
+        loop.ensure_env()
+        out.print(f"environment: {env.name} at {env.url} (env.url): the user's server; moerl starts none",
+                  soft_wrap=True)
+    if not env.builtin():
+        from app.envs.wire import fetch_wire_format
+
+        wire = fetch_wire_format(loop.env_url)
+        out.print(f"environment: actions go in {wire.action_field!r}, observations are read from "
+                  f"{wire.observation_field!r} (its /schema)", soft_wrap=True)
 
 
 def progress_loop(loop: EmbeddedLoop, feeder: TaskFeeder, steps: int) -> None:
@@ -250,7 +311,7 @@ def progress_loop(loop: EmbeddedLoop, feeder: TaskFeeder, steps: int) -> None:
 @cli.command()
 def run(
     config: Path = typer.Option(None, "--config", exists=True, dir_okay=False, help="Run config YAML."),
-    out: Path = typer.Option(None, "--out", help="Run directory (default runs/<run_id>-<time>)."),
+    out: Path = typer.Option(None, "--out", help="Run directory (default runs/<task>-<time>)."),
     workers: int = typer.Option(2, "--workers", min=1, help="Rollout workers (one engine each)."),
     steps: int = typer.Option(None, "--steps", min=1, help="Trainer steps (overrides the config)."),
     cache: Path = typer.Option(Path("runs/cache"), "--cache", help="Warm-up checkpoint cache."),
@@ -261,23 +322,11 @@ def run(
     """Run the embedded loop end to end and print a summary; exit code 0 on success.
 
     Bad input (config, task, model) raises before anything starts; app/cli.py prints it as one
-    line with exit code 2.
+    line with exit code 2. A failure before the trainer's first step leaves no run directory.
     """
-    if config and task:
-        raise typer.BadParameter("give --config or --task, not both", param_hint="--task")
-    cfg = RunConfig.load(config) if config else task_preset(task or "spell_backward")
-    if steps:
-        cfg.trainer.steps = steps
-    if algorithm:
-        if algorithm not in ("grpo", "ppo"):
-            raise typer.BadParameter(f"{algorithm!r}: must be 'grpo' or 'ppo'", param_hint="--algorithm")
-        cfg.trainer.algorithm = algorithm
-    cfg = cfg.validated()
+    cfg = load_run_config(config, task, steps, algorithm)
     check_inputs(cfg)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    run_dir = (out or Path("runs") / f"{cfg.run_id}-{stamp}").resolve()
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise typer.BadParameter(f"run directory {run_dir} is not empty", param_hint="--out")
+    run_dir = new_run_dir(cfg, out)
     cfg.store_url = f"file://{run_dir / 'store'}"
     cfg.rollout.policy_cache_dir = str(run_dir / "policy-cache")
     started = time.time()
@@ -292,9 +341,10 @@ def run(
         loop.start_rollout(base)
         progress_loop(loop, feeder, loop.cfg.trainer.steps)
         feeder.close()
-        loop.stop_rollout()
+        # A user's environment is evaluated against its server: `moerl env` stays up for it.
+        loop.stop_rollout(keep_env=bool(loop.cfg.env.name) and not loop.cfg.env.builtin())
         final = latest_local_policy(loop)
-        after = held_out_reward(loop.cfg, final)
+        after = held_out_reward(loop.cfg, final, loop.env_url)
         summary = summarize(loop, before, after, started)
     except KeyboardInterrupt:
         # `_interrupt` has set both signals to be ignored: the clean-up runs to its end.
@@ -303,10 +353,65 @@ def run(
         raise typer.Exit(130)
     except RoleFailed as e:
         console.print(f"[red]run failed:[/] {e}")
-        loop.close()
+        close_failed(loop)
         raise typer.Exit(1)
+    except Exception:
+        close_failed(loop)  # bad input found late (app/cli.py prints it in one line): nothing left running
+        raise
     loop.close()
     print_summary(summary)
+
+
+def load_run_config(config: Path | None, task: str | None, steps: int | None, algorithm: str | None) -> RunConfig:
+    """The run config of `moerl run`'s options, validated.
+
+    Raises:
+        typer.BadParameter: --config with --task, or an unknown --algorithm.
+        ValueError: an invalid config (the field named).
+    """
+    if config and task:
+        raise typer.BadParameter("give --config or --task, not both", param_hint="--task")
+    cfg = RunConfig.load(config) if config else task_preset(task or "spell_backward")
+    if steps:
+        cfg.trainer.steps = steps
+    if algorithm:
+        if algorithm not in ("grpo", "ppo"):
+            raise typer.BadParameter(f"{algorithm!r}: must be 'grpo' or 'ppo'", param_hint="--algorithm")
+        cfg.trainer.algorithm = algorithm
+    return cfg.validated()
+
+
+def task_label(cfg: RunConfig) -> str:
+    """What a run directory is named after: the environment (a user's: its class name) or the
+    task (``calculator``, ``spell-retry``, ``spell-backward``, ``guessnumberenv``)."""
+    import re
+
+    name = cfg.env.name.rpartition(":")[2] if cfg.env.name else cfg.task.name
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "run"
+
+
+def new_run_dir(cfg: RunConfig, out: Path | None) -> Path:
+    """``--out``, or ``runs/<task>-<UTC time>``; never one holding an earlier run's files.
+
+    Raises:
+        typer.BadParameter: the directory exists and is not empty.
+    """
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    run_dir = (out or Path("runs") / f"{task_label(cfg)}-{stamp}").resolve()
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise typer.BadParameter(f"run directory {run_dir} is not empty", param_hint="--out")
+    return run_dir
+
+
+def close_failed(loop: EmbeddedLoop) -> None:
+    """Stop every process of a failed run; if the trainer never made a step, remove the run
+    directory too (it holds nothing worth keeping: the warm-up is cached elsewhere), so a failed
+    start leaves nothing half-written."""
+    import shutil
+
+    loop.close()
+    if not loop.metrics():
+        shutil.rmtree(loop.run_dir, ignore_errors=True)
 
 
 def latest_local_policy(loop: EmbeddedLoop) -> Path:
@@ -326,20 +431,23 @@ def summarize(loop: EmbeddedLoop, before: dict, after: dict, started: float) -> 
     from app.report import write_plot, write_tensorboard
 
     records = loop.metrics()
-    evals = {"held-out before RL": before["mean_reward"], "held-out after RL": after["mean_reward"]}
+    evals = {"held-out sampled before RL": before["mean_reward"], "held-out sampled after RL": after["mean_reward"],
+             "held-out greedy before RL": before["greedy"], "held-out greedy after RL": after["greedy"]}
     plot = write_plot(records, loop.run_dir / "plot.png", evals)
     write_tensorboard(records, loop.run_dir / "tensorboard")
     last = records[-1] if records else {}
     elapsed = max(records[-1]["time"] - records[0]["time"], 1e-9) if len(records) > 1 else float("nan")
     summary = {
         "run_dir": str(loop.run_dir),
-        "task": loop.cfg.task.name + (f" in env {loop.cfg.env.name}" if loop.cfg.env.name else ""),
+        "task": (loop.cfg.task.name if loop.cfg.task.source != "env" else "its own episodes")
+        + (f" in env {loop.cfg.env.name}" if loop.cfg.env.name else ""),
         "held_out_prompts": before["n"],
         "held_out_reward_before": before["mean_reward"],
         "held_out_reward_after": after["mean_reward"],
         "held_out_greedy_before": before["greedy"],
         "held_out_greedy_after": after["greedy"],
         "gain_points": 100 * (after["mean_reward"] - before["mean_reward"]),
+        "gain_points_greedy": 100 * (after["greedy"] - before["greedy"]),
         "steps": last.get("step", 0),
         "policy_version": last.get("policy_version", 0),
         "samples_trained": last.get("samples_total", 0),
@@ -358,11 +466,11 @@ def summarize(loop: EmbeddedLoop, before: dict, after: dict, started: float) -> 
 
 def print_summary(s: dict) -> None:
     console.rule("moerl run: summary")
-    console.print(f"task {s['task']}: held-out mean reward over {s['held_out_prompts']} prompts")
+    console.print(f"task {s['task']}: held-out mean reward over {s['held_out_prompts']} prompts, before RL -> after RL")
     console.print(
-        f"  before RL {s['held_out_reward_before']:.3f}  after RL {s['held_out_reward_after']:.3f}  "
-        f"({s['gain_points']:+.1f} points; greedy {s['held_out_greedy_before']:.3f} -> "
-        f"{s['held_out_greedy_after']:.3f})"
+        f"  sampled {s['held_out_reward_before']:.3f} -> {s['held_out_reward_after']:.3f} ({s['gain_points']:+.1f} points)"
+        f"   greedy {s['held_out_greedy_before']:.3f} -> {s['held_out_greedy_after']:.3f} "
+        f"({s['gain_points_greedy']:+.1f} points)", soft_wrap=True
     )
     console.print(
         f"  {s['steps']} trainer steps, policy v{s['policy_version']}, {s['samples_trained']} samples "

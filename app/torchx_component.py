@@ -280,7 +280,7 @@ def rollout(
 def feeder(
     image: str = "moerl-rollout:local",
     config: str = CLUSTER_CONFIG,
-    run_dir: str = "runs/feed",
+    run_dir: str = "",
     engine_url: str = "",
     cpu: int = 1,
     mem_mb: int = 4096,
@@ -289,8 +289,9 @@ def feeder(
 ) -> specs.AppDef:
     """The prompt source (`moerl feed`, app/feed.py): one replica, restarted alone on failure
     (it is restart-safe); it exits 0 once the trainer is done. ``engine_url``: an engine for
-    held-out evaluation (``feed.eval_every`` > 0), "" for none."""
-    args = [*moerl_cmd(python), "feed", "--config", config, "--run-dir", run_dir]
+    held-out evaluation (``feed.eval_every`` > 0), "" for none. ``run_dir``: issued.jsonl and
+    heldout.jsonl; "" is `moerl feed`'s default, ``runs/<run_id>/feed``."""
+    args = [*moerl_cmd(python), "feed", "--config", config] + (["--run-dir", run_dir] if run_dir else [])
     if engine_url:
         args += ["--engine-url", engine_url]
     role = specs.Role(
@@ -301,6 +302,17 @@ def feeder(
     return specs.AppDef(name=name, roles=[role])
 
 
+def with_exit_line(role: specs.Role) -> specs.Role:
+    """``role`` run through bash so that its last line says how it ended: ``moerl: role NAME
+    exited with status N`` (`torchx run` shows each role's lines, prefixed by the role, but no
+    exit codes). The shell's traps are handlers, not ignores, so its children keep the default
+    SIGTERM/SIGINT (TorchX stops an app by signalling its process group: every process gets it)."""
+    argv = shlex.join([role.entrypoint, *role.args])
+    role.entrypoint, role.args = "bash", [
+        "-c", f"trap 'true' TERM INT; {argv}; rc=$?; echo \"moerl: role {role.name} exited with status $rc\"; exit $rc"]
+    return role
+
+
 def job(
     trainer_image: str = "moerl-trainer:local",
     rollout_image: str = "moerl-rollout:local",
@@ -309,6 +321,7 @@ def job(
     nproc_per_node: int = 2,
     rollout_replicas: int = 1,
     python: str = sys.executable,
+    run_dir: str = "",
 ) -> specs.AppDef:
     """The trainer, the rollout workers and the prompt source in one AppDef, for `torchx run -s
     local_cwd` on one machine (CPU, built-in engine). The buffer is not a role: start
@@ -316,12 +329,18 @@ def job(
 
     python: the interpreter every role runs (default: the one running torchx, so
     `.venv/bin/torchx` works without the venv on PATH).
+    run_dir: the run's directory: the trainer's metrics.jsonl and trained.jsonl, the feeder's
+        ``feed/`` (issued.jsonl); "" keeps each command's default (``runs/<run_id>``). A new
+        run needs a new one: the trainer and the feeder refuse to append to an earlier run's.
+    Each role's last line is its exit status (`with_exit_line`).
 
     In the cluster submit `trainer` and `rollout` separately: one AppDef becomes one Volcano gang,
     and rollout pods on Spot must not be tied to the trainer's gang.
     """
-    t = trainer(image=trainer_image, nproc_per_node=nproc_per_node, config=config, python=python).roles[0]
+    t = trainer(image=trainer_image, nproc_per_node=nproc_per_node, config=config, python=python,
+                run_dir=run_dir).roles[0]
     r = rollout(image=rollout_image, replicas=rollout_replicas, config=config, model_path=model_path,
                 python=python).roles[0]
-    f = feeder(image=rollout_image, config=config, python=python).roles[0]
-    return specs.AppDef(name="moerl", roles=[t, r, f])
+    f = feeder(image=rollout_image, config=config, python=python,
+               run_dir=f"{run_dir.rstrip('/')}/feed" if run_dir else "").roles[0]
+    return specs.AppDef(name="moerl", roles=[with_exit_line(t), with_exit_line(r), with_exit_line(f)])

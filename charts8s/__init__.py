@@ -4,3 +4,7 @@
 the same typed deployment config as infra/ (infra.config.load_config) and the run config
 (app.config.RunConfig).
 """
+
+from charts8s.node_banner import install as _readable_node_warnings
+
+_readable_node_warnings()  # before any cdk8s import starts jsii's Node process

@@ -40,7 +40,8 @@ def cluster_run_config(plan: Plan) -> RunConfig:
     store_url -> the checkpoint bucket under run_prefix; model.path -> rollout.model_path if set;
     rollout.policy_cache_dir -> the volume both rollout containers mount; model.cache_dir -> /tmp;
     rollout.reward_url -> the reward-model Service (when task.reward_model is set);
-    env.url -> the env pool's Service (when env.name is set: `moerl env` pods).
+    env.url -> the env pool's Service (when env.name is set: `moerl env` pods), unless the run
+    config gives env.url (an environment server of the user's: kept, and no env pool).
     """
     run = plan.run.model_copy(deep=True)
     run.buffer.redis_url = f"redis://{BUFFER_SERVICE}.{plan.namespace}.svc.cluster.local:{REDIS_PORT}/{REDIS_DB}"
@@ -55,7 +56,7 @@ def cluster_run_config(plan: Plan) -> RunConfig:
     run.rollout.policy_cache_dir = "/models/policy-cache"
     if run.task.reward_model:
         run.rollout.reward_url = f"http://{REWARD_MODEL_SERVICE}.{plan.namespace}.svc.cluster.local:80"
-    if run.env.name:
+    if run.env.served_by_moerl():  # env.url set: the user's own server, used as it is
         run.env.url = f"http://{ENV_SERVICE}.{plan.namespace}.svc.cluster.local:80"
     return run
 

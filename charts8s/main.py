@@ -59,7 +59,8 @@ def build(plan: Plan, outdir: str | Path) -> list[Path]:
         app = cdk8s.App(outdir=str(tmp), yaml_output_type=cdk8s.YamlOutputType.FILE_PER_CHART)
         ClusterChart(app, plan)
         BufferChart(app, plan)
-        EnvPoolChart(app, plan)
+        if not (plan.run.env.name and plan.run.env.url):  # a user's env.url: served elsewhere
+            EnvPoolChart(app, plan)
         RolloutChart(app, plan)
         TrainerChart(app, plan)
         FeedChart(app, plan)

@@ -73,3 +73,17 @@ def test_workers_reach_the_env_service_and_only_they_may(docs):
     (rule,) = pol["ingress"]
     assert [f["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for f in rule["from"]] == ["moerl-rollout"]
     assert rule["ports"] == [{"protocol": "TCP", "port": 8090}]
+
+
+def test_a_users_environment_server_is_used_as_given_and_no_env_pool_is_rendered(tmp_path):
+    """env.url set (bring your own server): the mounted run config keeps it, and no moerl-env
+    pods are rendered to serve an environment nobody would call."""
+    url = "http://guess-number.games.svc.cluster.local:8091"
+    (tmp_path / "run.yaml").write_text(f"env: {{name: guess-number, url: '{url}'}}\n")
+    (tmp_path / "workloads.yaml").write_text(f"rollout: {{model_path: Qwen/Qwen3-30B-A3B}}\n"
+                                             f"run_config: {tmp_path / 'run.yaml'}\n")
+    build(load_workloads(load_config("dev"), tmp_path / "workloads.yaml"), tmp_path / "dist")
+    docs = [d for f in sorted((tmp_path / "dist").glob("*.k8s.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert RunConfig.model_validate(yaml.safe_load(cm["data"]["run.yaml"])).env.url == url
+    assert not [d for d in docs if d["metadata"]["name"] == "moerl-env" and d["kind"] in ("Deployment", "Service")]

@@ -40,6 +40,7 @@ def replica(tmp_path_factory) -> tuple[dict, Path, Path]:
                            # the warm-up cache of `make run`; not under /tmp, which every pod mounts over
                            "--cache", str(ROOT / "runs" / "cache"), "--timeout-s", "600"],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
+    (tmp / "replica.out").write_text(proc.stdout + proc.stderr)
     assert (out / "replica.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "replica.json").read_text())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -105,3 +106,13 @@ def test_replica_ran_what_dist_holds(replica):
     assert worker["command"][:2] == ["moerl", "rollout"]
     # S3 only through Pod Identity credentials, for the two associated service accounts
     assert set(s["pod_identity_calls"]) == {"moerl-trainer", "moerl-rollout"}
+
+
+def test_replica_shows_its_progress_and_no_byte_reprs(replica):
+    """A live step counter (the old replica printed nothing for its first 72 s and had none), and
+    the Node.js banner of the synth as text, not b'...' reprs."""
+    _, _, out = replica
+    text = (out.parent / "replica.out").read_text()
+    steps = [int(m) for m in __import__("re").findall(r"trainer step (\d+)/100", text)]
+    assert len(steps) >= 10 and steps == sorted(steps) and steps[-1] == 100, text[-3000:]
+    assert "b'" not in text

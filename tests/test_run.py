@@ -88,6 +88,14 @@ def test_run_end_to_end(tmp_path):
     bound = embedded_default().buffer.max_staleness
     for line in lines:
         assert json.loads(line)["staleness_max"] <= bound
+    # quiet logs: no request lines from any role, and the trainer's one line per step
+    for log in (out / "logs").glob("*.log"):
+        assert "HTTP Request:" not in log.read_text(), log.name
+    trainer_log = (out / "logs" / "trainer.log").read_text()
+    assert [int(m) for m in __import__("re").findall(r"rank0 step (\d+) v", trainer_log)] == [1, 2, 3, 4]
+    # the summary gives greedy beside sampled, and run.yaml records that the warm-up is done
+    assert {"held_out_greedy_before", "held_out_greedy_after", "gain_points_greedy"} <= set(summary)
+    assert __import__("yaml").safe_load((out / "run.yaml").read_text())["task"]["warmup_done"] is True
     # the warm-up checkpoint was cached for the next run
     cfg = embedded_default().model_validate(__import__("yaml").safe_load(config.read_text()))
     assert (warmup_dir(cfg, tmp_path / "cache") / "config.json").exists()

@@ -38,7 +38,8 @@ def test_torchx_local_job_trains_with_the_feeder_and_no_venv_on_path(local_redis
     env = {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([str(torchx), "run", "-s", "local_cwd", "app/torchx_component.py:job",
-                             "--config", str(tmp_path / "run.yaml"), "--model_path", str(base)],
+                             "--config", str(tmp_path / "run.yaml"), "--model_path", str(base),
+                             "--run_dir", str(tmp_path / "run")],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     lines: list[str] = []
@@ -49,7 +50,10 @@ def test_torchx_local_job_trains_with_the_feeder_and_no_venv_on_path(local_redis
     # for all three instead of stopping at the feeder's last line.
     wanted = {"feeder's last line": lambda x: x.startswith("feed/0") and '"feed":' in x,
               "trainer's step 3": lambda x: f"rank0 step 3 v{version}" in x,
-              "trainer's done line": lambda x: x.startswith("trainer/0") and '{"done": true' in x}
+              "trainer's done line": lambda x: x.startswith("trainer/0") and '{"done": true' in x,
+              # each role's exit status, which `torchx run` does not show (README)
+              "trainer's exit status": lambda x: x.startswith("trainer/0") and "role trainer exited with status 0" in x,
+              "feeder's exit status": lambda x: x.startswith("feed/0") and "role feed exited with status 0" in x}
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and reader.is_alive():
@@ -63,6 +67,9 @@ def test_torchx_local_job_trains_with_the_feeder_and_no_venv_on_path(local_redis
         feed = json.loads(next(x for x in lines if '"feed":' in x).split(" ", 1)[1])["feed"]
         assert feed["done"] is True and feed["queued"] > 0
         assert read_done(open_store(cfg.store_url), cfg.run_id)["step"] == 3
+        # the run's records are in its own directory
+        assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3
+        assert (tmp_path / "run" / "feed" / "issued.jsonl").read_text()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: torchx stops every role it started

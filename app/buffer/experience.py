@@ -276,6 +276,9 @@ class ExperienceBuffer:
             raise
         except (redis.ConnectionError, redis.TimeoutError) as e:
             raise BufferConnectionError(f"cannot reach Redis at {redact_url(url)}: {e}") from None
+        except redis.RedisError as e:  # e.g. InvalidResponse: an HTTP server or another protocol
+            raise BufferConnectionError(f"{redact_url(url)} did not answer as Redis does "
+                                        f"({type(e).__name__}: {str(e)[:120]})") from None
         finally:
             probe.close()
         if tuple(int(x) for x in version.split(".")[:2]) < (6, 2):

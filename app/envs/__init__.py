@@ -8,6 +8,9 @@ and ``calculator``), ``calculator`` (the tool: integer arithmetic, no code runs)
 ``openenv_server`` (``moerl env``), ``env_client`` (the rollout worker's client of OpenEnv's
 WebSocket protocol), ``chat`` (messages to token ids: chat templates, or plain text),
 ``episodes_local`` (episodes in process: warm-up demonstrations, held-out evaluation).
+Environments of the user's (issue 30): ``wire`` (which action and observation fields carry text,
+from the server's ``/schema``), ``episodes_remote`` (their demonstrations and held-out episodes,
+played against their server).
 
 tiny_recipe — the setting proven, by experiment on one CPU thread, to make the tiny policy learn
 (scratch synchronous GRPO prototype; the real trainer is app/trainer):

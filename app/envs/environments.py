@@ -41,7 +41,7 @@ from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, EnvironmentMetadata, Observation, State
 from pydantic import Field
 
-from app.config import EnvConfig
+from app.config import BUILTIN_ENVIRONMENTS, EnvConfig
 from app.envs.calculator import CalcError, evaluate
 from app.envs.rewards import _gym_scorer, extract_answer
 from app.envs.tasks import render
@@ -185,6 +185,9 @@ class CalculatorEnv(_TaskEnv):
 
 
 ENVIRONMENTS: dict[str, type[_TaskEnv]] = {"spell-retry": SpellRetryEnv, "calculator": CalculatorEnv}
+# app.config names them too (env.name's check, without importing openenv): one list, kept equal.
+if tuple(ENVIRONMENTS) != BUILTIN_ENVIRONMENTS:
+    raise ImportError(f"app.config.BUILTIN_ENVIRONMENTS {BUILTIN_ENVIRONMENTS} != {tuple(ENVIRONMENTS)}")
 
 
 def make_env(cfg: EnvConfig) -> _TaskEnv:

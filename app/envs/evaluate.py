@@ -85,18 +85,35 @@ def mean_reward(model, tokenizer, prompts: list[Prompt], temperature: float, max
 
 
 def mean_episode_reward(model, tokenizer, prompts: list[Prompt], env, temperature: float, max_new_tokens: int,
-                        samples: int = 1, overlong_reward: float | None = 0.0) -> float:
-    """Mean reward of ``samples`` episodes per prompt of environment ``env`` (an EnvConfig)."""
-    from app.envs.episodes_local import play
+                        samples: int = 1, overlong_reward: float | None = 0.0, env_url: str | None = None) -> float:
+    """Mean reward of ``samples`` episodes per prompt of environment ``env`` (an EnvConfig):
+    played in process for moerl's environments, against the server at ``env_url`` (default
+    ``env.url``) for any other (app/envs/episodes_remote.py).
 
+    Raises:
+        ValueError: a user's environment and no server address.
+        EnvError, WireError: the server failed or has no text fields.
+    """
     items = [p for p in prompts for _ in range(samples)]
-    rewards = play(model, tokenizer, items, env, temperature, max_new_tokens, overlong_reward)
+    if env.builtin():
+        from app.envs.episodes_local import play
+
+        rewards = play(model, tokenizer, items, env, temperature, max_new_tokens, overlong_reward)
+    else:
+        from app.envs import episodes_remote
+        from app.envs.wire import fetch_wire_format
+
+        url = env_url or env.url
+        if not url:
+            raise ValueError(f"env.url: the held-out episodes of {env.name!r} need its server's address")
+        rewards = episodes_remote.play(model, tokenizer, items, env, url, fetch_wire_format(url), temperature,
+                                       max_new_tokens, overlong_reward)
     return sum(rewards) / len(items)
 
 
 def evaluate(model, tokenizer, prompts: list[Prompt], temperature: float = 1.0, max_new_tokens: int = 8,
              greedy: bool = True, seed: int = 0, samples: int = 4, env=None,
-             overlong_reward: float | None = 0.0) -> EvalResult:
+             overlong_reward: float | None = 0.0, env_url: str | None = None) -> EvalResult:
     """Held-out mean reward of ``model`` (sampled at ``temperature``, and greedy if asked).
 
     ``samples`` completions per prompt (default 4) halve the sampling noise of the sampled figure
@@ -117,7 +134,8 @@ def evaluate(model, tokenizer, prompts: list[Prompt], temperature: float = 1.0, 
     try:
         if env is not None:
             def score(temp: float, n: int) -> float:
-                return mean_episode_reward(model, tokenizer, prompts, env, temp, max_new_tokens, n, overlong_reward)
+                return mean_episode_reward(model, tokenizer, prompts, env, temp, max_new_tokens, n, overlong_reward,
+                                           env_url)
         else:
             def score(temp: float, n: int) -> float:
                 return mean_reward(model, tokenizer, prompts, temp, max_new_tokens, n)
@@ -132,7 +150,7 @@ def evaluate(model, tokenizer, prompts: list[Prompt], temperature: float = 1.0, 
 
 def evaluate_checkpoint(path: str | os.PathLike, prompts: list[Prompt], temperature: float = 1.0,
                         max_new_tokens: int = 8, greedy: bool = True, seed: int = 0, samples: int = 4,
-                        env=None, overlong_reward: float | None = 0.0) -> EvalResult:
+                        env=None, overlong_reward: float | None = 0.0, env_url: str | None = None) -> EvalResult:
     """`evaluate` a checkpoint directory loaded with stock transformers (model and tokenizer).
 
     Raises:
@@ -148,7 +166,7 @@ def evaluate_checkpoint(path: str | os.PathLike, prompts: list[Prompt], temperat
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     return evaluate(model, tokenizer, prompts, temperature, max_new_tokens, greedy, seed, samples, env,
-                    overlong_reward)
+                    overlong_reward, env_url)
 
 
 cli = typer.Typer(add_completion=False, help="Held-out mean reward of a checkpoint.")

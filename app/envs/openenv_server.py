@@ -1,5 +1,9 @@
 """`moerl env`: serve the run's environment (``env.name``) over OpenEnv's protocol.
 
+``env.name`` is one of moerl's environments or an OpenEnv ``Environment`` class of your own,
+``package.module:Class`` (importable where `moerl env` runs: the repository root, or a package
+installed in the env image); its ``reset`` must take ``spec`` (`user_environment`).
+
     moerl env --config run.yaml [--host 0.0.0.0] [--port 8090]
 
 Why OpenEnv (meta-pytorch/OpenEnv, the ``openenv`` package on PyPI): it is the protocol that
@@ -33,12 +37,13 @@ drops its TCP connection, which ends the session the same way (uvicorn pings idl
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from pathlib import Path
 
 import typer
 
-from app.config import RunConfig
+from app.config import IMPORT_PATH, RunConfig
 
 log = logging.getLogger("moerl.env")
 
@@ -100,29 +105,101 @@ class EpisodeDeadline:
                 pass
 
 
-def build_app(cfg: RunConfig):
-    """The ASGI app serving environment ``cfg.env.name`` (OpenEnv app inside `EpisodeDeadline`).
+def takes_spec(env_cls) -> bool:
+    """Whether ``env_cls.reset`` (or ``reset_async``, when overridden) accepts ``spec``: OpenEnv's
+    server passes a reset only the keyword arguments its signature names (``**kwargs`` takes all),
+    and silently drops the rest (``http_server.py`` ``_get_valid_kwargs``)."""
+    from openenv.core.env_server.interfaces import Environment
 
-    The task's verifier is imported here, so the first episode does not pay for it.
+    method = env_cls.reset_async if env_cls.reset_async is not Environment.reset_async else env_cls.reset
+    params = inspect.signature(method).parameters
+    return "spec" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def user_environment(path: str):
+    """``(environment class, action class, observation class)`` of ``env.name`` = an import path
+    ``package.module:Class`` naming an OpenEnv ``Environment`` subclass; the action and
+    observation classes are its type arguments (``Environment[MyAction, MyObservation, State]``)
+    or, failing that, the annotations of its ``step``.
 
     Raises:
-        ValueError: ``env.name`` unset or unknown.
+        ValueError: the module or class cannot be imported, is not an ``Environment``, its types
+            cannot be found, or its ``reset`` does not take ``spec`` (each named).
+    """
+    import importlib
+    import typing
+
+    from openenv.core.env_server.interfaces import Environment
+    from openenv.core.env_server.types import Action, Observation
+
+    module_name, _, attr = path.partition(":")
+    import os
+    import sys
+
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())  # as `python -m` has it: the `moerl` script's path lacks it
+    try:
+        env_cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"env.name: cannot import {path!r}: {type(e).__name__}: {e}") from None
+    if not (isinstance(env_cls, type) and issubclass(env_cls, Environment)):
+        raise ValueError(f"env.name: {path!r} is not an OpenEnv Environment subclass "
+                         "(openenv.core.env_server.interfaces.Environment)")
+    action_cls = observation_cls = None
+    for base in getattr(env_cls, "__orig_bases__", ()):
+        args = typing.get_args(base)
+        if typing.get_origin(base) is Environment and len(args) >= 2:
+            action_cls, observation_cls = args[0], args[1]
+    if not (isinstance(action_cls, type) and isinstance(observation_cls, type)):
+        try:
+            hints = typing.get_type_hints(env_cls.step)
+        except Exception:  # noqa: BLE001 - unresolvable annotations: reported below
+            hints = {}
+        action_cls, observation_cls = hints.get("action"), hints.get("return")
+    if not (isinstance(action_cls, type) and issubclass(action_cls, Action)
+            and isinstance(observation_cls, type) and issubclass(observation_cls, Observation)):
+        raise ValueError(f"env.name: {path!r} names no Action and Observation types: subclass "
+                         "Environment[YourAction, YourObservation, State], or annotate step(self, action: "
+                         "YourAction) -> YourObservation")
+    if not takes_spec(env_cls):
+        raise ValueError(f"env.name: {path}.reset takes no 'spec': moerl sends each episode's problem as "
+                         "reset(spec=...), and the G episodes of a GRPO group must play the same one; OpenEnv "
+                         "would drop it silently. Add spec (or **kwargs) to reset")
+    return env_cls, action_cls, observation_cls
+
+
+def build_app(cfg: RunConfig):
+    """The ASGI app serving environment ``cfg.env.name`` (OpenEnv app inside `EpisodeDeadline`):
+    one of moerl's (the task's verifier is imported here, so the first episode does not pay for
+    it) or an OpenEnv ``Environment`` class of the user's (`user_environment`), made with no
+    arguments per session.
+
+    Raises:
+        ValueError: ``env.name`` unset, or not a built-in nor a usable import path (named).
     """
     from openenv.core.env_server import create_fastapi_app
 
     from app.envs.environments import ENVIRONMENTS, TextAction, TextObservation
     from app.envs.rewards import _gym_scorer
 
-    if cfg.env.name not in ENVIRONMENTS:
-        raise ValueError(f"env.name: {cfg.env.name!r} is not one of {sorted(ENVIRONMENTS)} (moerl env serves one)")
-    env_cls = ENVIRONMENTS[cfg.env.name]
-    _gym_scorer(cfg.task.name)
+    if cfg.env.name in ENVIRONMENTS:
+        env_cls = ENVIRONMENTS[cfg.env.name]
+        action_cls, observation_cls = TextAction, TextObservation
+        if cfg.task.source == "reasoning-gym":
+            _gym_scorer(cfg.task.name)
 
-    def factory():
-        return env_cls(cfg.env)
+        def factory():
+            return env_cls(cfg.env)
+    elif cfg.env.name and IMPORT_PATH.match(cfg.env.name):
+        env_cls, action_cls, observation_cls = user_environment(cfg.env.name)
 
+        def factory():
+            return env_cls()
+    else:
+        raise ValueError(f"env.name: {cfg.env.name!r} is not one of {sorted(ENVIRONMENTS)} nor an import path "
+                         "package.module:Class (moerl env serves one)")
     factory.__name__ = env_cls.__name__
-    app = create_fastapi_app(factory, TextAction, TextObservation, max_concurrent_envs=cfg.env.max_sessions,
+    app = create_fastapi_app(factory, action_cls, observation_cls, max_concurrent_envs=cfg.env.max_sessions,
                              env_name=cfg.env.name, mode="production")
     return EpisodeDeadline(app, cfg.env.episode_timeout_s)
 
@@ -139,7 +216,9 @@ def env(
     """Serve ``env.name`` on ``host:port`` (``ws://host:port/ws``) until SIGTERM."""
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from app.logs import setup_logging
+
+    setup_logging()
     try:
         cfg = RunConfig.load(config)
         app = build_app(cfg)

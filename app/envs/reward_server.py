@@ -338,7 +338,9 @@ def serve(
 
     from app.config import RunConfig
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from app.logs import setup_logging
+
+    setup_logging()
     try:
         cfg = RunConfig.load(config) if config else RunConfig()
         if threads:

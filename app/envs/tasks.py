@@ -62,7 +62,21 @@ def make_splits(cfg: TaskConfig) -> tuple[list[Prompt], list[Prompt]]:
     """
     if cfg.source == "jsonl":
         return jsonl_splits(cfg)
+    if cfg.source == "env":
+        return env_splits(cfg)
     return gym_splits(cfg)
+
+
+def env_splits(cfg: TaskConfig) -> tuple[list[Prompt], list[Prompt]]:
+    """The environment's own episodes, numbered (``task.source: env``): ``eval_size`` held-out
+    and ``train_size`` training ones, each a spec ``{"source": "env", "split", "index", "seed":
+    task.seed}`` (JSON) that the environment's ``reset(spec=...)`` turns into a problem. The
+    prompt text is only a label: an episode's prompt is its reset observation."""
+    def prompt(split: str, i: int) -> Prompt:
+        spec = json.dumps({"source": "env", "split": split, "index": i, "seed": cfg.seed})
+        return Prompt(f"{split}-{i:06d}", f"{split}-{i}", "", spec)
+
+    return [prompt("train", i) for i in range(cfg.train_size)], [prompt("heldout", i) for i in range(cfg.eval_size)]
 
 
 def jsonl_splits(cfg: TaskConfig) -> tuple[list[Prompt], list[Prompt]]:

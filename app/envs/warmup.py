@@ -95,16 +95,22 @@ def lr_at(step: int, total: int, peak: float, warmup: int = 20) -> float:
 
 
 def warm_up(model, tokenizer, train: list[Prompt], steps: int, lr: float, batch_size: int, seed: int = 0,
-            log=None, env_cfg=None) -> list[float]:
+            log=None, env_cfg=None, examples: list[tuple[list[int], list[int]]] | None = None) -> list[float]:
     """Fit ``model`` in place on random batches of ``train``; returns the loss of every step.
 
     AdamW (betas 0.9/0.98, no weight decay), `lr_at` schedule, gradient clipping at 1.0. With
-    ``env_cfg`` (an `app.config.EnvConfig` naming an environment) the examples are its
-    demonstrations (`env_batch`), else prompt + answer (`sft_batch`).
+    ``examples`` (``(ids, mask)`` pairs: a user environment's played demonstrations) the batches
+    are drawn from them; with ``env_cfg`` (an `app.config.EnvConfig` naming one of moerl's
+    environments) the examples are its demonstrations (`env_batch`), else prompt + answer
+    (`sft_batch`).
 
     Raises:
-        ValueError: ``train`` is empty.
+        ValueError: ``train`` (or ``examples``, when given) is empty.
     """
+    if examples is not None:
+        if not examples:
+            raise ValueError("warmup: no demonstrations")
+        train = examples
     if not train:
         raise ValueError("warmup: no training prompts")
     rng = random.Random(seed)
@@ -115,8 +121,13 @@ def warm_up(model, tokenizer, train: list[Prompt], steps: int, lr: float, batch_
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr)
         batch = rng.sample(train, min(batch_size, len(train)))
-        tensors = env_batch(batch, tokenizer, env_cfg, rng) if env_cfg is not None and env_cfg.name \
-            else sft_batch(batch, tokenizer)
+        pad = PAD_ID if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+        if examples is not None:
+            tensors = pad_examples(batch, pad)
+        elif env_cfg is not None and env_cfg.name:
+            tensors = env_batch(batch, tokenizer, env_cfg, rng)
+        else:
+            tensors = sft_batch(batch, tokenizer)
         loss = sft_loss(model, *tensors)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -141,11 +152,37 @@ def build_base_policy(cfg: RunConfig):
     return build_policy(tiny_config(cfg.model.preset), cfg.router, EPContext.local(), dtype=dtype, seed=cfg.task.seed)
 
 
-def run_warmup(cfg: RunConfig, out: Path, threads: int | None = 1, log=print) -> dict:
+def user_env_examples(cfg: RunConfig, tokenizer, env_url: str | None, log=print):
+    """The warm-up examples of a user's environment: its ``env.demos_path`` rows played against
+    the server at ``env_url`` (app/envs/episodes_remote.py), or None without demonstrations.
+
+    Raises:
+        ValueError, FileNotFoundError: a bad demonstrations file, or no server address.
+        EnvError, WireError: the server failed or has no text fields.
+    """
+    if not cfg.env.demos_path:
+        log("warmup: env.demos_path unset: the base policy is the untrained preset (no demonstrations)")
+        return None
+    from app.envs import episodes_remote
+    from app.envs.wire import fetch_wire_format
+
+    url = env_url or cfg.env.url
+    if not url:
+        raise ValueError(f"env.url: the demonstrations of {cfg.env.name!r} are played against its server")
+    rows = episodes_remote.load_demos(cfg.env.demos_path)
+    examples = episodes_remote.demonstrations(rows, tokenizer, cfg.env, url, fetch_wire_format(url))
+    log(f"warmup: {len(examples)} demonstrations played against {url}")
+    return examples
+
+
+def run_warmup(cfg: RunConfig, out: Path, threads: int | None = 1, log=print, env_url: str | None = None) -> dict:
     """Warm up the policy of ``cfg`` and save it with its tokenizer as a checkpoint at ``out``.
 
     Writes ``out/`` (HF checkpoint + tokenizer files) and ``out/warmup.json`` (losses, held-out
-    evaluation, wall time). ``threads`` caps torch's CPU threads (None leaves it).
+    evaluation, wall time). ``threads`` caps torch's CPU threads (None leaves it). An
+    environment of the user's (``env.name`` not one of moerl's) is reached at ``env_url``
+    (default ``env.url``) for its demonstrations (`user_env_examples`; none: no fitting step)
+    and its held-out episodes.
 
     Returns:
         The summary written to warmup.json.
@@ -179,14 +216,21 @@ def run_warmup(cfg: RunConfig, out: Path, threads: int | None = 1, log=print) ->
     tokenizer = load_tokenizer(cfg.model.path) if has_own else build_tokenizer()
     t0 = time.monotonic()
     t = cfg.task
-    losses = warm_up(model, tokenizer, train, t.warmup_steps, t.warmup_lr, t.warmup_batch_size, t.seed, log,
-                     env_cfg=cfg.env)
+    user_env = bool(cfg.env.name) and not cfg.env.builtin()
+    examples = user_env_examples(cfg, tokenizer, env_url, log) if user_env else None
+    fitted = not (user_env and examples is None)
+    if not fitted:
+        losses = [float("nan")]
+    else:
+        losses = warm_up(model, tokenizer, train, t.warmup_steps, t.warmup_lr, t.warmup_batch_size, t.seed, log,
+                         env_cfg=cfg.env, examples=examples)
     wall = time.monotonic() - t0
     result = evaluate(model, tokenizer, heldout, cfg.rollout.temperature, cfg.rollout.max_new_tokens, seed=t.seed,
-                      env=cfg.env if cfg.env.name else None, overlong_reward=cfg.rollout.overlong_reward)
+                      env=cfg.env if cfg.env.name else None, overlong_reward=cfg.rollout.overlong_reward,
+                      env_url=env_url)
     save_policy(model, out, EPContext.local(), overwrite=True)
     save_tokenizer(out, tokenizer)
-    summary = dict(task=t.name, steps=t.warmup_steps, first_loss=losses[0], last_loss=losses[-1],
+    summary = dict(task=t.name, steps=t.warmup_steps if fitted else 0, first_loss=losses[0], last_loss=losses[-1],
                    wall_s=round(wall, 2), heldout=asdict(result), checkpoint=str(out))
     tmp = out / ".warmup.json.tmp"
     tmp.write_text(json.dumps(summary, indent=1))
@@ -204,7 +248,8 @@ def main(
     config: Path | None = typer.Option(None, "--config", help="Run config YAML (default: built-in defaults)."),
     out: Path = typer.Option(..., "--out", help="Checkpoint directory to write."),
     threads: int = typer.Option(1, help="torch CPU threads (the machine is shared)."),
+    env_url: str = typer.Option(None, "--env-url", help="A user environment's server (default: env.url)."),
 ) -> None:
     """Warm up the policy on the task's training examples and save it as an HF checkpoint."""
     cfg = RunConfig.load(config) if config else RunConfig()
-    run_warmup(cfg, out, threads=threads)
+    run_warmup(cfg, out, threads=threads, env_url=env_url)

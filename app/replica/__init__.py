@@ -134,6 +134,28 @@ def progress(cluster) -> int:
     return step
 
 
+class StepCounter:
+    """The replica's live progress: a line each time the trainer passes another 5 % of its
+    steps (``  <s>s trainer step N/M, pods running R/P``), and while it has made none, one
+    every 15 s saying how many pods run (starting the pods and loading models takes a minute
+    on 2 cores, and the replica must not look hung)."""
+
+    def __init__(self, steps: int, started: float, say, every_s: float = 15.0):
+        self.steps, self.started, self.say, self.every_s = steps, started, say, every_s
+        self.stride = max(1, steps // 20)
+        self.shown = 0  # the last step printed
+        self.quiet_since = time.monotonic()
+
+    def update(self, step: int, running: int, pods: int) -> None:
+        now = time.monotonic()
+        due = step >= self.shown + self.stride or (step == self.steps and step > self.shown)
+        if due or (step == self.shown and now - self.quiet_since >= self.every_s):
+            what = f"trainer step {step}/{self.steps}" if step else "waiting for the trainer's first step"
+            self.say(f"  {time.time() - self.started:5.0f}s {what}, pods running {running}/{pods}")
+            self.shown = max(self.shown, step)
+            self.quiet_since = now
+
+
 def _cat(paths: list[Path], out: Path) -> Path:
     """Concatenate files in order into ``out`` (the pods' ledgers, oldest incarnation first)."""
     with open(out, "w") as f:
@@ -186,6 +208,7 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
     fired: list[dict] = []
     started = time.time()
     say(f"replica: {len(m.workloads)} workloads from {dist}; pods under {out / 'pods'}")
+    counter = StepCounter(steps, started, say)
     final_eval = None
     try:
         cluster.start()
@@ -197,6 +220,8 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
             if phase == "Failed":
                 raise RuntimeError(f"the trainer's Volcano Job failed; see {out / 'events.log'} and the pods' logs")
             step = progress(cluster)
+            live = [p for p in cluster.pods.values() if p.phase == "Running"]
+            counter.update(step, len(live), len(cluster.pods))
             for at, kind in events if chaos else []:
                 # The trainer is killed just after a step that was not saved (step % save_every
                 # != 0): the resumed gang rolls that step back and trains its groups again.
@@ -245,6 +270,8 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
         "heldout_before": heldout[0]["mean_reward"] if heldout else None,
         "heldout_after": final_eval["mean_reward"] if final_eval else None,
         "gain_points": 100 * (final_eval["mean_reward"] - heldout[0]["mean_reward"]) if final_eval and heldout else None,
+        "heldout_greedy_before": heldout[0]["greedy"] if heldout else None,
+        "heldout_greedy_after": final_eval["greedy"] if final_eval else None,
         "ledger": a.to_dict(), "ok": a.ok(),
         "job_restarts": cluster.job_state.get(job, {}).get("retries", 0),
         "pods": [{"name": p.name, "ip": p.ip, "phase": p.phase, "dir": str(p.root),
@@ -275,9 +302,12 @@ def format_summary(s: dict) -> str:
     def fmt(x):
         return "none" if x is None else f"{x:.3f}"
 
-    lines = [f"held-out mean reward (feed pod, through its engine): before {fmt(s['heldout_before'])}  "
-             f"after {fmt(s['heldout_after'])}"
-             + (f"  ({s['gain_points']:+.1f} points)" if s["gain_points"] is not None else ""),
+    gb, ga = s.get("heldout_greedy_before"), s.get("heldout_greedy_after")
+    lines = [f"held-out mean reward (feed pod, through its engine), before -> after: sampled {fmt(s['heldout_before'])} "
+             f"-> {fmt(s['heldout_after'])}"
+             + (f" ({s['gain_points']:+.1f} points)" if s["gain_points"] is not None else "")
+             + f"   greedy {fmt(gb)} -> {fmt(ga)}"
+             + (f" ({100 * (ga - gb):+.1f} points)" if ga is not None and gb is not None else ""),
              f"faults: {', '.join(e['kind'] + ' ' + e['pod'] + ' at step ' + str(e['at_step']) for e in s['chaos']) or 'none'};"
              f" trainer gang restarts {s['job_restarts']}",
              f"ledger: issued {a['issued']}, completed {a['completed']}, pending {a['pending']}, lost {a['lost']}, "
@@ -316,7 +346,9 @@ def replica(
         if cache.resolve().is_relative_to("/tmp"):
             raise typer.BadParameter(f"{cache}: the model stands for a directory of the image, and every pod "
                                      "mounts its own /tmp over the image's", param_hint="--cache")
+        typer.echo(f"replica: the tiny recipe's warm-up checkpoint (cached in {cache})")
         base = warm_base(cache, steps)
+        typer.echo(f"replica: synthesizing the small workload into {dist}")
         workloads, overrides = write_workload(out / "workload", steps, base)
         from infra.config import load_config
 

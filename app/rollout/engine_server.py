@@ -1038,7 +1038,9 @@ def serve(
     """Load MODEL_PATH and serve /generate, /update_weights_from_disk and friends on HOST:PORT."""
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from app.logs import setup_logging
+
+    setup_logging()
     if dtype not in ("float32", "bfloat16", "auto"):
         raise typer.BadParameter(f"--dtype must be float32, bfloat16 or auto, got {dtype!r}")
     try:

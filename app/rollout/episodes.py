@@ -6,7 +6,8 @@ One episode (`EpisodeRunner.episode`), on its own WebSocket session (app/envs/en
    rendered to ids by the policy's tokenizer (app/envs/chat.py);
 2. generate one turn from the whole token sequence so far (the engine is driven with
    ``input_ids``, both the built-in engine and SGLang; n = 1, ``rollout.max_new_tokens``);
-3. send the turn's text as the action ``{"text": ...}``; on ``done`` the episode ends with the
+3. send the turn's text as the action (``{"text": ...}`` for moerl's environments; the field the
+   server's ``/schema`` names, app/envs/wire.py); on ``done`` the episode ends with the
    observation's reward; otherwise the observation's ids are appended (tokenized once) and the
    next turn is generated, up to ``env.max_turns`` turns;
 4. close the session.
@@ -40,6 +41,7 @@ from app.buffer.records import Sample, Task
 from app.config import RunConfig
 from app.envs.chat import ChatTemplateError
 from app.envs.env_client import EnvError, EnvSession, StepResult
+from app.envs.wire import WireError, WireFormat
 from app.rollout.engine_client import EngineError, GenOutput
 
 
@@ -51,12 +53,11 @@ class GroupFailed(RuntimeError):
 Generate = Callable[[list[int]], Awaitable[GenOutput]]
 
 
-def _message(result: StepResult) -> dict:
-    obs = result.observation
-    content = obs.get("content")
-    if not isinstance(content, str):
-        raise EnvError(f"observation without text content: {str(obs)[:200]}")
-    return {"role": str(obs.get("role") or "user"), "content": content}
+def _message(result: StepResult, wire: WireFormat, reset: bool = False) -> dict:
+    try:
+        return wire.message(result.observation, reset)
+    except WireError as e:
+        raise EnvError(str(e)) from None
 
 
 class EpisodeRunner:
@@ -68,11 +69,20 @@ class EpisodeRunner:
         generate: one engine call ``ids -> GenOutput`` (the worker's, which holds generation
             back while weights are swapped).
         fallback_version: the engine's version when an answer carries none (callable).
+        url: the environment server (default ``env.url``).
+        wire: which action and observation fields carry text (app/envs/wire.py; default
+            moerl's own ``text`` / ``content``); `healthy` reads it from the server's ``/schema``.
     """
 
-    def __init__(self, cfg: RunConfig, renderer, generate: Generate, fallback_version: Callable[[], int]):
+    def __init__(self, cfg: RunConfig, renderer, generate: Generate, fallback_version: Callable[[], int],
+                 url: str | None = None, wire: WireFormat | None = None):
         self.cfg = cfg
         self.env = cfg.env
+        self.url = url or cfg.env.url
+        if not self.url:
+            raise ValueError("env.url: unset, and no --env-url given (moerl run and the cluster pass the "
+                             "address of the environment server they start)")
+        self.wire = wire or WireFormat()
         self.r = cfg.rollout
         self.renderer = renderer
         self.generate = generate
@@ -87,7 +97,7 @@ class EpisodeRunner:
         """
         sid = task.sample_id(self.cfg.run_id, index)
         try:
-            async with EnvSession(self.env.url, self.env.step_timeout_s) as env:
+            async with EnvSession(self.url, self.env.step_timeout_s) as env:
                 sample = await self._play(env, task, index, sid)
                 await env.close()
             return sample
@@ -98,7 +108,7 @@ class EpisodeRunner:
         first = await env.reset(spec=task.answer, episode_id=sid)
         if first.done:
             raise EnvError("reset ended the episode before any turn")
-        history = [_message(first)]
+        history = [_message(first, self.wire, reset=True)]
         prompt = self.renderer.prompt_ids(history)
         seq, completion, mask, logprobs, versions = list(prompt), [], [], [], []
         reward, finish = 0.0, "length"
@@ -117,13 +127,13 @@ class EpisodeRunner:
                 reward, finish = self.r.overlong_reward, "length"
                 break
             text = self.renderer.decode(out.token_ids)
-            result = await env.step({"text": text})
+            result = await env.step(self.wire.action(text))
             if result.done:
                 if result.reward is None or not math.isfinite(result.reward):
                     raise EnvError(f"the episode ended without a reward: {result}")
                 reward, finish = result.reward, "stop"
                 break
-            new = [_message(result)]
+            new = [_message(result, self.wire)]
             obs = self.renderer.observation_ids(history, new)  # history: before this turn
             history += [{"role": "assistant", "content": text}] + new
             completion += obs
@@ -155,11 +165,22 @@ class EpisodeRunner:
         """True when the environment server answers ``GET /health`` with 200."""
         import httpx
 
-        url = self.env.url.rstrip("/").replace("ws://", "http://").replace("wss://", "https://")
-        if url.endswith("/ws"):
-            url = url[:-3]
+        from app.envs.wire import http_base
+
         try:
             async with httpx.AsyncClient(timeout=timeout_s) as http:
-                return (await http.get(url + "/health")).status_code == 200
+                return (await http.get(http_base(self.url) + "/health")).status_code == 200
         except httpx.HTTPError:
             return False
+
+    async def read_wire(self, timeout_s: float = 10.0) -> WireFormat:
+        """Read the server's text fields from its ``/schema`` (`app.envs.wire.wire_format`) and
+        keep them for every episode.
+
+        Raises:
+            WireError: the schema has no usable text field (named); ConnectionError: no schema.
+        """
+        from app.envs.wire import fetch_wire_format
+
+        self.wire = await asyncio.to_thread(fetch_wire_format, self.url, timeout_s)
+        return self.wire

@@ -326,8 +326,9 @@ class RolloutWorker:
             deadline = time.monotonic() + limit
             while not await self.episodes.healthy():
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"environment server {self.cfg.env.url} not healthy after {limit:.0f} s")
+                    raise TimeoutError(f"environment server {self.episodes.url} not healthy after {limit:.0f} s")
                 await self._sleep_or_stop(0.5)
+            await self.episodes.read_wire()  # a schema without text fields ends the worker here
             return
         warm = getattr(self.score_fn, "warm", None)
         if callable(warm):
@@ -757,7 +758,7 @@ class RolloutWorker:
                     self._unanswered_update = None
                 if self._env_suspect:
                     if not await self.episodes.healthy():
-                        log.warning("%s: environment %s unhealthy; not leasing", self.worker_id, self.cfg.env.url)
+                        log.warning("%s: environment %s unhealthy; not leasing", self.worker_id, self.episodes.url)
                         await self._sleep_or_stop(self.r.retry_backoff_s * 4)
                         continue
                     self._env_suspect = False
@@ -921,13 +922,19 @@ def rollout(
                                      "pods fetch each version (python -m app.rollout.group) and this worker "
                                      "waits for all of them before an update."),
     group_size: int = typer.Option(None, "--group-size", min=1, help="Pods in that engine's group."),
+    env_url: str = typer.Option(None, "--env-url", help="Environment server (default: env.url; moerl run "
+                                "passes the `moerl env` it started)."),
 ) -> None:
     """Lease prompt groups, generate through the engine, score, publish; drain on SIGTERM."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from app.logs import setup_logging
+
+    setup_logging()
     try:
         cfg = RunConfig.load(config)
     except (FileNotFoundError, ValueError) as e:
         raise typer.BadParameter(str(e), param_hint="--config") from None
+    if env_url:
+        cfg.env.url = env_url
     url = engine_url or cfg.rollout.engine_url
     if engine_group and not group_size:
         raise typer.BadParameter("--engine-group needs --group-size", param_hint="--group-size")

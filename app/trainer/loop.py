@@ -202,7 +202,9 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
         ValueError: ``trainer.parallel`` does not fit the world or the model (app/layout.py);
             ``buffer.capacity_groups`` is smaller than ``(trainer.save_every + 1) *
             trainer.groups_per_step``; the store already holds policy versions of this run and
-            ``resume`` is False; the state to resume was saved by a different number of ranks.
+            ``resume`` is False; the state to resume was saved by a different number of ranks;
+            ``run_dir`` holds metrics.jsonl or trained.jsonl while the store has no version of
+            this run (an earlier run's records).
         TrainingError: no batch in time, too many non-finite steps in a row, a failed publish
             or save, Redis unreachable — raised on every rank with the same message (rank 0 may
             raise the original exception instead, e.g. BufferConnectionError naming the URL).
@@ -241,6 +243,14 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
         # Rank 0 alone talks to Redis and checks the store; its error reaches every rank.
         buf = ExperienceBuffer.from_config(cfg, autocommit=False)
         latest = latest_policy_version(store, cfg.run_id)
+        earlier = [n for n in ("metrics.jsonl", "trained.jsonl")
+                   if (Path(run_dir) / n).is_file() and (Path(run_dir) / n).stat().st_size]
+        if latest is None and earlier:
+            # A new run (no version in the store) must not append to another run's records; a
+            # resumed one finds its own versions (v0 is published before either file is opened).
+            raise ValueError(f"--run-dir {run_dir}: holds {' and '.join(earlier)} of an earlier run, and "
+                             f"{cfg.store_url} has no policy of run {cfg.run_id!r}: give a new run a new run "
+                             "directory")
         if latest is not None and not resume:
             raise ValueError(
                 f"{cfg.store_url}: run {cfg.run_id!r} already has policy v{latest}; use a new "

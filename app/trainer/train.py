@@ -10,7 +10,6 @@ and publishing (publish.py).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import threading
 from dataclasses import asdict
@@ -39,9 +38,9 @@ def train(
     dp_replicate x dp_shard; app/layout.py)."""
     from app.trainer.loop import run_training
 
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(message)s"
-    )
+    from app.logs import setup_logging
+
+    setup_logging(f"%(asctime)s rank{os.environ.get('RANK', '0')} %(message)s")
     state = None
     stop_export, exporter = threading.Event(), None
     try:

@@ -1,0 +1,229 @@
+"""Bring your own environment: an OpenEnv environment moerl does not ship, trained through
+`moerl run` (README, "Your own environment").
+
+The environment is examples/guess_number/env.py, written as an OpenEnv author writes one: its
+own Action/Observation classes with OpenEnv's ordinary field names (``message``), served by
+OpenEnv's own ``create_fastapi_app``. The old code refused it (``env.name`` a closed Literal),
+overwrote ``env.url`` with its own server, and spoke only ``{"text"}`` / ``content``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import yaml
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+from pydantic import Field
+
+from app.config import RunConfig
+from app.envs.environments import TextAction, TextObservation
+from app.envs.wire import WireError, wire_format
+from examples.guess_number.env import GuessAction, GuessNumberEnv, GuessObservation, bisect, secret_of
+from helpers import EnvServer
+
+ROOT = Path(__file__).resolve().parents[1]
+GUESS = "examples.guess_number.env:GuessNumberEnv"
+
+
+def schemas(action, observation) -> dict:
+    """What OpenEnv's ``GET /schema`` answers for these classes (http_server.py get_schemas)."""
+    return {"action": action.model_json_schema(), "observation": observation.model_json_schema(),
+            "reset_observation": observation.model_json_schema(), "state": State.model_json_schema()}
+
+
+class EchoAction(Action):  # OpenEnv's environment template (openenv init)
+    message: str = Field(..., description="Message to echo back")
+
+
+class EchoObservation(Observation):
+    echoed_message: str = Field(..., description="The echoed message")
+    message_length: int = Field(default=0)
+
+
+class ArenaObservation(Observation):  # TextArena's shape: a prompt and the messages so far
+    prompt: str = ""
+    messages: list[dict] = Field(default_factory=list)
+
+
+class MoveAction(Action):
+    move_id: int
+
+
+def test_the_wire_format_follows_openenvs_own_field_names():
+    assert wire_format(schemas(TextAction, TextObservation)).__dict__ == {
+        "action_field": "text", "observation_field": "content", "reset_field": "content"}
+    guess = wire_format(schemas(GuessAction, GuessObservation))
+    assert (guess.action_field, guess.observation_field) == ("message", "message")
+    assert guess.action("8") == {"message": "8"}
+    assert guess.message(GuessObservation(message="<", guesses=1).model_dump()) == {"role": "user", "content": "<"}
+    echo = wire_format(schemas(EchoAction, EchoObservation))
+    assert (echo.action_field, echo.observation_field) == ("message", "echoed_message")
+    assert wire_format(schemas(EchoAction, ArenaObservation)).observation_field == "prompt"
+
+
+def test_an_environment_without_a_text_field_is_one_error_naming_it():
+    with pytest.raises(WireError, match=r"action schema 'MoveAction' has no string field.*move_id: integer"):
+        wire_format(schemas(MoveAction, GuessObservation))
+
+    class Board(Observation):
+        cells: list[int] = Field(default_factory=list)
+
+    with pytest.raises(WireError, match=r"observation schema 'Board' has no text field.*cells: array"):
+        wire_format(schemas(GuessAction, Board))
+
+
+class NoSpecEnv(Environment[GuessAction, GuessObservation, State]):
+    """Picks its own problem per episode: OpenEnv would drop moerl's spec without a word."""
+
+    def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None) -> GuessObservation:
+        return GuessObservation(message="1-15?")
+
+    def step(self, action: GuessAction, timeout_s: Optional[float] = None, **kwargs: Any) -> GuessObservation:
+        return GuessObservation(message="<")
+
+    @property
+    def state(self) -> State:
+        return State()
+
+
+def test_moerl_env_refuses_a_reset_that_cannot_take_the_spec():
+    from app.envs.openenv_server import build_app
+
+    cfg = RunConfig.model_validate({"env": {"name": f"{__name__}:NoSpecEnv"}})
+    with pytest.raises(ValueError, match=r"NoSpecEnv\.reset takes no 'spec'"):
+        build_app(cfg)
+
+
+def test_env_name_is_open_to_import_paths_and_to_servers_of_ones_own():
+    assert RunConfig.model_validate({"env": {"name": GUESS}}).env.served_by_moerl()
+    ext = RunConfig.model_validate({"env": {"name": "guess-number", "url": "http://127.0.0.1:8091"}}).env
+    assert not ext.served_by_moerl() and not ext.builtin()
+    with pytest.raises(ValueError, match="env.name: 'guess-number' is not a built-in environment"):
+        RunConfig.model_validate({"env": {"name": "guess-number"}})
+
+
+def test_moerl_env_serves_an_import_path_and_every_episode_gets_its_spec():
+    """`moerl env`'s app over the example class: /schema names its fields, and reset(spec=...)
+    reaches the environment (bisection on the spec's secret ends each episode with reward 1)."""
+    import asyncio
+
+    from app.envs.env_client import EnvSession
+    from app.envs.wire import fetch_wire_format
+
+    server = EnvServer(RunConfig.model_validate({"task": {"source": "env"}, "env": {"name": GUESS}}))
+    try:
+        wire = fetch_wire_format(server.url)
+        assert (wire.action_field, wire.observation_field) == ("message", "message")
+
+        async def episode(i: int) -> tuple[int, float]:
+            spec = json.dumps({"source": "env", "split": "heldout", "index": i, "seed": 0})
+            async with EnvSession(server.url) as env:
+                first = await env.reset(spec=spec, episode_id=f"t-{i}")
+                assert wire.message(first.observation, reset=True)["content"] == "1-15?"
+                for n, guess in enumerate(bisect(secret_of(spec)), 1):
+                    r = await env.step(wire.action(guess))
+                await env.close()
+            return n, r.reward if r.done else -1.0
+
+        async def all_episodes():
+            return await asyncio.wait_for(asyncio.gather(*(episode(i) for i in range(12))), 60)
+
+        results = asyncio.run(all_episodes())
+        assert all(reward == 1.0 for _, reward in results)
+        assert len({n for n, _ in results}) > 1  # the episodes had different secrets
+    finally:
+        server.stop()
+
+
+class CountingServer:
+    """examples/guess_number/server.py's app (OpenEnv's own server over the author's classes)
+    on a free loopback port in this process, counting the environments its sessions made."""
+
+    def __init__(self):
+        import uvicorn
+        from openenv.core.env_server import create_fastapi_app
+
+        from app.buffer.redis_server import free_port
+
+        self.made = 0
+
+        def factory():
+            self.made += 1
+            return GuessNumberEnv()
+
+        app = create_fastapi_app(factory, GuessAction, GuessObservation, max_concurrent_envs=512,
+                                 env_name="guess-number", mode="production")
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.mark.slow
+def test_moerl_run_trains_a_users_environment_at_its_url(tmp_path):
+    """`moerl run` with env.url: no `moerl env` of its own, the user's server plays the
+    demonstrations, the held-out episodes and the rollouts, and the trainer trains on groups
+    whose rewards differ (real signal: a non-zero gradient)."""
+    server = CountingServer()
+    cfg = yaml.safe_load((ROOT / "examples/guess_number/run.yaml").read_text())
+    cfg["env"] = {**cfg["env"], "name": "guess-number", "url": server.url}
+    cfg["env"].pop("demos_path")
+    cfg["env"]["demos_path"] = str(ROOT / "examples/guess_number/demos.jsonl")
+    cfg["task"].update(train_size=200, eval_size=40, warmup_steps=40)
+    cfg["trainer"]["steps"] = 4
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "run"
+    try:
+        proc = subprocess.run([sys.executable, "-m", "app.cli", "run", "--config", str(tmp_path / "run.yaml"),
+                               "--out", str(out), "--cache", str(tmp_path / "cache")],
+                              capture_output=True, text=True, timeout=900, cwd=ROOT)
+    finally:
+        server.stop()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"at {server.url} (env.url): the user's server; moerl starts none" in proc.stdout
+    assert not (out / "logs" / "env-0.log").exists()
+    # demonstrations (200 rows) + held-out episodes (40 x 4 sampled + 40 greedy, twice) + rollouts
+    assert server.made > 200 + 2 * 200 + 4 * 8 * 8, server.made
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["task"].endswith("in env guess-number")
+    for key in ("held_out_reward_before", "held_out_reward_after", "held_out_greedy_before", "held_out_greedy_after"):
+        assert 0.0 <= summary[key] <= 1.0
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any(0.0 < s["reward_mean"] < 1.0 and s["grad_norm"] > 0 for s in steps), steps
+    assert yaml.safe_load((out / "run.yaml").read_text())["env"]["url"] == server.url
+
+
+def test_moerl_runs_own_env_server_serves_the_import_path_and_outlives_the_rollout(tmp_path):
+    """The `moerl env` process `moerl run` starts for an import path: it serves the class
+    (its /schema names the class's fields), the workers would get its address, and it stays
+    up after the rollout stops, for the held-out episodes after RL."""
+    from app.embedded import EmbeddedLoop
+    from app.envs.wire import fetch_wire_format
+
+    cfg = RunConfig.model_validate({"task": {"source": "env"}, "env": {"name": GUESS}})
+    loop = EmbeddedLoop(cfg, tmp_path / "run")
+    try:
+        loop.ensure_env()
+        assert loop.env_url.startswith("http://127.0.0.1:") and loop.cfg.env.url is None  # run.yaml keeps None
+        loop.stop_rollout(keep_env=True)
+        assert loop.sup.procs["env-0"].alive()
+        assert fetch_wire_format(loop.env_url).action_field == "message"
+        loop.stop_rollout()
+        assert not loop.sup.procs["env-0"].alive()
+    finally:
+        loop.close()
