@@ -206,6 +206,7 @@ def run_leg(bench: BufferBench, replay: bool) -> tuple[dict, list[dict]]:
 
     shape = model_shape(bench.model)
     leg = "replay" if replay else "plain"
+    load_start = os.getloadavg()[0]
     with LocalRedis() as server:
         # The server's main thread is busy for long stretches under this load: a patient client.
         admin = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=120.0)
@@ -305,6 +306,7 @@ def run_leg(bench: BufferBench, replay: bool) -> tuple[dict, list[dict]]:
         "rank0_serial_s_per_group_p50": percentile(rank0_s, 50), "rank_decode_s_per_group_p50": percentile(decode_s, 50),
         "broadcast_bytes_per_group": sum(sent) / len(sent) if sent else math.nan,
         "baseline_xadd_usec": xadd["usec"] / xadd["calls"],
+        "load_avg_1m_start": load_start, "load_avg_1m_end": os.getloadavg()[0],
     }
     return row, cmd_rows
 
@@ -335,7 +337,8 @@ def run(bench: BufferBench, out_dir: str = "runs/bench") -> dict:
               f"{r['take_batch_p99_s'] * 1e3:.1f} ms per batch (client CPU {r['take_client_cpu_per_group_p50_s'] * 1e3:.1f} "
               f"ms per group; rank 0 serial {r['rank0_serial_s_per_group_p50'] * 1e3:.1f} ms, rank decode "
               f"{r['rank_decode_s_per_group_p50'] * 1e3:.1f} ms, broadcast {r['broadcast_bytes_per_group'] / 1e6:.2f} MB "
-              f"per group) | plain XADD of the same bytes {r['baseline_xadd_usec'] / 1e3:.2f} ms", flush=True)
+              f"per group) | plain XADD of the same bytes {r['baseline_xadd_usec'] / 1e3:.2f} ms | load average "
+              f"{r['load_avg_1m_start']:.1f} -> {r['load_avg_1m_end']:.1f} on {os.cpu_count()} CPUs", flush=True)
         for c in cmds:
             print(f"    {c['name']:<24} {c['calls']:>7} calls {c['usec_per_call']:>11.1f} us/call "
                   f"{c['main_ms_per_group']:>9.3f} ms/group")
