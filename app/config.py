@@ -77,7 +77,9 @@ class BufferConfig(Section):
     run_prefix: str = "moerl"
     max_staleness: int = Field(1, ge=0, description="Policy versions a sample may lag.")
     stale_policy: Literal["drop", "requeue"] = "drop"
-    capacity_groups: int = Field(64, ge=1, description="Finished groups held before back-pressure.")
+    capacity_groups: int = Field(64, ge=1, description="Back-pressure: finished groups the trainer has not "
+                                 "taken yet plus leased tasks (taken groups wait in Redis for the next save "
+                                 "without counting). At least trainer.groups_per_step.")
     lease_ms: int = Field(60_000, ge=100, description="A task lease expires after this idle time.")
     max_failures: int = Field(3, ge=1, description="Failed rollouts of one task (a reward or environment "
                               "call that raised, timed out or answered malformed) before it is dropped, "
@@ -227,7 +229,7 @@ class TrainerConfig(Section):
     max_bad_steps: int = Field(3, ge=1, description="Non-finite steps in a row before stopping.")
     log_entropy: bool = Field(True, description="Token entropy metric; one extra [B,L,V] pass.")
     save_every: int = Field(1, ge=1, description="Steps between saved training states. Taken groups "
-                            "leave Redis only at a save: capacity_groups must hold save_every + 1 steps.")
+                            "leave Redis only at a save (they do not count against buffer.capacity_groups).")
     keep_states: int = Field(2, ge=1, description="Complete training states kept in the store.")
 
 
@@ -348,11 +350,10 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _cross_field_rules(self) -> "RunConfig":
         t = self.trainer
-        need = (t.save_every + 1) * t.groups_per_step
-        if self.buffer.capacity_groups < need:
+        if self.buffer.capacity_groups < t.groups_per_step:
             raise ValueError(
-                f"buffer.capacity_groups={self.buffer.capacity_groups} must be >= (trainer.save_every + 1) "
-                f"* trainer.groups_per_step = {need}: taken groups stay in Redis until the next save"
+                f"buffer.capacity_groups={self.buffer.capacity_groups} must be >= trainer.groups_per_step = "
+                f"{t.groups_per_step}: the fleet could never have one step's groups ready"
             )
         if self.router.routing_replay:  # the deprecated spelling: one switch, read from rollout
             self.rollout.routing_replay = True

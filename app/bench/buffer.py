@@ -117,31 +117,38 @@ def template_samples(bench: BufferBench, shape: dict, replay: bool, seed: int) -
 
 
 def routed_for_sample(ids, moe_layers: list[int]):
-    """What a rollout worker stores in `Sample.routed_experts` for the engine's ``[T, layers, K]`` ids."""
-    from app.buffer.records import encode_routed_experts
+    """What a rollout worker stores in `Sample.routed_experts` for the engine's ``[T, layers, K]`` ids
+    (app/rollout/worker.py): the MoE layers' rows, one byte per id for 256 experts."""
+    from app.buffer.records import routed_experts_of_moe_layers
 
-    return encode_routed_experts(ids)
+    return routed_experts_of_moe_layers(ids, moe_layers)
 
 
-def trainer_take(buf, n: int, moe_layers: list[int]) -> dict:
-    """What trainer rank 0 of a one-rank trainer does to turn ``n`` ready groups into tensors.
+def trainer_take(buf, n: int, moe_layers: list[int] | None, num_experts: int) -> dict:
+    """What a one-rank trainer does to turn ``n`` ready groups into tensors (app/trainer/intake.py).
 
-    Rank 0's serial part (``rank0_s``): take the groups, check each one (the loop's `usable`:
-    a collate of the group alone), pickle the step's groups for `broadcast_object_list`
-    (``broadcast_bytes``); each rank's part (``decode_s``): collate its share (here: all).
+    Rank 0's serial part (``rank0_s``): take the groups' headers, check each one (the loop's
+    `usable`: `GroupHeader.check`), assign them to ranks and pickle the assignment for
+    `broadcast_object_list` (``broadcast_bytes``); each rank's part (``decode_s``): read its
+    groups' payloads, decode, check and collate them (here: all of them).
     """
     import pickle
 
-    from app.trainer.batch import collate_groups
+    from app.trainer.batch import collate_groups, split_groups
 
     t0 = time.perf_counter()
-    groups = buf.take_batch(n, trainer_version=0, timeout_s=5.0)
-    for g in groups:
-        collate_groups([g], moe_layers=moe_layers)
-    sent = len(pickle.dumps([groups]))
+    headers = buf.take_headers(n, trainer_version=0, timeout_s=5.0)
+    for h in headers:
+        h.check(moe_layers)
+    sent = len(pickle.dumps(split_groups(headers, 1)))
     t1 = time.perf_counter()
+    groups, bad = buf.read_groups(headers, num_experts=num_experts)
+    if bad:
+        raise RuntimeError(f"payloads that do not decode: {bad}")
+    for g in groups:
+        g.check(moe_layers)
     collate_groups(groups, moe_layers=moe_layers)
-    return {"groups": len(groups), "rank0_s": t1 - t0, "decode_s": time.perf_counter() - t1, "broadcast_bytes": sent}
+    return {"groups": len(headers), "rank0_s": t1 - t0, "decode_s": time.perf_counter() - t1, "broadcast_bytes": sent}
 
 
 def writer(url: str, bench: BufferBench, shape: dict, replay: bool, index: int, results) -> None:
@@ -240,7 +247,7 @@ def run_leg(bench: BufferBench, replay: bool) -> tuple[dict, list[dict]]:
                     time.sleep(0.01)
                     continue
                 t0, c0 = time.perf_counter(), time.process_time()
-                r = trainer_take(trainer, want, shape["moe_layers"] if replay else None)
+                r = trainer_take(trainer, want, shape["moe_layers"] if replay else None, shape["experts"])
                 got = r["groups"]
                 take_s.append(time.perf_counter() - t0)
                 take_cpu_s.append((time.process_time() - c0) / max(got, 1))

@@ -13,9 +13,9 @@ app/trainer/grpo.py and ppo.py weights tokens by this mask), and their rollout l
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -76,15 +76,15 @@ def collate_groups(
     (`app.trainer.grpo.group_advantages`), so a group must never be split across calls.
 
     Args:
-        groups: groups with ``.samples``; each sample has ``sample_id``, ``prompt_ids``,
-            ``completion_ids``, ``logprobs`` (one per completion token), ``reward``,
-            ``policy_version`` and optionally ``loss_mask`` (one 0/1 per completion token).
-            May be empty (a rank with no groups this step).
+        groups: `app.buffer.records.Group`s; each sample has ``sample_id``, ``prompt_ids``,
+            ``completion_ids``, ``logprobs`` (one per completion token; lists, or the arrays of
+            a decoded payload), ``reward``, ``policy_version`` and optionally ``loss_mask`` (one
+            0/1 per completion token). May be empty (a rank with no groups this step).
         pad_id: token id used for padding (masked out everywhere).
         scale_by_std: divide advantages by the group's reward std (see `group_advantages`).
         max_len: if set, a row longer than this is an error (protects memory).
         moe_layers: with routing replay, the decoder-layer indices of the MoE layers: each
-            sample's ``routed_experts`` (app.buffer.records, ``[P + C - 1, num_layers, K]``) is
+            sample's ``routed_experts`` (app.buffer.records, ``[P + C - 1, n_moe, K]``) is
             collated into `TrainBatch.routed_experts`.
 
     Returns:
@@ -94,60 +94,44 @@ def collate_groups(
         ValueError: a group has no samples; a sample has no prompt tokens, a logprob count or a
             loss_mask length that differs from its completion length, a loss_mask value other
             than 0 or 1, a non-finite reward or logprob; a row is longer than ``max_len``; or,
-            with ``moe_layers``, a sample has no routed experts or ones of the wrong shape. The
-            message names the sample id.
+            with ``moe_layers``, a sample has no routed experts or ones of the wrong shape
+            (`Group.check`). The message names the sample id.
     """
     rows: list[tuple] = []
     for g_index, group in enumerate(groups):
-        if not group.samples:
-            raise ValueError(f"group {group.task_id!r} has no samples")
+        group.check(moe_layers)
         for s in group.samples:
-            if not s.prompt_ids:
-                raise ValueError(f"sample {s.sample_id!r}: empty prompt_ids")
-            if len(s.logprobs) != len(s.completion_ids):
-                raise ValueError(
-                    f"sample {s.sample_id!r}: {len(s.logprobs)} logprobs for "
-                    f"{len(s.completion_ids)} completion tokens"
-                )
-            if not math.isfinite(s.reward):
-                raise ValueError(f"sample {s.sample_id!r}: reward {s.reward} is not finite")
-            if not all(math.isfinite(x) for x in s.logprobs):
-                raise ValueError(f"sample {s.sample_id!r}: non-finite rollout logprob")
-            loss_mask = getattr(s, "loss_mask", None)
-            if loss_mask is not None:
-                if len(loss_mask) != len(s.completion_ids):
-                    raise ValueError(f"sample {s.sample_id!r}: loss_mask has {len(loss_mask)} values for "
-                                     f"{len(s.completion_ids)} completion tokens")
-                if any(m not in (0, 1) for m in loss_mask):
-                    raise ValueError(f"sample {s.sample_id!r}: loss_mask values must be 0 or 1")
             n = len(s.prompt_ids) + len(s.completion_ids)
             if max_len is not None and n > max_len:
                 raise ValueError(f"sample {s.sample_id!r}: {n} tokens > max_len {max_len}")
             rows.append((g_index, s))
 
+    # Built in numpy (a row is one slice assignment, from lists or from a decoded payload's
+    # arrays alike), handed to torch without a copy at the end.
     B = len(rows)
     L = max([len(s.prompt_ids) + len(s.completion_ids) for _, s in rows], default=1)
-    input_ids = torch.full((B, L), pad_id, dtype=torch.int64)
-    attention_mask = torch.zeros((B, L), dtype=torch.int64)
-    completion_mask = torch.zeros((B, L), dtype=torch.float32)
-    rollout_logprobs = torch.zeros((B, L), dtype=torch.float32)
+    input_ids = np.full((B, L), pad_id, dtype=np.int64)
+    attention_mask = np.zeros((B, L), dtype=np.int64)
+    completion_mask = np.zeros((B, L), dtype=np.float32)
+    rollout_logprobs = np.zeros((B, L), dtype=np.float32)
     for i, (_, s) in enumerate(rows):
         p, c = len(s.prompt_ids), len(s.completion_ids)
-        input_ids[i, : p + c] = torch.tensor(list(s.prompt_ids) + list(s.completion_ids))
+        input_ids[i, :p] = s.prompt_ids
+        input_ids[i, p : p + c] = s.completion_ids
         attention_mask[i, : p + c] = 1
         loss_mask = getattr(s, "loss_mask", None)
-        mask = torch.ones(c) if loss_mask is None else torch.tensor(loss_mask, dtype=torch.float32)
+        mask = np.ones(c, dtype=np.float32) if loss_mask is None else np.asarray(loss_mask, dtype=np.float32)
         completion_mask[i, p : p + c] = mask
         if c:
-            rollout_logprobs[i, p : p + c] = torch.tensor(s.logprobs, dtype=torch.float32) * mask
+            rollout_logprobs[i, p : p + c] = np.asarray(s.logprobs, dtype=np.float32) * mask
     rewards = torch.tensor([float(s.reward) for _, s in rows], dtype=torch.float32)
     group_ids = torch.tensor([g for g, _ in rows], dtype=torch.int64)
     routed = _routed_experts([s for _, s in rows], L, moe_layers) if moe_layers is not None else None
     return TrainBatch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        completion_mask=completion_mask,
-        rollout_logprobs=rollout_logprobs,
+        input_ids=torch.from_numpy(input_ids),
+        attention_mask=torch.from_numpy(attention_mask),
+        completion_mask=torch.from_numpy(completion_mask),
+        rollout_logprobs=torch.from_numpy(rollout_logprobs),
         advantages=group_advantages(rewards, group_ids, scale_by_std),
         rewards=rewards,
         group_ids=group_ids,
@@ -157,26 +141,19 @@ def collate_groups(
     )
 
 
-def _routed_experts(samples: list, length: int, moe_layers: list[int]) -> Tensor:
-    """[B, length, n_moe, K] int64 of the samples' engine routing (-1 where none)."""
-    from app.buffer.records import decode_routed_experts
-
-    out = None
+def _routed_experts(samples: list, length: int, moe_layers: list[int]) -> Tensor | None:
+    """[B, length, n_moe, K] int64 of the samples' engine routing (-1 where none), None for no
+    samples; each sample's ``routed_experts`` is ``[P + C - 1, n_moe, K]`` (checked by `Group.check`)."""
+    if not samples:
+        return None
+    k = int(np.shape(samples[0].routed_experts)[2])
+    out = np.full((len(samples), length, len(moe_layers), k), -1, dtype=np.int64)
     for i, s in enumerate(samples):
-        if getattr(s, "routed_experts", None) is None:
-            raise ValueError(f"sample {s.sample_id!r}: routing replay is on but the sample has no routed_experts")
-        try:
-            ids = torch.from_numpy(decode_routed_experts(s.routed_experts))
-        except ValueError as e:
-            raise ValueError(f"sample {s.sample_id!r}: {e}") from None
-        fed = len(s.prompt_ids) + len(s.completion_ids) - 1
-        if ids.dim() != 3 or ids.shape[0] != fed or ids.shape[1] <= max(moe_layers):
-            raise ValueError(f"sample {s.sample_id!r}: routed_experts of shape {list(ids.shape)}, expected "
-                             f"[{fed}, >{max(moe_layers)}, K]")
-        if out is None:
-            out = torch.full((len(samples), length, len(moe_layers), ids.shape[2]), -1, dtype=torch.int64)
-        out[i, :fed] = ids[:, moe_layers]
-    return out
+        ids = np.asarray(s.routed_experts)
+        if ids.shape[2] != k:
+            raise ValueError(f"sample {s.sample_id!r}: routed_experts with K={ids.shape[2]}, sample 0 has K={k}")
+        out[i, : ids.shape[0]] = ids
+    return torch.from_numpy(out)
 
 
 def split_groups(groups: list, n_ranks: int) -> list[list]:
@@ -194,8 +171,8 @@ def split_groups(groups: list, n_ranks: int) -> list[list]:
     if n_ranks < 1:
         raise ValueError(f"n_ranks must be >= 1, got {n_ranks}")
 
-    def tokens(g) -> int:
-        return sum(len(s.prompt_ids) + len(s.completion_ids) for s in g.samples)
+    def tokens(g) -> int:  # a Group or a GroupHeader (app/buffer/encoding.py)
+        return g.num_tokens
 
     order = sorted(range(len(groups)), key=lambda i: -tokens(groups[i]))
     load = [0] * n_ranks
