@@ -167,3 +167,27 @@ def test_two_ranks_agree_on_a_malformed_payload_and_train_on(tmp_path, redis_ser
     trained = [json.loads(x) for x in (tmp_path / "run" / "trained.jsonl").read_text().splitlines()]
     assert ["bad", 0, "malformed"] in trained[0]["skipped"]
     assert all(g["task_id"] != "bad" for r in trained for g in r["groups"])
+
+
+def test_a_prefetch_times_out_from_when_the_loop_waits_not_from_the_step_start(redis_server, one_rank):
+    """trainer.batch_timeout_s bounds the loop's wait: a prefetch that began with the step has
+    as long again once the step is over, and then fails like a plain take (one clear error)."""
+    import time
+
+    from app.trainer.loop import TrainState
+
+    intake, buf = make_intake(redis_server, steps=3, batch_timeout_s=1.5)
+    publish(buf, "a", version=0)
+    publish(buf, "b", version=0)
+    state = TrainState()
+    intake.next(state, set(), lambda: False)  # the prefetch of step 2 starts here
+    time.sleep(2.0)  # a step longer than the timeout
+    publish(buf, "c", version=0)
+    publish(buf, "d", version=0)
+    state.step = 1
+    second = intake.next(state, {"a/0", "b/0"}, lambda: False)
+    assert [h.task_id for h in second.groups] == ["c", "d"] and second.wait_s < 1.5
+    state.step = 2
+    with pytest.raises(Exception, match="fewer than 2 GRPO groups arrived within trainer.batch_timeout_s=1.5s"):
+        intake.next(state, {"a/0", "b/0", "c/0", "d/0"}, lambda: False)
+    intake.close()

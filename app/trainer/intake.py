@@ -23,6 +23,7 @@ prefetch meets twice (the current batch's, republished) is a duplicate as if tra
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,7 +48,8 @@ class Batch:
         skipped: rank 0: ``[task_id, attempt, reason]`` of groups taken and not trained.
         meta: `batch_meta` of the step's groups (the same on every rank), and ``read_s``: this
             rank's seconds reading, decoding and collating its share.
-        wait_s: rank 0: seconds waited for the groups (in the background when prefetched).
+        wait_s: rank 0: seconds the loop waited for the groups (for a prefetched batch, only
+            what was still missing when the step ended).
         commit_point: rank 0: the newest samples-stream entry taken for this step.
         train: this rank's share, collated.
     """
@@ -104,11 +106,13 @@ class BatchIntake:
         self._thread: threading.Thread | None = None
         self._ahead: _Taken | None = None
         self._closing = threading.Event()
+        self._abort = threading.Event()
 
     # -- rank 0: taking headers --------------------------------------------------------------
 
-    def _take(self, version: int, seen, should_stop) -> _Taken:
-        """Block until ``groups_per_step`` usable headers are taken for `version` (rank 0)."""
+    def _take(self, version: int, seen, should_stop, cfg: RunConfig | None = None) -> _Taken:
+        """Block until ``groups_per_step`` usable headers are taken for `version` (rank 0), or
+        ``trainer.batch_timeout_s`` of `cfg` (default: the run's) ran out."""
         from app.trainer.loop import TrainState, take_groups, usable
         from app.trainer.state import newer_entry
 
@@ -121,16 +125,22 @@ class BatchIntake:
                           moe_layers=self.moe_layers)
 
         try:
-            out.headers, out.wait_s = take_groups(self.buffer, self.cfg, version,
-                                                  lambda: should_stop() or self._closing.is_set(), keep)
+            out.headers, out.wait_s = take_groups(
+                self.buffer, cfg or self.cfg, version,
+                lambda: should_stop() or self._closing.is_set() or self._abort.is_set(), keep)
         except BaseException as e:  # noqa: BLE001 - handed to the loop (Stop included)
             out.error = e
         out.counts = {k: getattr(scratch, k) for k in COUNTERS}
         return out
 
     def _prefetch(self, version: int, seen, should_stop) -> None:
+        # No deadline of its own: trainer.batch_timeout_s counts from when the loop waits for it
+        # (`_collect`), not from the start of the step it overlaps.
+        patient = self.cfg.model_copy(deep=True)
+        patient.trainer.batch_timeout_s = math.inf
+
         def run() -> None:
-            self._ahead = self._take(version, seen, should_stop)
+            self._ahead = self._take(version, seen, should_stop, patient)
 
         self._ahead = None
         self._thread = threading.Thread(target=run, name="moerl-batch-prefetch", daemon=True)
@@ -139,9 +149,24 @@ class BatchIntake:
     def _collect(self, state, trained: set[str], should_stop) -> _Taken:
         if self._thread is None:
             return self._take(state.version, _Seen(trained, set()), should_stop)
-        self._thread.join()
+        t0 = time.monotonic()
+        timeout = self.cfg.trainer.batch_timeout_s
+        while self._thread.is_alive() and time.monotonic() - t0 < timeout and not should_stop():
+            self._thread.join(timeout=min(1.0, max(timeout - (time.monotonic() - t0), 0.0)))
+        late = self._thread.is_alive()
+        if late:  # stop it (its groups stay in Redis, not committed) and report like take_groups
+            self._abort.set()
+            self._thread.join()
+            self._abort.clear()
         self._thread = None
-        return self._ahead
+        taken = self._ahead
+        taken.wait_s = time.monotonic() - t0  # what the loop waited, not the prefetch's own wait
+        if late and not should_stop():
+            n = self.cfg.trainer.groups_per_step
+            taken.error = TimeoutError(
+                f"fewer than {n} GRPO groups arrived within trainer.batch_timeout_s={timeout:g}s "
+                f"from {self.cfg.buffer.redis_url} (run {self.cfg.run_id!r}): are rollout workers running?")
+        return taken
 
     @staticmethod
     def version_of_next(state, t) -> int:
