@@ -16,8 +16,9 @@ Layout (every key under ``{prefix}:{run_id}:``):
               binary, app/buffer/encoding.py), written by a plain SET with a time to live that
               the publish script removes once the entry references it; a writer that dies
               between the two leaves a payload that expires (`PAYLOAD_TTL_MS`). Payloads are
-              deleted by UNLINK: Redis frees them in a background thread (a 65 MB DEL held
-              the main thread for 55 ms under `moerl bench buffer`).
+              deleted by UNLINK, which Redis 7 still frees on the main thread for a string (its
+              free effort is 1, below the lazy-free threshold): 42 ms for a 65 MB routing-replay
+              payload on the 2-core dev VM, part of the main-thread time in BENCHMARKS.md.
     dead      stream: dead letters, one entry per samples entry the trainer could not read (a
               malformed or foreign entry): {entry, reason, fields (truncated)}; the entry itself is
               deleted from samples and counted in ``dead_lettered``, and the trainer goes on.
@@ -35,10 +36,10 @@ published group.
 
 Why the payload is not in the stream entry: the publish must check the sample ids and ack the
 lease atomically (a Lua script), and a script's arguments are copied into Lua strings: a
-3.55 MB group cost 9-10 ms of Redis main thread that way (94 MB with routing replay: 320 ms),
-where a plain SET of the same bytes is one copy (BENCHMARKS.md, `moerl bench buffer`). So the
-payload goes first by SET, and the script, with only the header and the key as arguments, checks
-the ids, acks, and adds the entry.
+group of 3.6 MB of JSON cost 40-60 plain XADDs of the same bytes in the script (106 MB with
+routing replay: 1.3-1.7 s of main thread), where a SET keeps a large argument without a copy
+(BENCHMARKS.md, `moerl bench buffer`). So the payload goes first by SET, and the script, with
+only the header and the key as arguments, checks the ids, acks, and adds the entry.
 
 Redis commands: https://redis.io/docs/latest/develop/data-types/streams/ (XREADGROUP, XACK,
 XAUTOCLAIM, XPENDING). Needs Redis 6.2+ (XAUTOCLAIM).

@@ -197,9 +197,9 @@ def versions_per_hour(t: TrafficInput, publish_every: int | None = None) -> floa
 # (taken since the last save, and the batch prefetched for the next step); jemalloc rounds each
 # payload up to its size class (`jemalloc_size`).
 # Main thread: MAIN_THREAD_NS_PER_BYTE per payload byte, all-in (the AOF record, the reply copy,
-# the stream and set commands; freeing runs in a background thread, UNLINK), from `moerl bench
-# buffer` (BENCHMARKS.md: 6.9 ns/B in both legs, 7.3 ms per 1.06 MB group and 452 ms per 65.7 MB
-# routing-replay group, on the 2-core dev VM at a load average of ~10: an upper bound).
+# freeing the payload, the stream and set commands), from `moerl bench buffer` (BENCHMARKS.md:
+# 6.5-9.2 ns/B in both legs, 7.3-9.7 ms per 1.06 MB group and 428-438 ms per 65.7 MB routing-replay
+# group, on the 2-core dev VM at a load average of 10-19: an upper bound for a dedicated core).
 MAIN_THREAD_NS_PER_BYTE = 6.9
 ENTRY_BYTES_PER_PROMPT_TOKEN = 11  # ~7 for the id as JSON, ~4 for the prompt text
 HEADER_BYTES = 150
