@@ -13,6 +13,7 @@ app/trainer/grpo.py and ppo.py weights tokens by this mask), and their rollout l
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -67,6 +68,49 @@ class TrainBatch:
         return TrainBatch(**fields)
 
 
+def check_group(group, moe_layers: list[int] | None = None) -> None:
+    """What the trainer needs of a group before it collates it (one definition: `collate_groups`,
+    `Group.check` and so the loop's `usable`). ``group`` has ``task_id`` and ``samples`` with the
+    fields of `app.buffer.records.Sample` (duck-typed: app/bench/train_step.py builds its own,
+    without the buffer, whose package needs redis-py).
+
+    Raises:
+        ValueError: no samples; a sample has no prompt tokens, a logprob count or a loss_mask
+            length that differs from its completion length, a loss_mask value other than 0
+            or 1, a non-finite reward or logprob; with ``moe_layers``, a sample has no
+            routed experts or ones that are not ``[P + C - 1, len(moe_layers), K]``. The
+            message names the sample id.
+    """
+    if not group.samples:
+        raise ValueError(f"group {group.task_id!r} has no samples")
+    for s in group.samples:
+        c = len(s.completion_ids)
+        if not len(s.prompt_ids):
+            raise ValueError(f"sample {s.sample_id!r}: empty prompt_ids")
+        if len(s.logprobs) != c:
+            raise ValueError(f"sample {s.sample_id!r}: {len(s.logprobs)} logprobs for {c} completion tokens")
+        if not math.isfinite(s.reward):
+            raise ValueError(f"sample {s.sample_id!r}: reward {s.reward} is not finite")
+        if c and not np.isfinite(np.asarray(s.logprobs, dtype=np.float64)).all():
+            raise ValueError(f"sample {s.sample_id!r}: non-finite rollout logprob")
+        if getattr(s, "loss_mask", None) is not None:
+            mask = np.asarray(s.loss_mask)
+            if mask.shape != (c,):
+                raise ValueError(f"sample {s.sample_id!r}: loss_mask has {mask.size} values for {c} "
+                                 "completion tokens")
+            if c and not np.isin(mask, (0, 1)).all():
+                raise ValueError(f"sample {s.sample_id!r}: loss_mask values must be 0 or 1")
+        if moe_layers is not None:
+            if getattr(s, "routed_experts", None) is None:
+                raise ValueError(f"sample {s.sample_id!r}: routing replay is on but the sample has no "
+                                 "routed_experts")
+            shape = tuple(np.shape(s.routed_experts))
+            fed = len(s.prompt_ids) + c - 1
+            if len(shape) != 3 or shape[:2] != (fed, len(moe_layers)):
+                raise ValueError(f"sample {s.sample_id!r}: routed_experts of shape {list(shape)}, expected "
+                                 f"[{fed}, {len(moe_layers)}, K] (the MoE layers)")
+
+
 def collate_groups(
     groups: list, pad_id: int = 0, scale_by_std: bool = True, max_len: int | None = None,
     moe_layers: list[int] | None = None,
@@ -96,11 +140,11 @@ def collate_groups(
             loss_mask length that differs from its completion length, a loss_mask value other
             than 0 or 1, a non-finite reward or logprob; a row is longer than ``max_len``; or,
             with ``moe_layers``, a sample has no routed experts or ones of the wrong shape
-            (`Group.check`). The message names the sample id.
+            (`check_group`). The message names the sample id.
     """
     rows: list[tuple] = []
     for g_index, group in enumerate(groups):
-        group.check(moe_layers)
+        check_group(group, moe_layers)
         for s in group.samples:
             n = len(s.prompt_ids) + len(s.completion_ids)
             if max_len is not None and n > max_len:
