@@ -95,7 +95,9 @@ class BufferConfig(Section):
     run_prefix: str = "moerl"
     max_staleness: int = Field(1, ge=0, description="Policy versions a sample may lag.")
     stale_policy: Literal["drop", "requeue"] = "drop"
-    capacity_groups: int = Field(64, ge=1, description="Finished groups held before back-pressure.")
+    capacity_groups: int = Field(64, ge=1, description="Back-pressure: finished groups the trainer has not "
+                                 "taken yet plus leased tasks (taken groups wait in Redis for the next save "
+                                 "without counting). At least trainer.groups_per_step.")
     lease_ms: int = Field(60_000, ge=100, description="A task lease expires after this idle time.")
     max_failures: int = Field(3, ge=1, description="Failed rollouts of one task (a reward or environment "
                               "call that raised, timed out or answered malformed) before it is dropped, "
@@ -298,7 +300,7 @@ class TrainerConfig(Section):
     max_bad_steps: int = Field(3, ge=1, description="Non-finite steps in a row before stopping.")
     log_entropy: bool = Field(True, description="Token entropy metric; one extra [B,L,V] pass.")
     save_every: int = Field(1, ge=1, description="Steps between saved training states. Taken groups "
-                            "leave Redis only at a save: capacity_groups must hold save_every + 1 steps.")
+                            "leave Redis only at a save (they do not count against buffer.capacity_groups).")
     keep_states: int = Field(2, ge=1, description="Complete training states kept in the store.")
 
     def objective(self) -> str:
@@ -473,23 +475,24 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _cross_field_rules(self) -> "RunConfig":
         t = self.trainer
-        need = (t.save_every + 1) * t.groups_per_step
-        if self.buffer.capacity_groups < need:
+        if self.buffer.capacity_groups < t.groups_per_step:
             raise ValueError(
-                f"buffer.capacity_groups={self.buffer.capacity_groups} must be >= (trainer.save_every + 1) "
-                f"* trainer.groups_per_step = {need}: taken groups stay in Redis until the next save"
+                f"buffer.capacity_groups={self.buffer.capacity_groups} must be >= trainer.groups_per_step = "
+                f"{t.groups_per_step}: the fleet could never have one step's groups ready"
             )
         if t.algorithm == "grpo" and self.rollout.group_size < 2:
             # TRL refuses it too (GRPOConfig: num_generations >= 2).
             raise ValueError(f"rollout.group_size={self.rollout.group_size}: GRPO needs at least 2 completions "
                              "per prompt (advantages are relative to the prompt's group; one gives none)")
         if t.dynamic_sampling:
-            need = (t.save_every + 1) * (t.groups_per_step + t.dynamic_sampling_max_skipped)
+            # One step may take groups_per_step + max_skipped groups, and back-pressure holds the
+            # fleet at capacity_groups finished groups not yet taken (app/buffer/experience.py).
+            need = t.groups_per_step + t.dynamic_sampling_max_skipped
             if self.buffer.capacity_groups < need:
                 raise ValueError(
-                    f"buffer.capacity_groups={self.buffer.capacity_groups} must be >= (trainer.save_every + 1) * "
-                    f"(trainer.groups_per_step + trainer.dynamic_sampling_max_skipped) = {need} with "
-                    "trainer.dynamic_sampling: skipped groups stay in Redis until the next save too")
+                    f"buffer.capacity_groups={self.buffer.capacity_groups} must be >= trainer.groups_per_step + "
+                    f"trainer.dynamic_sampling_max_skipped = {need} with trainer.dynamic_sampling: a step may "
+                    "take that many groups")
             if t.algorithm == "ppo":
                 raise ValueError("trainer.dynamic_sampling: GRPO only (PPO's advantages come from its critic, "
                                  "so a group of equal rewards still carries signal)")

@@ -107,7 +107,7 @@ def pending_prompts(buffer: Any) -> set[str]:
         buffer: an `app.buffer.ExperienceBuffer` (its ``r`` client and ``keys``).
     """
     out: set[str] = set()
-    for name, fld in (("tasks", "task"), ("samples", "group")):
+    for name, fld in (("tasks", "task"), ("samples", "task")):  # both carry the task's JSON
         last = "-"
         while True:
             entries = buffer.r.xrange(buffer.keys[name], last, "+", count=1000)

@@ -32,7 +32,7 @@ from app.storage.store import run_area
 METRICS_PORT = 9464
 # Buffer counters (app.buffer.experience STAT_NAMES) exported as Prometheus counters.
 BUFFER_COUNTERS = ("issued", "finished", "taken", "consumed", "dropped_stale", "requeued", "duplicates", "released",
-                   "failed_requeued", "failed_dropped")
+                   "failed_requeued", "failed_dropped", "dead_lettered")
 # Rollout worker counters (app.rollout.worker.WorkerStats fields) exported as counters.
 WORKER_COUNTERS = ("groups_published", "samples_published", "duplicate_groups", "tasks_leased", "tasks_released",
                    "engine_errors", "rejected_tasks", "reward_errors", "reward_timeouts", "groups_failed",

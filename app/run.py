@@ -49,9 +49,10 @@ def embedded_default() -> RunConfig:
     * the training state is saved every 2 steps: a DCP save of both ranks is ~90 ms of CPU, a
       fifth of the loop's CPU at one save per step; a trainer killed between saves redoes at most
       one step from groups still in Redis;
-    * back-pressure at (save_every + 2) steps' worth of groups: taken groups stay in Redis until
-      the save that covers them, and with only the minimum (save_every + 1) the workers could
+    * back-pressure at (save_every + 2) steps' worth of groups, chosen when taken groups still
+      counted against it until the save that covers them: with (save_every + 1) the workers could
       never have the next batch ready when the trainer asked (it waited 30-40 % of each step);
+      now only untaken groups and leases count (app/buffer/experience.py, `_backlog`);
     * engines decode up to 64 sequences together (8 groups in flight per worker): a decode step
       of 64 rows costs 1.4x one of 32 on this CPU (`moerl bench engine`).
     """

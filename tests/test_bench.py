@@ -210,6 +210,9 @@ for args in (["train-step", "--groups", "1", "--group-size", "2", "--prompt-len"
     (["weight-sync", "--bucket-mb", "inf"], "--bucket-mb"),
     (["weight-sync", "--bucket-mb", "1e-9"], "--bucket-mb"),  # int(bytes) would be 0
     (["weight-sync", "--device", "cuda"], "--device"),
+    (["buffer", "--writers", "0"], "--writers"),
+    (["buffer", "--replay", "maybe"], "--replay"),
+    (["buffer", "--model", "gpt"], "--model"),
 ])
 def test_bad_flags_give_one_error_naming_the_flag(tmp_path, args, flag):
     if "cuda" in args:
@@ -230,6 +233,25 @@ def test_out_dir_that_is_a_file_is_refused_before_the_run(tmp_path, monkeypatch,
     r = CliRunner().invoke(cli, [*args, "--out-dir", "a-file"])
     assert r.exit_code == 2 and "--out-dir" in r.output, r.output
     assert not Path("work").exists()  # refused before the scratch directory and the engines
+
+
+def test_buffer_bench_writes_result(tmp_path):
+    """A writer process and the trainer side against a real redis-server, both legs, tiny
+    groups: every figure the docs promise is there."""
+    r = invoke("buffer", "--model", "tiny", "--writers", "1", "--groups", "4", "--group-size", "2", "--prompt-len", "8",
+               "--completion-len", "16", "--batch-groups", "2", "--commit-every", "1", "--baseline-calls", "1",
+               "--out-dir", str(tmp_path))
+    assert r.exit_code == 0, r.output
+    doc = only_result(tmp_path, "buffer")
+    legs = {f["name"]: f for f in doc["figures"] if f["name"] in ("plain", "replay")}
+    assert set(legs) == {"plain", "replay"}
+    for f in legs.values():
+        assert f["groups"] == 4
+        for key in ("groups_per_s", "wire_bytes_in_per_group", "redis_memory_bytes_per_group", "redis_cpu_ms_per_group",
+                    "publish_p99_s", "take_batch_p99_s", "baseline_xadd_usec"):
+            assert positive(f[key]), (f["name"], key, f[key])
+    assert any(f["name"].startswith("plain ") and f["calls"] > 0 for f in doc["figures"])  # per-command rows
+    assert doc["shape"]["capacity"] == 4  # (commit_every + 1) x batch_groups
 
 
 def test_weight_sync_bench_writes_result(tmp_path):

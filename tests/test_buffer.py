@@ -327,3 +327,71 @@ def test_loss_mask_must_fit_the_completion(redis_server):
         b.publish(t, samples)
     samples[0].loss_mask = [1] * len(samples[0].completion_ids)
     assert b.publish(t, samples)
+
+
+def test_a_malformed_entry_is_dead_lettered_and_the_trainer_takes_the_good_ones(redis_server):
+    """The attack: whoever can write to Redis adds entries to the samples stream that are not
+    groups (an unknown header key, a header that is not JSON, no header at all, a payload key
+    that names another key of the run, a good header over a payload that is not one). The
+    trainer side dead-letters each one (the dead stream keeps the entry id and the reason;
+    dead_lettered counts them), deletes no key it does not own, takes the good groups around
+    them, and the next take does not meet them again."""
+    b = buf(redis_server, autocommit=False)
+    b.put_tasks(make_tasks(3))
+    b.announce_policy(1, "u1")
+    (first,) = finish(b, "w1", 1, version=0)
+    raw = redis.Redis.from_url(redis_server, decode_responses=True)
+    (_, good), = raw.xrange(b.keys["samples"], count=1)
+    junk, junk2 = b.blob_prefix + "junk", b.blob_prefix + "junk2"
+    raw.set(junk2, "not a payload")
+    (copied,) = b.lease("w1", 1, block_ms=0)  # a real task, its header copied over a junk payload
+    header = good["meta"].replace(first.task_id, copied.task_id)
+    bad_ids = [
+        raw.xadd(b.keys["samples"], {"meta": '{"bogus": 1}', "task": first.to_json(), "blob": junk}),
+        raw.xadd(b.keys["samples"], {"meta": "not json", "task": "{}", "blob": junk}),
+        raw.xadd(b.keys["samples"], {"something": "else"}),
+        raw.xadd(b.keys["samples"], {**good, "blob": b.keys["policy"]}),
+        raw.xadd(b.keys["samples"], {"meta": header, "task": copied.to_json(), "blob": junk2}),
+    ]
+    b.release([copied])
+    (second,) = finish(b, "w1", 1, version=0)
+    groups = b.take_batch(8, trainer_version=0, timeout_s=0.5)
+    assert sorted(g.task_id for g in groups) == sorted([first.task_id, second.task_id])
+    assert b.stats()["dead_lettered"] == 5
+    dead = b.dead_letters()
+    assert [d["entry"] for d in dead] == bad_ids
+    assert "unknown key" in dead[0]["reason"] and "bogus" in dead[0]["fields"]
+    assert "not a payload key of this run" in dead[3]["reason"]
+    assert "safetensors" in dead[4]["reason"]
+    assert b.current_policy() == (1, "u1")  # the foreign key named as a payload was not deleted
+    assert not raw.exists(junk2)  # the run's own junk payload went with its entry
+    assert b.commit() == 2
+    assert raw.xlen(b.keys["samples"]) == 0  # the bad entries are gone from the samples stream
+    again = buf(redis_server, autocommit=False)  # a restarted trainer reads from the start
+    assert again.take_batch(4, trainer_version=0, timeout_s=0.2) == []
+
+
+def test_taken_but_uncommitted_groups_do_not_throttle_the_fleet(redis_server):
+    """Back-pressure counts finished groups not yet taken plus leases. With capacity C = 4 and a
+    trainer that commits only after a save every 5 steps (2 groups a step), the fleet keeps
+    its full capacity step after step, although up to 10 taken groups wait in Redis for the
+    commit; the untaken groups and the leases still throttle it."""
+    capacity, per_step, save_every = 4, 2, 5
+    fleet = buf(redis_server, capacity_groups=capacity)
+    trainer = buf(redis_server, capacity_groups=capacity, autocommit=False)
+    fleet.put_tasks(make_tasks(2 * per_step * save_every))
+    for step in range(1, save_every + 1):
+        finish(fleet, "w1", per_step, version=0)
+        assert len(trainer.take_batch(per_step, trainer_version=0, timeout_s=1.0)) == per_step
+        assert fleet.has_capacity(), f"step {step}: the fleet is throttled by taken groups"
+        assert fleet.stats()["ready"] == step * per_step  # taken, not yet committed
+    assert fleet.stats()["untaken"] == 0
+    finish(fleet, "w1", 2, version=0)
+    fleet.lease("w1", 1, block_ms=0)
+    assert fleet.has_capacity()  # 2 untaken + 1 leased < 4
+    fleet.lease("w1", 1, block_ms=0)
+    assert not fleet.has_capacity()  # 2 untaken + 2 leased = 4
+    assert trainer.commit() == per_step * save_every  # the save: the trained groups leave Redis
+    assert not fleet.has_capacity()  # the commit frees nothing the fleet counts
+    trainer.take_batch(2, trainer_version=0, timeout_s=1.0)
+    assert fleet.has_capacity()

@@ -373,8 +373,9 @@ def test_the_exporter_checks_the_keys_the_buffer_writes(synth, redis_server):
                                          [7, 8], [-0.5, -0.25], 1.0, 0, "stop") for i in range(2)])
         k = buf.keys
     r = redis.Redis.from_url(redis_server, decode_responses=True)
-    assert [r.type(key) for _, key in streams] == ["stream", "stream"]
-    assert [r.type(key) for _, key in keys] == ["stream", "stream", "set", "set", "none"]  # dropped: none dropped yet
+    # dead (dead letters) and dropped: none yet
+    assert [r.type(key) for _, key in streams] == ["stream", "stream", "none"]
+    assert [r.type(key) for _, key in keys] == ["stream", "stream", "none", "set", "set", "none"]
     # what the exporter reads for its metrics: XLEN and SCARD (redis_key_size), the group's PEL
     # (redis_stream_group_messages_pending: the leased task)
     assert (r.xlen(k["tasks"]), r.xlen(k["samples"]), r.scard(k["issued"]), r.scard(k["seen"])) == (2, 1, 3, 2)

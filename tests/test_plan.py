@@ -449,6 +449,43 @@ def test_traffic_by_hand(real_configs):
     assert traffic.min_publish_every(0.0, traffic.TrafficInput(1, 1, max_staleness=0)) is None
 
 
+def test_buffer_traffic_by_hand(real_configs):
+    """The seed's step through the buffer: 64 groups of 16 x (512 + 8192) tokens; with routing
+    replay one byte per id for DeepSeek-V3's 58 MoE layers x top-8 of 256 experts."""
+    from app.config import RunConfig
+
+    d = real_configs["deepseek-v3"]
+    run = RunConfig()
+    run.rollout.group_size, run.rollout.max_new_tokens, run.trainer.groups_per_step = 16, 8192, 64
+    run.buffer.capacity_groups, run.trainer.save_every = 384, 5
+    plain = traffic.buffer_traffic(d, run, 512, 60.0, routing_replay=False)
+    assert plain.payload_bytes == 4 * 512 + 16 * 8192 * 8 and plain.routed_bytes == 0
+    assert plain.step_bytes == 64 * (plain.payload_bytes + plain.entry_bytes)
+    assert plain.held_groups == 384 + 6 * 64
+    replay = traffic.buffer_traffic(d, run, 512, 60.0, routing_replay=True)
+    assert replay.routed_bytes == 16 * (512 + 8192 - 1) * 58 * 8 == 64_611_072
+    assert replay.memory_bytes == replay.held_groups * (traffic.jemalloc_size(replay.payload_bytes) + replay.entry_bytes)
+    assert replay.main_thread_s == pytest.approx(64 * replay.payload_bytes * traffic.MAIN_THREAD_NS_PER_BYTE * 1e-9)
+    assert replay.link_gbps == pytest.approx(2 * replay.step_bytes * 8 / 60 / 1e9)
+    # jemalloc: four size classes per doubling
+    assert [traffic.jemalloc_size(n) for n in (2**20, 2**20 + 1, 1_060_000, 65_660_000)] == [
+        2**20, 1_310_720, 1_310_720, 2**26]
+    with pytest.raises(ValueError, match="--seq-len"):
+        traffic.buffer_traffic(d, run, 0, 60.0, routing_replay=False)
+
+
+def test_cli_traffic_prints_the_buffer_table():
+    r = _plan("--model", "deepseek-v3", "--nodes", "16", "--traffic", "--seq-len", "8704", "--json")
+    assert r.exit_code in (0, 1), r.output
+    rows = json.loads(r.output)["buffer"]
+    assert [x["routing_replay"] for x in rows] == [False, True] and rows[0]["this_config"]
+    assert rows[1]["payload_bytes"] > 60 * rows[0]["payload_bytes"]
+    table = _plan("--model", "deepseek-v3", "--nodes", "16", "--traffic", "--seq-len", "8704")
+    assert "Experience buffer per step" in table.output
+    short = _plan("--model", "deepseek-v3", "--nodes", "16", "--traffic", "--seq-len", "16")
+    assert "leaves no prompt" in short.output
+
+
 # --- the command line --------------------------------------------------------------------------
 
 # DeepSeek-V3 on 16 x 8 fits with the allocator's expandable segments (its reserve measured 1.13), not

@@ -1,7 +1,8 @@
 """Routing replay, engine -> worker -> sample (issue 14 part 6, rollout side): with
 ``rollout.routing_replay`` the worker asks the engine for the routed experts (SGLang's
 ``return_routed_experts``, served with ``--enable-return-routed-experts``) and every published
-sample carries them (``Sample.routed_experts``: [P + C - 1, layers, top_k], narrowest dtype)."""
+sample carries them (``Sample.routed_experts``: [P + C - 1, MoE layers, top_k], narrowest dtype;
+the buffer stores them as raw bytes, app/buffer/encoding.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from app.buffer import ExperienceBuffer
-from app.buffer.records import Group, Sample, decode_routed_experts, encode_routed_experts
+from app.buffer.records import Group, Sample, decode_routed_experts, encode_routed_experts, routed_experts_of_moe_layers
 from app.config import RunConfig
 from app.rollout.engine_client import EngineClient
 from app.rollout.worker import EngineMisconfigured, RolloutWorker
@@ -45,14 +46,40 @@ def test_decode_refuses_data_that_does_not_fill_the_shape():
         decode_routed_experts(stored)
 
 
-def test_samples_with_routed_experts_cross_the_buffer_as_json():
-    ids = encode_routed_experts(np.arange(12).reshape(3, 2, 2))
-    s = Sample(sample_id="r/t/0/0", task_id="t", index=0, attempt=0, prompt_ids=[1, 2], completion_ids=[3, 4],
+def test_samples_with_routed_experts_cross_json_and_the_buffer():
+    ids = np.arange(12).reshape(3, 2, 2)
+    s = Sample(sample_id="r1/t/0/0", task_id="t", index=0, attempt=0, prompt_ids=[1, 2], completion_ids=[3, 4],
                logprobs=[-1.0, -2.0], reward=1.0, policy_version=0, finish_reason="stop", routed_experts=ids)
     back = Group.from_json(Group(task_id="t", attempt=0, samples=[s]).to_json()).samples[0]
-    assert back.routed_experts == ids
+    assert np.array_equal(back.routed_experts, ids)
     old = {k: v for k, v in s.to_dict().items() if k != "routed_experts"}  # records written before the field
     assert Sample.from_dict(old).routed_experts is None
+
+
+def test_the_buffer_keeps_the_moe_layers_routing_as_one_byte_per_id(redis_server):
+    """The engine reports every layer; a sample keeps the MoE layers' rows in the narrowest dtype,
+    and the buffer's payload holds exactly those bytes (uint8 for ids < 256)."""
+    from app.buffer.records import Task
+
+    engine = np.random.default_rng(0).integers(0, 256, size=(3, 5, 2))  # [P + C - 1, layers, K]
+    moe = routed_experts_of_moe_layers(engine, [1, 2, 4])
+    assert moe.dtype == np.uint8 and np.array_equal(moe, engine[:, [1, 2, 4]])
+    buf = ExperienceBuffer(redis_server, "r1")
+    buf.put_tasks([Task("t", [1, 2], "p", "{}", 1)])
+    (task,) = buf.lease("w", block_ms=0)
+    s = Sample(sample_id=task.sample_id("r1", 0), task_id="t", index=0, attempt=0, prompt_ids=[1, 2],
+               completion_ids=[3, 4], logprobs=[-1.0, -2.0], reward=1.0, policy_version=0, finish_reason="stop",
+               routed_experts=moe)
+    assert buf.publish(task, [s])
+    (h,) = buf.take_headers(1, trainer_version=0, timeout_s=1.0)
+    assert h.routed == (3, 2, "uint8")
+    (g,), bad = buf.read_groups([h])
+    assert bad == [] and g.samples[0].routed_experts.dtype == np.uint8
+    assert np.array_equal(g.samples[0].routed_experts, moe)
+    payload = buf.raw.get(h.blob)
+    assert moe.tobytes() in payload  # raw bytes, 18 of them
+    with pytest.raises(ValueError, match="MoE layer 5"):
+        routed_experts_of_moe_layers(engine, [5])
 
 
 def test_router_routing_replay_is_an_alias_of_rollout_routing_replay():
@@ -91,10 +118,10 @@ def test_worker_stores_the_engines_routed_experts_with_every_sample(tmp_path, re
     samples = [s for gs in groups.values() for g in gs for s in g.samples]
     assert len(samples) == 2 * G
     for s in samples:
-        ids = decode_routed_experts(s.routed_experts)
-        # every token the engine fed through the model: prompt + completion - 1; 2 layers, top-2 of 4 experts
+        ids = s.routed_experts
+        # every token the engine fed through the model: prompt + completion - 1; 2 (MoE) layers, top-2 of 4 experts
         assert ids.shape == (len(s.prompt_ids) + len(s.completion_ids) - 1, 2, 2)
-        assert s.routed_experts["dtype"] == "uint8" and ids.min() >= 0 and ids.max() < 4
+        assert ids.dtype == np.uint8 and ids.min() >= 0 and ids.max() < 4
         assert all(len(set(row)) == 2 for row in ids.reshape(-1, 2).tolist())  # two distinct experts per token
 
 

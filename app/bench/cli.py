@@ -274,3 +274,33 @@ def weight_sync(
     except ValueError as e:
         typer.echo(f"moerl bench weight-sync: error: {e}", err=True)
         raise SystemExit(2) from None
+
+
+@cli.command("buffer")
+def buffer(
+    writers: int = typer.Option(4, help="Writer processes publishing groups (rollout workers)."),
+    groups: int = typer.Option(48, help="Groups published and taken per leg."),
+    group_size: int = typer.Option(16, help="Completions per group (G)."),
+    prompt_len: int = typer.Option(512, help="Prompt tokens."),
+    completion_len: int = typer.Option(8192, help="Completion tokens per sample."),
+    batch_groups: int = typer.Option(4, help="Groups the trainer takes at a time."),
+    commit_every: int = typer.Option(5, help="Batches between commits (trainer.save_every)."),
+    capacity: int = typer.Option(0, help="buffer.capacity_groups of the writers (0: (commit-every + 1) x batch-groups)."),
+    replay: str = typer.Option("both", help="Routing replay legs: both | off | on."),
+    model: str = typer.Option("deepseek-v3", help="Routing shape: deepseek-v3 (61 layers, top-8 of 256) | tiny."),
+    baseline_calls: int = typer.Option(5, help="Plain XADDs of one group's bytes (the in-run baseline)."),
+    timeout_s: float = typer.Option(600.0, help="Give up a leg after this many seconds."),
+    out_dir: str = typer.Option("runs/bench", help="Where the JSON result goes."),
+) -> None:
+    """The experience buffer under the seed's traffic on a real redis-server: groups/s, bytes, memory and
+    Redis CPU per group, publish and take latency, with and without routing replay."""
+    from app.bench.buffer import BufferBench, run
+
+    try:
+        run(BufferBench(writers=writers, groups=groups, group_size=group_size, prompt_len=prompt_len,
+                        completion_len=completion_len, batch_groups=batch_groups, commit_every=commit_every,
+                        capacity=capacity, replay=replay, model=model, baseline_calls=baseline_calls,
+                        timeout_s=timeout_s), out_dir=out_dir)
+    except (ValueError, TimeoutError, FileNotFoundError) as e:
+        typer.echo(f"moerl bench buffer: error: {e}", err=True)
+        raise SystemExit(2) from None

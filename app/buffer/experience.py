@@ -6,19 +6,40 @@ Layout (every key under ``{prefix}:{run_id}:``):
               An entry is leased by XREADGROUP, stays in the group's pending list (PEL) while a
               worker holds it, and is XACK'ed and XDEL'ed when its group is published. A lease
               idle for more than `lease_ms` is taken over by the next `lease()` (XAUTOCLAIM).
-    samples   stream: one entry per finished GRPO group (the group and its task, as JSON).
-              The trainer reads it in order with a client-side cursor; taken entries are
-              deleted when committed (by default when the next batch is taken), so a trainer
-              that dies mid-step reads its last batch again after a restart.
+    samples   stream: one entry per finished GRPO group: {meta: the group's header (JSON, a few
+              hundred bytes: ids, versions, rewards, lengths; app/buffer/encoding.py), task: the
+              task (JSON), blob: the key of its payload, seq: its sequence number}. The trainer
+              reads it in order with a client-side cursor; taken entries (and their payloads)
+              are deleted when committed (by default when the next batch is taken), so a
+              trainer that dies mid-step reads its last batch again after a restart.
+    blob:<id> string per group: the group's payload (token ids, logprobs, masks, routed experts;
+              binary, app/buffer/encoding.py), written by a plain SET with a time to live that
+              the publish script removes once the entry references it; a writer that dies
+              between the two leaves a payload that expires (`PAYLOAD_TTL_MS`). Payloads are
+              deleted by UNLINK, which Redis 7 still frees on the main thread for a string (its
+              free effort is 1, below the lazy-free threshold): 42 ms for a 65 MB routing-replay
+              payload on the 2-core dev VM, part of the main-thread time in BENCHMARKS.md.
+    dead      stream: dead letters, one entry per samples entry the trainer could not read (a
+              malformed or foreign entry): {entry, reason, fields (truncated)}; the entry itself is
+              deleted from samples and counted in ``dead_lettered``, and the trainer goes on.
     issued    set of "task_id/attempt" already queued (put_tasks and requeue are idempotent).
     seen      set of published sample ids: a replayed task's group is not added twice.
     dropped   set of "task_id/attempt" dropped after ``max_failures`` failed rollouts (`fail`).
-    stats     hash of counters.
+    stats     hash of counters, and ``taken_seq``: the sequence number (the ``finished`` count
+              when it was published) of the newest samples entry the trainer has read, so that
+              back-pressure counts finished groups not yet taken (``finished - taken_seq``).
     policy    hash {version, uri} of the newest announced policy.
 
 The PEL, the streams and the sets are plain Redis data, so with append-only persistence a
 restarted redis-server still holds the leases (reclaimed after `lease_ms` as usual) and every
 published group.
+
+Why the payload is not in the stream entry: the publish must check the sample ids and ack the
+lease atomically (a Lua script), and a script's arguments are copied into Lua strings: a
+group of 3.6 MB of JSON cost 40-60 plain XADDs of the same bytes in the script (106 MB with
+routing replay: 1.3-1.7 s of main thread), where a SET keeps a large argument without a copy
+(BENCHMARKS.md, `moerl bench buffer`). So the payload goes first by SET, and the script, with
+only the header and the key as arguments, checks the ids, acks, and adds the entry.
 
 Redis commands: https://redis.io/docs/latest/develop/data-types/streams/ (XREADGROUP, XACK,
 XAUTOCLAIM, XPENDING). Needs Redis 6.2+ (XAUTOCLAIM).
@@ -26,10 +47,13 @@ XAUTOCLAIM, XPENDING). Needs Redis 6.2+ (XAUTOCLAIM).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
+import threading
 import time
+import uuid
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
@@ -37,6 +61,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from app.buffer.encoding import GroupHeader, decode_group, encode_group
 from app.buffer.records import FINISH_REASONS, Group, Sample, Task, sample_id
 
 if TYPE_CHECKING:
@@ -45,15 +70,22 @@ if TYPE_CHECKING:
 ROLLOUT_GROUP = "rollout"
 PASSWORD_ENV = "MOERL_REDIS_PASSWORD"
 STAT_NAMES = ("issued", "finished", "taken", "consumed", "dropped_stale", "requeued",
-              "duplicates", "released", "failed_requeued", "failed_dropped")
+              "duplicates", "released", "failed_requeued", "failed_dropped", "dead_lettered")
+# Dead letters kept (approximately: XADD MAXLEN ~), and the characters of each field kept in one.
+DEAD_LETTERS_KEPT = 10_000
+DEAD_LETTER_FIELD_CHARS = 4096
+# A payload SET before its publish script ran expires after this unless the script keeps it: only
+# a writer that died between the two (or a duplicate group's payload) leaves one behind.
+PAYLOAD_TTL_MS = 600_000
 
 # put_tasks / requeue: queue a task attempt only if it was never queued before.
-# KEYS: tasks, issued, stats, samples; ARGV: samples entry to delete ('' for none), then
-# (issue key, task json) pairs. Returns how many were queued.
+# KEYS: tasks, issued, stats, samples; ARGV: samples entry to delete ('' for none), its payload
+# key ('' for none), then (issue key, task json) pairs. Returns how many were queued.
 _PUT_TASKS = """
 if ARGV[1] ~= '' then redis.call('XDEL', KEYS[4], ARGV[1]) end
+if ARGV[2] ~= '' then redis.call('UNLINK', ARGV[2]) end
 local added = 0
-for i = 2, #ARGV, 2 do
+for i = 3, #ARGV, 2 do
   if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then
     redis.call('XADD', KEYS[1], '*', 'task', ARGV[i + 1])
     added = added + 1
@@ -63,23 +95,31 @@ redis.call('HINCRBY', KEYS[3], 'issued', added)
 return added
 """
 
-# publish: add a finished group unless one of its sample ids was published before; in both
-# cases the task's lease is acked and its entry deleted (the task is done).
-# KEYS: tasks, samples, seen, stats; ARGV: group name, task entry id, group json, task json, ids...
+# publish: add a finished group (its payload already SET at KEYS[5] with a time to live) unless
+# one of its sample ids was published before; in both cases the task's lease is acked and its
+# entry deleted (the task is done). A duplicate's payload is deleted unless it has no time to live
+# left: then it is this very call's, retried after its reply was lost, and an entry holds it. A
+# payload that is gone (expired) changes nothing and returns -1. The entry carries its sequence
+# number (the finished count), which back-pressure compares with stats.taken_seq.
+# KEYS: tasks, samples, seen, stats, payload; ARGV: group name, task entry id, header json, task
+# json, ids...
 _PUBLISH = """
 local dup = false
 for i = 5, #ARGV do
   if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 1 then dup = true; break end
 end
+if not dup and redis.call('EXISTS', KEYS[5]) == 0 then return -1 end
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
 if dup then
+  if redis.call('PTTL', KEYS[5]) > 0 then redis.call('UNLINK', KEYS[5]) end
   redis.call('HINCRBY', KEYS[4], 'duplicates', 1)
   return 0
 end
-redis.call('XADD', KEYS[2], '*', 'group', ARGV[3], 'task', ARGV[4])
+redis.call('PERSIST', KEYS[5])
+local seq = redis.call('HINCRBY', KEYS[4], 'finished', 1)
+redis.call('XADD', KEYS[2], '*', 'meta', ARGV[3], 'task', ARGV[4], 'blob', KEYS[5], 'seq', seq)
 for i = 5, #ARGV do redis.call('SADD', KEYS[3], ARGV[i]) end
-redis.call('HINCRBY', KEYS[4], 'finished', 1)
 return 1
 """
 
@@ -142,7 +182,7 @@ return 0
 
 _ID_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # The keys of one run (module docstring), by Redis type.
-STREAM_KEYS = ("tasks", "samples")
+STREAM_KEYS = ("tasks", "samples", "dead")
 SET_KEYS = ("issued", "seen", "dropped")
 HASH_KEYS = ("stats", "policy")
 KEY_NAMES = STREAM_KEYS + SET_KEYS + HASH_KEYS
@@ -158,6 +198,12 @@ def buffer_keys(run_id: str, prefix: str = "moerl") -> dict[str, str]:
         if not isinstance(value, str) or not _ID_PART.match(value):
             raise ValueError(f"{name} must match {_ID_PART.pattern}, got {value!r}")
     return {n: f"{prefix}:{run_id}:{n}" for n in KEY_NAMES}
+
+
+def blob_key_prefix(run_id: str, prefix: str = "moerl") -> str:
+    """Prefix of the run's payload keys, ``{prefix}:{run_id}:blob:`` (checked as `buffer_keys` checks)."""
+    buffer_keys(run_id, prefix)
+    return f"{prefix}:{run_id}:blob:"
 
 
 class BufferConnectionError(ConnectionError):
@@ -183,7 +229,8 @@ class ExperienceBuffer:
         url: redis://[user:password@]host:port/db (rediss:// for TLS).
         run_id: the run; every key lives under f"{prefix}:{run_id}:".
         prefix: key prefix shared by all runs of this deployment.
-        capacity_groups: back-pressure bound on finished-but-untrained plus leased groups.
+        capacity_groups: back-pressure bound on finished groups not yet taken by the trainer
+            plus leased tasks.
         lease_ms: a lease idle for longer than this is taken over by the next lease() call.
         max_staleness: the trainer takes a group only if trainer_version - group version <= this.
         stale_policy: "drop" (count and discard stale groups) or "requeue" (discard and queue the
@@ -235,8 +282,10 @@ class ExperienceBuffer:
         self.stale_policy = stale_policy
         self.autocommit = autocommit
         self.max_failures = max_failures
+        self.blob_prefix = blob_key_prefix(run_id, prefix)
         self._cursor = "0-0"  # last samples entry read by take_batch (this process only)
-        self._taken: list[str] = []  # samples entries taken but not yet committed
+        self._taken: list[tuple[str, str]] = []  # (entry, payload key) taken but not yet committed
+        self._lock = threading.Lock()  # _taken: a take in a prefetch thread, a commit in the loop
 
         kwargs = dict(decode_responses=True, socket_connect_timeout=2.0, socket_timeout=30.0)
         if password is not None:
@@ -246,6 +295,11 @@ class ExperienceBuffer:
         self.r = redis.Redis.from_url(
             url, retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), 8),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError], **kwargs,
+        )
+        # Payloads are bytes: a client of their own that does not decode replies.
+        self.raw = redis.Redis.from_url(
+            url, retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), 8),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError], **{**kwargs, "decode_responses": False},
         )
         self._put_tasks = self.r.register_script(_PUT_TASKS)
         self._publish = self.r.register_script(_PUBLISH)
@@ -311,6 +365,7 @@ class ExperienceBuffer:
 
     def close(self) -> None:
         self.r.close()
+        self.raw.close()
 
     def __enter__(self) -> "ExperienceBuffer":
         return self
@@ -343,7 +398,7 @@ class ExperienceBuffer:
                 raise ValueError(f"tasks[{i}].attempt must be >= 0, got {t.attempt}")
         added = 0
         for start in range(0, len(tasks), 500):  # bounded script calls
-            args: list[str] = [""]
+            args: list[str] = ["", ""]
             for t in tasks[start:start + 500]:
                 args += [f"{t.task_id}/{t.attempt}", t.to_json()]
             added += int(self._put_tasks(keys=self._k("tasks", "issued", "stats", "samples"), args=args))
@@ -469,7 +524,8 @@ class ExperienceBuffer:
         return done
 
     def publish(self, task: Task, samples: list[Sample]) -> bool:
-        """Add the finished group of a leased task and ack the task, atomically (one Lua script).
+        """Add the finished group of a leased task and ack the task: the payload by a plain SET,
+        then one Lua script that checks the sample ids, acks and adds the entry, atomically.
 
         Args:
             task: the task as returned by lease().
@@ -480,7 +536,10 @@ class ExperienceBuffer:
         Raises:
             ValueError: the task has no lease, or a sample does not belong to it (wrong count,
                 index, task_id, attempt, sample_id, finish_reason, logprobs length, non-finite
-                reward); nothing is written then.
+                reward, a token id outside [0, 2**31), routed experts of the wrong shape);
+                nothing is written then.
+            BufferError: the payload expired before the script ran (Redis was away for longer
+                than `PAYLOAD_TTL_MS`); nothing was added or acked: publish again.
         """
         if not task.entry_id:
             raise ValueError(f"task {task.task_id!r} has no entry_id: publish tasks from lease()")
@@ -510,22 +569,31 @@ class ExperienceBuffer:
                 raise ValueError(f"{where}: reward is {s.reward}")
             if s.policy_version < 0:
                 raise ValueError(f"{where}: policy_version {s.policy_version} < 0")
-        group = Group(task.task_id, task.attempt, samples)
-        args = [ROLLOUT_GROUP, task.entry_id, group.to_json(), task.to_json()]
+        header, payload = encode_group(Group(task.task_id, task.attempt, samples))
+        blob = f"{self.blob_prefix}{uuid.uuid4().hex}"
+        self.raw.set(blob, payload, px=PAYLOAD_TTL_MS)
+        args = [ROLLOUT_GROUP, task.entry_id, header.to_json(), task.to_json()]
         args += [s.sample_id for s in samples]
-        return bool(self._publish(keys=self._k("tasks", "samples", "seen", "stats"), args=args))
+        added = int(self._publish(keys=[*self._k("tasks", "samples", "seen", "stats"), blob], args=args))
+        if added < 0:
+            raise BufferError(f"task {task.task_id!r}: the group's payload expired before it was published; "
+                              "nothing was written: publish again")
+        return bool(added)
 
     # ---- back-pressure ----------------------------------------------------------------------
 
     def _backlog(self) -> int:
+        """Finished groups the trainer has not taken yet plus leased tasks. Groups taken but not
+        yet committed (the trainer commits after a save) do not count: they are the trainer's, and
+        counting them throttled the fleet to almost nothing just before each save."""
         pipe = self.r.pipeline(transaction=False)
-        pipe.xlen(self.keys["samples"])
+        pipe.hmget(self.keys["stats"], "finished", "taken_seq")
         pipe.xpending(self.keys["tasks"], ROLLOUT_GROUP)
-        ready, pending = pipe.execute()
-        return ready + pending["pending"]
+        (finished, taken_seq), pending = pipe.execute()
+        return _untaken(finished, taken_seq) + pending["pending"]
 
     def has_capacity(self) -> bool:
-        """True while finished-but-uncommitted groups plus leased tasks < capacity_groups."""
+        """True while finished groups not yet taken by the trainer plus leased tasks < capacity_groups."""
         return self._backlog() < self.capacity_groups
 
     def wait_for_capacity(self, timeout_s: float) -> bool:
@@ -544,15 +612,38 @@ class ExperienceBuffer:
     # ---- trainer side -----------------------------------------------------------------------
 
     def take_batch(self, n_groups: int, trainer_version: int, timeout_s: float) -> list[Group]:
-        """Take up to `n_groups` whole groups, oldest first, for a trainer at `trainer_version`.
+        """Take up to `n_groups` whole groups, oldest first, for a trainer at `trainer_version`,
+        with their payloads read and decoded here (`take_headers` + `read_groups`; a trainer of
+        several ranks takes headers on rank 0 and lets every rank read its own share).
+
+        Returns:
+            between 0 and n_groups groups (fewer only when `timeout_s` ran out, or when a payload
+            was malformed: that group is dead-lettered), each with `entry_id` set and its samples'
+            ids, logprobs and masks as lists, routed experts as arrays. The groups stay in Redis
+            until commit() (autocommit: the next call).
+        Raises:
+            ValueError: n_groups < 1 or timeout_s < 0.
+        """
+        headers = self.take_headers(n_groups, trainer_version, timeout_s)
+        groups, bad = self.read_groups(headers, as_lists=True)
+        for h, reason in bad:
+            self.dead_letter_taken(h, reason)
+        return groups
+
+    def take_headers(self, n_groups: int, trainer_version: int, timeout_s: float) -> list[GroupHeader]:
+        """Take up to `n_groups` whole groups' headers, oldest first, for a trainer at
+        `trainer_version`; their payloads are read later, by whoever trains them (`read_groups`).
 
         A group with staleness = trainer_version - group.policy_version > max_staleness is not
         returned: it is dropped (counted in dropped_stale) or, with stale_policy "requeue", its
-        task is queued again with attempt + 1 (counted in requeued).
+        task is queued again with attempt + 1 (counted in requeued). An entry that is not a
+        well-formed group (its header, its task or its payload key) is dead-lettered
+        (`dead_letter`) and skipped.
 
         Returns:
-            between 0 and n_groups groups (fewer only when `timeout_s` ran out), each with
-            `entry_id` set. The groups stay in Redis until commit() (autocommit: the next call).
+            between 0 and n_groups headers (fewer only when `timeout_s` ran out), each with
+            `entry_id` and `blob` set. The groups stay in Redis until commit() (autocommit: the
+            next call).
         Raises:
             ValueError: n_groups < 1 or timeout_s < 0.
         """
@@ -563,52 +654,157 @@ class ExperienceBuffer:
         if self.autocommit:
             self.commit()
         deadline = time.monotonic() + timeout_s
-        groups: list[Group] = []
-        while len(groups) < n_groups:
+        headers: list[GroupHeader] = []
+        seq = 0  # newest sequence number read (stats.taken_seq)
+        while len(headers) < n_groups:
             left_ms = int((deadline - time.monotonic()) * 1000)
             block = min(left_ms, 1000) if left_ms >= 1 else None  # BLOCK 0 would wait forever
             resp = self.r.xread({self.keys["samples"]: self._cursor},
-                                count=n_groups - len(groups), block=block)
+                                count=n_groups - len(headers), block=block)
             for _, entries in resp or []:
                 for entry_id, fields in entries:
                     self._cursor = entry_id
-                    g = Group.from_json(fields["group"])
-                    g.entry_id = entry_id
-                    if trainer_version - g.policy_version > self.max_staleness:
-                        self._stale(g, fields["task"])
+                    try:
+                        h = self._header(entry_id, fields)
+                        stale = trainer_version - h.policy_version > self.max_staleness
+                    except (KeyError, TypeError, ValueError) as e:  # JSONDecodeError is a ValueError
+                        self.dead_letter(entry_id, fields, f"{type(e).__name__}: {e}")
+                        continue
+                    seq = max(seq, _seq(fields))  # a malformed entry's own number is not trusted
+                    if stale:
+                        self._stale(h, fields["task"])
                     else:
-                        groups.append(g)
-                        self._taken.append(entry_id)
+                        headers.append(h)
+                        with self._lock:
+                            self._taken.append((entry_id, h.blob))
             if block is None:
                 break
-        if groups:
-            self.r.hincrby(self.keys["stats"], "taken", len(groups))
-        return groups
+        pipe = self.r.pipeline(transaction=False)
+        if headers:
+            pipe.hincrby(self.keys["stats"], "taken", len(headers))
+        if seq > 0:
+            pipe.hset(self.keys["stats"], "taken_seq", seq)
+        pipe.execute()
+        return headers
 
-    def _stale(self, g: Group, task_json: str) -> None:
+    def _header(self, entry_id: str, fields: dict) -> GroupHeader:
+        """The header of samples entry `entry_id`. Raises KeyError, TypeError or ValueError (named)
+        for an entry that is not one `publish` writes."""
+        h = GroupHeader.from_json(fields["meta"])
+        blob, task = fields["blob"], fields["task"]
+        if not isinstance(task, str):
+            raise ValueError("task: expected the task's JSON")
+        if not isinstance(blob, str) or not blob.startswith(self.blob_prefix) or len(blob) > len(self.blob_prefix) + 64:
+            raise ValueError(f"blob: {str(blob)[:80]!r} is not a payload key of this run ({self.blob_prefix}...)")
+        for s in h.samples:
+            expect = sample_id(self.run_id, h.task_id, s.index, h.attempt)
+            if s.sample_id != expect:
+                raise ValueError(f"meta.sample_ids[{s.index}]: {s.sample_id!r}, expected {expect!r}")
+        h.entry_id, h.blob = entry_id, blob
+        return h
+
+    def read_payloads(self, headers: list[GroupHeader]) -> list[bytes | None]:
+        """The payloads of `headers`, in order (None where the key holds nothing)."""
+        if not headers:
+            return []
+        return list(self.raw.mget([h.blob for h in headers]))
+
+    def read_groups(self, headers: list[GroupHeader], *, as_lists: bool = False,
+                    num_experts: int | None = None) -> tuple[list[Group], list[tuple[GroupHeader, str]]]:
+        """Read and decode the payloads of `headers` (`app.buffer.encoding.decode_group`).
+
+        Returns:
+            ``(groups, bad)``: the groups that decoded, in order, and ``(header, reason)`` for each
+            one whose payload is missing or malformed (nothing is written here: the caller
+            dead-letters them, `dead_letter_taken`, once every rank agrees).
+        """
+        groups, bad = [], []
+        for h, payload in zip(headers, self.read_payloads(headers)):
+            if payload is None:
+                bad.append((h, f"payload {h.blob!r} is missing"))
+                continue
+            try:
+                groups.append(decode_group(h, payload, as_lists=as_lists, num_experts=num_experts))
+            except ValueError as e:
+                bad.append((h, str(e)))
+        return groups, bad
+
+    def dead_letter_taken(self, header: GroupHeader, reason: str) -> None:
+        """`dead_letter` a group taken (by `take_headers`) whose payload turned out malformed; it is
+        no longer the trainer's to commit."""
+        with self._lock:
+            self._taken = [t for t in self._taken if t[0] != header.entry_id]
+        self.dead_letter(header.entry_id, {"meta": header.to_json(), "blob": header.blob}, reason)
+
+    def dead_letter(self, entry_id: str, fields: dict, reason: str) -> None:
+        """Move samples entry `entry_id` (a malformed or foreign entry, read with `fields`) to the
+        ``dead`` stream with `reason`, delete it from ``samples`` and count it in
+        ``dead_lettered``: it is never trained, and it cannot stop the trainer again."""
+        kept = {str(k)[:64]: str(v)[:DEAD_LETTER_FIELD_CHARS] for k, v in list((fields or {}).items())[:16]}
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(self.keys["dead"], {"entry": entry_id, "reason": reason[:DEAD_LETTER_FIELD_CHARS],
+                                      "fields": json.dumps(kept), "time": f"{time.time():.3f}"},
+                  maxlen=DEAD_LETTERS_KEPT, approximate=True)
+        pipe.xdel(self.keys["samples"], entry_id)
+        blob = (fields or {}).get("blob")
+        if isinstance(blob, str) and blob.startswith(self.blob_prefix):  # never a key of someone else
+            pipe.unlink(blob)
+        pipe.hincrby(self.keys["stats"], "dead_lettered", 1)
+        pipe.execute()
+
+    def dead_letters(self, count: int = 100) -> list[dict]:
+        """The newest `count` dead letters, oldest first: ``{"entry", "reason", "fields", "time"}``."""
+        return [f for _, f in reversed(self.r.xrevrange(self.keys["dead"], count=count))]
+
+    def _stale(self, g: GroupHeader, task_json: str) -> None:
         if self.stale_policy == "drop":
             pipe = self.r.pipeline(transaction=True)
             pipe.xdel(self.keys["samples"], g.entry_id)
+            pipe.unlink(g.blob)
             pipe.hincrby(self.keys["stats"], "dropped_stale", 1)
             pipe.execute()
             return
         task = Task.from_json(task_json)
         task.attempt = g.attempt + 1
         task.failures = 0  # failures are counted per attempt
-        args = [g.entry_id, f"{task.task_id}/{task.attempt}", task.to_json()]
+        args = [g.entry_id, g.blob, f"{task.task_id}/{task.attempt}", task.to_json()]
         added = int(self._put_tasks(keys=self._k("tasks", "issued", "stats", "samples"), args=args))
         self.r.hincrby(self.keys["stats"], "requeued", added)
 
-    def commit(self) -> int:
-        """Delete the groups taken so far (the trainer has trained on them); returns how many."""
-        if not self._taken:
+    def commit(self, upto: str | None = None) -> int:
+        """Delete the groups taken so far (the trainer has trained on them) and their payloads;
+        with `upto`, only those at or before that samples-stream entry (a batch taken ahead for
+        the next step stays the trainer's). Returns how many."""
+        with self._lock:
+            if upto is None:
+                done, self._taken = self._taken, []
+            else:
+                done = [t for t in self._taken if _entry_order(t[0]) <= _entry_order(upto)]
+                self._taken = [t for t in self._taken if _entry_order(t[0]) > _entry_order(upto)]
+        if not done:
             return 0
         pipe = self.r.pipeline(transaction=True)
-        pipe.xdel(self.keys["samples"], *self._taken)
-        pipe.hincrby(self.keys["stats"], "consumed", len(self._taken))
+        pipe.xdel(self.keys["samples"], *[e for e, _ in done])
+        pipe.unlink(*[b for _, b in done])
+        pipe.hincrby(self.keys["stats"], "consumed", len(done))
         pipe.execute()
-        n, self._taken = len(self._taken), []
-        return n
+        return len(done)
+
+    def drop_through(self, commit_point: str) -> int:
+        """Delete every samples entry up to and including `commit_point`, and their payloads (a
+        resumed trainer finishing a commit that a kill interrupted). Returns how many entries."""
+        deleted = 0
+        while True:
+            entries = self.r.xrange(self.keys["samples"], "-", commit_point, count=500)
+            if not entries:
+                return deleted
+            blobs = [f["blob"] for _, f in entries
+                     if isinstance((f or {}).get("blob"), str) and f["blob"].startswith(self.blob_prefix)]
+            pipe = self.r.pipeline(transaction=True)
+            pipe.xdel(self.keys["samples"], *[e for e, _ in entries])
+            if blobs:
+                pipe.unlink(*blobs)
+            deleted += int(pipe.execute()[0])
 
     # ---- policy versions --------------------------------------------------------------------
 
@@ -630,9 +826,10 @@ class ExperienceBuffer:
         """Counters of this run.
 
         queued: tasks waiting to be leased; leased: tasks held by workers; ready: finished groups
-        not yet committed by the trainer; issued, finished, taken, consumed, dropped_stale,
-        requeued, duplicates, released, failed_requeued, failed_dropped: totals since the run
-        started.
+        not yet committed by the trainer; untaken: finished groups the trainer has not taken yet
+        (what back-pressure counts, with leased); issued, finished, taken, consumed,
+        dropped_stale, requeued, duplicates, released, failed_requeued, failed_dropped,
+        dead_lettered: totals since the run started.
         """
         pipe = self.r.pipeline(transaction=False)
         pipe.xlen(self.keys["tasks"])
@@ -640,6 +837,26 @@ class ExperienceBuffer:
         pipe.xlen(self.keys["samples"])
         pipe.hgetall(self.keys["stats"])
         n_tasks, pending, ready, counters = pipe.execute()
-        out = {"queued": n_tasks - pending["pending"], "leased": pending["pending"], "ready": ready}
+        out = {"queued": n_tasks - pending["pending"], "leased": pending["pending"], "ready": ready,
+               "untaken": _untaken(counters.get("finished"), counters.get("taken_seq"))}
         out.update({n: int(counters.get(n, 0)) for n in STAT_NAMES})
         return out
+
+
+def _seq(fields: dict) -> int:
+    """The sequence number of a samples entry (0 when it has none or a bad one)."""
+    try:
+        return int((fields or {}).get("seq", 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+def _untaken(finished, taken_seq) -> int:
+    """Finished groups with a sequence number above the trainer's ``taken_seq`` (never < 0)."""
+    return max(int(finished or 0) - int(taken_seq or 0), 0)
+
+
+def _entry_order(entry_id: str) -> tuple[int, int]:
+    """A stream entry id 'ms-seq' as a sortable pair."""
+    ms, _, sq = entry_id.partition("-")
+    return int(ms), int(sq or 0)

@@ -1,6 +1,7 @@
 """What travels through the experience buffer: tasks (prompt groups to generate), samples and groups.
 
-Plain dataclasses with `to_dict` / `from_dict` so they cross Redis as JSON. The ids follow the
+Plain dataclasses with `to_dict` / `from_dict` (JSON); a task crosses Redis as JSON, a finished
+group as a JSON header and a binary payload (app/buffer/encoding.py). The ids follow the
 task-lease contract (docs/ARCHITECTURE.md, "Task lease"): a sample id is a pure function of (run, prompt id, sample
 index, attempt), so a replayed task produces the same ids and cannot enter training twice.
 """
@@ -106,10 +107,12 @@ class Sample:
         policy_version: the engine's weight_version that generated this completion.
         finish_reason: "stop" | "length" | "error".
         routed_experts: with ``rollout.routing_replay``, the experts the engine routed each token
-            to, as `encode_routed_experts` stores them (decode with `decode_routed_experts`):
-            ``[P + C - 1, L, K]`` global expert ids for the prompt and completion tokens the
-            engine fed through the model (every token but the last sampled one), L =
-            ``num_hidden_layers``, K = ``num_experts_per_tok``; None otherwise.
+            to in each MoE layer: an integer array ``[P + C - 1, n_moe, K]`` of global expert ids
+            (the narrowest of uint8 / uint16 / int32 that holds them) for the prompt and
+            completion tokens the engine fed through the model (every token but the last sampled
+            one), n_moe = the MoE layers in ascending order (`app.model.config.moe_layer_ids`;
+            the engine's dense layers are left out), K = ``num_experts_per_tok``; None
+            otherwise. In JSON (`to_dict`) it is `encode_routed_experts`' form.
         loss_mask: C ints, 1 at tokens the policy generated (trained on), 0 at environment
             tokens (no gradient, no importance weight, not in the token-mean denominator);
             None means every completion token was generated (single-turn).
@@ -125,20 +128,59 @@ class Sample:
     reward: float
     policy_version: int
     finish_reason: str
-    routed_experts: dict[str, Any] | None = None
+    routed_experts: Any = None
     loss_mask: list[int] | None = None
 
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def completion_len(self) -> int:
+        return len(self.completion_ids)
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        if d["routed_experts"] is not None:
+            d["routed_experts"] = encode_routed_experts(d["routed_experts"])
+        for k in ("prompt_ids", "completion_ids", "logprobs", "loss_mask"):  # arrays of a decoded payload
+            if isinstance(d[k], np.ndarray):
+                d[k] = d[k].tolist()
+        return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Sample":
-        """Raises ValueError naming a missing or unknown field."""
-        return _from_dict(cls, data)
+        """Raises ValueError naming a missing or unknown field, or bad routed_experts."""
+        s = _from_dict(cls, data)
+        if isinstance(s.routed_experts, dict):
+            s.routed_experts = decode_routed_experts(s.routed_experts)
+        return s
 
 
 # Narrowest unsigned dtype that holds every expert id (DeepSeek-V3's 256 experts fit uint8).
 _ROUTED_DTYPES = (("uint8", 1 << 8), ("uint16", 1 << 16), ("int32", 1 << 31))
+
+
+def routed_experts_of_moe_layers(ids: Any, moe_layers: list[int]) -> np.ndarray:
+    """`Sample.routed_experts` from the engine's ``[T, num_hidden_layers, K]`` expert ids: the MoE
+    layers' rows, in the narrowest unsigned dtype that holds every id (uint8 for 256 experts).
+
+    Raises:
+        ValueError: not an integer array [T, L, K], a MoE layer index >= L, a negative id.
+    """
+    arr = np.asarray(ids)
+    if arr.ndim != 3 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"routed_experts: expected an integer array [T, L, K], got {arr.dtype} {list(arr.shape)}")
+    if moe_layers and max(moe_layers) >= arr.shape[1]:
+        raise ValueError(f"routed_experts: {arr.shape[1]} layers, MoE layer {max(moe_layers)} asked for")
+    arr = arr[:, moe_layers]
+    if arr.size and int(arr.min()) < 0:
+        raise ValueError(f"routed_experts: negative expert id {int(arr.min())}")
+    top = int(arr.max()) if arr.size else 0
+    name = next((n for n, limit in _ROUTED_DTYPES if top < limit), None)
+    if name is None:
+        raise ValueError(f"routed_experts: expert id {top} does not fit int32")
+    return np.ascontiguousarray(arr, dtype=np.dtype(name))
 
 
 def encode_routed_experts(ids: Any) -> dict[str, Any]:
@@ -200,6 +242,18 @@ class Group:
     def policy_version(self) -> int:
         """The oldest policy version among the samples (staleness is measured from it)."""
         return min(s.policy_version for s in self.samples)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + completion tokens of all samples (what the trainer balances over ranks)."""
+        return sum(len(s.prompt_ids) + len(s.completion_ids) for s in self.samples)
+
+    def check(self, moe_layers: list[int] | None = None) -> None:
+        """What the trainer needs of a group before it collates it (`app.trainer.batch.check_group`,
+        the one definition; imported here only when called). Raises ValueError naming the sample."""
+        from app.trainer.batch import check_group
+
+        check_group(self, moe_layers)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -271,3 +271,90 @@ def startup(config: PretrainedConfig, trainer_nodes: int, rollout_nodes: int, dt
                 fsx += engine_bytes / fsx_rate(1, fsx_tib, fsx_mbps_per_tib)
         out.append(Startup(role, nbytes, nodes, s3, fsx, "FSx" if fsx is not None and fsx < s3 else "S3"))
     return out
+
+
+# ---- the experience buffer's traffic (`moerl plan --traffic`, second table) ----------------------
+#
+# A group crosses Redis as a binary payload (app/buffer/encoding.py) plus a small stream entry:
+# per group of G samples, prompt P, completions C (the worst case, rollout.max_new_tokens):
+#   payload  = 4 P (the prompt once) + 8 G C (int32 ids, float32 logprobs)
+#              + G (P + C - 1) n_moe K b   with routing replay (b = 1 byte for E <= 256)
+#   entry    = ENTRY_BYTES_PER_PROMPT_TOKEN P (the task's JSON: prompt ids and text) + the header
+# Each group is written once (SET, plus its append-only-file record) and read once (by the rank
+# that trains it), so a step moves groups_per_step x payload in and out of the buffer pod.
+# Redis holds at most capacity_groups untaken groups plus the trainer's: (save_every + 1) steps
+# (taken since the last save, and the batch prefetched for the next step); jemalloc rounds each
+# payload up to its size class (`jemalloc_size`).
+# Main thread: MAIN_THREAD_NS_PER_BYTE per payload byte, all-in (the AOF record, the reply copy,
+# freeing the payload, the stream and set commands), from `moerl bench buffer` (BENCHMARKS.md:
+# 6.5-9.2 ns/B in both legs, 7.3-9.7 ms per 1.06 MB group and 428-438 ms per 65.7 MB routing-replay
+# group, on the 2-core dev VM at a load average of 10-19: an upper bound for a dedicated core).
+MAIN_THREAD_NS_PER_BYTE = 6.9
+ENTRY_BYTES_PER_PROMPT_TOKEN = 11  # ~7 for the id as JSON, ~4 for the prompt text
+HEADER_BYTES = 150
+HEADER_BYTES_PER_SAMPLE = 90
+
+
+def jemalloc_size(n: int) -> int:
+    """The jemalloc size class of an allocation of ``n`` > 16 KiB bytes: four classes per
+    doubling (2^k x 1.25, 1.5, 1.75, 2; jemalloc's default size classes)."""
+    if n <= 16 * 1024:
+        return n
+    k = (n - 1).bit_length() - 1  # 2^k < n <= 2^(k+1)
+    step = (1 << k) // 4
+    return -(-n // step) * step
+
+
+@dataclass(frozen=True)
+class BufferTraffic:
+    """One step's buffer traffic for one layout (see the comment above).
+
+    Attributes:
+        routing_replay: with the routed experts of every MoE layer.
+        payload_bytes: one group's payload; routed_bytes: the routed experts' part of it.
+        entry_bytes: one group's stream entry (task JSON and header).
+        step_bytes: written into and read out of Redis per step (each).
+        held_groups: the most groups Redis holds at once.
+        memory_bytes: Redis memory for them.
+        main_thread_s: Redis main-thread seconds per step.
+        link_gbps: the buffer pod's network rate, in plus out, Gbit/s at the step time.
+    """
+
+    routing_replay: bool
+    payload_bytes: int
+    routed_bytes: int
+    entry_bytes: int
+    step_bytes: int
+    held_groups: int
+    memory_bytes: int
+    main_thread_s: float
+    link_gbps: float
+
+
+def buffer_traffic(config: PretrainedConfig, run, prompt_len: int, step_s: float,
+                   routing_replay: bool) -> BufferTraffic:
+    """The buffer's bytes, memory and main-thread time per step of ``run`` (a RunConfig) for
+    prompts of ``prompt_len`` tokens and the policy ``config``.
+
+    Raises:
+        ValueError: prompt_len < 1 or step_s not finite and > 0 (named by the CLI flag).
+    """
+    if prompt_len < 1:
+        raise ValueError(f"--seq-len minus rollout.max_new_tokens must leave a prompt of >= 1 token, got {prompt_len}")
+    if not 0 < step_s < math.inf:
+        raise ValueError(f"--step-s must be finite and > 0, got {step_s}")
+    g, c, gps = run.rollout.group_size, run.rollout.max_new_tokens, run.trainer.groups_per_step
+    routed = 0
+    if routing_replay:
+        e = num_routed_experts(config)
+        width = 1 if e <= 1 << 8 else 2 if e <= 1 << 16 else 4
+        routed = g * (prompt_len + c - 1) * len(moe_layer_ids(config)) * int(config.num_experts_per_tok) * width
+    payload = 4 * prompt_len + 8 * g * c + routed
+    entry = ENTRY_BYTES_PER_PROMPT_TOKEN * prompt_len + HEADER_BYTES + HEADER_BYTES_PER_SAMPLE * g
+    held = run.buffer.capacity_groups + (run.trainer.save_every + 1) * gps
+    step_bytes = gps * (payload + entry)
+    return BufferTraffic(
+        routing_replay=routing_replay, payload_bytes=payload, routed_bytes=routed, entry_bytes=entry,
+        step_bytes=step_bytes, held_groups=held, memory_bytes=held * (jemalloc_size(payload) + entry),
+        main_thread_s=gps * payload * MAIN_THREAD_NS_PER_BYTE * 1e-9, link_gbps=2 * step_bytes * 8 / step_s / 1e9,
+    )

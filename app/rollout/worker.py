@@ -4,7 +4,8 @@
 engine (our built-in engine or SGLang, through `app.rollout.engine_client.EngineClient`) and the
 experience buffer (`app.buffer.ExperienceBuffer`). One asyncio loop:
 
-1. back-pressure: lease nothing while the buffer holds ``buffer.capacity_groups`` finished groups;
+1. back-pressure: lease nothing while finished groups the trainer has not taken plus leased tasks
+   reach ``buffer.capacity_groups``;
 2. lease prompt groups up to ``rollout.inflight_tasks()`` (the engine profile's in-flight
    sequences in whole groups); each becomes one batched /generate of G = ``task.group_size``
    completions (``n = G``) on one shared HTTP connection pool, so the engine batches across
@@ -285,7 +286,7 @@ class RolloutWorker:
         self.rewards = RewardPool(cfg.rollout.reward_threads)
         # A weight update whose answer never came: (version, when it may be sent again).
         self._unanswered_update: tuple[int, float] | None = None
-        self._routing_shape: tuple[int, list[int], int] | None = None  # (layers, MoE layers, top_k) served
+        self._routing_shape: tuple[int, int, list[int]] | None = None  # (layers, top_k, MoE layers) of the model
         # Held by whoever changes the engine's weights: the disk path or a network push.
         self.weights_lock = asyncio.Lock()
         # One thread for every buffer call: the buffer object is not assumed thread-safe.
@@ -565,30 +566,28 @@ class RolloutWorker:
                 o.routed_experts = np.concatenate([prompt_routing, o.routed_experts])
         return outs
 
-    def routed_experts(self, task: Task, out: GenOutput) -> dict:
-        """The engine's routed experts of one completion as `Sample.routed_experts` stores them:
-        ``[P + C - 1, moe_layers, top_k]``, the rows of the MoE layers only (the engine reports
-        every decoder layer, zeros for dense ones: DeepSeek-V3's first three).
+    def routed_experts(self, task: Task, out: GenOutput):
+        """The engine's routed experts of one completion as `Sample.routed_experts` holds them:
+        ``[P + C - 1, n_moe, top_k]``, the MoE layers' rows of the engine's ``[P + C - 1, layers,
+        top_k]`` (see app/buffer/records.py).
 
         Raises:
             EngineMisconfigured: the id count does not fit the model's layers and top_k.
         """
-        from app.buffer.records import encode_routed_experts
+        from app.buffer.records import routed_experts_of_moe_layers
 
-        layers, moe, top_k = self._routing_shape or self._model_routing_shape()
+        layers, top_k, moe_layers = self._routing_shape or self._model_routing_shape()
         tokens = len(task.prompt_ids) + len(out.token_ids) - 1
         ids = out.routed_experts[: max(tokens, 0) * layers * top_k]  # a 0-token completion: P - 1 rows
         if ids.size != tokens * layers * top_k:
             raise EngineMisconfigured(
                 f"meta_info.routed_experts has {ids.size} ids; {tokens} tokens x {layers} layers x {top_k} "
                 f"experts expected for task {task.task_id}")
-        return encode_routed_experts(ids.reshape(tokens, layers, top_k)[:, moe])
+        return routed_experts_of_moe_layers(ids.reshape(tokens, layers, top_k), moe_layers)
 
-    def _model_routing_shape(self) -> tuple[int, list[int], int]:
-        """(num_hidden_layers, the MoE layers' indices, num_experts_per_tok) of the run's model
-        (its config.json alone, or the preset)."""
-        from app.model.config import moe_layer_ids
-
+    def _model_routing_shape(self) -> tuple[int, int, list[int]]:
+        """(num_hidden_layers, num_experts_per_tok, MoE layer indices) of the run's model (its
+        config.json, or the preset)."""
         if self.cfg.model.path:
             from transformers import AutoConfig
 
@@ -599,7 +598,9 @@ class RolloutWorker:
             from app.model.config import tiny_config
 
             config = tiny_config(self.cfg.model.preset)
-        self._routing_shape = (int(config.num_hidden_layers), moe_layer_ids(config), int(config.num_experts_per_tok))
+        from app.model.config import moe_layer_ids
+
+        self._routing_shape = (int(config.num_hidden_layers), int(config.num_experts_per_tok), moe_layer_ids(config))
         return self._routing_shape
 
     def _error_group(self, task: Task) -> list[Sample]:

@@ -14,8 +14,10 @@ app/trainer/grpo.py and ppo.py weights tokens by this mask), and their rollout l
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -38,10 +40,10 @@ class TrainBatch:
         group_ids: ``[B]`` int64, index of the row's group within this batch.
         policy_versions: ``[B]`` int64, the weight version that generated each sample.
         sample_ids: the samples' deterministic ids, in row order.
-        routed_experts: with routing replay, ``[B, L, n_moe_layers, K]`` int64: the experts the
-            engine routed each token to in each MoE layer (position t: the token at t), -1 where
-            there are none (padding, and the last token, which the engine never fed through the
-            model); None without replay.
+        routed_experts: with routing replay, ``[B, L, n_moe_layers, K]`` int16 (wider for ids
+            beyond uint8, `_routed_experts`): the experts the engine routed each token to in
+            each MoE layer (position t: the token at t), -1 where there are none (padding, and
+            the last token, which the engine never fed through the model); None without replay.
     """
 
     input_ids: Tensor
@@ -72,9 +74,53 @@ def sample_rewards(samples: list, soft_overlong: tuple[int, int, float] | None =
     soft overlong penalty of its completion length (`app.trainer.grpo.soft_overlong_penalty`)."""
     rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
     if soft_overlong is not None and samples:
-        lengths = torch.tensor([len(s.completion_ids) for s in samples])
+        # a sample, or a header of one (app/buffer/encoding.py SampleHeader: no ids, its length)
+        lengths = torch.tensor([getattr(s, "completion_len", None) or len(s.completion_ids) for s in samples])
         rewards = rewards + soft_overlong_penalty(lengths, *soft_overlong)
     return rewards
+
+
+def check_group(group, moe_layers: list[int] | None = None) -> None:
+    """What the trainer needs of a group before it collates it (one definition: `collate_groups`,
+    `Group.check` and so the loop's `usable`). ``group`` has ``task_id`` and ``samples`` with the
+    fields of `app.buffer.records.Sample` (duck-typed: app/bench/train_step.py builds its own,
+    without the buffer, whose package needs redis-py).
+
+    Raises:
+        ValueError: no samples; a sample has no prompt tokens, a logprob count or a loss_mask
+            length that differs from its completion length, a loss_mask value other than 0
+            or 1, a non-finite reward or logprob; with ``moe_layers``, a sample has no
+            routed experts or ones that are not ``[P + C - 1, len(moe_layers), K]``. The
+            message names the sample id.
+    """
+    if not group.samples:
+        raise ValueError(f"group {group.task_id!r} has no samples")
+    for s in group.samples:
+        c = len(s.completion_ids)
+        if not len(s.prompt_ids):
+            raise ValueError(f"sample {s.sample_id!r}: empty prompt_ids")
+        if len(s.logprobs) != c:
+            raise ValueError(f"sample {s.sample_id!r}: {len(s.logprobs)} logprobs for {c} completion tokens")
+        if not math.isfinite(s.reward):
+            raise ValueError(f"sample {s.sample_id!r}: reward {s.reward} is not finite")
+        if c and not np.isfinite(np.asarray(s.logprobs, dtype=np.float64)).all():
+            raise ValueError(f"sample {s.sample_id!r}: non-finite rollout logprob")
+        if getattr(s, "loss_mask", None) is not None:
+            mask = np.asarray(s.loss_mask)
+            if mask.shape != (c,):
+                raise ValueError(f"sample {s.sample_id!r}: loss_mask has {mask.size} values for {c} "
+                                 "completion tokens")
+            if c and not np.isin(mask, (0, 1)).all():
+                raise ValueError(f"sample {s.sample_id!r}: loss_mask values must be 0 or 1")
+        if moe_layers is not None:
+            if getattr(s, "routed_experts", None) is None:
+                raise ValueError(f"sample {s.sample_id!r}: routing replay is on but the sample has no "
+                                 "routed_experts")
+            shape = tuple(np.shape(s.routed_experts))
+            fed = len(s.prompt_ids) + c - 1
+            if len(shape) != 3 or shape[:2] != (fed, len(moe_layers)):
+                raise ValueError(f"sample {s.sample_id!r}: routed_experts of shape {list(shape)}, expected "
+                                 f"[{fed}, {len(moe_layers)}, K] (the MoE layers)")
 
 
 def collate_groups(
@@ -92,16 +138,15 @@ def collate_groups(
     reward still counts in its group's advantages, as in DAPO and TRL.
 
     Args:
-        groups: groups with ``.samples``; each sample has ``sample_id``, ``prompt_ids``,
-            ``completion_ids``, ``logprobs`` (one per completion token), ``reward``,
-            ``policy_version`` and optionally ``loss_mask`` (one 0/1 per completion token).
-            May be empty (a rank with no groups this step).
+        groups: `app.buffer.records.Group`s; each sample has ``sample_id``, ``prompt_ids``,
+            ``completion_ids``, ``logprobs`` (one per completion token; lists, or the arrays of
+            a decoded payload), ``reward``, ``policy_version`` and optionally ``loss_mask`` (one
+            0/1 per completion token). May be empty (a rank with no groups this step).
         pad_id: token id used for padding (masked out everywhere).
         scale_by_std: divide advantages by the group's reward std (see `group_advantages`).
         max_len: if set, a row longer than this is an error (protects memory).
         moe_layers: with routing replay, the decoder-layer indices of the MoE layers: each
-            sample's ``routed_experts`` (app.buffer.records: ``[P + C - 1, len(moe_layers), K]``
-            as workers store them, or ``[P + C - 1, num_layers, K]`` in older samples) is
+            sample's ``routed_experts`` (app.buffer.records, ``[P + C - 1, n_moe, K]``) is
             collated into `TrainBatch.routed_experts`.
         mask_truncated: mask truncated samples out of the loss (see above).
         soft_overlong: DAPO's soft overlong penalty on the rewards (`sample_rewards`).
@@ -113,62 +158,46 @@ def collate_groups(
         ValueError: a group has no samples; a sample has no prompt tokens, a logprob count or a
             loss_mask length that differs from its completion length, a loss_mask value other
             than 0 or 1, a non-finite reward or logprob; a row is longer than ``max_len``; or,
-            with ``moe_layers``, a sample has no routed experts or ones of the wrong shape. The
-            message names the sample id.
+            with ``moe_layers``, a sample has no routed experts or ones of the wrong shape
+            (`check_group`). The message names the sample id.
     """
     rows: list[tuple] = []
     for g_index, group in enumerate(groups):
-        if not group.samples:
-            raise ValueError(f"group {group.task_id!r} has no samples")
+        check_group(group, moe_layers)
         for s in group.samples:
-            if not s.prompt_ids:
-                raise ValueError(f"sample {s.sample_id!r}: empty prompt_ids")
-            if len(s.logprobs) != len(s.completion_ids):
-                raise ValueError(
-                    f"sample {s.sample_id!r}: {len(s.logprobs)} logprobs for "
-                    f"{len(s.completion_ids)} completion tokens"
-                )
-            if not math.isfinite(s.reward):
-                raise ValueError(f"sample {s.sample_id!r}: reward {s.reward} is not finite")
-            if not all(math.isfinite(x) for x in s.logprobs):
-                raise ValueError(f"sample {s.sample_id!r}: non-finite rollout logprob")
-            loss_mask = getattr(s, "loss_mask", None)
-            if loss_mask is not None:
-                if len(loss_mask) != len(s.completion_ids):
-                    raise ValueError(f"sample {s.sample_id!r}: loss_mask has {len(loss_mask)} values for "
-                                     f"{len(s.completion_ids)} completion tokens")
-                if any(m not in (0, 1) for m in loss_mask):
-                    raise ValueError(f"sample {s.sample_id!r}: loss_mask values must be 0 or 1")
             n = len(s.prompt_ids) + len(s.completion_ids)
             if max_len is not None and n > max_len:
                 raise ValueError(f"sample {s.sample_id!r}: {n} tokens > max_len {max_len}")
             rows.append((g_index, s))
 
+    # Built in numpy (a row is one slice assignment, from lists or from a decoded payload's
+    # arrays alike), handed to torch without a copy at the end.
     B = len(rows)
     L = max([len(s.prompt_ids) + len(s.completion_ids) for _, s in rows], default=1)
-    input_ids = torch.full((B, L), pad_id, dtype=torch.int64)
-    attention_mask = torch.zeros((B, L), dtype=torch.int64)
-    completion_mask = torch.zeros((B, L), dtype=torch.float32)
-    rollout_logprobs = torch.zeros((B, L), dtype=torch.float32)
+    input_ids = np.full((B, L), pad_id, dtype=np.int64)
+    attention_mask = np.zeros((B, L), dtype=np.int64)
+    completion_mask = np.zeros((B, L), dtype=np.float32)
+    rollout_logprobs = np.zeros((B, L), dtype=np.float32)
     for i, (_, s) in enumerate(rows):
         p, c = len(s.prompt_ids), len(s.completion_ids)
-        input_ids[i, : p + c] = torch.tensor(list(s.prompt_ids) + list(s.completion_ids))
+        input_ids[i, :p] = s.prompt_ids
+        input_ids[i, p : p + c] = s.completion_ids
         attention_mask[i, : p + c] = 1
         loss_mask = getattr(s, "loss_mask", None)
-        mask = torch.ones(c) if loss_mask is None else torch.tensor(loss_mask, dtype=torch.float32)
+        mask = np.ones(c, dtype=np.float32) if loss_mask is None else np.asarray(loss_mask, dtype=np.float32)
         if mask_truncated and s.finish_reason == "length":
-            mask = torch.zeros(c)
+            mask = np.zeros(c, dtype=np.float32)
         completion_mask[i, p : p + c] = mask
         if c:
-            rollout_logprobs[i, p : p + c] = torch.tensor(s.logprobs, dtype=torch.float32) * mask
+            rollout_logprobs[i, p : p + c] = np.asarray(s.logprobs, dtype=np.float32) * mask
     rewards = sample_rewards([s for _, s in rows], soft_overlong)
     group_ids = torch.tensor([g for g, _ in rows], dtype=torch.int64)
     routed = _routed_experts([s for _, s in rows], L, moe_layers) if moe_layers is not None else None
     return TrainBatch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        completion_mask=completion_mask,
-        rollout_logprobs=rollout_logprobs,
+        input_ids=torch.from_numpy(input_ids),
+        attention_mask=torch.from_numpy(attention_mask),
+        completion_mask=torch.from_numpy(completion_mask),
+        rollout_logprobs=torch.from_numpy(rollout_logprobs),
         advantages=group_advantages(rewards, group_ids, scale_by_std),
         rewards=rewards,
         group_ids=group_ids,
@@ -178,27 +207,25 @@ def collate_groups(
     )
 
 
-def _routed_experts(samples: list, length: int, moe_layers: list[int]) -> Tensor:
-    """[B, length, n_moe, K] int64 of the samples' engine routing (-1 where none)."""
-    from app.buffer.records import decode_routed_experts
-
-    out = None
-    for i, s in enumerate(samples):
-        if getattr(s, "routed_experts", None) is None:
-            raise ValueError(f"sample {s.sample_id!r}: routing replay is on but the sample has no routed_experts")
-        try:
-            ids = torch.from_numpy(decode_routed_experts(s.routed_experts))
-        except ValueError as e:
-            raise ValueError(f"sample {s.sample_id!r}: {e}") from None
-        fed = len(s.prompt_ids) + len(s.completion_ids) - 1
-        # The MoE layers' rows only (what workers store), or every layer's (older samples)
-        every = ids.dim() == 3 and ids.shape[1] > max(moe_layers) and ids.shape[1] != len(moe_layers)
-        if ids.dim() != 3 or ids.shape[0] != fed or not (every or ids.shape[1] == len(moe_layers)):
-            raise ValueError(f"sample {s.sample_id!r}: routed_experts of shape {list(ids.shape)}, expected "
-                             f"[{fed}, {len(moe_layers)} MoE layers (or every layer), K]")
-        if out is None:
-            out = torch.full((len(samples), length, len(moe_layers), ids.shape[2]), -1, dtype=torch.int64)
-        out[i, :fed] = ids[:, moe_layers] if every else ids
+def _routed_experts(samples: list, length: int, moe_layers: list[int]) -> Tensor | None:
+    """[B, length, n_moe, K] of the samples' engine routing (-1 where none), None for no samples;
+    each sample's ``routed_experts`` is ``[P + C - 1, n_moe, K]`` (checked by `Group.check`).
+    int16 for uint8 ids (DeepSeek-V3's 256 experts), int32 for wider: the MoE layers take any
+    integer dtype and widen on the device (app/model/moe.py), and a 16 x 8704-token group's
+    routing is 259 MB of int16 on the host instead of 517 MB of int64."""
+    if not samples:
+        return None
+    arrays = [np.asarray(s.routed_experts) for s in samples]
+    k = int(arrays[0].shape[2])
+    dtype = torch.int16 if all(a.dtype == np.uint8 for a in arrays) else torch.int32 if all(
+        a.dtype.itemsize <= 2 and a.dtype.kind == "u" for a in arrays) else torch.int64
+    out = torch.full((len(samples), length, len(moe_layers), k), -1, dtype=dtype)
+    with warnings.catch_warnings():  # a decoded payload's arrays are read-only; they are only read here
+        warnings.simplefilter("ignore", UserWarning)
+        for i, (s, ids) in enumerate(zip(samples, arrays)):
+            if ids.shape[2] != k:
+                raise ValueError(f"sample {s.sample_id!r}: routed_experts with K={ids.shape[2]}, sample 0 has K={k}")
+            out[i, : ids.shape[0]] = torch.from_numpy(ids)
     return out
 
 
@@ -217,8 +244,8 @@ def split_groups(groups: list, n_ranks: int) -> list[list]:
     if n_ranks < 1:
         raise ValueError(f"n_ranks must be >= 1, got {n_ranks}")
 
-    def tokens(g) -> int:
-        return sum(len(s.prompt_ids) + len(s.completion_ids) for s in g.samples)
+    def tokens(g) -> int:  # a Group or a GroupHeader (app/buffer/encoding.py)
+        return g.num_tokens
 
     order = sorted(range(len(groups)), key=lambda i: -tokens(groups[i]))
     load = [0] * n_ranks

@@ -1,8 +1,10 @@
 """The training loop: batches from the experience buffer, steps, publishing, state, metrics.
 
 One process per rank under torchrun (`moerl train`, app/trainer/train.py). Each step, rank 0
-takes ``groups_per_step`` whole GRPO groups from the buffer and scatters them, whole, over the
-ranks (every rank is a data-parallel rank; app/layout.py); each rank runs its micro-batches
+takes ``groups_per_step`` whole GRPO groups' headers from the buffer and assigns them, whole, to
+the ranks (every rank is a data-parallel rank; app/layout.py); each rank reads and decodes its
+own groups, and rank 0 takes the next step's during the step (app/trainer/intake.py); each rank
+runs its micro-batches
 (app/trainer/step.py); then the step may publish a policy version (app/trainer/publish.py: every
 rank uploads what it owns) and save the training state (app/trainer/state.py: DCP, each tensor
 once).
@@ -40,7 +42,9 @@ Metrics: one JSON line per step in ``<run_dir>/metrics.jsonl`` (rank 0), whole-b
   importance weight a *_mask rollout_is mode zeroed), dual_clip_frac (dual_clip), entropy, kl_ref (kl_coef>0),
   no_signal_skipped, no_signal_admitted (dynamic_sampling, app/trainer/sampling.py),
   grad_norm (before clipping), lr, micro_batches; PPO: vf_loss, vf_clip_frac, value, return,
-  value_error, critic_grad_norm; wait_s (waiting for groups), step_s, publish_s, save_s;
+  value_error, critic_grad_norm; wait_s (waiting for groups; in the background while the
+  previous step ran), read_s (rank 0 reading, decoding and collating its share), step_s,
+  publish_s, save_s;
   samples_total, overstale_dropped, malformed_groups, error_groups; buffer (ExperienceBuffer.stats()).
 """
 
@@ -59,8 +63,7 @@ import torch.distributed as dist
 
 from app.config import RunConfig
 from app.trainer import TrainingError
-from app.trainer.batch import collate_groups, split_groups
-from app.trainer.sampling import SignalFilter
+from app.trainer.intake import BatchIntake
 
 log = logging.getLogger("moerl.train")
 
@@ -91,7 +94,8 @@ class Stop(Exception):
 
 
 def take_groups(buffer, cfg: RunConfig, version: int, should_stop, keep) -> tuple[list, float]:
-    """Rank 0: block until ``groups_per_step`` whole groups that pass ``keep(group)`` are taken.
+    """Rank 0: block until ``groups_per_step`` whole groups' headers (`GroupHeader`) that pass
+    ``keep(group)`` are taken.
 
     Groups that ``keep`` rejects are consumed from the buffer but not trained on (``keep``
     counts them).
@@ -116,7 +120,7 @@ def take_groups(buffer, cfg: RunConfig, version: int, should_stop, keep) -> tupl
                 f"{cfg.trainer.batch_timeout_s:g}s from {cfg.buffer.redis_url} "
                 f"(run {cfg.run_id!r}): are rollout workers running?"
             )
-        got = buffer.take_batch(n - len(groups), trainer_version=version, timeout_s=1.0)
+        got = buffer.take_headers(n - len(groups), trainer_version=version, timeout_s=1.0)
         groups.extend(g for g in got if keep(g))
     return groups, time.monotonic() - t0
 
@@ -200,11 +204,10 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
 
     Raises:
         ValueError: ``trainer.parallel`` does not fit the world or the model (app/layout.py);
-            ``buffer.capacity_groups`` is smaller than ``(trainer.save_every + 1) *
-            trainer.groups_per_step``; the store already holds policy versions of this run and
-            ``resume`` is False; the state to resume was saved by a different number of ranks;
-            ``run_dir`` holds metrics.jsonl or trained.jsonl while the store has no version of
-            this run (an earlier run's records).
+            ``buffer.capacity_groups`` is smaller than ``trainer.groups_per_step``; the store
+            already holds policy versions of this run and ``resume`` is False; ``run_dir`` holds
+            metrics.jsonl or trained.jsonl while the store has no version of this run (an
+            earlier run's records).
         TrainingError: no batch in time, too many non-finite steps in a row, a failed publish
             or save, Redis unreachable — raised on every rank with the same message (rank 0 may
             raise the original exception instead, e.g. BufferConnectionError naming the URL).
@@ -279,8 +282,9 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
         modules["critic"] = (critic.module, critic.optimizer)
     pad_id = getattr(config, "pad_token_id", None) or 0
     dtype = getattr(torch, cfg.model.dtype)
-    # Routing replay (rollout.routing_replay): samples carry the engine's experts of every layer.
+    # Routing replay (rollout.routing_replay): samples carry the engine's experts of the MoE layers.
     moe_layers = moe_layer_ids(config) if cfg.rollout.routing_replay else None
+    intake = BatchIntake(cfg, buffer, rank, world, pad_id, moe_layers, num_routed_experts(config))
 
     state = TrainState()
     trained: set[str] = set()  # rank 0: "task_id/attempt" of every group this lineage trained on
@@ -357,35 +361,10 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
                                    "time": time.time()})
     try:
         while state.step < t.steps:
-            payload = None
-            wait_s = 0.0
-            groups: list = []
-            skipped: list = []
-            if rank == 0:
-                payload = {"parts": None, "error": None, "stop": False, "meta": {}}
-                signal_filter = SignalFilter.of(cfg)  # DAPO dynamic sampling, or None
-
-                def keep(g) -> bool:
-                    nonlocal commit_point
-                    commit_point = newer_entry(commit_point, g.entry_id)
-                    return usable(g, state, cfg.buffer.max_staleness, pad_id, trained=trained, skipped=skipped,
-                                  moe_layers=moe_layers) and (signal_filter is None or signal_filter.admit(g, skipped))
-
-                try:
-                    groups, wait_s = take_groups(buffer, cfg, state.version, lambda: stop_requested, keep)
-                    payload["parts"] = split_groups(groups, world)
-                    payload["meta"] = batch_meta(groups, state.version) | (signal_filter.meta() if signal_filter else {})
-                except Stop:
-                    payload["stop"] = True
-                except Exception as e:
-                    payload["error"] = f"rank 0 could not take a batch: {e}"
-            if stop_requested and rank == 0:
-                payload["stop"] = True
-            msg = scatter_groups(payload, rank)
+            taken = intake.next(state, trained, lambda: stop_requested)
+            groups, skipped, wait_s, msg, batch = taken.groups, taken.skipped, taken.wait_s, {"meta": taken.meta}, taken.train
+            commit_point = newer_entry(commit_point, taken.commit_point)
             t0 = time.perf_counter()
-            batch = collate_groups(msg["parts"][rank], pad_id=pad_id, scale_by_std=t.scale_by_std,
-                                   moe_layers=moe_layers, mask_truncated=t.overlong_filter,
-                                   soft_overlong=cfg.soft_overlong())
             lr = step_lr(t, state.step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -428,7 +407,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
             if not give_up and (state.step % t.save_every == 0 or state.step == t.steps):
                 save_s = save()
                 if rank == 0:
-                    buffer.commit()  # a skipped (non-finite) step consumes its groups too
+                    buffer.commit(upto=commit_point)  # a skipped (non-finite) step consumes its groups too
             if rank == 0:
                 record = {
                     "time": time.time(), "step": state.step, "policy_version": state.version,
@@ -456,6 +435,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
     except Stop:
         log.info("stop requested: ending at step %d, policy v%d", state.step, state.version)
     finally:
+        intake.close()
         if pusher is not None:
             pusher.close()
         for f in (metrics_file, trained_file):
@@ -482,9 +462,10 @@ def usable(group, state: TrainState, max_staleness: int, pad_id: int, *,
     """Rank 0's check of one group before it is scattered: not trained on before by this
     lineage (``trained`` holds "task_id/attempt" keys), within ``max_staleness`` (the buffer
     enforces it already; this guards the contract), not an all-"error" group, and well-formed
-    (it collates). A rejected group is counted in ``state``, appended to ``skipped`` as
+    (its ``check``). A rejected group is counted in ``state``, appended to ``skipped`` as
     ``[task_id, attempt, reason]``, never trained on, and does not take a place in the step's
-    ``groups_per_step``."""
+    ``groups_per_step``. ``group`` is a `GroupHeader` (what rank 0 takes; its payload is checked
+    by the rank that decodes it) or a whole `Group`."""
     reason = None
     if trained is not None and f"{group.task_id}/{group.attempt}" in trained:
         state.duplicates += 1
@@ -498,7 +479,7 @@ def usable(group, state: TrainState, max_staleness: int, pad_id: int, *,
         reason = "error"
     else:
         try:
-            collate_groups([group], pad_id=pad_id, moe_layers=moe_layers)
+            group.check(moe_layers)
         except ValueError as e:
             state.malformed += 1
             log.warning("skipping malformed group %s/%s: %s", group.task_id, group.attempt, e)
@@ -513,7 +494,7 @@ def batch_meta(groups: list, version: int) -> dict:
     samples = [s for g in groups for s in g.samples]
     rewards = [float(s.reward) for s in samples]
     stale = [version - int(s.policy_version) for s in samples]
-    lengths = [len(s.completion_ids) for s in samples]
+    lengths = [s.completion_len for s in samples]
     n = max(len(samples), 1)
     return {
         "groups": len(groups),

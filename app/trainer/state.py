@@ -334,14 +334,9 @@ def drop_committed(buffer: Any, commit_point: str | None) -> int:
     """Delete the samples-stream entries up to ``commit_point`` (finish an interrupted commit).
 
     Entries at or before the commit point were taken by the saved state (trained or skipped);
-    entries after it were not and stay to be read again. Returns how many were deleted.
+    entries after it were not and stay to be read again. Their payloads go with them
+    (`ExperienceBuffer.drop_through`). Returns how many entries were deleted.
     """
     if not commit_point:
         return 0
-    key = buffer.keys["samples"]
-    deleted = 0
-    while True:
-        entries = buffer.r.xrange(key, "-", commit_point, count=500)
-        if not entries:
-            return deleted
-        deleted += int(buffer.r.xdel(key, *[e[0] for e in entries]))
+    return buffer.drop_through(commit_point)
