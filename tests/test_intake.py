@@ -39,7 +39,7 @@ def corrupt_newest_payload(buf: ExperienceBuffer) -> str:
 
 @pytest.fixture
 def one_rank(monkeypatch):
-    from app.trainer.train import init_distributed
+    from app.trainer.parallel import init_distributed
 
     single_rank_env(monkeypatch)
     init_distributed(timeout_s=60)
