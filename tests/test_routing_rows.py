@@ -19,7 +19,7 @@ import base64
 import numpy as np
 import torch
 
-from app.buffer.records import Task, decode_routed_experts
+from app.buffer.records import Task
 from app.envs.tokenizer import BOS_ID
 from app.rollout.engine_client import EngineClient
 from app.rollout.engine_server import Engine, create_app, load_checkpoint
@@ -85,7 +85,7 @@ def test_the_worker_asks_for_the_prompt_once_and_keeps_the_moe_layers(tmp_path):
     engine_prompt = full.routed_experts.reshape(len(prompt), 3, 2)
     assert not engine_prompt[:, 0].any()  # the dense layer's row: zeros, not kept
     for s in samples:
-        ids = decode_routed_experts(s.routed_experts)
+        ids = np.asarray(s.routed_experts)  # Sample.routed_experts: the MoE layers' [P + C - 1, n_moe, K] array
         assert ids.shape == (len(prompt) + len(s.completion_ids) - 1, 2, 2)
         np.testing.assert_array_equal(ids[: len(prompt)], engine_prompt[:, 1:])
         assert ids.min() >= 0 and ids.max() < 4
