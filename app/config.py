@@ -281,6 +281,9 @@ class TaskConfig(Section):
     warmup_batch_size: int = Field(64, ge=1)
     reward_model: str | None = Field(None, description="HF sequence-classification checkpoint that scores "
                                      "completions (`moerl reward`) instead of the task's verifier.")
+    verify_timeout_s: float = Field(4.0, gt=0.0, description="Deadline of one math-verify call (source "
+                                    "jsonl), seconds: it runs in a worker process that is killed after it, "
+                                    "and the reward counts as failed (app/envs/process_pool.py).")
 
 
 class EnvConfig(Section):
