@@ -251,6 +251,10 @@ class WeightSyncConfig(Section):
     master_address: str | None = Field(None, description="Address engines reach the trainer's source rank "
                                        "at; None: $POD_IP, else this host's name resolved.")
     master_port: int = Field(0, ge=0, le=65535, description="Rendezvous port on the source rank (0: a free one).")
+    trainer_host: str | None = Field(None, description="Host name (or address) of the trainer's source rank "
+                                     "as the rollout workers resolve it: a push record whose master_address "
+                                     "resolves elsewhere (or whose master_port is not master_port, when set) is "
+                                     "refused and no engine joins. None: master_address, else this host's name.")
     ready_timeout_s: float = Field(30.0, gt=0.0, description="How long the trainer waits for engines to "
                                    "pause for a push; those not ready are left out of it.")
     timeout_s: float = Field(120.0, gt=0.0, description="Bound of the group's join and of each bucket "
