@@ -147,3 +147,33 @@ def test_rules_name_only_this_runs_keys():
         user_rules("rollout", "bad*run", PREFIX)
     with pytest.raises(ValueError, match="role"):
         user_rules("env", RUN, PREFIX)
+
+
+def test_the_embedded_default_has_a_password_and_a_user_per_role(tmp_path):
+    """`moerl run`'s Redis (app/embedded.py): nothing connects without a password, run.yaml holds
+    none, each role process gets its own user in its environment, and the rollout user cannot
+    write the push record there either."""
+    from app.buffer.acl import USER_ENV
+    from app.buffer.experience import PASSWORD_ENV
+    from app.config import RunConfig
+    from app.embedded import EmbeddedLoop
+
+    loop = EmbeddedLoop(RunConfig(), tmp_path / "run", workers=1)
+    try:
+        url = loop.start_redis()
+        text = loop.config_path.read_text()
+        assert url == loop.cfg.buffer.redis_url and "@" not in url
+        assert all(p not in text for p in [loop.redis.password, *loop.passwords.values()])
+        with pytest.raises(BufferConnectionError, match="password"):
+            ExperienceBuffer(url, loop.cfg.run_id)
+        env = loop.role_env("rollout")
+        assert env[USER_ENV] == "rollout" and env[PASSWORD_ENV] == loop.passwords["rollout"]
+        assert len({loop.redis.password, *loop.passwords.values()}) == 1 + len(ROLES)
+        rollout = ExperienceBuffer(url, loop.cfg.run_id, username="rollout", password=env[PASSWORD_ENV])
+        assert rollout.lease("w0", count=1, block_ms=0) == []
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            SyncBoard.of(rollout).set_push({"id": "evil", "version": 1, "state": "prepare"})
+        with loop.buffer() as admin:  # this process: the feeder and the audits, as the default user
+            assert admin.stats()["queued"] == 0
+    finally:
+        loop.close()
