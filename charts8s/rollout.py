@@ -33,14 +33,16 @@ import math
 import cdk8s
 from constructs import Construct
 
-from app.buffer.experience import PASSWORD_ENV
 from app.metrics import METRICS_PORT
 from app.rollout.engine_args import EngineLayout, sglang_command
 from app.torchx_component import CLUSTER_CONFIG, EFA_ENV, EFA_RESOURCE, HUGEPAGES_RESOURCE, NVSHMEM_EFA_ENV, worker_command
-from charts8s.cluster import ROLLOUT, TRAINER, run_config_volume
+from charts8s.buffer import redis_credentials
+from charts8s.cluster import (BUFFER_SERVICE, ENV_SERVICE, REDIS_PORT, REWARD_MODEL_SERVICE, ROLLOUT, TRAINER,
+                              WEIGHT_SOURCE_LABEL, run_config_volume, weight_group_port)
 from charts8s.kube import api_object, k8s_module
 from charts8s.lws import leader_worker_set
 from charts8s.monitoring import metrics_port
+from charts8s.netpol import dns, nccl_ports, pod_identity, pods, policy, port_range_sysctl, public_https, tcp
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 from charts8s.workloads import CACHE_GI, TMP_GI, Plan
 
@@ -127,9 +129,11 @@ def engine_pod(plan: Plan, component: str, containers: list[dict]) -> dict:
     return {
         **on_pool(pool, spot=True),
         "serviceAccountName": plan.cfg.rollout_service_account,
-        "automountServiceAccountToken": True,  # Pod Identity: policy weights from S3
+        # No Kubernetes API token: Pod Identity (policy weights from S3) brings its own (charts8s/cluster.py).
+        "automountServiceAccountToken": False,
         "priorityClassName": NAME,
-        "securityContext": pod_security(UID),
+        # Every engine rank joins the weight-update group: NCCL's ports in the declared range.
+        "securityContext": {**pod_security(UID), "sysctls": [port_range_sysctl()]},
         "terminationGracePeriodSeconds": grace_seconds(plan.run.rollout.drain_grace_s, plan.wl.rollout.drain_margin_s),
         "containers": containers,
         "volumes": engine_volumes(plan),
@@ -146,15 +150,14 @@ def engine_pod(plan: Plan, component: str, containers: list[dict]) -> dict:
 def worker_container(plan: Plan) -> dict:
     """The moerl rollout worker beside the engine's node rank 0."""
     _, config_mount = run_config_volume()
-    secret_env = {"name": PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
-        "name": plan.wl.buffer.password_secret, "key": "password"}}}
     res = {"cpu": "4", "memory": "16Gi"}
     return {
         "name": "worker", "image": plan.images["rollout"], "imagePullPolicy": "IfNotPresent",
         # The pod name is the worker id (its task-lease consumer name); the kubelet expands $(POD_NAME).
         "command": worker_command(CLUSTER_CONFIG, "$(POD_NAME)", PAUSE_MARKER, metrics_port=METRICS_PORT),
         "ports": [metrics_port()],  # scraped by the moerl-rollout PodMonitor (charts8s/monitoring.py)
-        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}, secret_env],
+        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                *redis_credentials(plan, "rollout")],
         "resources": {"requests": res, "limits": res},
         "securityContext": container_security(),
         "volumeMounts": [config_mount, {"name": "models", "mountPath": "/models"}, {"name": "tmp", "mountPath": "/tmp"},
@@ -171,20 +174,48 @@ def rollout_pod(plan: Plan, leader: bool = True) -> dict:
     return engine_pod(plan, NAME, containers)
 
 
-def group_network_policy(scope: Construct, k8s, name: str, namespace: str, lab: dict, multi_node: bool,
-                         extra_ingress: list[dict] | None = None) -> None:
-    """Ingress of engine pods: none for one-node engines (the engine is on loopback, the worker
-    only dials out); for multi-node engines from the pods of the same component (SGLang's
-    torch.distributed rendezvous and NCCL bootstrap go over the pod network; EFA traffic does not)."""
-    ingress = [{"from": [{"podSelector": {"matchLabels": lab}}]}] if multi_node else []
-    api_object(scope, k8s.KubeNetworkPolicy, name, namespace, labels=lab, spec={
-        "podSelector": {"matchLabels": lab}, "policyTypes": ["Ingress"], "ingress": ingress + (extra_ingress or [])})
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"  # set on every pod of a group by the LWS controller
+LWS_GROUP_LABEL = "leaderworkerset.sigs.k8s.io/group-index"  # (kubernetes-sigs/lws api/leaderworkerset/v1)
+
+
+def engine_network_policies(scope: Construct, k8s, name: str, namespace: str, lab: dict, *, groups: int,
+                            multi_node: bool, ingress: list[dict], egress: list[dict]) -> None:
+    """The NetworkPolicies of a fleet of engines ``name`` (pods labelled ``lab``): ``ingress`` and
+    ``egress`` (DNS added) for every pod; for multi-node engines, one policy per LeaderWorkerSet
+    group ``<name>-group-<g>`` letting the pods of group g, and only them, talk to each other on
+    every port (SGLang's torch.distributed rendezvous and NCCL bootstrap go over the pod network;
+    EFA traffic does not). A group beyond ``groups`` (scaled by hand) has no such policy: its pods
+    cannot reach each other, so its engine fails to start rather than reach another group."""
+    policy(scope, k8s, name, namespace, lab, ingress=ingress, egress=[dns(), *egress])
+    if multi_node:
+        for g in range(groups):
+            group = {**lab, LWS_NAME_LABEL: name, LWS_GROUP_LABEL: str(g)}
+            policy(scope, k8s, f"{name}-group-{g}", namespace, group, labels=lab,
+                   ingress=[pods(group, direction="from")], egress=[pods(group, direction="to")])
+
+
+def rollout_network_policies(scope: Construct, k8s, plan: Plan) -> None:
+    """Rollout pods take nothing in (the engine is on loopback, the worker only dials out) but,
+    with ``weight_sync.mode: network``, the trainer's source rank on NCCL's range; out they reach
+    the buffer, the env pool, the reward model, the Pod Identity agent and HTTPS (S3, the Hub),
+    and the source rank on the group's rendezvous port and NCCL's range (charts8s/trainer.py)."""
+    ingress: list[dict] = []
+    egress = [pods(labels(BUFFER_SERVICE), [tcp(REDIS_PORT)], direction="to"),
+              pods(labels(ENV_SERVICE), [tcp(plan.wl.env.port)], direction="to"),
+              pod_identity(), public_https(plan.cfg.vpc_cidr)]
+    if plan.run.task.reward_model:
+        egress.append(pods(labels(REWARD_MODEL_SERVICE), [tcp(plan.wl.reward_model.port)], direction="to"))
+    if plan.run.weight_sync.mode == "network":
+        source = {**labels(TRAINER), WEIGHT_SOURCE_LABEL: "true"}
+        ingress.append(pods(source, nccl_ports(), direction="from"))
+        egress.append(pods(source, [tcp(weight_group_port(plan.run)), *nccl_ports()], direction="to"))
+    engine_network_policies(scope, k8s, NAME, plan.namespace, labels(NAME), groups=plan.rollout_replicas,
+                            multi_node=plan.engine.nodes > 1, ingress=ingress, egress=egress)
 
 
 ROLLOUT_SKIPS = dict(
     CKV_K8S_43="ECR repositories have immutable tags (infra/): a tag names exactly one digest",
     CKV_K8S_15="immutable tags never change; IfNotPresent avoids pulling a 30 GB image again on restart",
-    CKV_K8S_38="the worker reads policy weights from S3 through EKS Pod Identity, which needs the token",
     CKV_K8S_35="redis-py takes the password as a value; it is read from the Secret at start only",
 )
 NO_PROBE_SKIPS = dict(
@@ -216,8 +247,4 @@ class RolloutChart(cdk8s.Chart):
             })
         api_object(self, k8s.KubePodDisruptionBudget, NAME, ns, labels=lab, spec={
             "maxUnavailable": "25%", "selector": {"matchLabels": lab}})
-        # weight_sync.mode network: the trainer's source rank and the engine ranks form one NCCL
-        # group (app/trainer/weight_sync.py); its sockets may be opened from either side.
-        push = [{"from": [{"podSelector": {"matchLabels": labels(TRAINER)}}]}] \
-            if plan.run.weight_sync.mode == "network" else []
-        group_network_policy(self, k8s, NAME, ns, lab, multi, extra_ingress=push)
+        rollout_network_policies(self, k8s, plan)
