@@ -13,6 +13,9 @@ define them:
   in ``except`` (used here for addresses outside the cluster only); and its ``ports`` are absent
   or empty, or one matches (``protocol`` default TCP, ``port`` up to ``endPort``);
 - a connection happens when the source's egress allows it and the destination's ingress does.
+
+Not modelled (the checks here never ask them): a pod's traffic to itself and to and from its own
+node, which no policy can block.
 """
 
 from __future__ import annotations
