@@ -114,7 +114,8 @@ def test_the_rollout_credentials_cannot_write_the_control_plane(acl_redis):
                     ("HSET", f"{PREFIX}:{RUN}:policy", "version", "99", "uri", "s3://attacker/v99"),
                     ("HGETALL", f"{PREFIX}:{RUN}:stats" + "-not-ours"),
                     ("XLEN", f"{PREFIX}:other-run:tasks"), ("GET", f"{PREFIX}:other-run:wsync:push"),
-                    ("HGETALL", board.k + "acks:p1"), ("CONFIG", "GET", "requirepass"), ("KEYS", "*"),
+                    ("HGETALL", board.k + "acks:p1"), ("SMEMBERS", board.k + "engine-ids"),
+                    ("GET", board.k + "engine:w1"), ("CONFIG", "GET", "requirepass"), ("KEYS", "*"),
                     ("FLUSHALL",), ("ACL", "LIST"), ("SHUTDOWN", "NOSAVE")):
         with pytest.raises(redis.exceptions.NoPermissionError):
             r.execute_command(*command)

@@ -15,8 +15,9 @@ and app/buffer/weight_sync.py):
   versions, writes the push record and plans, reads registrations and acks);
 - ``rollout``: read-write the task queue and what its Lua scripts touch (tasks, samples, seen,
   stats, dropped: Redis checks a script's declared keys for read and write); read-only the policy
-  hash and ``wsync:push``, ``wsync:plan:*``, ``wsync:events``; read-write its registration
-  (``wsync:engine:*``, ``wsync:engine-ids``); write-only ``wsync:acks:*``, ``wsync:ack-events``;
+  hash and ``wsync:push``, ``wsync:plan:*``, ``wsync:events``; write-only the registrations
+  (``wsync:engine:*``, ``wsync:engine-ids``: it cannot list the other engines) and the acks
+  (``wsync:acks:*``, ``wsync:ack-events``);
 - ``feed``: read-write tasks, issued, stats and samples (the keys of the queueing script); read-only
   the policy hash.
 
@@ -69,7 +70,7 @@ def key_rules(role: str, run_id: str, prefix: str = "moerl") -> list[str]:
     if role == "rollout":
         return ([f"~{keys[n]}" for n in ("tasks", "samples", "seen", "stats", "dropped")]
                 + [f"%R~{keys['policy']}", f"%R~{ws}push", f"%R~{ws}plan:*", f"%R~{ws}events"]
-                + [f"~{ws}engine:*", f"~{ws}engine-ids", f"%W~{ws}acks:*", f"%W~{ws}ack-events"])
+                + [f"%W~{ws}engine:*", f"%W~{ws}engine-ids", f"%W~{ws}acks:*", f"%W~{ws}ack-events"])
     if role == "feed":
         return [f"~{keys[n]}" for n in ("tasks", "issued", "stats", "samples")] + [f"%R~{keys['policy']}"]
     raise ValueError(f"role must be one of {ROLES}, got {role!r}")
