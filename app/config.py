@@ -342,12 +342,16 @@ class WeightSyncConfig(Section):
         "ranks share a GPU, MOERL_SHARED_GPU=1), else gloo.")
     master_address: str | None = Field(None, description="Address engines reach the trainer's source rank "
                                        "at; None: $POD_IP, else this host's name resolved.")
-    master_port: int = Field(0, ge=0, le=65535, description="First rendezvous port on the source rank: the "
-                             "k-th open group serves at master_port + k (0: a free port per group).")
+    master_port: int = Field(0, ge=0, le=65535, description="Rendezvous port on the source rank, served once "
+                             "for every weight-update group (0: a free one).")
     engines_per_group: int = Field(1, ge=0, description="Engines sharing one weight-update group. 1: a group "
                                    "per engine, so an engine that dies mid-push fails only its own group; the "
                                    "source then sends each bucket once per engine. 0: every engine in one group "
                                    "(one broadcast tree, but one dead member fails the push for all).")
+    trainer_host: str | None = Field(None, description="Host name (or address) of the trainer's source rank "
+                                     "as the rollout workers resolve it: a push record whose master_address "
+                                     "resolves elsewhere (or whose master_port is not master_port, when set) is "
+                                     "refused and no engine joins. None: master_address, else this host's name.")
     ready_timeout_s: float = Field(30.0, gt=0.0, description="How long the trainer waits for engines to "
                                    "pause for a push; those not ready are left out of it.")
     timeout_s: float = Field(120.0, gt=0.0, description="Bound of the group's join and of each bucket "
@@ -383,6 +387,9 @@ class TaskConfig(Section):
                               "(moerl run records it in run.yaml): re-used as --config, no second warm-up.")
     reward_model: str | None = Field(None, description="HF sequence-classification checkpoint that scores "
                                      "completions (`moerl reward`) instead of the task's verifier.")
+    verify_timeout_s: float = Field(4.0, gt=0.0, description="Deadline of one math-verify call (source "
+                                    "jsonl), seconds: it runs in a worker process that is killed after it, "
+                                    "and the reward counts as failed (app/envs/process_pool.py).")
 
 
 # The environments moerl ships (app/envs/environments.py ENVIRONMENTS), and what else env.name

@@ -6,7 +6,9 @@ started by torchrun (EP over gloo here, NCCL/DeepEP there). Only the engine and 
 store (file:// instead of s3://) differ.
 
 `EmbeddedLoop` owns those processes; `moerl run` (app/run.py) and `moerl chaos` (app/chaos.py)
-drive it.
+drive it. Its Redis, as the cluster's, has a password for the ``default`` user (this process: the
+feeder and the audits) and an ACL user per role (app/buffer/acl.py): the trainer and each rollout
+worker get their own user and password in their environment, never in run.yaml.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from pathlib import Path
 import httpx
 
 from app.buffer import ExperienceBuffer
-from app.buffer.redis_server import LocalRedis, free_port
+from app.buffer.acl import ROLES, USER_ENV, server_args
+from app.buffer.experience import PASSWORD_ENV
+from app.buffer.redis_server import LocalRedis, free_port, new_password
 from app.config import RunConfig
 from app.layout import default_world
 from app.procs import Proc, Supervisor, moerl_argv
@@ -54,6 +58,7 @@ class EmbeddedLoop:
         self.config_path = self.run_dir / "run.yaml"
         self.sup = Supervisor(self.run_dir / "logs")
         self.redis: LocalRedis | None = None
+        self.passwords = {role: new_password() for role in ROLES}  # each role's Redis user (app/buffer/acl.py)
         self.engine_ports: dict[int, int] = {}
         self.env_port: int | None = None  # the environment server's (`start_env`)
         # Where the workers reach the environment: a server of the user's (env.url), or the
@@ -72,18 +77,26 @@ class EmbeddedLoop:
         ``appendfsync="always"`` (the chaos harness) makes every acknowledged write survive a
         SIGKILL of the server; ``everysec`` may lose the last second of writes.
         """
-        self.redis = LocalRedis(self.run_dir / "redis", keep_dir=True, appendfsync=appendfsync).start()
-        self.cfg.buffer.redis_url = self.redis.url
+        users = server_args(self.passwords, self.cfg.run_id, self.cfg.buffer.run_prefix)
+        self.redis = LocalRedis(self.run_dir / "redis", keep_dir=True, appendfsync=appendfsync,
+                                password=new_password(), extra_args=users).start()
+        # No password in run.yaml: each role reads its own from its environment (`role_env`).
+        self.cfg.buffer.redis_url = f"redis://127.0.0.1:{self.redis.port}/0"
         self.write_config()
-        return self.redis.url
+        return self.cfg.buffer.redis_url
+
+    def role_env(self, role: str) -> dict[str, str]:
+        """The Redis user and password of ``role`` (trainer, rollout, feed), as the environment of
+        its process (app/buffer/experience.py `ExperienceBuffer.from_config` reads them)."""
+        return {USER_ENV: role, PASSWORD_ENV: self.passwords[role]}
 
     def write_config(self) -> None:
         """Write the run config that every role process reads (atomic)."""
         self.cfg.save(self.config_path)
 
     def buffer(self) -> ExperienceBuffer:
-        """A client of this run's experience buffer."""
-        return ExperienceBuffer.from_config(self.cfg)
+        """A client of this run's experience buffer as the ``default`` (administrator) user."""
+        return ExperienceBuffer.from_config(self.cfg, password=self.redis.password, username="default")
 
     # -- roles --------------------------------------------------------------------------------
 
@@ -180,7 +193,7 @@ class EmbeddedLoop:
         )
         if self.cfg.env.name:
             argv += ["--env-url", self.env_url]
-        return self.sup.start(f"worker-{i}", argv, ONE_THREAD_ENV)
+        return self.sup.start(f"worker-{i}", argv, {**ONE_THREAD_ENV, **self.role_env("rollout")})
 
     def pause_marker(self, i: int) -> Path:
         """The file worker `i` keeps while it holds engine `i` paused for a weight update."""
@@ -196,7 +209,7 @@ class EmbeddedLoop:
         ]
         if resume:
             argv.append("--resume")
-        return self.sup.start("trainer", argv, ONE_THREAD_ENV)
+        return self.sup.start("trainer", argv, {**ONE_THREAD_ENV, **self.role_env("trainer")})
 
     def start_rollout(self, model_path: Path) -> None:
         """Start every engine (and, with ``env.name``, the environment server), wait until each

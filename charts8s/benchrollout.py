@@ -9,8 +9,13 @@ A/B (e.g. all-to-all vs DeepEP) is applied, read and deleted on its own.
 - the Job ``moerl-bench-<name>`` (CPU, env-cpu pool): ``moerl bench rollout`` against every
   leader's URL, which waits for them to answer, runs for ``seconds`` and prints aggregate
   tokens/s, tokens/s per GPU and request latency percentiles (``kubectl logs job/...``);
-- a NetworkPolicy: the engines accept the Job's requests on the engine port, and their own
-  group's traffic.
+- NetworkPolicies: the engines accept the Job's requests on the engine port, and their own
+  LeaderWorkerSet group's traffic (charts8s/rollout.py `engine_network_policies`).
+
+The engines serve on the pod network, so SGLang asks for a key on every route but its health
+checks (``--api-key``: generation; ``--admin-api-key``: weight updates, profiling, cache control),
+both from the Secret ``bench_rollout.api_key_secret`` made outside dist/ (README); the Job holds
+the API key only.
 """
 
 from __future__ import annotations
@@ -18,16 +23,21 @@ from __future__ import annotations
 import cdk8s
 from constructs import Construct
 
+from app.bench.rollout import API_KEY_ENV
 from app.rollout.engine_args import EngineLayout
 from app.torchx_component import CLUSTER_CONFIG
 from charts8s.cluster import ENV_SERVICE, run_config_volume
 from charts8s.kube import api_object, k8s_module
 from charts8s.lws import leader_worker_set
+from charts8s.netpol import dns, pod_identity, pods, policy, public_https, tcp
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
-from charts8s.rollout import NO_PROBE_SKIPS, ROLLOUT_SKIPS, UID, engine_container, engine_pod
+from charts8s.rollout import NO_PROBE_SKIPS, ROLLOUT_SKIPS, UID, engine_container, engine_network_policies, engine_pod
 from charts8s.workloads import Plan
 
 WAIT_S = 3600  # how long the Job waits for the engines to load the model and answer
+# The Secret's keys (README: kubectl create secret) and the engine container's variables.
+API_KEY, ADMIN_API_KEY = "api-key", "admin-api-key"
+KEY_ENV = {API_KEY: "SGLANG_API_KEY", ADMIN_API_KEY: "SGLANG_ADMIN_API_KEY"}
 
 
 def fleet_name(profile: str) -> str:
@@ -39,6 +49,17 @@ def engine_urls(plan: Plan, profile: str) -> list[str]:
     name, bench = fleet_name(profile), plan.wl.bench_rollout
     return [f"http://{name}-{i}.{name}.{plan.namespace}.svc.cluster.local:{plan.wl.rollout.engine_port}"
             for i in range(bench.engines)]
+
+
+def keyed_engine(plan: Plan, container: dict) -> dict:
+    """An engine container serving on the pod network, with SGLang's --api-key and --admin-api-key
+    from the bench Secret (the kubelet expands ``$(VAR)`` in the command)."""
+    secret = plan.wl.bench_rollout.api_key_secret
+    container["command"] = [*container["command"], "--api-key", f"$({KEY_ENV[API_KEY]})",
+                            "--admin-api-key", f"$({KEY_ENV[ADMIN_API_KEY]})"]
+    container["env"] = [*container["env"], *({"name": var, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+                                             for key, var in KEY_ENV.items())]
+    return container
 
 
 def bench_command(plan: Plan, profile: str, layout: EngineLayout) -> list[str]:
@@ -63,8 +84,8 @@ class BenchRolloutChart(cdk8s.Chart):
         layout = plan.bench_layouts()[profile]
         name = fleet_name(profile)
         lab = labels(name)
-        leader = engine_pod(plan, name, [engine_container(plan, layout, leader=True, host="0.0.0.0")])
-        worker = engine_pod(plan, name, [engine_container(plan, layout, leader=False, host="0.0.0.0")])
+        leader = engine_pod(plan, name, [keyed_engine(plan, engine_container(plan, layout, leader=True, host="0.0.0.0"))])
+        worker = engine_pod(plan, name, [keyed_engine(plan, engine_container(plan, layout, leader=False, host="0.0.0.0"))])
         leader_worker_set(self, name, ns, labels=lab, annotations=checkov_skips(**ROLLOUT_SKIPS, **NO_PROBE_SKIPS),
                           replicas=plan.wl.bench_rollout.engines, size=layout.nodes, leader_pod=leader,
                           worker_pod=worker)
@@ -80,6 +101,8 @@ class BenchRolloutChart(cdk8s.Chart):
             "containers": [{
                 "name": "bench", "image": plan.images["rollout"], "imagePullPolicy": "IfNotPresent",
                 "command": bench_command(plan, profile, layout),
+                "env": [{"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {
+                    "name": plan.wl.bench_rollout.api_key_secret, "key": API_KEY}}}],
                 "resources": {"requests": res, "limits": res},
                 "securityContext": container_security(),
                 "volumeMounts": [config_mount, {"name": "tmp", "mountPath": "/tmp"}],
@@ -90,14 +113,15 @@ class BenchRolloutChart(cdk8s.Chart):
             CKV_K8S_43=ROLLOUT_SKIPS["CKV_K8S_43"], CKV_K8S_15=ROLLOUT_SKIPS["CKV_K8S_15"],
             CKV_K8S_8="a benchmark Job serves no endpoint and runs to completion",
             CKV_K8S_9="a benchmark Job serves no endpoint and runs to completion",
+            CKV_K8S_35="the engines' API key is a bearer token read once from the environment at start",
         ), spec={"backoffLimit": 0, "ttlSecondsAfterFinished": 86400,
                  "template": {"metadata": {"labels": job_lab}, "spec": pod}})
-        ingress = [{"from": [{"podSelector": {"matchLabels": job_lab}}],
-                    "ports": [{"protocol": "TCP", "port": plan.wl.rollout.engine_port}]}]
-        if layout.nodes > 1:
-            ingress.append({"from": [{"podSelector": {"matchLabels": lab}}]})
-        api_object(self, k8s.KubeNetworkPolicy, name, ns, labels=lab, spec={
-            "podSelector": {"matchLabels": lab}, "policyTypes": ["Ingress"], "ingress": ingress})
-        # The Job only dials out.
-        api_object(self, k8s.KubeNetworkPolicy, f"{name}-job", ns, labels=job_lab, spec={
-            "podSelector": {"matchLabels": job_lab}, "policyTypes": ["Ingress"], "ingress": []})
+        port = plan.wl.rollout.engine_port
+        # The engines take the Job's requests and their own group's traffic; out: the model (S3, Hub).
+        engine_network_policies(self, k8s, name, ns, lab, groups=plan.wl.bench_rollout.engines,
+                                multi_node=layout.nodes > 1,
+                                ingress=[pods(job_lab, [tcp(port)], direction="from")],
+                                egress=[pod_identity(), public_https(plan.cfg.vpc_cidr)])
+        # The Job only dials out: to the engines, and HTTPS for the run's tokenizer.
+        policy(self, k8s, f"{name}-job", ns, job_lab, ingress=[], egress=[
+            dns(), pods(lab, [tcp(port)], direction="to"), public_https(plan.cfg.vpc_cidr)])

@@ -1,7 +1,12 @@
-"""The experience buffer: Redis with append-only persistence on an EBS volume, password from a Secret.
+"""The experience buffer: Redis with append-only persistence on an EBS volume, passwords from a Secret.
 
-One StatefulSet pod on the buffer-mem pool (on-demand). The password Secret is created outside
-dist/ (README: `kubectl create secret`) so no credential is ever written to the manifests.
+One StatefulSet pod on the buffer-mem pool (on-demand). The Secret is created outside dist/
+(README: `kubectl create secret`) so no credential is ever written to the manifests. It holds one
+password per Redis user: ``password`` for ``default`` (the administrator: this pod's probe and
+exporter, an operator) and one per role, ``trainer``, ``rollout`` and ``feed``, each an ACL user
+allowed its own commands on the run's keys only (app/buffer/acl.py). A pod gets its own role's
+key and user name (`redis_credentials`), so a rollout pod cannot write the weight-sync push
+record; the env pool and the reward model get none and are not let in (NetworkPolicy).
 
 Beside redis-server runs oliver006/redis_exporter (flags and environment variables as its
 README lists them for v1.88.0), the usual way to give Prometheus Redis's figures (memory,
@@ -19,19 +24,36 @@ from __future__ import annotations
 import cdk8s
 from constructs import Construct
 
-from app.buffer.experience import SET_KEYS, STREAM_KEYS, buffer_keys
-from charts8s.cluster import BUFFER_SERVICE, ENV_SERVICE, FEED, REDIS_DB, REDIS_EXPORTER_PORT, REDIS_PORT, ROLLOUT, TRAINER
+from app.buffer.acl import ROLES, USER_ENV, server_args
+from app.buffer.experience import PASSWORD_ENV, SET_KEYS, STREAM_KEYS, buffer_keys
+from charts8s.cluster import BUFFER_SERVICE, FEED, REDIS_DB, REDIS_EXPORTER_PORT, REDIS_PORT, ROLLOUT, TRAINER
 from charts8s.kube import api_object, k8s_module
 from charts8s.monitoring import METRICS_PORT_NAME, metrics_port
+from charts8s.netpol import policy, tcp
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 
 NAME = BUFFER_SERVICE
 STORAGE_CLASS = "moerl-gp3"
 UID = 10001  # any UID runs redis-server; fsGroup makes /data writable
-CLIENTS = (ROLLOUT, TRAINER, ENV_SERVICE, FEED)
+CLIENTS = (ROLLOUT, TRAINER, FEED)  # the pods with a Redis user; nothing else reaches port 6379
+ADMIN_KEY = "password"  # the Secret's key of the default user's password (one key per role besides)
 EXPORTER = "redis-exporter"
 # A few MB of Go heap for INFO and the keys below; the upstream Kubernetes example requests 100m.
 EXPORTER_RESOURCES = {"cpu": "100m", "memory": "128Mi"}
+
+
+def redis_credentials(plan, role: str) -> list[dict]:
+    """Container env of a pod connecting as ``role`` (trainer, rollout, feed): its Redis user
+    name and its password from the role's key of the buffer's Secret."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    return [{"name": USER_ENV, "value": role},
+            {"name": PASSWORD_ENV, "valueFrom": {"secretKeyRef": {"name": plan.wl.buffer.password_secret, "key": role}}}]
+
+
+def role_password_env(role: str) -> str:
+    """The redis container's variable holding ``role``'s password (for its ``--user`` line)."""
+    return f"MOERL_REDIS_{role.upper()}_PASSWORD"
 
 
 def exporter_env(plan) -> list[dict]:
@@ -43,7 +65,7 @@ def exporter_env(plan) -> list[dict]:
     return [
         {"name": "REDIS_ADDR", "value": f"redis://localhost:{REDIS_PORT}"},
         {"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": plan.wl.buffer.password_secret,
-                                                                   "key": "password"}}},
+                                                                   "key": ADMIN_KEY}}},
         {"name": "REDIS_EXPORTER_WEB_LISTEN_ADDRESS", "value": f":{REDIS_EXPORTER_PORT}"},
         {"name": "REDIS_EXPORTER_CHECK_SINGLE_KEYS", "value": db(STREAM_KEYS + SET_KEYS)},
         {"name": "REDIS_EXPORTER_CHECK_SINGLE_STREAMS", "value": db(STREAM_KEYS)},
@@ -67,14 +89,19 @@ class BufferChart(cdk8s.Chart):
         maxmemory = f"{int(b.memory_gi * 0.75)}gb"
         probe = {"exec": {"command": ["sh", "-c", "redis-cli -p 6379 ping | grep -q PONG"]},
                  "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3}
+        secret = lambda key: {"secretKeyRef": {"name": b.password_secret, "key": key}}  # noqa: E731
+        run = plan.run
+        # One ACL user per role, its password expanded by the kubelet from the role's Secret key.
+        users = server_args({role: f"$({role_password_env(role)})" for role in ROLES}, run.run_id, run.buffer.run_prefix)
         container = {
             "name": "redis", "image": b.image, "imagePullPolicy": "IfNotPresent",
             "command": ["redis-server"],
             "args": ["--port", str(REDIS_PORT), "--dir", "/data", "--appendonly", "yes", "--appendfsync", "everysec",
                      "--maxmemory", maxmemory, "--maxmemory-policy", "noeviction",
-                     "--requirepass", "$(REDISCLI_AUTH)"],
-            # redis-cli (the probes) reads the password from REDISCLI_AUTH.
-            "env": [{"name": "REDISCLI_AUTH", "valueFrom": {"secretKeyRef": {"name": b.password_secret, "key": "password"}}}],
+                     "--requirepass", "$(REDISCLI_AUTH)", *users],
+            # redis-cli (the probes) reads the default user's password from REDISCLI_AUTH.
+            "env": [{"name": "REDISCLI_AUTH", "valueFrom": secret(ADMIN_KEY)}]
+                   + [{"name": role_password_env(role), "valueFrom": secret(role)} for role in ROLES],
             "ports": [{"name": "redis", "containerPort": REDIS_PORT}],
             "resources": {"requests": res, "limits": res},
             "securityContext": container_security(),
@@ -93,7 +120,7 @@ class BufferChart(cdk8s.Chart):
             "readinessProbe": health, "livenessProbe": {**health, "failureThreshold": 5},
         }
         skips = checkov_skips(
-            CKV_K8S_43="the Redis and exporter images are pinned by version tag (charts8s/workloads.py BufferSpec)",
+            CKV_K8S_43="Redis is pinned by digest; the exporter by version tag only, no digest of it could be verified",
             CKV_K8S_15="a pinned version tag does not change; IfNotPresent avoids a registry round trip per start",
             CKV_K8S_35="redis-server takes requirepass as an argument and redis_exporter reads REDIS_PASSWORD "
                        "(its password file holds a URL map, not the Secret's key); both read env at start only",
@@ -115,8 +142,6 @@ class BufferChart(cdk8s.Chart):
         })
         api_object(self, k8s.KubeService, NAME, ns, labels=lab, spec={
             "selector": lab, "ports": [{"name": "redis", "port": REDIS_PORT, "targetPort": REDIS_PORT}]})
-        api_object(self, k8s.KubeNetworkPolicy, NAME, ns, labels=lab, spec={
-            "podSelector": {"matchLabels": lab}, "policyTypes": ["Ingress"],
-            "ingress": [{"from": [{"podSelector": {"matchLabels": labels(c)}} for c in CLIENTS],
-                         "ports": [{"protocol": "TCP", "port": REDIS_PORT}]}],
-        })
+        # In: the roles with a Redis user, on 6379. Out: nothing (the exporter reads loopback).
+        policy(self, k8s, NAME, ns, lab, egress=[], ingress=[
+            {"from": [{"podSelector": {"matchLabels": labels(c)}} for c in CLIENTS], "ports": [tcp(REDIS_PORT)]}])

@@ -9,6 +9,7 @@ import cdk8s
 
 from app.config import RunConfig
 from charts8s.kube import api_object, k8s_module
+from charts8s.netpol import WEIGHT_GROUP_PORT
 from charts8s.placement import labels
 from charts8s.workloads import Plan
 
@@ -30,7 +31,21 @@ PREEMPTING = (TRAINER, FEED)
 REDIS_PORT = 6379
 REDIS_DB = 0  # the database of buffer.redis_url
 REDIS_EXPORTER_PORT = 9121  # oliver006/redis_exporter's default listen port (charts8s/buffer.py)
+# Label of the trainer's replica 0 pod, global rank 0 (charts8s/trainer.py): the weight-update
+# group's source rank, the only trainer pod the rollout pods may reach.
+WEIGHT_SOURCE_LABEL = "moerl.dev/weight-source"
 MODEL_CACHE = "/tmp/moerl-model-cache"  # on every pod's writable /tmp volume
+
+
+def trainer_source_host(namespace: str) -> str:
+    """DNS name of the trainer's replica 0 (``trainer-0`` in the headless Service, charts8s/trainer.py),
+    the pod of global rank 0: torchrun's c10d rendezvous ranks nodes by their sorted host names."""
+    return f"trainer-0.{TRAINER}.{namespace}.svc.cluster.local"
+
+
+def weight_group_port(run: RunConfig) -> int:
+    """The weight-update group's rendezvous port in the cluster: the run's, else WEIGHT_GROUP_PORT."""
+    return run.weight_sync.master_port or WEIGHT_GROUP_PORT
 
 
 def cluster_run_config(plan: Plan) -> RunConfig:
@@ -42,6 +57,8 @@ def cluster_run_config(plan: Plan) -> RunConfig:
     rollout.reward_url -> the reward-model Service (when task.reward_model is set);
     env.url -> the env pool's Service (when env.name is set: `moerl env` pods), unless the run
     config gives env.url (an environment server of the user's: kept, and no env pool).
+    weight_sync.trainer_host -> the trainer's replica 0 and weight_sync.master_port -> a fixed port
+    (the user's, else WEIGHT_GROUP_PORT): the workers refuse a push from anywhere else.
     """
     run = plan.run.model_copy(deep=True)
     run.buffer.redis_url = f"redis://{BUFFER_SERVICE}.{plan.namespace}.svc.cluster.local:{REDIS_PORT}/{REDIS_DB}"
@@ -54,10 +71,13 @@ def cluster_run_config(plan: Plan) -> RunConfig:
     run.model.cache_dir = MODEL_CACHE
     # Policy versions land on the pod's shared /models volume, where the engine container reads them.
     run.rollout.policy_cache_dir = "/models/policy-cache"
+    # The Services' ports are their pods' (the VPC CNI enforces NetworkPolicies only that way).
     if run.task.reward_model:
-        run.rollout.reward_url = f"http://{REWARD_MODEL_SERVICE}.{plan.namespace}.svc.cluster.local:80"
+        run.rollout.reward_url = f"http://{REWARD_MODEL_SERVICE}.{plan.namespace}.svc.cluster.local:{plan.wl.reward_model.port}"
     if run.env.served_by_moerl():  # env.url set: the user's own server, used as it is
-        run.env.url = f"http://{ENV_SERVICE}.{plan.namespace}.svc.cluster.local:80"
+        run.env.url = f"http://{ENV_SERVICE}.{plan.namespace}.svc.cluster.local:{plan.wl.env.port}"
+    run.weight_sync.trainer_host = trainer_source_host(plan.namespace)
+    run.weight_sync.master_port = weight_group_port(run)
     return run
 
 
@@ -74,10 +94,10 @@ class ClusterChart(cdk8s.Chart):
             "pod-security.kubernetes.io/enforce": "restricted",
         })
         for sa in sorted({cfg.trainer_service_account, cfg.rollout_service_account, BUFFER_SERVICE, ENV_SERVICE}):
-            # Only pods that call AWS (trainer, rollout: S3 via Pod Identity) get a token mounted.
-            aws = sa in (cfg.trainer_service_account, cfg.rollout_service_account)
-            api_object(self, k8s.KubeServiceAccount, sa, ns, labels=labels(sa),
-                       automountServiceAccountToken=aws)
+            # No pod calls the Kubernetes API: no API token anywhere. Pod Identity does not need it:
+            # its webhook adds a projected token of its own (audience pods.eks.amazonaws.com) to
+            # pods of an associated service account (aws/amazon-eks-pod-identity-webhook, handler.go).
+            api_object(self, k8s.KubeServiceAccount, sa, ns, labels=labels(sa), automountServiceAccountToken=False)
         for name, value in PRIORITY.items():
             api_object(self, k8s.KubePriorityClass, name, labels=labels(name), value=value,
                        globalDefault=False, preemptionPolicy="PreemptLowerPriority" if name in PREEMPTING else "Never",

@@ -70,4 +70,5 @@ class EnvPoolChart(cdk8s.Chart):
                                                "labelSelector": {"matchLabels": lab}}],
             }},
         })
+        # Out: DNS only. Environments and verifiers need nothing else, and model output runs here.
         rollout_facing_service(self, k8s, NAME, ns, lab, e.port)

@@ -27,10 +27,11 @@ from __future__ import annotations
 import cdk8s
 from constructs import Construct
 
-from app.buffer.experience import PASSWORD_ENV
 from app.torchx_component import CLUSTER_CONFIG, engine_command
-from charts8s.cluster import FEED, run_config_volume
+from charts8s.buffer import redis_credentials
+from charts8s.cluster import BUFFER_SERVICE, FEED, REDIS_PORT, run_config_volume
 from charts8s.kube import api_object, k8s_module
+from charts8s.netpol import dns, pod_identity, pods, policy, public_https, tcp
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 from charts8s.rollout import model_init_container, served_model_path
 from charts8s.workloads import Plan
@@ -58,13 +59,11 @@ def feed_pod(plan: Plan) -> dict:
     """The pod spec: the feed container, plus the evaluation engine when the run evaluates."""
     f = plan.wl.feed
     config_vol, config_mount = run_config_volume()
-    secret_env = {"name": PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
-        "name": plan.wl.buffer.password_secret, "key": "password"}}}
     res = {"cpu": str(f.cpu), "memory": f"{f.memory_gi}Gi"}
     feed = {
         "name": "feed", "image": plan.images["rollout"], "imagePullPolicy": "IfNotPresent",
         "command": feed_command(f.engine_port if plan.feed_evaluates else None),
-        "env": [secret_env], "resources": {"requests": res, "limits": res},
+        "env": redis_credentials(plan, "feed"), "resources": {"requests": res, "limits": res},
         "securityContext": container_security(),
         "volumeMounts": [config_mount, {"name": "models", "mountPath": "/models"}, {"name": "tmp", "mountPath": "/tmp"}],
     }
@@ -105,7 +104,8 @@ def feed_pod(plan: Plan) -> dict:
     return {
         **placement,
         "serviceAccountName": plan.cfg.rollout_service_account,
-        "automountServiceAccountToken": True,  # Pod Identity: the task file and policy versions from S3
+        # No Kubernetes API token: Pod Identity (task file, policy versions) brings its own (charts8s/cluster.py).
+        "automountServiceAccountToken": False,
         "priorityClassName": NAME,
         "securityContext": pod_security(UID),
         "terminationGracePeriodSeconds": 30,
@@ -123,7 +123,6 @@ class FeedChart(cdk8s.Chart):
         skips = checkov_skips(
             CKV_K8S_43="ECR repositories have immutable tags (infra/): a tag names exactly one digest",
             CKV_K8S_15="immutable tags never change; IfNotPresent avoids pulling a 30 GB image again on restart",
-            CKV_K8S_38="the feeder reads the task file and policy versions from S3 through EKS Pod Identity",
             CKV_K8S_8="the feed container serves no endpoint; it runs until the trainer is done",
             CKV_K8S_9="the feed container serves no endpoint; nothing routes to this pod",
             CKV_K8S_35="redis-py takes the password as a value; it is read from the Secret at start only",
@@ -137,6 +136,8 @@ class FeedChart(cdk8s.Chart):
         # A node drain may move the pod (it is restart-safe); no more than the one pod at a time.
         api_object(self, k8s.KubePodDisruptionBudget, NAME, ns, labels=lab, spec={
             "maxUnavailable": 1, "selector": {"matchLabels": lab}})
-        # Nothing calls into the feed pod: the engine is on loopback, the feeder only dials out.
-        api_object(self, k8s.KubeNetworkPolicy, NAME, ns, labels=lab, spec={
-            "podSelector": {"matchLabels": lab}, "policyTypes": ["Ingress"], "ingress": []})
+        # Nothing calls into the feed pod: the engine is on loopback, the feeder only dials out, to
+        # the buffer, the Pod Identity agent and HTTPS (the task file, policy versions, the model).
+        policy(self, k8s, NAME, ns, lab, ingress=[], egress=[
+            dns(), pods(labels(BUFFER_SERVICE), [tcp(REDIS_PORT)], direction="to"), pod_identity(),
+            public_https(plan.cfg.vpc_cidr)])

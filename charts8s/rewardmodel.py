@@ -16,6 +16,7 @@ from constructs import Construct
 from app.torchx_component import CLUSTER_CONFIG
 from charts8s.cluster import ENV_SERVICE, REWARD_MODEL_SERVICE, run_config_volume
 from charts8s.kube import api_object, k8s_module, rollout_facing_service
+from charts8s.netpol import public_https
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 from charts8s.workloads import Plan
 
@@ -71,4 +72,5 @@ class RewardModelChart(cdk8s.Chart):
                             {"name": "tmp", "emptyDir": {"sizeLimit": "4Gi"}}],
             }},
         })
-        rollout_facing_service(self, k8s, NAME, ns, lab, rm.port)
+        # Out: DNS and HTTPS only (the model from the Hub; no AWS credentials in this pod).
+        rollout_facing_service(self, k8s, NAME, ns, lab, rm.port, egress=[public_https(plan.cfg.vpc_cidr)])

@@ -40,15 +40,17 @@ import math
 import cdk8s
 from constructs import Construct
 
-from app.buffer.experience import PASSWORD_ENV
 from app.metrics import METRICS_PORT
 from app.model.source import store_copy_dir
 from app.rollout.engine_args import LWS_GROUP_SIZE, LWS_LEADER_ADDRESS, LWS_WORKER_INDEX, EngineLayout, sglang_command
 from app.torchx_component import CLUSTER_CONFIG, EFA_ENV, EFA_RESOURCE, HUGEPAGES_RESOURCE, NVSHMEM_EFA_ENV, worker_command
-from charts8s.cluster import ROLLOUT, ROLLOUT_WORKER, TRAINER, run_config_volume
+from charts8s.buffer import redis_credentials
+from charts8s.cluster import (BUFFER_SERVICE, ENV_SERVICE, REDIS_PORT, REWARD_MODEL_SERVICE, ROLLOUT, ROLLOUT_WORKER, TRAINER,
+                              WEIGHT_SOURCE_LABEL, run_config_volume, weight_group_port)
 from charts8s.kube import api_object, k8s_module
 from charts8s.lws import ROLE_LABEL, leader_worker_set
 from charts8s.monitoring import metrics_port
+from charts8s.netpol import dns, nccl_ports, pod_identity, pods, policy, port_range_sysctl, public_https, tcp
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 from charts8s.workloads import CACHE_GI, TMP_GI, Plan
 
@@ -183,9 +185,11 @@ def engine_pod(plan: Plan, component: str, containers: list[dict]) -> dict:
         **on_pool(pool, spot=True),
         **({"initContainers": [init]} if init else {}),
         "serviceAccountName": plan.cfg.rollout_service_account,
-        "automountServiceAccountToken": True,  # Pod Identity: policy weights from S3
+        # No Kubernetes API token: Pod Identity (policy weights from S3) brings its own (charts8s/cluster.py).
+        "automountServiceAccountToken": False,
         "priorityClassName": NAME,
-        "securityContext": pod_security(UID),
+        # Every engine rank joins the weight-update group: NCCL's ports in the declared range.
+        "securityContext": {**pod_security(UID), "sysctls": [port_range_sysctl()]},
         "terminationGracePeriodSeconds": grace_seconds(plan.run.rollout.drain_grace_s, plan.wl.rollout.drain_margin_s),
         "containers": containers,
         "volumes": engine_volumes(plan),
@@ -197,11 +201,6 @@ def engine_pod(plan: Plan, component: str, containers: list[dict]) -> dict:
              "labelSelector": {"matchLabels": labels(component)}},
         ],
     }
-
-
-def _secret_env(plan: Plan) -> dict:
-    return {"name": PASSWORD_ENV, "valueFrom": {"secretKeyRef": {"name": plan.wl.buffer.password_secret,
-                                                               "key": "password"}}}
 
 
 def leader_address(plan: Plan, group: str) -> str:
@@ -216,7 +215,8 @@ def worker_container(plan: Plan, group: bool = False) -> dict:
     $(POD_INDEX) over the pod network (app/rollout/group.py)."""
     _, config_mount = run_config_volume()
     res = {"cpu": "4", "memory": "16Gi"}
-    env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}, _secret_env(plan)]
+    env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+           *redis_credentials(plan, "rollout")]
     # The pod name is the worker id (its task-lease consumer name); the kubelet expands $(POD_NAME).
     cmd = worker_command(CLUSTER_CONFIG, "$(POD_NAME)", None if group else PAUSE_MARKER, metrics_port=METRICS_PORT)
     mounts = [config_mount, {"name": "tmp", "mountPath": "/tmp"}]
@@ -254,7 +254,7 @@ def fetcher_container(plan: Plan, leader: bool) -> dict:
         mounts.append({"name": "state", "mountPath": STATE_DIR})
     return {
         "name": "fetcher", "image": plan.images["rollout"], "imagePullPolicy": "IfNotPresent", "command": cmd,
-        "env": [_secret_env(plan)], "resources": {"requests": res, "limits": res},
+        "env": redis_credentials(plan, "rollout"), "resources": {"requests": res, "limits": res},
         "securityContext": container_security(), "volumeMounts": mounts,
     }
 
@@ -293,20 +293,58 @@ def worker_set_pod(plan: Plan) -> dict:
     }
 
 
-def group_network_policy(scope: Construct, k8s, name: str, namespace: str, lab: dict, multi_node: bool,
-                         extra_ingress: list[dict] | None = None) -> None:
-    """Ingress of engine pods: none for one-node engines (the engine is on loopback, the worker
-    only dials out); for multi-node engines from the pods of the same component (SGLang's
-    torch.distributed rendezvous and NCCL bootstrap go over the pod network; EFA traffic does not)."""
-    ingress = [{"from": [{"podSelector": {"matchLabels": lab}}]}] if multi_node else []
-    api_object(scope, k8s.KubeNetworkPolicy, name, namespace, labels=lab, spec={
-        "podSelector": {"matchLabels": lab}, "policyTypes": ["Ingress"], "ingress": ingress + (extra_ingress or [])})
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"  # set on every pod of a group by the LWS controller
+LWS_GROUP_LABEL = "leaderworkerset.sigs.k8s.io/group-index"  # (kubernetes-sigs/lws api/leaderworkerset/v1)
+
+
+def engine_network_policies(scope: Construct, k8s, name: str, namespace: str, lab: dict, *, groups: int,
+                            multi_node: bool, ingress: list[dict], egress: list[dict]) -> None:
+    """The NetworkPolicies of a fleet of engines ``name`` (pods labelled ``lab``): ``ingress`` and
+    ``egress`` (DNS added) for every pod; for multi-node engines, one policy per LeaderWorkerSet
+    group ``<name>-group-<g>`` letting the pods of group g, and only them, talk to each other on
+    every port (SGLang's torch.distributed rendezvous and NCCL bootstrap go over the pod network;
+    EFA traffic does not). A group beyond ``groups`` (scaled by hand) has no such policy: its pods
+    cannot reach each other, so its engine fails to start rather than reach another group."""
+    policy(scope, k8s, name, namespace, lab, ingress=ingress, egress=[dns(), *egress])
+    if multi_node:
+        for g in range(groups):
+            group = {**lab, LWS_NAME_LABEL: name, LWS_GROUP_LABEL: str(g)}
+            policy(scope, k8s, f"{name}-group-{g}", namespace, group, labels=lab,
+                   ingress=[pods(group, direction="from")], egress=[pods(group, direction="to")])
+
+
+def rollout_network_policies(scope: Construct, k8s, plan: Plan) -> None:
+    """Rollout pods take nothing in (the engine is on loopback, the worker only dials out) but,
+    with ``weight_sync.mode: network``, the trainer's source rank on NCCL's range, and, for
+    multi-node engines, their workers' pods on the engine port; out they reach the buffer, the env
+    pool, the reward model, the Pod Identity agent and HTTPS (S3, the Hub), and the source rank on
+    the group's rendezvous port and NCCL's range (charts8s/trainer.py). The workers of multi-node
+    engines (their own StatefulSet) take nothing in and reach what a worker needs: the buffer, the
+    env pool, the reward model, Pod Identity, HTTPS and their engines' port."""
+    services = [pods(labels(BUFFER_SERVICE), [tcp(REDIS_PORT)], direction="to"),
+                pods(labels(ENV_SERVICE), [tcp(plan.wl.env.port)], direction="to"),
+                pod_identity(), public_https(plan.cfg.vpc_cidr)]
+    if plan.run.task.reward_model:
+        services.append(pods(labels(REWARD_MODEL_SERVICE), [tcp(plan.wl.reward_model.port)], direction="to"))
+    ingress: list[dict] = []
+    egress = list(services)
+    if plan.run.weight_sync.mode == "network":
+        source = {**labels(TRAINER), WEIGHT_SOURCE_LABEL: "true"}
+        ingress.append(pods(source, nccl_ports(), direction="from"))
+        egress.append(pods(source, [tcp(weight_group_port(plan.run)), *nccl_ports()], direction="to"))
+    multi = plan.engine.nodes > 1
+    if multi:
+        engine_port = [tcp(plan.wl.rollout.engine_port)]
+        ingress.append(pods(labels(ROLLOUT_WORKER), engine_port, direction="from"))
+        policy(scope, k8s, ROLLOUT_WORKER, plan.namespace, labels(ROLLOUT_WORKER), ingress=[],
+               egress=[dns(), *services, pods(labels(NAME), engine_port, direction="to")])
+    engine_network_policies(scope, k8s, NAME, plan.namespace, labels(NAME), groups=plan.rollout_replicas,
+                            multi_node=multi, ingress=ingress, egress=egress)
 
 
 ROLLOUT_SKIPS = dict(
     CKV_K8S_43="ECR repositories have immutable tags (infra/): a tag names exactly one digest",
     CKV_K8S_15="immutable tags never change; IfNotPresent avoids pulling a 30 GB image again on restart",
-    CKV_K8S_38="the worker reads policy weights from S3 through EKS Pod Identity, which needs the token",
     CKV_K8S_35="redis-py takes the password as a value; it is read from the Secret at start only",
 )
 NO_PROBE_SKIPS = dict(
@@ -345,13 +383,4 @@ class RolloutChart(cdk8s.Chart):
             })
         api_object(self, k8s.KubePodDisruptionBudget, NAME, ns, labels=lab, spec={
             "maxUnavailable": "25%", "selector": {"matchLabels": lab}})
-        # weight_sync.mode network: the trainer's source rank and the engine ranks form one NCCL
-        # group (app/trainer/weight_sync.py); its sockets may be opened from either side.
-        push = [{"from": [{"podSelector": {"matchLabels": labels(TRAINER)}}]}] \
-            if plan.run.weight_sync.mode == "network" else []
-        if multi:  # the workers' pods call their engine's leader
-            push.append({"from": [{"podSelector": {"matchLabels": labels(ROLLOUT_WORKER)}}],
-                         "ports": [{"protocol": "TCP", "port": plan.wl.rollout.engine_port}]})
-        group_network_policy(self, k8s, NAME, ns, lab, multi, extra_ingress=push)
-        if multi:  # the workers only dial out (their metrics scrape has its own policy: charts8s/monitoring.py)
-            group_network_policy(self, k8s, ROLLOUT_WORKER, ns, labels(ROLLOUT_WORKER), False)
+        rollout_network_policies(self, k8s, plan)

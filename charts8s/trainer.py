@@ -18,12 +18,14 @@ import cdk8s
 from constructs import Construct
 from torchx.schedulers.kubernetes_scheduler import app_to_resource, sanitize_for_serialization
 
-from app.buffer.experience import PASSWORD_ENV
 from app.metrics import METRICS_PORT
 from app.torchx_component import CLUSTER_CONFIG, trainer
-from charts8s.cluster import ROLLOUT, TRAINER, run_config_volume
+from charts8s.buffer import redis_credentials
+from charts8s.cluster import (BUFFER_SERVICE, REDIS_PORT, ROLLOUT, TRAINER, WEIGHT_SOURCE_LABEL, run_config_volume,
+                              trainer_source_host, weight_group_port)
 from charts8s.kube import api_object, k8s_module
 from charts8s.monitoring import metrics_port
+from charts8s.netpol import dns, nccl_ports, pod_identity, pods, policy, port_range_sysctl, public_https, tcp
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 from charts8s.volcano import VolcanoJob
 from charts8s.workloads import Plan
@@ -77,11 +79,13 @@ def place_gang(job: dict, plan: Plan) -> dict:
     for task in spec["tasks"]:
         pod = task["template"]["spec"]
         pod.update(on_pool(pool, spot=False))
-        pod["securityContext"] = pod_security(UID)
+        # NCCL's and gloo's ports in one declared range (charts8s/netpol.py NCCL_PORTS).
+        pod["securityContext"] = {**pod_security(UID), "sysctls": [port_range_sysctl()]}
         # Stable DNS name per replica through the headless Service: trainer-0.moerl-trainer.
         pod["hostname"], pod["subdomain"] = task["name"], SERVICE
         pod["priorityClassName"] = TRAINER
-        pod["automountServiceAccountToken"] = True  # Pod Identity for S3 checkpoints
+        # No Kubernetes API token: Pod Identity (S3 checkpoints) brings its own (charts8s/cluster.py).
+        pod["automountServiceAccountToken"] = False
         for vol in pod["volumes"]:
             if vol["name"] == "dshm":
                 # NCCL and CUDA IPC buffers; bounded so a leak cannot take the node's memory.
@@ -95,12 +99,12 @@ def place_gang(job: dict, plan: Plan) -> dict:
                        # the address engines reach the weight-update group's source rank at
                        # (app/trainer/weight_sync.py: master_address)
                        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                       {"name": "VC_TRAINER_0_HOSTS", "value": f"trainer-0.{SERVICE}.{plan.namespace}.svc.cluster.local"},
-                       {"name": PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
-                           "name": plan.wl.buffer.password_secret, "key": "password"}}}]
+                       {"name": "VC_TRAINER_0_HOSTS", "value": trainer_source_host(plan.namespace)},
+                       *redis_credentials(plan, "trainer")]
         task["template"]["metadata"]["labels"].update(labels(JOB_NAME))
         if task["name"].endswith("-0"):  # rank 0 (replica 0) serves the run's figures (charts8s/monitoring.py)
             ctr.setdefault("ports", []).append(metrics_port())
+            task["template"]["metadata"]["labels"][WEIGHT_SOURCE_LABEL] = "true"
     return job
 
 
@@ -116,7 +120,7 @@ class TrainerChart(cdk8s.Chart):
         not_seen = "checkov looks for batch/v1 spec.template; each Volcano task template sets it (tests/test_charts.py)"
         skips = checkov_skips(
             CKV_K8S_23=not_seen, CKV_K8S_29=not_seen, CKV_K8S_31=not_seen, CKV_K8S_40=not_seen,
-            CKV_K8S_38="trainer ranks write checkpoints to S3 through EKS Pod Identity, which needs the token",
+            CKV_K8S_38=not_seen,
         )
         VolcanoJob(self, "job", JOB_NAME, plan.namespace, labels(JOB_NAME), job["spec"], annotations=skips)
         api_object(self, k8s.KubeService, SERVICE, plan.namespace, labels=labels(JOB_NAME), spec={
@@ -126,16 +130,24 @@ class TrainerChart(cdk8s.Chart):
             "selector": {"volcano.sh/job-name": JOB_NAME},
             "ports": [{"name": "c10d", "port": plan.wl.trainer.rdzv_port, "targetPort": plan.wl.trainer.rdzv_port}],
         })
-        # Ranks talk to each other (rendezvous, NCCL bootstrap) and to nothing else inbound; with
-        # weight_sync.mode network the engines also join the source rank's weight-update group
-        # (its rendezvous port is a free one unless weight_sync.master_port is set, and NCCL's
-        # sockets are ephemeral: every port, from the rollout pods only).
-        ingress = [{"from": [{"podSelector": {"matchLabels": labels(JOB_NAME)}}]}]
-        if plan.run.weight_sync.mode == "network":
-            ingress.append({"from": [{"podSelector": {"matchLabels": labels(ROLLOUT)}}]})
-        api_object(self, k8s.KubeNetworkPolicy, JOB_NAME, plan.namespace, labels=labels(JOB_NAME), spec={
-            "podSelector": {"matchLabels": labels(JOB_NAME)},
-            "policyTypes": ["Ingress"],
-            "ingress": ingress,
-        })
+        trainer_network_policies(self, k8s, plan)
 
+
+def trainer_network_policies(scope, k8s, plan: Plan) -> None:
+    """Ranks talk to each other on every port (torchrun's c10d rendezvous, NCCL) and to nothing
+    else inbound; out they reach DNS, the buffer's Redis, the Pod Identity agent and HTTPS (S3,
+    the Hub). With ``weight_sync.mode: network``, replica 0's pod (the source rank) also takes
+    the engines' connections on the weight-update group's ports only, its rendezvous
+    (``weight_sync.master_port``) and NCCL's range, and opens NCCL's range on them: never the c10d
+    port, nor any port of the other trainer pods."""
+    ns, lab = plan.namespace, labels(JOB_NAME)
+    policy(scope, k8s, JOB_NAME, ns, lab, ingress=[pods(lab, direction="from")], egress=[
+        dns(), pods(lab, direction="to"), pods(labels(BUFFER_SERVICE), [tcp(REDIS_PORT)], direction="to"),
+        pod_identity(), public_https(plan.cfg.vpc_cidr)])
+    if plan.run.weight_sync.mode == "network":
+        port = weight_group_port(plan.run)
+        source = {**lab, WEIGHT_SOURCE_LABEL: "true"}
+        engines = labels(ROLLOUT)
+        policy(scope, k8s, f"{JOB_NAME}-weight-source", ns, source,
+               ingress=[pods(engines, [tcp(port), *nccl_ports()], direction="from")],
+               egress=[pods(engines, nccl_ports(), direction="to")])

@@ -121,6 +121,8 @@ class BenchRolloutSpec(_Model):
     engines: int = Field(2, ge=1)
     seconds: float = Field(600.0, gt=0)
     concurrency: int | None = Field(None, ge=1)
+    api_key_secret: str = Field("moerl-bench-api-key", description="Secret with the engines' SGLang keys "
+                                "(``api-key``, ``admin-api-key``), made outside dist/ (README).")
 
 
 class FeedSpec(_Model):
@@ -141,7 +143,13 @@ class BufferSpec(_Model):
     storage_gi: int = Field(100, ge=1)
     memory_gi: int = Field(64, ge=1)
     cpu: int = Field(4, ge=1)
-    image: str = "public.ecr.aws/docker/library/redis:7.4.2-alpine"
+    # 7.4.11: the 7.4 release that fixes the CVEs published since 7.4.2 (7.4.3: CVE-2025-21605;
+    # 7.4.4/7.4.5: CVE-2025-27151; 7.4.6: CVE-2025-49844, -46817, -46818, -46819, Lua; 7.4.8: error
+    # reply injection; 7.4.9: CVE-2026-23479, -25243, -23631; 7.4.10: stream RESTORE use-after-free;
+    # 7.4.11: TLS pending-data use-after-free), pinned by the digest of its multi-arch index: a
+    # role that may run Lua scripts (app/buffer/acl.py) must meet a patched server.
+    image: str = ("public.ecr.aws/docker/library/redis:7.4.11-alpine"
+                  "@sha256:858f009f9709ce576febc734aa78b8f6d624b82571f9ddb6bda4377c833b3499")
     # The Prometheus exporter beside redis-server (charts8s/buffer.py). oliver006/redis_exporter's
     # release workflow pushes each tag to Docker Hub, ghcr.io and quay.io alike; ghcr.io has no
     # anonymous pull limit shared behind the cluster's NAT. Its scratch image holds the binary only.
@@ -306,6 +314,25 @@ def _check_tag(role: str, ref: str, field: str | None = None) -> None:
         raise WorkloadError(f"{field}: image {ref!r} uses the mutable tag 'latest'; pin a version")
 
 
+def _check_ports(plan: Plan) -> None:
+    """Raise WorkloadError unless every fixed port is outside NCCL's range (the pods' ephemeral
+    ports, charts8s/netpol.py) and the weight-update group's port is not torchrun's."""
+    from charts8s.netpol import NCCL_PORTS, WEIGHT_GROUP_PORT
+
+    wl = plan.wl
+    group = plan.run.weight_sync.master_port or WEIGHT_GROUP_PORT
+    ports = {"trainer.rdzv_port": wl.trainer.rdzv_port, "rollout.engine_port": wl.rollout.engine_port,
+             "env.port": wl.env.port, "reward_model.port": wl.reward_model.port, "feed.engine_port": wl.feed.engine_port,
+             "run config weight_sync.master_port": group}
+    for field, port in ports.items():
+        if NCCL_PORTS[0] <= port <= NCCL_PORTS[1]:
+            raise WorkloadError(f"{field}={port} is inside NCCL's port range {NCCL_PORTS[0]}-{NCCL_PORTS[1]} "
+                                "(the pods' ephemeral ports, charts8s/netpol.py); choose a port below it")
+    if group == wl.trainer.rdzv_port:
+        raise WorkloadError(f"run config weight_sync.master_port={group} is trainer.rdzv_port: the engines must "
+                            "never reach torchrun's rendezvous")
+
+
 def check(plan: Plan) -> Plan:
     """Apply the capacity, EP and image rules; return `plan` or raise one WorkloadError.
 
@@ -322,11 +349,18 @@ def check(plan: Plan) -> Plan:
     train, roll, env = cfg.pools["train-gpu"], cfg.pools["rollout-gpu"], cfg.pools["env-cpu"]
     for role, ref in plan.images.items():
         _check_tag(role, ref)
-    _check_tag("buffer", wl.buffer.image)
+    _check_tag("buffer", wl.buffer.image, "buffer.image")
+    if not re.search(r"@sha256:[a-f0-9]{64}$", wl.buffer.image):
+        raise WorkloadError(f"buffer.image: {wl.buffer.image!r} has no @sha256 digest; a third-party image is "
+                            "pinned by digest (a tag can be pushed again)")
     _check_tag("buffer", wl.buffer.exporter_image, "buffer.exporter_image")
-    if not _DNS1123.fullmatch(wl.buffer.password_secret) or len(wl.buffer.password_secret) > 253:
-        raise WorkloadError(f"buffer.password_secret: {wl.buffer.password_secret!r} is not a valid Secret name "
-                            "(lower-case DNS-1123 subdomain)")
+    secrets = [("buffer.password_secret", wl.buffer.password_secret)]
+    if wl.bench_rollout:
+        secrets.append(("bench_rollout.api_key_secret", wl.bench_rollout.api_key_secret))
+    for field, name in secrets:
+        if not _DNS1123.fullmatch(name) or len(name) > 253:
+            raise WorkloadError(f"{field}: {name!r} is not a valid Secret name (lower-case DNS-1123 subdomain)")
+    _check_ports(plan)
     if plan.trainer_nodes > train.max_size:
         raise WorkloadError(
             f"trainer.nodes={plan.trainer_nodes} exceeds pools.train-gpu.max_size={train.max_size}"

@@ -24,7 +24,8 @@ FROM lmsysorg/sglang:v0.5.23-cu130
 ARG TORCH_VERSION=2.14.1
 ARG NCCL_VERSION=2.30.7
 ARG EFA_INSTALLER_VERSION=1.49.0
-ARG GDRCOPY_VERSION=2.5.2
+ARG EFA_INSTALLER_KEY_FINGERPRINT=4E9091BCBB97A96B26B15E59A05480B1DD2D3CCC
+ARG GDRCOPY_COMMIT=c91ad9f178e5fb729fc5b6dc62a77c3bb364d6c9
 ARG NVSHMEM_EFA_VERSION=3.7.0
 ARG DEEPEP_EFA_COMMIT=567632d
 ARG AWS_DEEPEP_EFA_SCRIPT_COMMIT=95b939cdc5b24ded03a70da21533964f9354b731
@@ -38,14 +39,27 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # The base must carry the table's stack; stop here if the tag moved it.
 RUN python3 -c "import importlib.metadata as m, sys; got = (m.version('torch').split('+')[0], m.version('nvidia-nccl-cu13')); \
     sys.exit(0 if got == ('${TORCH_VERSION}', '${NCCL_VERSION}') else f'base has torch, NCCL {got}, images/versions.toml says ${TORCH_VERSION}, ${NCCL_VERSION}')"
-# GDRCopy's library: NVSHMEM's libfabric transport registers GPU memory with EFA through it.
+# GDRCopy's library: NVSHMEM's libfabric transport registers GPU memory with EFA through it. NVIDIA
+# publishes no checksum of its source archives: the download names the tag's commit, not the tag.
 WORKDIR /tmp/gdrcopy
-RUN curl -fsSL "https://github.com/NVIDIA/gdrcopy/archive/refs/tags/v${GDRCOPY_VERSION}.tar.gz" | tar -xz --strip-components=1 \
+RUN curl -fsSL "https://github.com/NVIDIA/gdrcopy/archive/${GDRCOPY_COMMIT}.tar.gz" | tar -xz --strip-components=1 \
     && make -j"$(nproc)" lib lib_install CUDA=/usr/local/cuda PREFIX=/usr/local \
     && rm -rf /tmp/gdrcopy
-# EFA user space only (the node AMI carries the kernel driver), as in the trainer image.
+# EFA user space only (the node AMI carries the kernel driver), as in the trainer image; gnupg checks
+# the installer's signature.
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends gnupg && rm -rf /var/lib/apt/lists/*
+# The tarball's GPG signature is checked against the key whose fingerprint AWS publishes (EC2 user
+# guide, "Get started with EFA and NCCL"; images/versions.toml): only that key's signature passes.
 WORKDIR /tmp/efa
 RUN curl -fsSLO "https://efa-installer.amazonaws.com/aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" \
+    && curl -fsSLO "https://efa-installer.amazonaws.com/aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz.sig" \
+    && curl -fsSLO "https://efa-installer.amazonaws.com/aws-efa-installer.key" \
+    && GNUPGHOME="$(mktemp -d)" && export GNUPGHOME \
+    && gpg --batch --quiet --import aws-efa-installer.key \
+    && gpg --batch --status-fd 1 --verify "aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz.sig" "aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" \
+        | grep -Eq "^\[GNUPG:\] VALIDSIG .* ${EFA_INSTALLER_KEY_FINGERPRINT}$" \
+    && rm -rf "${GNUPGHOME}" \
     && tar -xzf "aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz"
 WORKDIR /tmp/efa/aws-efa-installer
 RUN apt-get update && ./efa_installer.sh -y -g -d --skip-kmod --skip-limit-conf --no-verify \

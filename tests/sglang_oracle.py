@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib.util
+import sys
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -46,6 +47,7 @@ def api_types() -> ModuleType:
     path = sglang_dir() / "api" / "v1" / "api_types.py"
     spec = importlib.util.spec_from_file_location("sglang_api_v1_api_types", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there while the class is built
     spec.loader.exec_module(module)
     return module
 
@@ -157,6 +159,7 @@ def wheel_module(relpath: str) -> ModuleType:
     path = sglang_dir() / relpath
     spec = importlib.util.spec_from_file_location("sglang_" + relpath.replace("/", "_")[:-3], path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there while the class is built
     spec.loader.exec_module(module)
     return module
 

@@ -289,11 +289,37 @@ def test_redis_buffer_is_persistent_password_protected_and_fenced(synth):
     assert "stringData" not in json.dumps(synth.docs) and not synth.kinds("Secret")  # no credential in dist/
     (rule,) = synth.get("NetworkPolicy", "moerl-buffer")["spec"]["ingress"]
     allowed = {p["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for p in rule["from"]}
-    assert allowed == {"moerl-rollout", "moerl-trainer", "moerl-env", "moerl-feed"}
+    # the roles with a Redis user; the env pool (model output runs there) holds no credential and is not let in
+    assert allowed == {"moerl-rollout", "moerl-trainer", "moerl-feed"}
+    # one ACL user per role, each password from its own key of the Secret; each role's pods get theirs only
+    users = [args[i + 1] for i, a in enumerate(args) if a == "--user"]
+    assert users == ["trainer", "rollout", "feed"]
+    keys = {e["valueFrom"]["secretKeyRef"]["key"] for e in c["env"]}
+    assert keys == {"password", "trainer", "rollout", "feed"}
+    for name, tpl in synth.pod_templates().items():
+        refs = {(e["name"], e.get("value") or e["valueFrom"]["secretKeyRef"]["key"]) for ctr in tpl["spec"]["containers"]
+                for e in ctr.get("env", []) if e["name"] in ("MOERL_REDIS_USER", "MOERL_REDIS_PASSWORD")
+                or "secretKeyRef" in e.get("valueFrom", {})}
+        role = {"moerl-trainer": "trainer", "moerl-rollout": "rollout", "moerl-feed": "feed"}.get(name.split("/")[0])
+        if role is not None:
+            assert refs == {("MOERL_REDIS_USER", role), ("MOERL_REDIS_PASSWORD", role)}, name
+        elif name != "moerl-buffer":
+            assert not refs, name
     # the selectors really match those pods' labels
     for name, tpl in synth.pod_templates().items():
         if name.split("/")[0] in allowed:
             assert tpl["metadata"]["labels"]["app.kubernetes.io/name"] == name.split("/")[0]
+
+
+def test_redis_is_past_the_cves_published_since_7_4_2_and_pinned_by_digest(synth):
+    """The buffer's image is Redis 7.4.11 or later (charts8s/workloads.py BufferSpec lists the
+    CVEs fixed after 7.4.2), named by the digest of its index as well as by its tag."""
+    sts = synth.get("StatefulSet", "moerl-buffer")
+    (c,) = [c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "redis"]
+    ref, _, digest = c["image"].partition("@")
+    assert len(digest) == len("sha256:") + 64 and digest.startswith("sha256:")
+    version = tuple(int(x) for x in ref.rsplit(":", 1)[1].split("-")[0].split("."))
+    assert version >= (7, 4, 11), c["image"]
 
 
 def _exporter(synth) -> tuple[dict, dict, dict[str, dict]]:
@@ -333,7 +359,7 @@ def test_buffer_pod_runs_the_redis_exporter_on_its_metrics_port(synth):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "metrics"}
     (redis_port,) = redis_c["ports"]
     assert env["REDIS_ADDR"]["value"] == f"redis://localhost:{redis_port['containerPort']}"
-    (secret,) = [e for e in redis_c["env"] if "valueFrom" in e]
+    (secret,) = [e for e in redis_c["env"] if e["name"] == "REDISCLI_AUTH"]  # the default user's password
     assert env["REDIS_PASSWORD"]["valueFrom"] == secret["valueFrom"]
     assert env["REDIS_EXPORTER_DISABLE_SCRAPE_ENDPOINT"]["value"] == "true"
     known = {line for line in (ROOT / "tests/data/redis_exporter-v1.88.0-env.txt").read_text().splitlines()
@@ -500,6 +526,8 @@ def _workloads(tmp_path: Path, text: str, run: str | None = None) -> Path:
     # A trailing newline (a YAML block scalar, a pasted line) matched the patterns' "$" and was rendered.
     ('buffer: {exporter_image: "oliver006/redis_exporter:v1.88.0\\n"}', None, "buffer.exporter_image: 'oliver006"),
     ('buffer: {password_secret: "moerl-redis\\n"}', None, "buffer.password_secret"),
+    ("buffer: {image: 'public.ecr.aws/docker/library/redis:7.4.11-alpine'}", None, "buffer.image: 'public.ecr.aws/docker/library/redis:7.4.11-alpine' has no @sha256 digest"),
+    ("bench_rollout: {profiles: {}, api_key_secret: 'Bad Key'}", None, "bench_rollout.api_key_secret"),
 ])
 def test_bad_input_fails_before_synth_with_one_message(tmp_path, text, run, message):
     cfg = load_config("dev")
@@ -512,10 +540,12 @@ def test_bad_input_fails_before_synth_with_one_message(tmp_path, text, run, mess
 @pytest.mark.parametrize("mode", ["store", "network"])
 def test_network_weight_sync_opens_the_trainer_and_the_engines_to_each_other_only(tmp_path, mode):
     """weight_sync.mode network: the trainer's source rank and the engines form one NCCL group
-    (app/trainer/weight_sync.py), so each side's NetworkPolicy admits the other's pods (every port:
-    the rendezvous port may be a free one and NCCL's sockets are ephemeral) and nobody else; the
-    trainer pods know their address (POD_IP, what master_address falls back to). Store mode keeps
-    both closed to each other."""
+    (app/trainer/weight_sync.py), so replica 0's pod admits the rollout pods on the group's
+    rendezvous port and NCCL's range only, and the rollout pods admit replica 0 on NCCL's range
+    only (tests/test_netpol.py asks every connection of it); the trainer pods know their address
+    (POD_IP, what master_address falls back to). Store mode keeps both closed to each other."""
+    from charts8s.cluster import WEIGHT_SOURCE_LABEL
+    from charts8s.netpol import NCCL_PORTS, WEIGHT_GROUP_PORT
     from charts8s.placement import labels
 
     cfg = load_config("dev")
@@ -524,17 +554,24 @@ def test_network_weight_sync_opens_the_trainer_and_the_engines_to_each_other_onl
     build(load_workloads(cfg, _workloads(tmp_path, "", run)), out)
     docs = _load(out)
     policy = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
-    sources = {name: [f["podSelector"]["matchLabels"] for rule in policy[name]["spec"]["ingress"]
-                      for f in rule["from"]] for name in ("moerl-trainer", "moerl-rollout")}
-    assert all("ports" not in rule for name in sources for rule in policy[name]["spec"]["ingress"])
-    pushing = mode == "network"
-    assert sources["moerl-trainer"] == [labels("moerl-trainer")] + ([labels("moerl-rollout")] if pushing else [])
-    assert sources["moerl-rollout"] == ([labels("moerl-trainer")] if pushing else [])
+    source = {**labels("moerl-trainer"), WEIGHT_SOURCE_LABEL: "true"}
+    nccl = {"protocol": "TCP", "port": NCCL_PORTS[0], "endPort": NCCL_PORTS[1]}
+    assert policy["moerl-trainer"]["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": labels("moerl-trainer")}}]}]
+    if mode == "network":
+        ws = policy["moerl-trainer-weight-source"]["spec"]
+        assert ws["podSelector"]["matchLabels"] == source
+        assert ws["ingress"] == [{"from": [{"podSelector": {"matchLabels": labels("moerl-rollout")}}],
+                                  "ports": [{"protocol": "TCP", "port": WEIGHT_GROUP_PORT}, nccl]}]
+        assert policy["moerl-rollout"]["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": source}}],
+                                                                "ports": [nccl]}]
+    else:
+        assert "moerl-trainer-weight-source" not in policy and policy["moerl-rollout"]["spec"]["ingress"] == []
     (job,) = [d for d in docs if d["kind"] == "Job"]
     for task in job["spec"]["tasks"]:
         (ctr,) = task["template"]["spec"]["containers"]
         env = {e["name"]: e for e in ctr["env"]}
         assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}, task["name"]
+        assert (task["template"]["metadata"]["labels"].get(WEIGHT_SOURCE_LABEL) == "true") == task["name"].endswith("-0")
     for d in docs:
         if not d["apiVersion"].startswith("batch.volcano.sh/"):
             kubernetes_validate.validate(d, cfg.k8s_version, strict=True)

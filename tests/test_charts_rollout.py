@@ -116,9 +116,16 @@ def test_every_engine_command_parses_with_sglang_arguments(example):
     layouts = {"moerl-rollout": example.plan.engine}
     layouts.update({f"moerl-bench-{n}": lay for n, lay in example.plan.bench_layouts().items()})
     for name, role, pod in pods:
-        cmd = engine_of(pod)["command"]
+        c = engine_of(pod)
+        cmd = c["command"]
         assert not set(cmd) & deprecated_flags(), cmd
-        ns = parse_launch_server(cmd, LWS_ENV)
+        # what the kubelet puts in for the Secret's keys (the bench fleets' SGLang keys)
+        secrets = {e["name"]: f"value-of-{e['valueFrom']['secretKeyRef']['key']}" for e in c["env"]
+                   if "secretKeyRef" in e.get("valueFrom", {})}
+        ns = parse_launch_server(cmd, {**LWS_ENV, **secrets})
+        served = cmd[cmd.index("--host") + 1]
+        assert (ns.api_key, ns.admin_api_key) == ((None, None) if served == "127.0.0.1"
+                                                  else ("value-of-api-key", "value-of-admin-api-key")), name
         lay = layouts[name]
         assert ns.tp_size == lay.tp_size and ns.ep_size == lay.ep_size
         assert ns.moe_a2a_backend == (lay.a2a_backend or "none")
@@ -134,7 +141,7 @@ def test_the_oracle_refuses_a_misspelt_or_bad_flag(example):
     cmd = engine_of(engine_pods(example)[0][2])["command"]
     for bad in (["--moe-a2a-backends", "deepep"], ["--deepep-mode", "fastest"], ["--attn-dp-size", "many"]):
         with pytest.raises(ArgumentRejected):
-            parse_launch_server(cmd + bad, LWS_ENV)
+            parse_launch_server(cmd + bad, {**LWS_ENV, "SGLANG_API_KEY": "k", "SGLANG_ADMIN_API_KEY": "a"})
 
 
 def test_multi_node_engines_are_leader_worker_groups(example):
@@ -174,13 +181,20 @@ def test_multi_node_engines_are_leader_worker_groups(example):
         f = fetcher["command"]
         assert f[f.index("--engine") + 1] == "$(LWS_LEADER_ADDRESS)" and f[f.index("--index") + 1] == "$(LWS_WORKER_INDEX)"
         assert ("--marker" in f) == (pod is leader)
-    # group peers reach each other (rendezvous, NCCL bootstrap), the workers reach the engine port
+    # group peers reach each other (rendezvous, NCCL bootstrap), one policy per group; the workers'
+    # pods reach the engine port, nobody else gets in (tests/test_netpol.py asks it of every pair of pods)
     (np,) = [d for d in example.kind("NetworkPolicy") if d["metadata"]["name"] == "moerl-rollout"]
-    peers, workers = np["spec"]["ingress"][:2]
-    assert peers["from"] == [{"podSelector": {"matchLabels": lws["metadata"]["labels"]}}]
-    assert workers["from"] == [{"podSelector": {"matchLabels": sts["spec"]["template"]["metadata"]["labels"]}}]
-    assert workers["ports"] == [{"protocol": "TCP", "port": example.plan.wl.rollout.engine_port}]
-
+    wsel = sts["spec"]["template"]["metadata"]["labels"]
+    assert np["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": wsel}}],
+                                      "ports": [{"protocol": "TCP", "port": example.plan.wl.rollout.engine_port}]}]
+    for g in range(spec["replicas"]):
+        (group,) = [d for d in example.kind("NetworkPolicy") if d["metadata"]["name"] == f"moerl-rollout-group-{g}"]
+        sel = group["spec"]["podSelector"]["matchLabels"]
+        assert sel["leaderworkerset.sigs.k8s.io/group-index"] == str(g)
+        assert group["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": sel}}]}]
+    (wnp,) = [d for d in example.kind("NetworkPolicy") if d["metadata"]["name"] == "moerl-rollout-worker"]
+    assert wnp["spec"]["ingress"] == [] and {"podSelector": {"matchLabels": lws["metadata"]["labels"]}} in [
+        t for rule in wnp["spec"]["egress"] for t in rule.get("to", [])]
 
 def test_the_startup_probe_allows_for_the_models_load_and_download(example):
     """The leader's startup budget covers the checkpoint read from the node's disk, kernel JIT and
@@ -204,7 +218,7 @@ def test_deepep_pods_get_efa_hugepages_and_nvshmem(example):
     for name, role, pod in engine_pods(example):
         c = engine_of(pod)
         kind = (example.plan.engine if name == "moerl-rollout" else example.plan.bench_layouts()[name[len("moerl-bench-"):]]).profile.kind
-        lim, env = c["resources"]["limits"], {e["name"]: e["value"] for e in c["env"]}
+        lim, env = c["resources"]["limits"], {e["name"]: e["value"] for e in c["env"] if "value" in e}
         assert int(lim[EFA_RESOURCE]) == pool.efa_interfaces > 0
         assert lim[HUGEPAGES_RESOURCE] == f"{pool.hugepages_2mi}Mi" and pool.hugepages_2mi > 0
         assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"

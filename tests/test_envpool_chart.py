@@ -66,9 +66,10 @@ def test_workers_reach_the_env_service_and_only_they_may(docs):
     (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
     run = RunConfig.model_validate(yaml.safe_load(cm["data"]["run.yaml"]))
     assert run.env.name == "calculator"
-    assert run.env.url == f"http://moerl-env.{cfg.namespace}.svc.cluster.local:80"
+    # the Service's port is the pods' (the VPC CNI enforces NetworkPolicies only that way)
+    assert run.env.url == f"http://moerl-env.{cfg.namespace}.svc.cluster.local:8090"
     svc = _get(docs, "Service", "moerl-env")["spec"]
-    assert svc["ports"] == [{"name": "http", "port": 80, "targetPort": 8090}]
+    assert svc["ports"] == [{"name": "http", "port": 8090, "targetPort": 8090}]
     pol = _get(docs, "NetworkPolicy", "moerl-env")["spec"]
     (rule,) = pol["ingress"]
     assert [f["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for f in rule["from"]] == ["moerl-rollout"]

@@ -164,6 +164,77 @@ def test_jsonl_splits_and_math_verify_reward(tmp_path):
         make_splits(TaskConfig(source="jsonl"))
 
 
+# A completion on which math-verify never returns: sympy builds the power tower 9^(9^(9^9)).
+POWER_TOWER = "Answer: 9^9^9^9"
+
+
+def _jsonl_task(tmp_path, answer: str = "1"):
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"prompt": "p", "answer": answer}) + "\n" + json.dumps({"prompt": "q", "answer": answer}) + "\n")
+    cfg = TaskConfig(source="jsonl", jsonl_path=str(path), train_size=1, eval_size=1, verify_timeout_s=2.0)
+    _, held = make_splits(cfg)
+    return cfg, make_tasks(held, build_tokenizer(), 2)[0]
+
+
+def test_math_verify_on_a_power_tower_is_killed_at_its_deadline(tmp_path):
+    """``Answer: 9^9^9^9`` made math-verify run for good inside a reward thread. It now runs in a
+    worker process that is SIGKILLed at ``task.verify_timeout_s``; the call raises a TimeoutError
+    (never a reward), and the pool answers the next completion."""
+    import os
+    import threading
+
+    from app.envs.jsonl import verifier_pool
+    from app.envs.process_pool import CallTimeout
+
+    cfg, task = _jsonl_task(tmp_path)
+    rewards.warm(cfg)  # what the rollout worker does before its first lease: the run's deadline
+    pool = verifier_pool()
+    assert pool.deadline_s == 2.0
+    outcome: dict = {}
+
+    def call():
+        try:
+            outcome["value"] = rewards.score(task, POWER_TOWER)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            outcome["error"] = e
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "math-verify on a power tower still running after 60 s"
+    assert isinstance(outcome.get("error"), CallTimeout), outcome
+    assert isinstance(outcome["error"], TimeoutError)
+    assert pool.killed >= 1
+    workers = [p.pid for _, p in pool._idle]
+    assert rewards.score(task, "The answer is $\\boxed{1}$") == 1.0
+    assert rewards.score(task, "The answer is 2") == 0.0
+    for pid in workers:  # the idle workers are alive; the killed one is not among them
+        os.kill(pid, 0)
+
+
+def test_power_towers_do_not_use_up_the_reward_threads(tmp_path):
+    """Through the rollout worker's RewardPool of one thread: five power towers in a row are five
+    "timeout" failures (never a reward of 0), each freeing its thread at the verifier's deadline,
+    and a good completion after them still scores. Before, each hung thread stayed hung; after
+    4 x size of them no reward ran at all."""
+    import asyncio
+
+    from app.rollout.worker import RewardPool
+
+    cfg, task = _jsonl_task(tmp_path)
+    rewards.warm(cfg)
+    pool = RewardPool(1)
+
+    async def go():
+        bad = [await pool.score(rewards.score, task, POWER_TOWER, 30.0) for _ in range(5)]
+        good = await pool.score(rewards.score, task, "The answer is $\\boxed{1}$", 30.0)
+        return bad, good
+
+    bad, good = asyncio.run(asyncio.wait_for(go(), 120))
+    assert bad == [(0.0, "timeout")] * 5
+    assert good == (1.0, None)
+
+
 def test_reasoning_gym_reward_waits_for_a_concurrent_first_import():
     # The rollout worker scores in threads. reasoning_gym registers its datasets while its
     # package imports, and its `factory` submodule is complete long before the registry is:

@@ -38,7 +38,8 @@ ENTRIES = {k: v for k, v in VERSIONS.items() if k != "notes"}
 SGLANG_BASE = ROOT / "tests" / "data" / "sglang-0.5.23-packages.txt"
 README_BEGIN = "<!-- images: rendered from images/versions.toml by `python tests/test_images.py` -->"
 README_END = "<!-- end of images/versions.toml -->"
-VERSION_ARG = re.compile(r"_(VERSION|COMMIT|SHA256)$")
+VERSION_ARG = re.compile(r"_(VERSION|COMMIT|SHA256|FINGERPRINT)$")
+DIGEST = re.compile(r"@sha256:[a-f0-9]{64}$")
 
 
 def _hadolint() -> str:
@@ -123,6 +124,10 @@ def render_readme_tables() -> str:
     for e in ENTRIES.values():
         lines.append(f"| {e['component']} | {e['version']} | {', '.join(e['images'])} | "
                      f"{e.get('reference', '')} | {' '.join(e['verified'].split())} |")
+    unpinned = [(e["component"], " ".join(e[k].split())) for e in ENTRIES.values()
+                for k in ("digest_unverified", "download_unverified") if k in e]
+    if unpinned:
+        lines += ["", "Not verified by a digest or checksum: " + "; ".join(f"{c}: {why}" for c, why in unpinned) + "."]
     lines += ["", " ".join(VERSIONS["notes"]["why"].split()), "", README_END]
     return "\n".join(lines)
 
@@ -232,6 +237,94 @@ def test_dockerfile_versions_are_the_table(dockerfile):
     declared = {e["arg"] for e in mine if "arg" in e}
     strays = {a for a in args if VERSION_ARG.search(a)} - declared
     assert not strays, f"{dockerfile.name}: version args {strays} are not in images/versions.toml"
+
+
+def test_base_images_are_pinned_by_digest():
+    """Every base image is named by the digest of its index (a tag can be pushed again), unless its
+    entry says why no digest could be read; then README.md lists it."""
+    for dockerfile in DOCKERFILES:
+        for word, args in _instructions(dockerfile):
+            if word != "FROM":
+                continue
+            image = args.split()[0]
+            (entry,) = [e for e in ENTRIES.values() if e.get("from") == image]
+            if not DIGEST.search(image):
+                assert len(entry.get("digest_unverified", "").split()) >= 8, f"{dockerfile.name}: FROM {image} has no digest"
+    for e in ENTRIES.values():
+        assert not ("digest_unverified" in e and DIGEST.search(e.get("from", ""))), e["component"]
+
+
+def _downloads(dockerfile: Path) -> list[str]:
+    """Each RUN of the Dockerfile that fetches something with curl or wget."""
+    return [args for word, args in _instructions(dockerfile)
+            if word == "RUN" and re.search(r"\b(curl|wget)\b[^&|;]*\bhttps?://", args)]
+
+
+def test_every_download_is_checked():
+    """Every file a build downloads is checked against a published checksum (sha256sum -c) or
+    signature (the EFA installer's, against the key of the published fingerprint), or is named by
+    an entry that says why it cannot be (README.md lists it)."""
+    unverified = {e["arg"] for e in ENTRIES.values() if "download_unverified" in e}
+    found = 0
+    for dockerfile in DOCKERFILES:
+        for run in _downloads(dockerfile):
+            found += 1
+            checked = "sha256sum -c" in run or ("--verify" in run and "VALIDSIG" in run
+                                                 and "${EFA_INSTALLER_KEY_FINGERPRINT}" in run)
+            named = {a for a in unverified if f"${{{a}}}" in run}
+            assert checked or named, f"{dockerfile.name}: unchecked download: {run[:160]}"
+    assert found >= 4
+
+
+def _gpg(home: Path, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["gpg", "--batch", "--homedir", str(home), *args], input=stdin, capture_output=True,
+                          check=True, timeout=120)
+
+
+def _efa_check(dockerfile: Path) -> str:
+    """The shell commands of the Dockerfile's EFA installer check: from the temporary keyring to
+    the VALIDSIG grep (continuation lines joined)."""
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    start = text.index('GNUPGHOME="$(mktemp -d)"')
+    return text[start:text.index('&& rm -rf "${GNUPGHOME}"', start)].strip()
+
+
+def test_the_efa_signature_check_takes_only_the_published_key(tmp_path):
+    """The Dockerfiles' check of the EFA installer, run with gpg on files signed here: it passes
+    for a signature by the key of the fingerprint, and fails for a changed tarball, and for a
+    signature by another key even when the downloaded key file carries both keys."""
+    check = _efa_check(IMAGES / "trainer.Dockerfile")
+    assert check == _efa_check(IMAGES / "rollout.Dockerfile")
+    keys = {}
+    for name in ("aws", "evil"):
+        home = tmp_path / f"gpg-{name}"
+        home.mkdir(mode=0o700)
+        _gpg(home, "--passphrase", "", "--quick-gen-key", f"{name} <{name}@example.com>", "rsa2048", "sign", "never")
+        fpr = [line.split(":")[9] for line in _gpg(home, "--with-colons", "--fingerprint").stdout.decode().splitlines()
+               if line.startswith("fpr:")][0]
+        keys[name] = (home, fpr, _gpg(home, "--armor", "--export", fpr).stdout)
+    version = "1.49.0"
+    tarball = tmp_path / f"aws-efa-installer-{version}.tar.gz"
+
+    def attempt(signer: str, key_file: bytes, tamper: bool = False) -> int:
+        tarball.write_bytes(b"the installer")
+        home = keys[signer][0]
+        sig = _gpg(home, "--detach-sign", "--output", "-", str(tarball)).stdout
+        (tmp_path / f"aws-efa-installer-{version}.tar.gz.sig").write_bytes(sig)
+        (tmp_path / "aws-efa-installer.key").write_bytes(key_file)
+        if tamper:
+            tarball.write_bytes(b"the installer, changed")
+        env = {**os.environ, "EFA_INSTALLER_VERSION": version, "EFA_INSTALLER_KEY_FINGERPRINT": keys["aws"][1]}
+        script = check.replace("${EFA_INSTALLER_VERSION}", version).replace(
+            "${EFA_INSTALLER_KEY_FINGERPRINT}", keys["aws"][1]) + '; ok=$?; rm -rf "$GNUPGHOME"; exit $ok'
+        return subprocess.run(["bash", "-o", "pipefail", "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                              timeout=120).returncode
+
+    aws_key, evil_key = keys["aws"][2], keys["evil"][2]
+    assert attempt("aws", aws_key) == 0
+    assert attempt("aws", aws_key, tamper=True) != 0
+    assert attempt("evil", evil_key) != 0
+    assert attempt("evil", aws_key + evil_key) != 0
 
 
 def test_readme_tables_are_the_versions_table():

@@ -305,15 +305,16 @@ def test_ppo_two_rank_run_saves_and_resumes_the_critic(tmp_path, redis_server):
         store = open_store(cfg.store_url)
         manifest = latest_state(store, run_id)
         assert manifest["step"] == 2 and manifest["modules"] == ["critic", "policy"]
-        # Read the saved state back with torch's own converter (DCP -> one torch.save file).
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        # Read the saved state back the way torch's own converter (format_utils.dcp_to_torch_save)
+        # does, through the store reader (its .metadata is weights-only, not DCP's plain pickle).
+        from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-        dcp_dir = tmp_path / "dcp"
-        for name in manifest["files"]:
-            if name.startswith("dcp/"):
-                store.get_file(step_prefix(run_id, 2) + name, dcp_dir / name[len("dcp/"):])
-        dcp_to_torch_save(dcp_dir, tmp_path / "state.pt")
-        saved = torch.load(tmp_path / "state.pt", weights_only=False)
+        from app.trainer.state import StoreReader
+
+        saved: dict = {}
+        _load_state_dict(saved, storage_reader=StoreReader(store, step_prefix(run_id, 2) + "dcp/"),
+                         planner=_EmptyStateDictLoadPlanner(), no_dist=True)
         assert saved["critic"]["model"]["value_head.weight"].abs().sum() > 0  # trained away from zero
         assert saved["critic"]["optim"]["state"], "critic optimizer state not saved"
         train(3, "--resume")

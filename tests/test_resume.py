@@ -6,11 +6,14 @@
   which still downloads;
 - a real `moerl train` process killed after an unsaved step, then `--resume`d: the rolled-back
   step is re-read from Redis and trained once in the final lineage, the resumed weights are
-  those of the saved state, versions keep increasing; without --resume the run is refused.
+  those of the saved state, versions keep increasing; without --resume the run is refused;
+- a pickled payload put into a saved state (the RNG file, DCP's metadata, an optimizer item)
+  is refused by the resume, and never runs.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -131,6 +134,84 @@ def test_kill_during_state_save_keeps_previous_state(tmp_path):
     for k in expected:
         assert torch.equal(expected[k], got[k]), k
     assert opt.state_dict()["state"], "optimizer moments were not restored"
+
+
+class _Payload:
+    """What a holder of the bucket's write access could leave in a state: unpickling it runs a command."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _tiny_state(tmp_path: Path, tamper=None):
+    """A saved training state of a small module (step 1); ``tamper(state)`` edits what DCP saves."""
+    import app.trainer.state as state_mod
+
+    store = open_store(f"file://{tmp_path}/store")
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    real = state_mod.module_states
+    if tamper is not None:
+        state_mod.module_states = lambda modules: tamper(real(modules))
+    try:
+        state_mod.save_state(store, "r", 1, {"policy": (model, opt)}, {"policy_version": 1},
+                             lineage=["a/0"], work_dir=tmp_path / "work")
+    finally:
+        state_mod.module_states = real
+    fresh = torch.nn.Linear(4, 3)
+    return store, {"policy": (fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3))}
+
+
+@pytest.mark.parametrize("where", ["rng", "metadata-pickle", "metadata-torch-save", "optimizer-item"])
+def test_a_pickled_payload_in_the_store_is_refused_on_resume(tmp_path, where):
+    """Resume reads every file of a state weights-only: a payload planted in the RNG file, in
+    DCP's metadata (as the plain pickle DCP itself writes, or inside torch.save) or in a non-tensor
+    optimizer item raises, and its command never runs."""
+    import pickle
+
+    marker = tmp_path / "payload-ran"
+
+    def plant_item(state):
+        state["policy"]["optim"]["param_groups"][0]["lr"] = _Payload(marker)
+        return state
+
+    store, modules = _tiny_state(tmp_path, plant_item if where == "optimizer-item" else None)
+    assert not marker.exists()
+    prefix = "r/train/s00000001/"
+    if where == "rng":
+        buf = io.BytesIO()
+        torch.save({"cpu": _Payload(marker), "cuda": None}, buf)
+        store.put_bytes(prefix + "rng0.pt", buf.getvalue())
+    elif where == "metadata-pickle":
+        store.put_bytes(prefix + "dcp/.metadata", pickle.dumps(_Payload(marker)))
+    elif where == "metadata-torch-save":
+        buf = io.BytesIO()
+        torch.save(_Payload(marker), buf)
+        store.put_bytes(prefix + "dcp/.metadata", buf.getvalue())
+    manifest = latest_state(store, "r")
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    with pytest.raises((Exception, CheckpointException)) as e:
+        load_state(store, "r", manifest, modules)
+    assert not marker.exists(), f"the payload in {where} ran during resume"
+    # DCP wraps a rank's error in CheckpointException (its .failures, rank -> exception).
+    said = " ".join([str(e.value)] + [str(f) for f in getattr(e.value, "failures", {}).values()])
+    assert "Weights only load failed" in said, said[:800]
+
+
+def test_an_untampered_state_loads_weights_only(tmp_path):
+    """The same small state, untouched, loads: every file of it is plain data."""
+    store, modules = _tiny_state(tmp_path)
+    manifest = latest_state(store, "r")
+    assert manifest["format"] == "dcp-weights-only"
+    assert load_state(store, "r", manifest, modules) == ["a/0"]
+    opt = modules["policy"][1]
+    assert opt.param_groups[0]["lr"] == 1e-3 and opt.state_dict()["state"]
 
 
 def test_kill_during_policy_publish_keeps_previous_version(tmp_path):

@@ -74,7 +74,7 @@ def test_run_config_points_workers_at_the_service_and_quota_counts_its_gpus(synt
     (cm,) = find(all_docs, "ConfigMap", "moerl-run-config")
     run = RunConfig.model_validate(yaml.safe_load(cm["data"]["run.yaml"]))
     assert run.task.reward_model == "/models/rm"
-    assert run.rollout.reward_url == f"http://moerl-reward-model.{plan.namespace}.svc.cluster.local:80"
+    assert run.rollout.reward_url == f"http://moerl-reward-model.{plan.namespace}.svc.cluster.local:{plan.wl.reward_model.port}"
     (quota,) = find(all_docs, "ResourceQuota", "moerl-accelerators")
     want = plan.trainer_world_size + plan.rollout_replicas * plan.gpus_per_rollout + 4
     assert quota["spec"]["hard"]["requests.nvidia.com/gpu"] == str(want)

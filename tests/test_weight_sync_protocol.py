@@ -438,3 +438,111 @@ def test_a_prepare_during_a_version_check_waits_for_the_weights_lock():
     assert asyncio.run(take(30.0, None)) == (["ready"], False, True)
     # a holder past the 0.1 s budget (a store load): busy, and the lock is the holder's to release
     assert asyncio.run(take(0.6, asyncio.Event()))[0] == ["busy"]
+
+
+def _member_against(board, trainer_host: str, master_port: int):
+    """A `PushMember` over ``board`` with a recording engine client (what it asks the engine)."""
+    from types import SimpleNamespace
+
+    from app.config import RunConfig
+    from app.rollout.weight_sync import PushMember
+
+    class Client:
+        def __init__(self):
+            self.calls: list[tuple] = []
+
+        async def server_info(self):
+            return {"tp_size": 1, "startup_time": 1.0}
+
+        async def pause_generation(self, mode):
+            self.calls.append(("pause",))
+
+        async def continue_generation(self):
+            self.calls.append(("continue",))
+
+        async def init_weights_update_group(self, *args, timeout_s=None):
+            self.calls.append(("init_weights_update_group", *args))
+            return True, "joined"
+
+        async def destroy_weights_update_group(self, name, timeout_s=None):
+            self.calls.append(("destroy", name))
+            return True, ""
+
+    cfg = RunConfig()
+    ws = cfg.weight_sync
+    ws.mode, ws.trainer_host, ws.master_port, ws.ready_timeout_s, ws.timeout_s = "network", trainer_host, master_port, 1.0, 1.0
+    idle = asyncio.Event()
+    idle.set()
+    w = SimpleNamespace(cfg=cfg, r=cfg.rollout, client=Client(), worker_id="w0", weights_lock=asyncio.Lock(),
+                        _may_generate=asyncio.Event(), _idle=idle, _stop=asyncio.Event(),
+                        _mark_paused=lambda for_s: None, _engine_suspect=False)
+    return PushMember(w, board), w.client
+
+
+def test_a_push_record_pointing_elsewhere_is_refused_and_no_engine_joins(tmp_path):
+    """The attack of issue 28 item 2. A holder of the rollout credentials cannot write the push
+    record at all (Redis ACL); and a record that points the group anywhere but the trainer's
+    source rank (another address, or the trainer's torchrun rendezvous port) is refused by the
+    worker before its engine hears of it: no /init_weights_update_group, nothing connects to the
+    attacker's listener, the worker acks failed and keeps generating. The trainer's own record
+    (same fields, its address and port) is joined."""
+    import socket
+
+    import redis
+
+    from app.buffer import LocalRedis
+    from app.buffer.acl import ROLES, server_args
+    from app.buffer.redis_server import new_password
+    from app.buffer.weight_sync import SyncBoard
+
+    run, port = "t", 29601  # the trainer's weight-update port, fixed and declared (charts8s)
+    pw = {role: new_password() for role in ROLES}
+    listener = socket.socket()
+    listener.bind(("127.0.0.2", 0))  # the attacker's rendezvous, on another loopback address
+    listener.listen(8)
+    listener.setblocking(False)
+    server = LocalRedis(tmp_path / "redis", password=new_password(), extra_args=server_args(pw, run)).start()
+    try:
+        def board(role):
+            return SyncBoard(redis.Redis(host="127.0.0.1", port=server.port, username=role, password=pw[role],
+                                         decode_responses=True), "moerl", run)
+
+        worker_board, trainer_board = board("rollout"), board("trainer")
+
+        def record(pid, address, group_port):
+            return {"id": pid, "version": 7, "state": "join", "group": {
+                "epoch": 1, "name": f"g-{pid}", "master_address": address, "master_port": group_port,
+                "world_size": 2, "backend": "gloo", "members": {"w0": 1}}}
+
+        forged = record("evil", "127.0.0.2", listener.getsockname()[1])
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            worker_board.set_push(forged)  # layer 1: the rollout user cannot write it
+
+        async def take(rec, cancel_after_join=False):
+            member, client = _member_against(worker_board, "127.0.0.1", port)
+            trainer_board.set_push(rec)  # layer 2: a record there anyway (as if the ACL were lost)
+            task = asyncio.create_task(member.take({"id": rec["id"], "version": 7, "state": "prepare"}))
+            if cancel_after_join:
+                for _ in range(200):
+                    if any(c[0] == "init_weights_update_group" for c in client.calls):
+                        break
+                    await asyncio.sleep(0.02)
+                trainer_board.set_push({**rec, "state": "cancelled"})
+            await asyncio.wait_for(task, 30)
+            member._pool.shutdown()
+            return client.calls, trainer_board.acks(rec["id"])["w0"], member.w._may_generate.is_set()
+
+        for rec in (forged, record("rdzv", "127.0.0.1", 29500)):
+            calls, ack, generating = asyncio.run(take(rec))
+            assert not [c for c in calls if c[0] == "init_weights_update_group"], (rec["id"], calls)
+            assert ack["state"] == "failed" and ack["message"].startswith("refused:"), ack
+            assert generating  # the engine was continued, its weights untouched
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody was sent to the attacker's address
+
+        calls, ack, _ = asyncio.run(take(record("real", "127.0.0.1", port), cancel_after_join=True))
+        joins = [c for c in calls if c[0] == "init_weights_update_group"]
+        assert joins and joins[0][1:3] == ("127.0.0.1", port), calls
+    finally:
+        server.stop()
+        listener.close()

@@ -21,17 +21,21 @@ same run). The A/B between engine profiles (all-to-all vs DeepEP) is two runs of
 one against each fleet (charts8s/benchrollout.py renders them as Jobs).
 
 HTTP: one `app.rollout.engine_client.EngineClient` per engine (asyncio + httpx, a connection per
-in-flight request; no thread per request).
+in-flight request; no thread per request), with the bearer token of ``$MOERL_ENGINE_API_KEY`` when
+it is set (the cluster's bench fleets serve on the pod network with SGLang's ``--api-key``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 
 from app.bench.results import print_notes_and_write
+
+API_KEY_ENV = "MOERL_ENGINE_API_KEY"  # the engines' SGLang --api-key (charts8s/benchrollout.py)
 
 
 @dataclass
@@ -123,8 +127,9 @@ async def _run_async(bench: RolloutBench, cfg, prompts: list[str], concurrency: 
     r = cfg.rollout
     gen_kwargs = dict(n=r.group_size, max_new_tokens=bench.max_new_tokens or r.max_new_tokens,
                       temperature=r.temperature, top_p=r.top_p, return_logprob=True)
-    clients = [EngineClient(u, timeout_s=bench.request_timeout_s, retries=0, max_connections=concurrency + 4)
-               for u in bench.urls]
+    key = os.environ.get(API_KEY_ENV) or None
+    clients = [EngineClient(u, timeout_s=bench.request_timeout_s, retries=0, max_connections=concurrency + 4,
+                            api_key=key) for u in bench.urls]
     try:
         deadline = time.monotonic() + bench.wait_s
         for c in clients:

@@ -69,6 +69,7 @@ if TYPE_CHECKING:
 
 ROLLOUT_GROUP = "rollout"
 PASSWORD_ENV = "MOERL_REDIS_PASSWORD"
+USER_ENV = "MOERL_REDIS_USER"  # the role's Redis ACL user (app/buffer/acl.py); unset: "default"
 STAT_NAMES = ("issued", "finished", "taken", "consumed", "dropped_stale", "requeued",
               "duplicates", "released", "failed_requeued", "failed_dropped", "dead_lettered")
 # Dead letters kept (approximately: XADD MAXLEN ~), and the characters of each field kept in one.
@@ -236,6 +237,7 @@ class ExperienceBuffer:
         stale_policy: "drop" (count and discard stale groups) or "requeue" (discard and queue the
             task again with attempt + 1).
         password: AUTH password; overrides the one in the URL.
+        username: ACL user (app/buffer/acl.py); overrides the one in the URL.
         autocommit: take_batch() first commits the previous batch (deletes its entries).
             Set False when the trainer commits itself after saving its state.
         max_failures: failed rollouts of one task attempt before `fail` drops it.
@@ -257,6 +259,7 @@ class ExperienceBuffer:
         max_staleness: int = 1,
         stale_policy: str = "drop",
         password: str | None = None,
+        username: str | None = None,
         autocommit: bool = True,
         max_failures: int = 3,
     ):
@@ -290,6 +293,8 @@ class ExperienceBuffer:
         kwargs = dict(decode_responses=True, socket_connect_timeout=2.0, socket_timeout=30.0)
         if password is not None:
             kwargs["password"] = password
+        if username is not None:
+            kwargs["username"] = username
         self._check_reachable(url, kwargs)
         # Reconnect through short outages (a redis-server restart) instead of failing the role.
         self.r = redis.Redis.from_url(
@@ -344,13 +349,14 @@ class ExperienceBuffer:
         """The buffer of run `cfg.run_id` with the settings of `cfg.buffer`.
 
         The password comes from the URL or from the environment variable MOERL_REDIS_PASSWORD
-        (a Kubernetes Secret in the cluster), never from the config document.
+        (a Kubernetes Secret in the cluster), never from the config document; the ACL user of
+        the role from MOERL_REDIS_USER (app/buffer/acl.py), else the URL's, else "default".
         """
         b = cfg.buffer
         kwargs = dict(
             prefix=b.run_prefix, capacity_groups=b.capacity_groups, lease_ms=b.lease_ms,
             max_staleness=b.max_staleness, stale_policy=b.stale_policy, max_failures=b.max_failures,
-            password=os.environ.get(PASSWORD_ENV) or None,
+            password=os.environ.get(PASSWORD_ENV) or None, username=os.environ.get(USER_ENV) or None,
         )
         kwargs.update(overrides)
         return cls(b.redis_url, cfg.run_id, **kwargs)

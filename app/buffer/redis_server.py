@@ -62,7 +62,8 @@ class LocalRedis:
         data_dir: where the AOF and the log live; a temporary directory (removed by `stop()`
             unless `keep_dir`) when None.
         port: TCP port; a free one when None. `restart()` keeps it.
-        password: AUTH password (requirepass); none when None.
+        password: AUTH password of the ``default`` user (requirepass); none when None.
+        extra_args: more redis-server options, e.g. the role users of `app.buffer.acl.server_args`.
         appendfsync: "everysec" (default), "always" or "no".
         binary: the redis-server executable.
         start_timeout_s: how long to wait for PING after starting.
@@ -83,6 +84,7 @@ class LocalRedis:
         binary: str = REDIS_SERVER,
         start_timeout_s: float = 10.0,
         keep_dir: bool = False,
+        extra_args: list[str] | tuple[str, ...] = (),
     ):
         if not Path(binary).exists():
             found = shutil.which("redis-server")
@@ -99,6 +101,7 @@ class LocalRedis:
         self.appendfsync = appendfsync
         self.start_timeout_s = start_timeout_s
         self.keep_dir = keep_dir
+        self.extra_args = list(extra_args)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -126,7 +129,7 @@ class LocalRedis:
         ]
         if self.password:
             argv += ["--requirepass", self.password]
-        return argv
+        return argv + self.extra_args
 
     def client(self) -> redis.Redis:
         """A redis-py client for this server (for tests and admin); no retries."""

@@ -3,13 +3,15 @@
 Rows that are not valid JSON objects, or lack a non-empty string ``prompt`` / a string or number
 ``answer``, are skipped and counted (with the first few line numbers) instead of failing the run;
 a file with no valid row at all is an error. The reward is math-verify equivalence
-(huggingface/Math-Verify: ``parse`` the gold answer and the completion, then ``verify``).
+(huggingface/Math-Verify: ``parse`` the gold answer and the completion, then ``verify``), run in
+a worker process killed at a deadline (`math_verify_reward`): model output can make it run forever.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,11 +94,18 @@ def answer_json(answer: str) -> str:
     return json.dumps({"source": "jsonl", "answer": answer})
 
 
-def math_verify_reward(completion: str, gold: str) -> float:
-    """1.0 if math-verify finds the completion's answer equal to ``gold``, else 0.0.
+# Worker processes of math-verify at most: more than the reward threads a rollout worker runs
+# (`RewardPool`: 4 x rollout.reward_threads at most); each is started only when a call needs it.
+VERIFY_PROCESSES = 32
+_pool = None
+_pool_lock = threading.Lock()
 
-    Timeouts inside math-verify are off (they use SIGALRM, which only works in the main thread);
-    the rollout worker bounds the call with ``rollout.reward_timeout_s``.
+
+def verify_in_process(completion: str, gold: str) -> float:
+    """The math-verify comparison itself (what `math_verify_reward` runs in a worker process).
+
+    Timeouts inside math-verify are off: they use SIGALRM, which only works in a main thread;
+    the pool's deadline bounds the call instead.
     """
     from math_verify import parse, verify
 
@@ -106,3 +115,34 @@ def math_verify_reward(completion: str, gold: str) -> float:
         return float(completion.strip() == gold.strip())
     pred = parse(completion, parsing_timeout=None)
     return float(bool(pred) and verify(gold_parsed, pred, timeout_seconds=None))
+
+
+def verifier_pool(deadline_s: float | None = None):
+    """The process pool math-verify runs in (app/envs/process_pool.py), created on first use with
+    ``deadline_s`` (default: ``task.verify_timeout_s``'s default); a later ``deadline_s`` replaces it."""
+    global _pool
+    from app.envs.process_pool import DeadlinePool
+
+    with _pool_lock:
+        if _pool is None or (deadline_s is not None and deadline_s != _pool.deadline_s):
+            if _pool is not None:
+                _pool.close()
+            if deadline_s is None:
+                from app.config import TaskConfig
+
+                deadline_s = TaskConfig().verify_timeout_s
+            _pool = DeadlinePool("app.envs.jsonl:verify_in_process", VERIFY_PROCESSES, deadline_s,
+                                 preload=("app.envs.verify_warm",))
+        return _pool
+
+
+def math_verify_reward(completion: str, gold: str) -> float:
+    """1.0 if math-verify finds the completion's answer equal to ``gold``, else 0.0, computed in a
+    worker process that is killed at the pool's deadline (``task.verify_timeout_s``).
+
+    Raises:
+        app.envs.process_pool.CallTimeout: math-verify ran past the deadline (a TimeoutError: the
+            rollout worker counts it as a failed reward, never as a reward of 0).
+        app.envs.process_pool.CallFailed: math-verify raised.
+    """
+    return verifier_pool().call(completion, gold)

@@ -13,7 +13,8 @@ verifier finds wrong). A failed reward is not: a ``Task.answer`` that is not our
 verifier that raises, or a value that is not a finite number in [0, 1] raises `RewardError`
 (or the verifier's own exception), and the rollout worker then fails the whole group, which is
 never trained (app/rollout/worker.py). Timeouts are the caller's job too (the worker runs
-``score`` under ``rollout.reward_timeout_s``). `warm` imports and sets up the verifier of a
+``score`` under ``rollout.reward_timeout_s``); math-verify also runs in a process killed after
+``task.verify_timeout_s``, whose timeout raises a TimeoutError (a failure). `warm` imports and sets up the verifier of a
 task before the first call, so the first call is not slower than the timeout.
 """
 
@@ -108,9 +109,10 @@ def warm(task_cfg) -> None:
     worker before it leases its first task (the first import takes seconds on a busy machine,
     longer than ``rollout.reward_timeout_s``)."""
     if task_cfg.source == "jsonl":
-        from app.envs.jsonl import math_verify_reward
+        from app.envs.jsonl import math_verify_reward, verifier_pool
 
-        math_verify_reward("1", "1")
+        verifier_pool(task_cfg.verify_timeout_s)  # the deadline of this run's config
+        math_verify_reward("1", "1")  # starts the forkserver, which imports math-verify once
     else:
         _gym_scorer(task_cfg.name)
 

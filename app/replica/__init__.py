@@ -189,7 +189,11 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
     run = RunConfig.model_validate(yaml.safe_load(m.config_maps[RUN_CONFIG_MAP][RUN_CONFIG_KEY]))
     if not run.store_url.startswith("s3://"):
         raise ManifestError(f"the mounted run config's store_url is {run.store_url!r}; the cluster's is s3://")
-    secret_values = {name: {"password": pysecrets.token_hex(16)} for name in m.secret_refs}
+    from app.replica.manifests import secret_keys
+
+    # What `kubectl create secret` makes (README): a random value for every key the pods read.
+    secret_values = {name: {key: pysecrets.token_hex(16) for key in keys or {"password"}}
+                     for name, keys in secret_keys(m).items()}
     out.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(m, out, secret_values,
                       dict(bin_dir=str(Path(sys.executable).parent), repo=str(image_repo), procs_per_gpu_node=procs_per_node),
@@ -249,7 +253,9 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
         # Rollout pods drain (their unfinished tasks go back to the queue) before Redis is read.
         cluster.delete_workloads([w.name for w in m.workloads if w.kind not in ("StatefulSet", "Job")])
         buffer_pod = next(p for p in cluster.pods.values() if cluster.owner[p.name].kind == "StatefulSet")
-        password = next(iter(secret_values.values()))["password"]
+        from charts8s.buffer import ADMIN_KEY
+
+        password = next(v[ADMIN_KEY] for v in secret_values.values() if ADMIN_KEY in v)  # the default user's
         from app.buffer import ExperienceBuffer
 
         with ExperienceBuffer(f"redis://:{password}@{buffer_pod.ip}:6379/0", run.run_id, prefix=run.buffer.run_prefix) as buf:

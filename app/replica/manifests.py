@@ -191,6 +191,21 @@ def secret_names(pod: dict) -> set[str]:
     return out
 
 
+def secret_keys(manifests: "Manifests") -> dict[str, set[str]]:
+    """Secret name -> the keys the pods read from it by ``secretKeyRef`` (what an operator puts in
+    the Secrets made outside dist/: the buffer's one password per Redis user)."""
+    out: dict[str, set[str]] = {name: set() for name in manifests.secret_refs}
+    for w in manifests.workloads:
+        for group in w.groups:
+            for _, tpl, _ in group:
+                for c in tpl["spec"].get("containers", []) + tpl["spec"].get("initContainers", []):
+                    for e in c.get("env", []):
+                        ref = e.get("valueFrom", {}).get("secretKeyRef")
+                        if ref:
+                            out.setdefault(ref["name"], set()).add(ref["key"])
+    return out
+
+
 def selects(selector: dict, labels: dict) -> bool:
     """Whether a Service's (equality) selector matches pod labels; an empty selector matches nothing."""
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())

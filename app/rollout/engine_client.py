@@ -165,6 +165,7 @@ class EngineClient:
     def __init__(
         self, url: str, *, timeout_s: float = 60.0, retries: int = 3, backoff_s: float = 0.5,
         max_backoff_s: float = 8.0, max_connections: int = 100, transport: httpx.AsyncBaseTransport | None = None,
+        api_key: str | None = None,
     ):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"engine url must start with http:// or https://, got {url!r}")
@@ -174,7 +175,10 @@ class EngineClient:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, limits=limits, transport=transport)
+        # SGLang's --api-key: every route but /health* asks for it as a bearer token (sglang/srt/utils/auth.py).
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, limits=limits, transport=transport,
+                                       headers=headers)
 
     async def aclose(self) -> None:
         """Close the HTTP connection pool."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -203,8 +204,14 @@ class PushMember:
         return "untouched"
 
     async def _join(self, pid: str, group: dict) -> bool:
-        """Leave the engine's old group, join ``group``; ack joined or failed."""
+        """Leave the engine's old group, join ``group``; ack joined or failed. A group whose
+        source is not the trainer (`refuse_source`) is refused before the engine hears of it."""
         w = self.w
+        refused = await asyncio.to_thread(refuse_source, group, self.cfg)
+        if refused is not None:
+            log.error("%s: push %s refused, the engine does not join: %s", w.worker_id, pid, refused)
+            await self._board("ack", pid, w.worker_id, "failed", message=f"refused: {refused}"[:500])
+            return False
         if self.group_name is not None:
             try:
                 await w.client.destroy_weights_update_group(self.group_name, timeout_s=self.cfg.timeout_s)
@@ -300,3 +307,34 @@ class PushMember:
         self.dirty = False
         log.info("%s: engine reloaded policy v%d from the store after a failed push", w.worker_id, version)
         return True
+
+
+def _resolved(host: str) -> set[str]:
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except (socket.gaierror, UnicodeError, ValueError):
+        return set()
+
+
+def refuse_source(group: dict, cfg) -> str | None:
+    """Why an engine must not join ``group`` (a push record's group), or None when its source is
+    the trainer's: ``master_address`` resolves only to addresses of ``cfg.trainer_host`` (else
+    ``cfg.master_address``, else this host's name) and, when ``cfg.master_port`` is set,
+    ``master_port`` is it. The engine would otherwise take its weights from whoever can write
+    the push record (app/buffer/acl.py keeps that to the trainer's Redis user).
+
+    Args:
+        group: the record's ``group`` (``master_address``, ``master_port``, ...).
+        cfg: the run's ``weight_sync`` section.
+    """
+    expected = cfg.trainer_host or cfg.master_address or socket.gethostname()
+    address, port = str(group.get("master_address", "")), group.get("master_port")
+    if cfg.master_port and port != cfg.master_port:
+        return f"master_port {port!r} is not weight_sync.master_port {cfg.master_port}"
+    allowed, got = _resolved(expected), _resolved(address)
+    if not allowed:
+        return f"the trainer's host {expected!r} does not resolve"
+    if not got or not got <= allowed:
+        return (f"master_address {address!r} ({', '.join(sorted(got)) or 'unresolved'}) is not the trainer's "
+                f"{expected!r} ({', '.join(sorted(allowed))})")
+    return None

@@ -185,6 +185,9 @@ class RewardPool:
             try:
                 value = float(fn(task, completion))
                 result: tuple[float, str | None] = (value, None) if math.isfinite(value) else (0.0, "error")
+            except TimeoutError as e:  # the verifier's own deadline (app/envs/process_pool.py): a timeout
+                log.debug("reward timed out on %s: %s", task.task_id, e)
+                result = (0.0, "timeout")
             except Exception as e:  # noqa: BLE001 - a reward that raises scores 0, counted
                 log.debug("reward raised on %s: %s", task.task_id, e)
                 result = (0.0, "error")

@@ -3,7 +3,7 @@ newest complete one (issue 4; sharded through torch.distributed.checkpoint since
 
 Layout (docs/ARCHITECTURE.md, "Checkpoint layout": training state lives apart from the policy weights):
 
-    <run>/train/s{step:08d}/dcp/.metadata        DCP's global metadata (rank 0)
+    <run>/train/s{step:08d}/dcp/.metadata        DCP's global metadata (rank 0), as torch.save
     <run>/train/s{step:08d}/dcp/__{r}_0.distcp   rank r's tensors: its FSDP shards of the fp32
                                                 master weights and AdamW state of every module
                                                 (policy, critic), each tensor stored once
@@ -22,6 +22,13 @@ only the bytes of the shards it owns. A step directory without its manifest is i
 that was killed) and is never loaded, so a kill at any moment of a save leaves the previous state
 usable. Each object is written atomically by the store (file: temporary name + rename; S3: PutObject).
 
+Nothing read back is unpickled: whoever can write the run's prefix could otherwise run code in
+every trainer pod at the next resume. The RNG files and DCP's non-tensor items (the optimizer's
+param_groups) load with ``torch.load(weights_only=True)``; DCP's own ``.metadata`` is a plain
+pickle, so rank 0 stores it re-saved with ``torch.save`` and resume loads it the same way, with
+only DCP's metadata dataclasses allowed (`METADATA_CLASSES`). A state of the older format
+(``format: dcp``, a pickled ``.metadata``) is refused, not loaded.
+
 Buffer commit point: the trainer commits (deletes) its taken groups from Redis only after the
 state that trained on them is saved. The manifest records the newest samples-stream entry id
 taken before the save; a resumed trainer deletes every entry up to it (`drop_committed`),
@@ -32,7 +39,6 @@ from __future__ import annotations
 
 import io
 import json
-import pickle
 import re
 import shutil
 import time
@@ -42,7 +48,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -50,6 +58,12 @@ from app.model.parallel import collective_device
 from app.storage.store import ObjectStore, run_area
 
 MANIFEST = "moerl-state.json"
+FORMAT = "dcp-weights-only"  # manifest "format": DCP shards, every file loadable with weights_only=True
+# What DCP's Metadata is made of (torch/distributed/checkpoint/metadata.py, filesystem.py): the
+# only classes the weights-only unpickler may build when it reads a state's .metadata.
+METADATA_CLASSES = [dcp_metadata.Metadata, dcp_metadata.TensorStorageMetadata, dcp_metadata.BytesStorageMetadata,
+                    dcp_metadata.ChunkStorageMetadata, dcp_metadata.TensorProperties, dcp_metadata.MetadataIndex,
+                    dcp_metadata.StorageMeta, dcp_metadata._MEM_FORMAT_ENCODING, _StorageInfo]
 _STEP_DIR = re.compile(r"^s(\d{8})/")
 
 
@@ -110,7 +124,17 @@ class StoreReader(FileSystemReader):
         self.fs = _StoreFS(store)
 
     def read_metadata(self, *args: Any, **kwargs: Any):
-        metadata = pickle.loads(self.store.get_bytes(self.prefix + ".metadata"))
+        """DCP's Metadata, as `metadata_bytes` stored it (weights-only: `METADATA_CLASSES` only).
+
+        Raises:
+            pickle.UnpicklingError: the object holds anything else (a pickled payload).
+        """
+        with torch.serialization.safe_globals(METADATA_CLASSES):
+            metadata = torch.load(io.BytesIO(self.store.get_bytes(self.prefix + ".metadata")),
+                                  map_location="cpu", weights_only=True)
+        if not isinstance(metadata, dcp_metadata.Metadata):
+            raise ValueError(f"{self.store.uri(self.prefix + '.metadata')}: not DCP metadata "
+                             f"({type(metadata).__name__})")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -118,6 +142,32 @@ class StoreReader(FileSystemReader):
 
     def _slice_file(self, file, sinfo):
         return io.BytesIO(self.store.get_range(file.key, sinfo.offset, sinfo.length))
+
+
+def metadata_bytes(local_dir: Path) -> bytes:
+    """DCP's ``.metadata`` that this process just wrote into ``local_dir``, re-saved with
+    ``torch.save`` so that `StoreReader` loads it weights-only (DCP writes a plain pickle). The
+    checkpoint id (a local path) is dropped: a reader sets its own."""
+    metadata = FileSystemReader(local_dir).read_metadata()
+    if metadata.storage_meta is not None:
+        metadata.storage_meta.checkpoint_id = None
+    buf = io.BytesIO()
+    torch.save(metadata, buf)
+    return buf.getvalue()
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that non-tensor items (BYTE_IO: the optimizer's
+    param_groups) are read with ``torch.load(weights_only=True)``; DefaultLoadPlanner.load_bytes
+    unpickles them with ``weights_only=False``."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        plain = torch.load(value, map_location="cpu", weights_only=True)  # raises on a pickled payload
+        # The parent places the value where its state dict wants it; hand it the re-saved plain data.
+        buf = io.BytesIO()
+        torch.save(plain, buf)
+        buf.seek(0)
+        super().load_bytes(read_item, buf)
 
 
 class _StoreFS:
@@ -218,9 +268,13 @@ def save_state(
         dcp.save(module_states(modules), storage_writer=FileSystemWriter(local))
         for f in sorted(local.iterdir()):
             # Each rank uploads the files it wrote; DCP's metadata is rank 0's (written by the coordinator).
-            if f.name.startswith(f"__{rank}_") or (rank == 0 and f.name == ".metadata"):
+            if f.name.startswith(f"__{rank}_"):
                 store.put_file(f, prefix + "dcp/" + f.name)
                 sizes["dcp/" + f.name] = f.stat().st_size
+            elif rank == 0 and f.name == ".metadata":
+                data = metadata_bytes(local)
+                store.put_bytes(prefix + "dcp/.metadata", data)
+                sizes["dcp/.metadata"] = len(data)
         rng = _rng_state()
         store.put_bytes(prefix + f"rng{rank}.pt", rng)
         sizes[f"rng{rank}.pt"] = len(rng)
@@ -244,7 +298,7 @@ def save_state(
             store.put_bytes(prefix + "lineage.json", data)
             files["lineage.json"] = len(data)
             manifest = {**meta, "run_id": run_id, "step": step, "world_size": world, "time": time.time(),
-                        "format": "dcp", "modules": sorted(modules), "files": files}
+                        "format": FORMAT, "modules": sorted(modules), "files": files}
             store.put_bytes(prefix + MANIFEST, json.dumps(manifest, indent=1).encode())
             store.put_bytes(_root(run_id) + "latest", str(step).encode())
             prune_states(store, run_id, keep)
@@ -275,20 +329,21 @@ def load_state(
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     step = manifest["step"]
-    if manifest.get("format") != "dcp":
-        raise ValueError(f"training state of step {step} was written by an older trainer (no DCP state); "
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"training state of step {step} was written by an older trainer (format "
+                         f"{manifest.get('format')!r}, not {FORMAT!r}: it cannot be read without unpickling); "
                          "start a new run_id")
     if manifest.get("modules") != sorted(modules):
         raise ValueError(f"training state of step {step} holds {manifest.get('modules')}, this trainer has "
                          f"{sorted(modules)} (was it saved with another trainer.algorithm?)")
     prefix = step_prefix(run_id, step)
     state = module_states(modules)
-    dcp.load(state, storage_reader=StoreReader(store, prefix + "dcp/"))
+    dcp.load(state, storage_reader=StoreReader(store, prefix + "dcp/"), planner=WeightsOnlyLoadPlanner())
     for name, (module, optimizer) in modules.items():
         set_state_dict(module, optimizer, model_state_dict=state[name]["model"],
                        optim_state_dict=state[name]["optim"])
     if rank < manifest["world_size"]:
-        rng = torch.load(io.BytesIO(store.get_bytes(prefix + f"rng{rank}.pt")), map_location="cpu", weights_only=False)
+        rng = torch.load(io.BytesIO(store.get_bytes(prefix + f"rng{rank}.pt")), map_location="cpu", weights_only=True)
         torch.set_rng_state(rng["cpu"])
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
