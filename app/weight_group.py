@@ -159,7 +159,7 @@ class UpdateGroup:
 
 def open_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,
                group_name: str = DEFAULT_GROUP_NAME, timeout_s: float = 60.0,
-               device: torch.device | None = None) -> UpdateGroup:
+               device: torch.device | None = None, store: dist.TCPStore | None = None) -> UpdateGroup:
     """Join (rank 0: create and serve) the weight-update group's rendezvous; blocks until all
     ``world_size`` ranks have reached the store, at most about ``timeout_s`` seconds. The backend
     itself is made at the first broadcast (the module doc says why).
@@ -172,6 +172,9 @@ def open_group(backend: str, master_address: str, master_port: int, world_size: 
         group_name: the group's name (SGLang's ``group_name`` field).
         timeout_s: bound of the join and of every later operation.
         device: unused (kept for callers; the backend binds no device at join).
+        store: rank 0 only: a rendezvous store it already serves, shared by several groups (each
+            group's keys are under its own name); the join then waits for nobody (the members'
+            arrival shows at the first broadcast).
 
     Raises:
         ValueError: an unknown backend or a rank outside the group.
@@ -185,15 +188,17 @@ def open_group(backend: str, master_address: str, master_port: int, world_size: 
     try:
         # What rendezvous("tcp://addr:port", rank, world_size) makes: rank 0 serves the store
         # and waits for the others to connect.
-        store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0),
-                              timeout=timeout, wait_for_workers=True, multi_tenant=False)
+        shared = store is not None and rank == 0
+        if not shared:
+            store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0),
+                                  timeout=timeout, wait_for_workers=True, multi_tenant=False)
         prefixed = dist.PrefixStore(group_name, store)  # init_custom_process_group's own prefix
         device_kind = "cpu" if backend == "gloo" else "cuda"
         keys = dist.PrefixStore(f"{device_kind}/", dist.PrefixStore(f"{group_name}/", prefixed))
     except (RuntimeError, ValueError) as e:  # DistStoreError / DistNetworkError are RuntimeErrors
         raise GroupError(f"joining weight-update group {group_name!r} at {master_address}:{master_port} "
                          f"as rank {rank} of {world_size} failed: {str(e).splitlines()[0][:300]}") from None
-    return UpdateGroup(group_name, rank, world_size, backend, timeout_s, None, store, keys)
+    return UpdateGroup(group_name, rank, world_size, backend, timeout_s, None, None if shared else store, keys)
 
 
 def bucket_bytes(shapes: list[list[int]], dtypes: list[torch.dtype]) -> int:

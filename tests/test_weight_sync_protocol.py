@@ -460,6 +460,10 @@ def _member_against(board, trainer_host: str, master_port: int):
         async def continue_generation(self):
             self.calls.append(("continue",))
 
+        async def flush_until(self, within_s, every_s=1.0):
+            self.calls.append(("flush",))
+            return True
+
         async def init_weights_update_group(self, *args, timeout_s=None):
             self.calls.append(("init_weights_update_group", *args))
             return True, "joined"
@@ -509,10 +513,10 @@ def test_a_push_record_pointing_elsewhere_is_refused_and_no_engine_joins(tmp_pat
 
         worker_board, trainer_board = board("rollout"), board("trainer")
 
-        def record(pid, address, group_port):
-            return {"id": pid, "version": 7, "state": "join", "group": {
+        def record(pid, address, group_port):  # the record's groups, as the trainer writes them (one per worker)
+            return {"id": pid, "version": 7, "state": "join", "groups": {"w0": {
                 "epoch": 1, "name": f"g-{pid}", "master_address": address, "master_port": group_port,
-                "world_size": 2, "backend": "gloo", "members": {"w0": 1}}}
+                "world_size": 2, "backend": "gloo", "rank_offset": 1}}}
 
         forged = record("evil", "127.0.0.2", listener.getsockname()[1])
         with pytest.raises(redis.exceptions.NoPermissionError):

@@ -14,7 +14,9 @@ and app/buffer/weight_sync.py):
 - ``trainer``: every key of the run (it takes and commits samples, requeues stale tasks, announces
   versions, writes the push record and plans, reads registrations and acks);
 - ``rollout``: read-write the task queue and what its Lua scripts touch (tasks, samples, seen,
-  stats, dropped: Redis checks a script's declared keys for read and write); read-only the policy
+  stats, dropped, and the group payloads ``blob:*``, app/buffer/encoding.py: Redis checks a
+  script's declared keys for read and write), and a multi-node engine's fetchers' reports
+  (``group:*``, app/rollout/group.py); read-only the policy
   hash and ``wsync:push``, ``wsync:plan:*``, ``wsync:events``; write-only the registrations
   (``wsync:engine:*``, ``wsync:engine-ids``: it cannot list the other engines) and the acks
   (``wsync:acks:*``, ``wsync:ack-events``);
@@ -45,11 +47,12 @@ COMMANDS = {
     "trainer": CONNECT + SCRIPTS + TRANSACTIONS + [
         "+xgroup|create", "+xread", "+xrange", "+xrevrange", "+xdel", "+xlen", "+xpending", "+xadd",
         "+hincrby", "+hgetall", "+hget", "+hset", "+sadd", "+smembers", "+srem", "+sismember",
-        "+get", "+set", "+mget", "+expire"],
+        "+get", "+set", "+mget", "+expire", "+unlink", "+hmget", "+exists", "+persist", "+xautoclaim",
+        "+xack"],
     "rollout": CONNECT + SCRIPTS + TRANSACTIONS + [
         "+xgroup|create", "+xautoclaim", "+xreadgroup", "+xack", "+xclaim", "+xdel", "+xlen", "+xpending",
         "+xadd", "+xread", "+xrevrange", "+hincrby", "+hgetall", "+hset", "+expire", "+sadd", "+srem",
-        "+sismember", "+get", "+set", "+del"],
+        "+sismember", "+get", "+set", "+del", "+mget", "+hmget", "+exists", "+persist", "+unlink"],
     "feed": CONNECT + SCRIPTS + [
         "+xgroup|create", "+xlen", "+xpending", "+xadd", "+xdel", "+hincrby", "+hgetall", "+sadd"],
 }
@@ -68,7 +71,7 @@ def key_rules(role: str, run_id: str, prefix: str = "moerl") -> list[str]:
     if role == "trainer":
         return [f"~{run}*"]
     if role == "rollout":
-        return ([f"~{keys[n]}" for n in ("tasks", "samples", "seen", "stats", "dropped")]
+        return ([f"~{keys[n]}" for n in ("tasks", "samples", "seen", "stats", "dropped")] + [f"~{run}blob:*", f"~{run}group:*"]
                 + [f"%R~{keys['policy']}", f"%R~{ws}push", f"%R~{ws}plan:*", f"%R~{ws}events"]
                 + [f"%W~{ws}engine:*", f"%W~{ws}engine-ids", f"%W~{ws}acks:*", f"%W~{ws}ack-events"])
     if role == "feed":

@@ -28,8 +28,10 @@ rank 0 talks to Redis and the group):
    opened with a new epoch: ``state: join`` with ``groups: {worker: {epoch, name,
    master_address, master_port, world_size, backend, rank_offset}}``; each worker of a new
    group calls its engine's ``/destroy_weights_update_group`` (the old one) and
-   ``/init_weights_update_group``, and rank 0 serves the new groups' rendezvous at once
-   (app/weight_group.py), all within ``weight_sync.timeout_s``. The groups' backends are made
+   ``/init_weights_update_group`` and acks ``joined``; rank 0 serves one rendezvous store for
+   every group, on ``weight_sync.master_port`` (each group's keys under its name), and moves to
+   the send once the new groups' members have joined, within ``weight_sync.timeout_s`` (a
+   group with a member that did not is left out of this push). The groups' backends are made
    at their first broadcast, as SGLang's NCCL group is (app/weight_group.py says why).
 3. send: rank 0 writes the bucket plan (``[{names, dtypes, shapes}]``: Hugging Face names, per
    expert, in the publish dtype; buckets of at most ``weight_sync.bucket_bytes``) and ``state:
@@ -87,6 +89,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -198,6 +201,8 @@ class WeightPusher:
         self.groups: dict[tuple[str, ...], _Group] = {}  # members -> open group
         self._staging: torch.Tensor | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._store: dist.TCPStore | None = None  # rank 0's rendezvous for every group (`_rendezvous`)
+        self._port = 0
         self.last = PushResult(-1)  # the latest push's outcome
 
     # ------------------------------------------------------------------ rank 0: the board
@@ -219,33 +224,28 @@ class WeightPusher:
             if g is not None:
                 g.group.close()
 
-    def _new_info(self, members: tuple[str, ...], ranks: dict[str, int], address: str, used: set[int]) -> dict:
-        """The record entry of a new group for ``members`` (a new epoch, a port not in ``used``)."""
+    def _new_info(self, members: tuple[str, ...], ranks: dict[str, int], address: str) -> dict:
+        """The record entry of a new group for ``members``: a new epoch, the rendezvous store's
+        address and port (one store serves every group: `_rendezvous`)."""
         self.epoch += 1
-        if self.cfg.master_port:
-            port = next(p for p in range(self.cfg.master_port, 65536) if p not in used)
-        else:
-            port = _free_port(address)
-        used.add(port)
         offsets, cursor = {}, 1
         for w in members:
             offsets[w] = cursor
             cursor += ranks[w]
         return {"epoch": self.epoch, "name": f"moerl-{self.token}-e{self.epoch}", "master_address": address,
-                "master_port": port, "world_size": cursor, "backend": self.backend, "members": offsets}
+                "master_port": self._port, "world_size": cursor, "backend": self.backend, "members": offsets}
 
-    def _open(self, infos: dict[tuple[str, ...], dict]) -> dict[tuple[str, ...], UpdateGroup | GroupError]:
-        """Rank 0 serves each new group's rendezvous, all at once (each waits for its members)."""
-        def one(info: dict):
-            try:
-                return open_group(self.backend, info["master_address"], info["master_port"], info["world_size"], 0,
-                                  info["name"], self.cfg.timeout_s)
-            except GroupError as e:
-                return e
-
-        with ThreadPoolExecutor(max_workers=max(len(infos), 1)) as pool:
-            futures = {key: pool.submit(one, info) for key, info in infos.items()}
-        return {key: f.result() for key, f in futures.items()}
+    def _rendezvous(self, address: str) -> dist.TCPStore:
+        """Rank 0's one rendezvous store for every weight-update group, on ``weight_sync.master_port``
+        (else a free port), made at the first join and served for the pusher's life. Each group's
+        keys live under its own name (SGLang's ``PrefixStore(group_name)``), so one fixed port serves
+        every group: the one port the NetworkPolicies open and the workers accept
+        (app/rollout/weight_sync.py ``refuse_source``)."""
+        if self._store is None:
+            self._port = self.cfg.master_port or _free_port(address)
+            self._store = dist.TCPStore(address, self._port, None, is_master=True,
+                                        timeout=timedelta(seconds=self.cfg.timeout_s), wait_for_workers=False)
+        return self._store
 
     def _prepare(self, version: int, plan: list[dict]) -> dict | None:
         """Rank 0: steps 1-3 of the module doc up to the first bucket; the push record, or None
@@ -275,17 +275,25 @@ class WeightPusher:
         if new:
             result.rebuilt = True
             address = master_address(self.cfg.master_address)
-            used = {g.info["master_port"] for g in self.groups.values()}
-            infos = {key: self._new_info(key, ranks, address, used) for key in new}
+            store = self._rendezvous(address)
+            infos = {key: self._new_info(key, ranks, address) for key in new}
             record.update(state="join", groups=self._entries({**{k: g.info for k, g in self.groups.items()}, **infos}))
             self.board.set_push(record)
-            for key, opened in self._open(infos).items():
-                if isinstance(opened, GroupError):
-                    result.failed.extend(key)
-                    result.error = str(opened)
-                    log.warning("push v%d: %s", version, opened)
+            # Each member joins its group's rendezvous and acks "joined"; the backends come up at
+            # the first broadcast (app/weight_group.py), so the send waits for the joins here.
+            joining = {w for key in new for w in key}
+            acks = self._wait_acks(push_id, joining, {"joined", "failed"}, self.cfg.timeout_s)
+            for key, info in infos.items():
+                if all(acks.get(w, {}).get("state") == "joined" for w in key):
+                    group = open_group(self.backend, address, self._port, info["world_size"], 0, info["name"],
+                                       self.cfg.timeout_s, store=store)
+                    self.groups[key] = _Group(info, {w: ranks[w] for w in key}, group)
                 else:
-                    self.groups[key] = _Group(infos[key], {w: ranks[w] for w in key}, opened)
+                    result.failed.extend(key)
+                    why = sorted(f"{w}: {acks.get(w, {}).get('message') or acks.get(w, {}).get('state', 'no answer')}"
+                                 for w in key)
+                    result.error = f"group {info['name']} not joined in time ({'; '.join(why)})"
+                    log.warning("push v%d: %s", version, result.error)
         if not self.groups:
             self.board.set_push({**record, "state": "failed", "error": result.error})
             return None
@@ -473,6 +481,7 @@ class WeightPusher:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
+        self._store = None
 
 
 def _piece(value: torch.Tensor, t, e_offset: int) -> torch.Tensor:
