@@ -125,8 +125,8 @@ NCCL_ENV = {
     "TORCH_NCCL_TRACE_BUFFER_SIZE": "20000",
     "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/tmp/nccl_trace_rank_",
 }
-# The CUDA caching allocator with expandable segments: `moerl plan`'s fragmentation 1.13 (against
-# 1.33 with the default allocator, app/plan/memory.py FRAGMENTATION) is what lets DeepSeek-V3 fit
+# The CUDA caching allocator with expandable segments: its reserve (app/plan/memory.py
+# FRAGMENTATION_EXPANDABLE 1.16, against 1.33 with the default allocator) is what lets DeepSeek-V3 fit
 # 16 x 8 H200 at EP 32 with 8K-token micro-batches (README, "Planning a layout").
 GPU_ALLOC_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 # EFA through libfabric and the aws-ofi-nccl plugin (EC2 user guide, "Get started with EFA and

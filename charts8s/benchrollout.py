@@ -23,7 +23,7 @@ from __future__ import annotations
 import cdk8s
 from constructs import Construct
 
-from app.bench.rollout import API_KEY_ENV
+from app.rollout.engine_client import API_KEY_ENV
 from app.rollout.engine_args import EngineLayout
 from app.torchx_component import CLUSTER_CONFIG
 from charts8s.cluster import ENV_SERVICE, run_config_volume
@@ -31,13 +31,11 @@ from charts8s.kube import api_object, k8s_module
 from charts8s.lws import leader_worker_set
 from charts8s.netpol import dns, pod_identity, pods, policy, public_https, tcp
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
-from charts8s.rollout import NO_PROBE_SKIPS, ROLLOUT_SKIPS, UID, engine_container, engine_network_policies, engine_pod
+from charts8s.rollout import (API_KEY, NO_PROBE_SKIPS, ROLLOUT_SKIPS, UID, engine_container, engine_network_policies,
+                              engine_pod, keyed_engine)
 from charts8s.workloads import Plan
 
 WAIT_S = 3600  # how long the Job waits for the engines to load the model and answer
-# The Secret's keys (README: kubectl create secret) and the engine container's variables.
-API_KEY, ADMIN_API_KEY = "api-key", "admin-api-key"
-KEY_ENV = {API_KEY: "SGLANG_API_KEY", ADMIN_API_KEY: "SGLANG_ADMIN_API_KEY"}
 
 
 def fleet_name(profile: str) -> str:
@@ -49,17 +47,6 @@ def engine_urls(plan: Plan, profile: str) -> list[str]:
     name, bench = fleet_name(profile), plan.wl.bench_rollout
     return [f"http://{name}-{i}.{name}.{plan.namespace}.svc.cluster.local:{plan.wl.rollout.engine_port}"
             for i in range(bench.engines)]
-
-
-def keyed_engine(plan: Plan, container: dict) -> dict:
-    """An engine container serving on the pod network, with SGLang's --api-key and --admin-api-key
-    from the bench Secret (the kubelet expands ``$(VAR)`` in the command)."""
-    secret = plan.wl.bench_rollout.api_key_secret
-    container["command"] = [*container["command"], "--api-key", f"$({KEY_ENV[API_KEY]})",
-                            "--admin-api-key", f"$({KEY_ENV[ADMIN_API_KEY]})"]
-    container["env"] = [*container["env"], *({"name": var, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
-                                             for key, var in KEY_ENV.items())]
-    return container
 
 
 def bench_command(plan: Plan, profile: str, layout: EngineLayout) -> list[str]:
@@ -84,8 +71,9 @@ class BenchRolloutChart(cdk8s.Chart):
         layout = plan.bench_layouts()[profile]
         name = fleet_name(profile)
         lab = labels(name)
-        leader = engine_pod(plan, name, [keyed_engine(plan, engine_container(plan, layout, leader=True, host="0.0.0.0"))])
-        worker = engine_pod(plan, name, [keyed_engine(plan, engine_container(plan, layout, leader=False, host="0.0.0.0"))])
+        secret = plan.wl.bench_rollout.api_key_secret
+        leader = engine_pod(plan, name, [keyed_engine(engine_container(plan, layout, leader=True, host="0.0.0.0"), secret)])
+        worker = engine_pod(plan, name, [keyed_engine(engine_container(plan, layout, leader=False, host="0.0.0.0"), secret)])
         leader_worker_set(self, name, ns, labels=lab, annotations=checkov_skips(**ROLLOUT_SKIPS, **NO_PROBE_SKIPS),
                           replicas=plan.wl.bench_rollout.engines, size=layout.nodes, leader_pod=leader,
                           worker_pod=worker)

@@ -5,7 +5,8 @@ engine profile (``rollout.engine``: tp | ep | ep-deepep, nodes per engine).
   EFA device of the node) and the moerl rollout worker (container "worker"), which talks to it
   on loopback.
 - An engine over several nodes: a LeaderWorkerSet (charts8s/lws.py), one group per engine. The
-  leader pod runs SGLang's node rank 0 (the HTTP server, on the pod network); the other pods run
+  leader pod runs SGLang's node rank 0 (the HTTP server, on the pod network, so with SGLang's
+  API and admin keys from the Secret ``rollout.api_key_secret``); the other pods run
   the other node ranks (``--node-rank $(LWS_WORKER_INDEX)``, no HTTP server, so no probe). Every
   pod of the group also runs a fetcher (app/rollout/group.py) that puts each policy version on
   its own node's disk, since SGLang loads a disk update on every rank. The workers are a
@@ -43,6 +44,7 @@ from constructs import Construct
 from app.metrics import METRICS_PORT
 from app.model.source import store_copy_dir
 from app.rollout.engine_args import LWS_GROUP_SIZE, LWS_LEADER_ADDRESS, LWS_WORKER_INDEX, EngineLayout, sglang_command
+from app.rollout.engine_client import ADMIN_API_KEY_ENV, API_KEY_ENV
 from app.torchx_component import CLUSTER_CONFIG, EFA_ENV, EFA_RESOURCE, HUGEPAGES_RESOURCE, NVSHMEM_EFA_ENV, worker_command
 from charts8s.buffer import redis_credentials
 from charts8s.cluster import (BUFFER_SERVICE, ENV_SERVICE, REDIS_PORT, REWARD_MODEL_SERVICE, ROLLOUT, ROLLOUT_WORKER, TRAINER,
@@ -60,6 +62,10 @@ BASE_MODEL_DIR = "/models/base"  # an s3:// base model's copy on each engine nod
 STATE_DIR = "/run/moerl"  # shared by engine and worker: the worker's pause marker
 PAUSE_MARKER = f"{STATE_DIR}/engine-paused"
 PROBE_TIMEOUT_S = 25  # longer than SGLang's own 20 s /health_generate wait
+# The keys of an engine on the pod network: the Secret's keys (README: kubectl create secret) and
+# the engine container's variables, which the kubelet expands in its command.
+API_KEY, ADMIN_API_KEY = "api-key", "admin-api-key"
+KEY_ENV = {API_KEY: "SGLANG_API_KEY", ADMIN_API_KEY: "SGLANG_ADMIN_API_KEY"}
 
 
 def grace_seconds(drain_s: float, margin_s: int) -> int:
@@ -163,6 +169,21 @@ def engine_container(plan: Plan, layout: EngineLayout, *, leader: bool, host: st
     return c
 
 
+def secret_env(secret: str, names: dict[str, str]) -> list[dict]:
+    """Container variables ``names`` (Secret key -> variable) from Secret ``secret``."""
+    return [{"name": var, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}} for key, var in names.items()]
+
+
+def keyed_engine(container: dict, secret: str) -> dict:
+    """An engine container serving on the pod network: SGLang's --api-key (generation) and
+    --admin-api-key (weight updates, pause, cache control; sglang/srt/utils/auth.py) from
+    Secret ``secret``."""
+    container["command"] = [*container["command"], "--api-key", f"$({KEY_ENV[API_KEY]})",
+                            "--admin-api-key", f"$({KEY_ENV[ADMIN_API_KEY]})"]
+    container["env"] = [*container["env"], *secret_env(secret, KEY_ENV)]
+    return container
+
+
 def engine_volumes(plan: Plan) -> list[dict]:
     """The volumes of an engine pod: run config, shm, the model volume sized from the model
     (`Plan.models_volume_gib`; emptyDir on the node's instance-store NVMe), scratch, state."""
@@ -227,6 +248,8 @@ def worker_container(plan: Plan, group: bool = False) -> dict:
         addr = leader_address(plan, "$(POD_INDEX)")
         cmd += ["--engine-url", f"http://{addr}:{plan.wl.rollout.engine_port}", "--engine-group", addr,
                 "--group-size", str(plan.engine.nodes)]
+        # the engine serves on the pod network and asks for its keys (`keyed_engine`)
+        env += secret_env(plan.wl.rollout.api_key_secret, {API_KEY: API_KEY_ENV, ADMIN_API_KEY: ADMIN_API_KEY_ENV})
     else:
         mounts += [{"name": "models", "mountPath": "/models"}, {"name": "state", "mountPath": STATE_DIR}]
     return {
@@ -266,8 +289,8 @@ def rollout_pod(plan: Plan, leader: bool = True) -> dict:
     restarts do not recreate the group."""
     if plan.engine.nodes == 1:
         return engine_pod(plan, NAME, [engine_container(plan, plan.engine, leader=True), worker_container(plan)])
-    return engine_pod(plan, NAME, [engine_container(plan, plan.engine, leader=leader, host="0.0.0.0"),
-                                   fetcher_container(plan, leader)])
+    engine = keyed_engine(engine_container(plan, plan.engine, leader=leader, host="0.0.0.0"), plan.wl.rollout.api_key_secret)
+    return engine_pod(plan, NAME, [engine, fetcher_container(plan, leader)])
 
 
 def worker_set_pod(plan: Plan) -> dict:
@@ -278,7 +301,8 @@ def worker_set_pod(plan: Plan) -> dict:
     return {
         **on_pool(plan.pool("rollout-gpu"), spot=True),
         "serviceAccountName": plan.cfg.rollout_service_account,
-        "automountServiceAccountToken": True,  # Pod Identity: the store (opened at start)
+        # No Kubernetes API token: Pod Identity (the store, opened at start) brings its own.
+        "automountServiceAccountToken": False,
         "priorityClassName": NAME,
         "securityContext": pod_security(UID),
         "terminationGracePeriodSeconds": grace_seconds(plan.run.rollout.drain_grace_s, plan.wl.rollout.drain_margin_s),
@@ -345,7 +369,7 @@ def rollout_network_policies(scope: Construct, k8s, plan: Plan) -> None:
 ROLLOUT_SKIPS = dict(
     CKV_K8S_43="ECR repositories have immutable tags (infra/): a tag names exactly one digest",
     CKV_K8S_15="immutable tags never change; IfNotPresent avoids pulling a 30 GB image again on restart",
-    CKV_K8S_35="redis-py takes the password as a value; it is read from the Secret at start only",
+    CKV_K8S_35="redis-py and SGLang take the password and keys as values; read from the Secret at start only",
 )
 NO_PROBE_SKIPS = dict(
     CKV_K8S_8="the worker container and SGLang node ranks above 0 serve no endpoint; the leader's engine is probed",

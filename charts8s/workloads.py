@@ -84,6 +84,9 @@ class RolloutSpec(_Model):
     load_gib_per_s: float = Field(2.0, gt=0, description="Checkpoint read rate of SGLang's loader from local disk.")
     download_gib_per_s: float = Field(0.5, gt=0, description="Download rate of a Hub model by SGLang itself.")
     boot_s: int = Field(1200, ge=0, description="Kernel JIT, CUDA-graph capture and the rest of a start, seconds.")
+    api_key_secret: str = Field("moerl-rollout-api-key", description="Secret with the SGLang keys (``api-key``, "
+                                "``admin-api-key``) of engines over several nodes, which serve on the pod network; "
+                                "made outside dist/ (README).")
 
 
 class EnvSpec(_Model):
@@ -355,6 +358,8 @@ def check(plan: Plan) -> Plan:
                             "pinned by digest (a tag can be pushed again)")
     _check_tag("buffer", wl.buffer.exporter_image, "buffer.exporter_image")
     secrets = [("buffer.password_secret", wl.buffer.password_secret)]
+    if plan.engine.nodes > 1:
+        secrets.append(("rollout.api_key_secret", wl.rollout.api_key_secret))
     if wl.bench_rollout:
         secrets.append(("bench_rollout.api_key_secret", wl.bench_rollout.api_key_secret))
     for field, name in secrets:

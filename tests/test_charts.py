@@ -642,6 +642,17 @@ def test_container_commands_use_existing_cli_options(prod):
 # -- the TorchX component on its own ----------------------------------------------------------------
 
 
+def _wrapped_command(role) -> list[str]:
+    """The argv a TorchX role runs inside the exit-status wrapper of app/torchx_component.py
+    (``bash -c "trap 'true' TERM INT; <argv>; rc=$?; echo ...; exit $rc"``)."""
+    import shlex
+
+    assert role.entrypoint == "bash" and role.args[0] == "-c", role.name
+    head, body = "trap 'true' TERM INT; ", role.args[1]
+    assert body.startswith(head) and "; rc=$?; " in body, body
+    return shlex.split(body[len(head):body.rindex("; rc=$?; ")])
+
+
 def test_local_job_materializes_every_role_without_path():
     """`.venv/bin/torchx run -s local_cwd ...:job` with the venv not on PATH: every role starts
     through the interpreter running torchx, never through `torchrun` / `moerl` looked up on PATH."""
@@ -656,11 +667,12 @@ def test_local_job_materializes_every_role_without_path():
     roles = info._app.roles
     assert [r.name for r in roles] == ["trainer", "rollout", "feed"]
     py = sys.executable
-    assert roles[0].args[-1].startswith(f"{py} -m torch.distributed.run ")
-    assert f"-m app.cli train --config run.yaml --resume" in roles[0].args[-1]
-    assert f"{py} -m app.cli engine --model-path /m" in roles[1].args[-1] and roles[1].num_replicas == 2
-    assert f"{py} -m app.cli rollout --config run.yaml" in roles[1].args[-1]
-    assert [roles[2].entrypoint, *roles[2].args[:4]] == [py, "-m", "app.cli", "feed", "--config"]
+    trainer, rollout, feed = (_wrapped_command(r) for r in roles)
+    assert trainer[:2] == ["bash", "-c"] and trainer[2].startswith(f"{py} -m torch.distributed.run ")
+    assert f"-m app.cli train --config run.yaml --resume" in trainer[2]
+    assert f"{py} -m app.cli engine --model-path /m" in rollout[-1] and roles[1].num_replicas == 2
+    assert f"{py} -m app.cli rollout --config run.yaml" in rollout[-1]
+    assert feed[:5] == [py, "-m", "app.cli", "feed", "--config"]
     for r in roles:
         words = " ".join([r.entrypoint, *r.args]).replace(";", " ").replace("&", " ").split()
         assert "torchrun" not in words and "moerl" not in words, r.name

@@ -339,6 +339,71 @@ def test_the_bench_client_sends_the_api_key(monkeypatch):
     assert seen == ["Bearer k-api"]
 
 
+def test_the_worker_client_passes_sglangs_own_auth_on_every_route_it_calls():
+    """An EngineClient holding both keys against SGLang's own decision (decide_request_auth and
+    each route's @auth_level, from the wheel) on an engine started with both: every call the
+    worker makes is allowed; one holding the API key only is refused the weight-update routes,
+    and `ADMIN_ROUTES` is exactly the ADMIN_OPTIONAL routes among those it calls."""
+    import asyncio
+    import ast
+
+    import httpx
+
+    from app.rollout.engine_client import ADMIN_ROUTES, EngineClient
+    from sglang_oracle import sglang_dir, wheel_module
+
+    auth = wheel_module("srt/utils/auth.py")
+    level_of = {}  # path -> level, as http_server.py declares them
+    for node in ast.walk(ast.parse((sglang_dir() / "srt" / "entrypoints" / "http_server.py").read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            level = next((d.args[0].attr for d in node.decorator_list if isinstance(d, ast.Call)
+                          and getattr(d.func, "id", "") == "auth_level"), "NORMAL")
+            for d in node.decorator_list:
+                if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.args \
+                        and isinstance(d.args[0], ast.Constant) and isinstance(d.args[0].value, str):
+                    level_of[d.args[0].value] = level
+    seen: dict[str, bool] = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        seen[path] = auth.decide_request_auth(
+            method=request.method, path=path, authorization_header=request.headers.get("authorization"),
+            api_key="k-api", admin_api_key="k-admin", auth_level=getattr(auth.AuthLevel, level_of[path])).allowed
+        if path == "/generate":
+            return httpx.Response(200, json={"text": "", "output_ids": [1], "meta_info": {"finish_reason": {"type": "stop"}}})
+        return httpx.Response(200, json={"success": True, "message": "", "weight_version": "1"})
+
+    async def calls(c: EngineClient) -> None:
+        await c.generate("p", n=1, max_new_tokens=1, temperature=1.0, top_p=1.0, return_logprob=False)
+        await c.update_weights_from_disk("/m", weight_version=1)
+        await c.init_weights_update_group("a", 1, 0, 2, "g", "nccl")
+        await c.begin_weight_update()
+        await c.update_weights_from_distributed(["w"], ["bfloat16"], [[1]], "g")
+        await c.end_weight_update()
+        await c.destroy_weights_update_group("g")
+        await c.pause_generation()
+        await c.flush_cache()
+        await c.continue_generation()
+        await c.server_info()
+        await c.weight_version()
+        await c.health_generate()
+
+    async def go(**keys) -> dict[str, bool]:
+        seen.clear()
+        async with EngineClient("http://engine:30000", retries=0, transport=httpx.MockTransport(handler), **keys) as c:
+            try:
+                await calls(c)
+            except Exception:
+                pass  # a refused call: `seen` records the decision
+        return dict(seen)
+
+    both = asyncio.run(go(api_key="k-api", admin_api_key="k-admin"))
+    assert len(both) >= 12 and all(both.values()), both
+    assert ADMIN_ROUTES == {p for p in both if level_of[p] == "ADMIN_OPTIONAL"}
+    api_only = asyncio.run(go(api_key="k-api"))
+    assert api_only["/generate"] and not api_only["/update_weights_from_disk"]
+
+
 def test_the_policy_model_follows_the_documented_semantics():
     """tests/netpolicy.py on the cases the Kubernetes documentation spells out: a peer with both
     namespaceSelector and podSelector is AND, two peers are OR; ipBlock except; endPort; a pod no

@@ -81,7 +81,9 @@ def test_podmonitor_schema_rejects_a_misspelt_field(ops):
 
 def test_podmonitors_scrape_the_named_metrics_port_of_each_role(ops):
     cfg, _, _, docs, _ = ops
-    assert SCRAPED == {"moerl-trainer": METRICS_PORT, "moerl-rollout": METRICS_PORT, BUFFER_SERVICE: REDIS_EXPORTER_PORT}
+    # moerl-rollout-worker: the workers of multi-node engines, a StatefulSet of their own (charts8s/rollout.py)
+    assert SCRAPED == {"moerl-trainer": METRICS_PORT, "moerl-rollout": METRICS_PORT, "moerl-rollout-worker": METRICS_PORT,
+                       BUFFER_SERVICE: REDIS_EXPORTER_PORT}
     for role in SCRAPED:
         pm = get(docs, "PodMonitor", role)
         assert pm["metadata"]["namespace"] == cfg.namespace

@@ -35,9 +35,6 @@ from dataclasses import asdict, dataclass, field
 
 from app.bench.results import print_notes_and_write
 
-API_KEY_ENV = "MOERL_ENGINE_API_KEY"  # the engines' SGLang --api-key (charts8s/benchrollout.py)
-
-
 @dataclass
 class RolloutBench:
     """Inputs of the rollout benchmark (the CLI's flags)."""
@@ -122,7 +119,7 @@ async def drive(clients, prompts: list[str], seconds: float, concurrency: int, g
 
 
 async def _run_async(bench: RolloutBench, cfg, prompts: list[str], concurrency: int, baseline_s: float):
-    from app.rollout.engine_client import EngineClient
+    from app.rollout.engine_client import API_KEY_ENV, EngineClient
 
     r = cfg.rollout
     gen_kwargs = dict(n=r.group_size, max_new_tokens=bench.max_new_tokens or r.max_new_tokens,

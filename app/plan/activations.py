@@ -333,7 +333,7 @@ def logprob_forward(config: PretrainedConfig, chunk: int, entropy: bool, rows: i
 
 
 def logprob_backward(config: PretrainedConfig, chunk: int, tokens: int, compute_bytes: int,
-                     fused: bool = True, entropy: bool = False) -> Term:
+                     fused: bool = True) -> Term:
     """Peak of the chunked backward over ``tokens`` scored rows, beyond its inputs and saved
     tensors: the row gradient [rows, H] (compute dtype) and the fp32 LM-head weight-gradient
     accumulator [V, H] throughout, plus the largest of
@@ -342,16 +342,16 @@ def logprob_backward(config: PretrainedConfig, chunk: int, tokens: int, compute_
       dz [c, V] is still bound and chunk i's z and dz [c, V] (compute dtype) exist: 3 blocks of
       ``b`` bytes per element once a second chunk runs (2 for one chunk); when ``dz.T @ h`` makes
       the chunk's [V, H] weight gradient in the compute dtype beside dz; at the end, the last dz
-      and the bf16 copy of the accumulator [V, H]. With the entropy output, autograd also
-      materialises its (zero) gradient [rows] fp32. Checked exactly on CPU through Triton's
-      interpreter (tests/test_plan.py).
+      and the bf16 copy of the accumulator [V, H]. An entropy output the loss does not use gets
+      no gradient (app/model/logprobs.py does not materialise zeros for it). Checked exactly on
+      CPU through Triton's interpreter (tests/test_plan.py).
 
       torch path: two chunks' logits (8 bytes per [C, V] element: the previous bf16 gradient and
       the next recomputed bf16 and fp32 logits). Fitted to the H200 measurement (C = 4096, 16384
       rows): 6.325 GB Qwen3 (formula 6.29), 8.179 GB DeepSeek-V3 (formula 8.17).
     """
     v, h, b = config.vocab_size, config.hidden_size, compute_bytes
-    base = FP32 * v * h + b * tokens * h + (FP32 * tokens if entropy and fused else 0)
+    base = FP32 * v * h + b * tokens * h
     if not fused:
         return Term("LM-head chunk backward, torch ops: logits 8 B/elem [C, V] + fp32 weight grad [V, H] "
                     "+ row grads [T, H]", 8 * chunk * v + base, f"8*{chunk}*{v} + {FP32}*{v}*{h} + {b}*{tokens}*{h}")

@@ -105,8 +105,8 @@ def plan(
     gpu_memory_gib: float = typer.Option(None, "--gpu-memory-gib", help="Device memory, GiB (default: p5en's "
                                          "H200, infra/instances.py)."),
     fragmentation: float = typer.Option(None, "--fragmentation", help="Allocator reserve over live tensors "
-                                        "(default 1.33, default allocator; 1.13 measured with "
-                                        "expandable_segments:True)."),
+                                        "(default 1.16: expandable_segments:True, as the GPU trainer pods "
+                                        "run; 1.33 for the default allocator)."),
     expert_imbalance: float = typer.Option(None, "--expert-imbalance", help="Rows the busiest EP rank receives "
                                            "over the mean (default 1.7, measured: app/plan/memory.py)."),
     collectives: str = typer.Option("nccl", "--collectives", help="nccl (one rank per GPU) | gloo (several ranks "
@@ -174,7 +174,8 @@ def _plan_input(cfg, run, layout, gpus_per_node, ep_backend, micro_batch_tokens,
                 logprob_chunk_tokens, rollouts_per_gpu, seq_len, algorithm, gpu_memory_gib, fragmentation,
                 expert_imbalance, collectives, kl_coef):
     """The `PlanInput` of the flags over the run config, and why the dispatcher is the one it is."""
-    from app.plan.memory import EXPERT_IMBALANCE, FRAGMENTATION, PlanInput, resolve_ep_backend
+    from app.plan.memory import EXPERT_IMBALANCE, PlanInput, fragmentation_for, resolve_ep_backend
+    from app.torchx_component import GPU_ALLOC_ENV
     from infra.instances import instance_spec
 
     t = run.trainer
@@ -191,7 +192,9 @@ def _plan_input(cfg, run, layout, gpus_per_node, ep_backend, micro_batch_tokens,
         algorithm=algorithm or t.algorithm, ep_backend=backend, compute_dtype=run.model.dtype,
         log_entropy=t.log_entropy,
         gpu_memory_gib=gpu_memory_gib if gpu_memory_gib is not None else instance_spec("p5en.48xlarge").gpu_memory_gib,
-        fragmentation=FRAGMENTATION if fragmentation is None else fragmentation,
+        # by default the allocator the GPU trainer pods configure
+        fragmentation=fragmentation_for(GPU_ALLOC_ENV.get("PYTORCH_CUDA_ALLOC_CONF")) if fragmentation is None
+        else fragmentation,
         reference=(t.kl_coef if kl_coef is None else kl_coef) > 0,
         expert_imbalance=EXPERT_IMBALANCE if expert_imbalance is None else expert_imbalance,
         collectives=collectives,

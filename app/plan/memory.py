@@ -107,10 +107,13 @@ CUDA_OVERHEAD_GIB = 1.78
 # max_memory_reserved / max_memory_allocated over two FSDP2 steps on the H200 here (world 1, full
 # checkpointing, chunked logprobs, foreach AdamW, 2 x 8192 tokens): Qwen3-30B-A3B widths with 4
 # layers 77.22 / 63.63 GB = 1.21; DeepSeek-V3 widths with 2 layers and 32 experts 113.79 / 85.34
-# = 1.33 (1.17 after the first step alone). With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-# the DeepSeek-V3 case reserved 96.26 / 85.33 = 1.13: use that (``--fragmentation 1.13``) for a
-# trainer that sets it. The default is the worst case measured with the default allocator.
+# = 1.33 (1.17 after the first step alone): `FRAGMENTATION`, the worst case with the default
+# allocator. With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which the GPU trainer pods set
+# (app/torchx_component.py GPU_ALLOC_ENV), the same case reserved 96.26 / 85.33 = 1.13 and the
+# trainer's own step 1.06-1.16 (BENCHMARKS.md, "bench train-step" rows; 114.0 / 98.7 GB the worst):
+# `FRAGMENTATION_EXPANDABLE`, the plan's default (`fragmentation_for`).
 FRAGMENTATION = 1.33
+FRAGMENTATION_EXPANDABLE = 1.16
 # Rows the busiest EP rank's experts receive per MoE layer and micro-batch, over the mean T*K
 # (``--expert-imbalance``; exact 1.0 at EP 1). Measured here on the embedded tiny presets after their
 # supervised warm-up (app/envs/warmup.py, 40 steps), on the held-out prompts of the embedded task in
@@ -132,6 +135,14 @@ BACKENDS = ("local", "alltoall", "deepep")
 ADAMW = ("fused", "foreach")
 COLLECTIVES = ("nccl", "gloo")
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+
+
+def fragmentation_for(alloc_conf: str | None) -> float:
+    """The reserve factor of the caching allocator configured by ``alloc_conf`` (the value of
+    PYTORCH_CUDA_ALLOC_CONF, None: unset): `FRAGMENTATION_EXPANDABLE` with expandable segments,
+    else `FRAGMENTATION`."""
+    options = dict(o.split(":", 1) for o in (alloc_conf or "").split(",") if ":" in o)
+    return FRAGMENTATION_EXPANDABLE if options.get("expandable_segments") == "True" else FRAGMENTATION
 
 
 def constants() -> dict[str, float | bool]:
@@ -479,7 +490,7 @@ def plan_memory(inp: PlanInput) -> MemoryPlan:
         terms["comm_bwd"] = act.dispatch_backward(cfg, moe, mb)
     chunk = min(inp.logprob_chunk_tokens, t)
     terms["lp_fwd"] = act.logprob_forward(cfg, chunk, inp.log_entropy, t, b, inp.fused_logits)
-    terms["lp_bwd"] = act.logprob_backward(cfg, chunk, t, b, inp.fused_logits, inp.log_entropy)
+    terms["lp_bwd"] = act.logprob_backward(cfg, chunk, t, b, inp.fused_logits)
     if inp.reference:
         terms["ref_root"] = Term("reference root unit gathered for its forward", b * root.compute,
                                  f"{b} * {root.compute:,}")

@@ -44,6 +44,17 @@ import httpx
 import numpy as np
 
 
+# Where a worker or the bench reads an engine's SGLang keys (the pods' Secret references, charts8s/rollout.py).
+API_KEY_ENV, ADMIN_API_KEY_ENV = "MOERL_ENGINE_API_KEY", "MOERL_ENGINE_ADMIN_API_KEY"
+# The routes this client calls that SGLang 0.5.23 marks ``@auth_level(AuthLevel.ADMIN_OPTIONAL)``
+# (sglang/srt/entrypoints/http_server.py): with --admin-api-key set they take that key, and only it.
+ADMIN_ROUTES = frozenset({
+    "/update_weights_from_disk", "/init_weights_update_group", "/destroy_weights_update_group",
+    "/begin_weight_update", "/end_weight_update", "/update_weights_from_distributed",
+    "/pause_generation", "/continue_generation", "/flush_cache",
+})
+
+
 class EngineError(RuntimeError):
     """The engine answered with an error, or did not answer within the retries; names the URL.
 
@@ -160,12 +171,16 @@ class EngineClient:
         max_connections: HTTP connections kept to the engine (one per concurrent request; set it
             to the requests a worker keeps in flight, plus a few for control calls).
         transport: an httpx transport (tests: ``httpx.ASGITransport`` of the built-in engine).
+        api_key, admin_api_key: SGLang's ``--api-key`` and ``--admin-api-key`` of an engine on
+            the pod network, sent as bearer tokens: the admin key on `ADMIN_ROUTES`, the API key
+            on every other route (with no admin key, the API key on every route, which is what
+            SGLang then asks for; sglang/srt/utils/auth.py ``decide_request_auth``).
     """
 
     def __init__(
         self, url: str, *, timeout_s: float = 60.0, retries: int = 3, backoff_s: float = 0.5,
         max_backoff_s: float = 8.0, max_connections: int = 100, transport: httpx.AsyncBaseTransport | None = None,
-        api_key: str | None = None,
+        api_key: str | None = None, admin_api_key: str | None = None,
     ):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"engine url must start with http:// or https://, got {url!r}")
@@ -177,6 +192,7 @@ class EngineClient:
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         # SGLang's --api-key: every route but /health* asks for it as a bearer token (sglang/srt/utils/auth.py).
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self._admin = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else None
         self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, limits=limits, transport=transport,
                                        headers=headers)
 
@@ -202,6 +218,7 @@ class EngineClient:
                 r = await self._http.request(
                     method, path, json=json,
                     timeout=self.timeout_s if timeout_s is None else timeout_s,
+                    headers=self._admin if path in ADMIN_ROUTES else None,
                 )
                 if r.status_code in ok_statuses:
                     return r

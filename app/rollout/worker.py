@@ -65,7 +65,7 @@ import typer
 
 from app.buffer.records import Sample, Task
 from app.config import RunConfig
-from app.rollout.engine_client import EngineClient, EngineError, GenOutput
+from app.rollout.engine_client import ADMIN_API_KEY_ENV, API_KEY_ENV, EngineClient, EngineError, GenOutput
 from app.rollout.episodes import GroupFailed
 
 log = logging.getLogger("moerl.rollout")
@@ -861,6 +861,8 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
         backoff_s=cfg.rollout.retry_backoff_s,
         # One connection per in-flight group, plus the control calls (versions, health, updates).
         max_connections=cfg.rollout.inflight_tasks() + 8,
+        # an engine on the pod network (several nodes) asks for SGLang's keys (charts8s/rollout.py)
+        api_key=os.environ.get(API_KEY_ENV) or None, admin_api_key=os.environ.get(ADMIN_API_KEY_ENV) or None,
     )
     metrics = server = reporter = None
     if metrics_port:
