@@ -35,8 +35,11 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(BIN)/moerl run
 
+# Two workers, a test file to each at a time (module fixtures are built once); the end-to-end
+# files go first (tests/conftest.py), so the last minutes are not one long file on one worker.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The pipeline's test job (infra/pipeline.py): the stacks, charts and ops manifests only.
 test-infra: $(STAMP)

@@ -322,6 +322,8 @@ def job(
     rollout_replicas: int = 1,
     python: str = sys.executable,
     run_dir: str = "",
+    rdzv_port: int = 29500,
+    engine_port: int = 30000,
 ) -> specs.AppDef:
     """The trainer, the rollout workers and the prompt source in one AppDef, for `torchx run -s
     local_cwd` on one machine (CPU, built-in engine). The buffer is not a role: start
@@ -332,15 +334,17 @@ def job(
     run_dir: the run's directory: the trainer's metrics.jsonl and trained.jsonl, the feeder's
         ``feed/`` (issued.jsonl); "" keeps each command's default (``runs/<run_id>``). A new
         run needs a new one: the trainer and the feeder refuse to append to an earlier run's.
+    rdzv_port, engine_port: the trainer's rendezvous port and the engine's (the config's
+        ``rollout.engine_url`` must name the same port), for several jobs on one machine.
     Each role's last line is its exit status (`with_exit_line`).
 
     In the cluster submit `trainer` and `rollout` separately: one AppDef becomes one Volcano gang,
     and rollout pods on Spot must not be tied to the trainer's gang.
     """
     t = trainer(image=trainer_image, nproc_per_node=nproc_per_node, config=config, python=python,
-                run_dir=run_dir).roles[0]
+                run_dir=run_dir, rdzv_port=rdzv_port).roles[0]
     r = rollout(image=rollout_image, replicas=rollout_replicas, config=config, model_path=model_path,
-                python=python).roles[0]
+                python=python, port=engine_port).roles[0]
     f = feeder(image=rollout_image, config=config, python=python,
                run_dir=f"{run_dir.rstrip('/')}/feed" if run_dir else "").roles[0]
     return specs.AppDef(name="moerl", roles=[with_exit_line(t), with_exit_line(r), with_exit_line(f)])

@@ -8,6 +8,9 @@
 
 Without CUDA, Triton kernels (app/model/kernels.py) run through Triton's interpreter: triton reads
 TRITON_INTERPRET when it is first imported, so it is set here, before any test module imports it.
+
+`pytest_collection_modifyitems` puts the files with end-to-end tests first (`make test` runs two
+workers; see the Makefile).
 """
 
 from __future__ import annotations
@@ -21,6 +24,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from app.buffer.redis_server import LocalRedis
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with end-to-end tests (marked ``slow``) first, the one with most of them first,
+    each file's tests kept together and in order: `make test` hands whole files to its two
+    workers in this order, so the long files start early instead of finishing last."""
+    slow: dict = {}
+    first_seen: dict = {}
+    for i, item in enumerate(items):
+        slow[item.path] = slow.get(item.path, 0) + bool(item.get_closest_marker("slow"))
+        first_seen.setdefault(item.path, i)
+    items.sort(key=lambda item: (-slow[item.path], first_seen[item.path]))
 
 
 @pytest.fixture

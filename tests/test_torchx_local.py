@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from app.buffer.redis_server import free_port
 from app.chaos import make_base_policy
 from app.run import embedded_default
 from app.storage import open_store, read_done
@@ -31,6 +32,9 @@ def test_torchx_local_job_trains_with_the_feeder_and_no_venv_on_path(local_redis
     cfg.store_url = f"file://{tmp_path / 'store'}"
     cfg.rollout.policy_cache_dir = str(tmp_path / "policy-cache")
     cfg.task.train_size = 100
+    # free ports: other tests (and `make test -n 2`'s other worker) run engines and torchrun too
+    rdzv_port, engine_port = free_port(), free_port()
+    cfg.rollout.engine_url = f"http://127.0.0.1:{engine_port}"
     base = make_base_policy(cfg, tmp_path / "base")
     cfg.model.path = str(base)
     cfg.save(tmp_path / "run.yaml")
@@ -39,7 +43,8 @@ def test_torchx_local_job_trains_with_the_feeder_and_no_venv_on_path(local_redis
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([str(torchx), "run", "-s", "local_cwd", "app/torchx_component.py:job",
                              "--config", str(tmp_path / "run.yaml"), "--model_path", str(base),
-                             "--run_dir", str(tmp_path / "run")],
+                             "--run_dir", str(tmp_path / "run"), "--rdzv_port", str(rdzv_port),
+                             "--engine_port", str(engine_port)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     lines: list[str] = []
