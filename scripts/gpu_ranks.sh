@@ -28,7 +28,7 @@ if [[ "${1:-}" == "--fetch" ]]; then
     # Not in our venv: the benchmark's optional peer kernel.
     declare -A PINS=([liger-kernel]=0.8.5)
     for pkg in pydantic pydantic-core annotated-types typing-inspection typing-extensions transformers \
-               fastapi starlette uvicorn redis opentelemetry-api importlib-metadata liger-kernel; do
+               fastapi starlette uvicorn redis opentelemetry-api importlib-metadata liger-kernel websockets; do
         ver=$("$VPY" -c "from importlib.metadata import version; print(version('$pkg'))" 2>/dev/null || echo "${PINS[$pkg]:-}")
         [[ -n "$ver" ]] || { echo "no version for $pkg"; exit 1; }
         "$VPY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

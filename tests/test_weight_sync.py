@@ -235,7 +235,8 @@ def test_network_push_failure_and_store_fallback(cluster):
         if not wait_for(lambda i=i: _answers(c.url(i)), 120, f"engine {i} up", fail=False):
             raise AssertionError(f"engine {i} not up:\n{c.log(f'engine-{i}')}")
         c.start_worker(i)
-    wait_for(lambda: set(board.engines()) == {"w0", "w1"}, 60, "both workers registered")
+    if not wait_for(lambda: set(board.engines()) == {"w0", "w1"}, 60, "both workers registered", fail=False):
+        raise AssertionError("workers not registered:\n" + "\n".join(c.log(f"worker-{i}") for i in range(2)))
     ref = Reference(v0)
 
     # 1. two versions over the network, a group per engine
