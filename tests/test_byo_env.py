@@ -184,7 +184,7 @@ def test_moerl_run_trains_a_users_environment_at_its_url(tmp_path):
     cfg["env"] = {**cfg["env"], "name": "guess-number", "url": server.url}
     cfg["env"].pop("demos_path")
     cfg["env"]["demos_path"] = str(ROOT / "examples/guess_number/demos.jsonl")
-    cfg["task"].update(train_size=200, eval_size=16, warmup_steps=20)
+    cfg["task"].update(train_size=200, eval_size=40, warmup_steps=40)
     cfg["trainer"]["steps"] = 4
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
     out = tmp_path / "run"
@@ -197,8 +197,8 @@ def test_moerl_run_trains_a_users_environment_at_its_url(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"at {server.url} (env.url): the user's server; moerl starts none" in proc.stdout
     assert not (out / "logs" / "env-0.log").exists()
-    # demonstrations (200 rows) + held-out episodes (16 x 4 sampled + 16 greedy, twice) + rollouts
-    assert server.made > 200 + 2 * (16 * 4 + 16) + 4 * 8 * 8, server.made
+    # demonstrations (200 rows) + held-out episodes (40 x 4 sampled + 40 greedy, twice) + rollouts
+    assert server.made > 200 + 2 * 200 + 4 * 8 * 8, server.made
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["task"].endswith("in env guess-number")
     for key in ("held_out_reward_before", "held_out_reward_after", "held_out_greedy_before", "held_out_greedy_after"):
