@@ -11,8 +11,10 @@ with one message that names the field: `ConfigError`.
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import re
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -577,6 +579,24 @@ def load_config(env: str, overrides: str | Path | None = None) -> DeploymentConf
         return validate_config(default_config(env), f"config {env}")
     path = Path(overrides)
     return config_from_mapping(env, _read_mapping(path), f"{path} (env {env})")
+
+
+def config_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The argument parser of an infra/ command: ``--env`` and ``--config`` (as for ``cdk -c config=``)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--env", required=True)
+    p.add_argument("--config", default=None, help="deployment overrides YAML, as for cdk -c config=")
+    return p
+
+
+def config_of_args(args: argparse.Namespace, prog: str) -> DeploymentConfig | None:
+    """`load_config` of a `config_parser`'s arguments; None after one line on stderr, naming
+    ``prog``, for a bad config (the command then exits 2)."""
+    try:
+        return load_config(args.env, args.config)
+    except ConfigError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return None
 
 
 def _read_mapping(path: Path) -> dict:

@@ -18,11 +18,10 @@ tests/test_infra_pipeline.py checks every synthesized resource type against it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-from infra.config import ConfigError, DeploymentConfig, load_config
+from infra.config import DeploymentConfig, config_of_args, config_parser
 
 # CloudFormation resource-type service -> IAM action prefix, for every type the stacks create.
 SERVICES = {"EC2": "ec2", "ECR": "ecr", "EKS": "eks", "KMS": "kms", "Lambda": "lambda", "Logs": "logs",
@@ -56,14 +55,10 @@ def execution_policy(cfg: DeploymentConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: print the policy JSON; exit 2 with one line on stderr for a bad config."""
-    p = argparse.ArgumentParser(prog="infra.execution_policy", description=__doc__.splitlines()[0])
-    p.add_argument("--env", required=True)
-    p.add_argument("--config", default=None, help="deployment overrides YAML, as for cdk -c config=")
+    p = config_parser("infra.execution_policy", __doc__.splitlines()[0])
     args = p.parse_args(argv)
-    try:
-        cfg = load_config(args.env, args.config)
-    except ConfigError as e:
-        print(f"infra.execution_policy: {e}", file=sys.stderr)
+    cfg = config_of_args(args, "infra.execution_policy")
+    if cfg is None:
         return 2
     print(json.dumps(execution_policy(cfg), indent=1))
     return 0

@@ -10,10 +10,9 @@ one line per problem on stderr, naming the field and the ARN.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from infra.config import ConfigError, DeploymentConfig, load_config
+from infra.config import DeploymentConfig, config_of_args, config_parser
 
 
 def missing_admin_roles(cfg: DeploymentConfig, iam_client) -> list[str]:
@@ -40,14 +39,10 @@ def missing_admin_roles(cfg: DeploymentConfig, iam_client) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry; exit 2 with one line per problem on stderr."""
-    p = argparse.ArgumentParser(prog="infra.preflight", description=__doc__.splitlines()[0])
-    p.add_argument("--env", required=True)
-    p.add_argument("--config", default=None, help="deployment overrides YAML, as for cdk -c config=")
+    p = config_parser("infra.preflight", __doc__.splitlines()[0])
     args = p.parse_args(argv)
-    try:
-        cfg = load_config(args.env, args.config)
-    except ConfigError as e:
-        print(f"infra.preflight: {e}", file=sys.stderr)
+    cfg = config_of_args(args, "infra.preflight")
+    if cfg is None:
         return 2
     import boto3
 

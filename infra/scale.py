@@ -22,11 +22,10 @@ commands. Pipe the output to `sh` once it reads right.
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
 
-from infra.config import ConfigError, DeploymentConfig, NodePool, load_config
+from infra.config import DeploymentConfig, NodePool, config_of_args, config_parser
 
 
 def nodegroup_name(cfg: DeploymentConfig, pool: NodePool) -> str:
@@ -55,15 +54,11 @@ def before_update_commands(cfg: DeploymentConfig) -> list[list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry; exit 2 with one line on stderr for a bad config."""
-    p = argparse.ArgumentParser(prog="infra.scale", description=__doc__.splitlines()[0])
-    p.add_argument("--env", required=True)
-    p.add_argument("--config", default=None, help="deployment overrides YAML, as for cdk -c config=")
+    p = config_parser("infra.scale", __doc__.splitlines()[0])
     p.add_argument("--before-update", action="store_true", help="scale fixed-capacity groups (Capacity Block, ODCR, placement group) to 0")
     args = p.parse_args(argv)
-    try:
-        cfg = load_config(args.env, args.config)
-    except ConfigError as e:
-        print(f"infra.scale: {e}", file=sys.stderr)
+    cfg = config_of_args(args, "infra.scale")
+    if cfg is None:
         return 2
     commands = before_update_commands(cfg) if args.before_update else scale_up_commands(cfg)
     for argv_ in commands:
