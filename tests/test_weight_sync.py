@@ -241,7 +241,8 @@ def test_network_push_failure_and_store_fallback(cluster):
 
     # 1. two versions over the network, a group per engine
     r1 = c.push(1, store=False)
-    assert r1["pushed"] == ["w0", "w1"] and r1["rebuilt"] and r1["buckets"] > 10, r1
+    assert r1["pushed"] == ["w0", "w1"] and r1["rebuilt"] and r1["buckets"] > 10, (
+        f"{json.dumps(r1)}\n" + "\n".join(c.log(n) for n in ("worker-0", "worker-1", "engine-0")))
     assert [ref.check(c.url(i)) for i in range(2)] == [1, 1]
     r2 = c.push(2, store=True)
     assert r2["pushed"] == ["w0", "w1"] and not r2["rebuilt"] and r2["epoch"] == r1["epoch"], r2

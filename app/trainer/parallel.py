@@ -125,6 +125,32 @@ def gather(t: DTensor, placements=None) -> torch.Tensor:
     return local.redistribute(host, placements).to_local().to(t.device)
 
 
+def p2p_group(mesh: DeviceMesh, dim: str) -> dist.ProcessGroup | None:
+    """The group that `send_block`/`recv_block` use between ranks of one group of ``mesh``'s
+    dimension ``dim``: None (the default group) except in the shared-GPU layout
+    (`SHARED_GPU_ENV`), where it is that dimension's group of ``mesh``'s gloo twin (`_host_mesh`):
+    gloo cannot send a CUDA tensor (its TCP pair hands the device address to ``writev``, which
+    fails with EFAULT, "Bad address": seen on the H200 with torch 2.11). Collective on its first
+    call for a mesh: every rank calls it, also those that send nothing."""
+    if mesh.device_type == "cuda" and shared_gpu():
+        return _host_mesh(mesh).get_group(dim)
+    return None
+
+
+def send_block(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None) -> None:
+    """Send ``t`` (any shape and dtype) to global rank ``dst`` over `p2p_group`'s ``group``: the
+    tensor itself, or over a host twin's group its host copy."""
+    dist.send(t.contiguous() if group is None else t.contiguous().cpu(), dst=dst, group=group)
+
+
+def recv_block(like: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """What `send_block` on global rank ``src`` sent: a tensor of ``like``'s shape, dtype and
+    device."""
+    out = torch.empty_like(like) if group is None else torch.empty(like.shape, dtype=like.dtype)
+    dist.recv(out, src=src, group=group)
+    return out.to(like.device)
+
+
 _HOST_MESHES: dict[tuple, DeviceMesh] = {}
 
 

@@ -95,6 +95,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from app.trainer.parallel import p2p_group, recv_block, send_block
 from app.trainer.publish import _gathered, plan_version
 from app.weight_group import BUCKET_FORMAT, GroupError, UpdateGroup, dtype_name, open_group, pack_bucket, plan_buckets
 
@@ -458,16 +459,16 @@ class WeightPusher:
         """Rank 0 takes each EP rank's [E_local, ...] block in turn (its own, then the others'
         sent point to point by the rank at mesh (0, 0, r)) and adds its per-expert pieces."""
         e_local = value.shape[0]
+        group = p2p_group(mesh.world, "ep")  # every rank: collective the first time
         for r in range(mesh.layout.ep):
-            holder = int(mesh.world.mesh[0, 0, r])
+            holder = int(mesh.world.mesh[0, 0, r])  # in rank 0's group of the "ep" dimension
             if r == 0:
                 block = value
             elif self.rank == holder:
-                dist.send(value.contiguous(), dst=0)
+                send_block(value, 0, group)
                 continue
             elif self.rank == 0:
-                block = torch.empty_like(value)
-                dist.recv(block, src=holder)
+                block = recv_block(value, holder, group)
             else:
                 continue
             if self.rank == 0:
