@@ -42,8 +42,13 @@ GPU_DAEMONSET_TOLERATIONS = [
 
 # configurationValues per add-on (each add-on's schema: `aws eks describe-addon-configuration`).
 ADDON_CONFIG: dict[str, dict] = {
-    # The VPC CNI's network policy agent enforces the NetworkPolicies charts8s ships.
-    "vpc-cni": {"enableNetworkPolicy": "true"},
+    # The VPC CNI's network policy agent enforces the NetworkPolicies charts8s ships, in strict
+    # mode: a new pod starts denied both ways until its policies are in place, where standard mode
+    # lets it talk to anything until then (amazon-vpc-cni-k8s README, NETWORK_POLICY_ENFORCING_MODE,
+    # v1.17.1+; the add-on passes `env` to the aws-node container, chart values.yaml `env`). Every
+    # pod then needs a policy: moerl's roles have theirs (charts8s), the namespaces of the stack's
+    # own add-ons and charts get SYSTEM_NAMESPACES' allow-all policy (as standard mode behaves).
+    "vpc-cni": {"enableNetworkPolicy": "true", "env": {"NETWORK_POLICY_ENFORCING_MODE": "strict"}},
     # The node plugin must run on every pool (all but system are tainted) to mount volumes there;
     # the default StorageClass (gp3, encrypted) holds Prometheus' volume.
     "aws-ebs-csi-driver": {"node": {"tolerateAllTaints": True}, "defaultStorageClass": {"enabled": True}},
@@ -56,6 +61,14 @@ ADDON_CONFIG: dict[str, dict] = {
 TRAINER_WRITE_AREAS = ("policy", "train", "trainer", "metrics", "tensorboard")
 # The EBS CSI controller's service account (EKS user guide, "Amazon EBS CSI driver").
 EBS_CSI_SERVICE_ACCOUNT = "ebs-csi-controller-sa"
+# The VPC CNI's service account: its AmazonEKS_CNI_Policy goes there through Pod Identity, not on
+# the node role (EKS user guide, "Configure Amazon VPC CNI plugin to use IRSA" / "Pod Identity":
+# pods on the host network could otherwise use the node role's ENI permissions).
+VPC_CNI_SERVICE_ACCOUNT = "aws-node"
+# Namespaces whose pods the stack itself installs (EKS add-ons, the Helm charts below); under the
+# CNI's strict mode each gets one allow-all NetworkPolicy before any node exists, so these pods
+# keep standard mode's behaviour. moerl's own namespaces carry per-role policies (charts8s).
+SYSTEM_NAMESPACES = ("kube-system", "volcano-system", "lws-system", MONITORING_NAMESPACE)
 
 
 def kubectl_layer(scope: Construct, k8s_version: str):
@@ -129,14 +142,16 @@ class ClusterStack(Stack):
             for name, version in addon_versions(cfg.k8s_version).items()
         }
         self._ebs_csi_identity()
+        self._vpc_cni_identity()
+        self._system_network_policies()
 
         self.node_role = iam.Role(
             self, "NodeRole",
             assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
             managed_policies=[
                 iam.ManagedPolicy.from_aws_managed_policy_name(n)
-                for n in ("AmazonEKSWorkerNodePolicy", "AmazonEKS_CNI_Policy",
-                          "AmazonEC2ContainerRegistryPullOnly", "AmazonSSMManagedInstanceCore")
+                for n in ("AmazonEKSWorkerNodePolicy", "AmazonEC2ContainerRegistryPullOnly",
+                          "AmazonSSMManagedInstanceCore")
             ],
         )
         # The first pull of an image through a pull-through cache rule creates its repository and
@@ -151,6 +166,8 @@ class ClusterStack(Stack):
             self.nodegroups[pool.name], self.launch_templates[pool.name] = add_nodegroup(
                 self, pool, cfg=cfg, cluster=self.cluster, node_role=self.node_role, network=network,
                 after=self.addons["vpc-cni"])
+            # Under strict mode a pod that starts before its namespace's policy is denied until it arrives.
+            self.nodegroups[pool.name].node.add_dependency(self.system_policies)
         # CoreDNS and the EBS CSI controller need somewhere to run before their add-ons report healthy.
         self.addons["coredns"].node.add_dependency(self.nodegroups["system"])
         self.addons["aws-ebs-csi-driver"].node.add_dependency(self.nodegroups["system"])
@@ -288,6 +305,35 @@ class ClusterStack(Stack):
         cfn.pod_identity_associations = [eks.CfnAddon.PodIdentityAssociationProperty(
             service_account=EBS_CSI_SERVICE_ACCOUNT, role_arn=self.ebs_csi_role.role_arn)]
         addon.node.add_dependency(self.addons["eks-pod-identity-agent"])
+
+    def _vpc_cni_identity(self) -> None:
+        """Pod Identity for the VPC CNI (aws-node in kube-system): AmazonEKS_CNI_Policy, associated by
+        the add-on, instead of on the node role, where every process on a node could use it."""
+        self.vpc_cni_role = iam.Role(
+            self, "VpcCniRole",
+            assumed_by=self._pod_principal("kube-system", VPC_CNI_SERVICE_ACCOUNT),
+            description="VPC CNI (aws-node): attach ENIs and assign pod IP addresses",
+            managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name("AmazonEKS_CNI_Policy")],
+        )
+        addon = self.addons["vpc-cni"]
+        cfn: eks.CfnAddon = addon.node.default_child  # type: ignore[assignment]
+        cfn.pod_identity_associations = [eks.CfnAddon.PodIdentityAssociationProperty(
+            service_account=VPC_CNI_SERVICE_ACCOUNT, role_arn=self.vpc_cni_role.role_arn)]
+        addon.node.add_dependency(self.addons["eks-pod-identity-agent"])
+
+    def _system_network_policies(self) -> None:
+        """One allow-all NetworkPolicy (ingress and egress, every pod) in each of SYSTEM_NAMESPACES,
+        with the namespace itself, applied by the kubectl handler before any node group exists."""
+        docs: list[dict] = []
+        for ns in SYSTEM_NAMESPACES:
+            if ns != "kube-system":
+                docs.append({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+            docs.append({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                         "metadata": {"name": "allow-all", "namespace": ns},
+                         "spec": {"podSelector": {}, "policyTypes": ["Ingress", "Egress"],
+                                  "ingress": [{}], "egress": [{}]}})
+        self.system_policies = eks.KubernetesManifest(self, "SystemNetworkPolicies", cluster=self.cluster,
+                                                      manifest=docs, overwrite=True)
 
     def _pod_identity(self, storage: StorageStack) -> None:
         """Pod Identity: the trainer writes only the run areas app/ writes under run_prefix/; both

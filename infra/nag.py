@@ -25,7 +25,8 @@ CLUSTER_ACKNOWLEDGEMENTS: dict[str, str] = {
     _AWS_POLICY.format("AmazonEKSWorkerNodePolicy"):
         "Node IAM role: required for kubelet registration and Pod Identity (EKS user guide, node IAM role).",
     _AWS_POLICY.format("AmazonEKS_CNI_Policy"):
-        "Node IAM role: the VPC CNI assigns pod IPs and EFA/ENA interfaces with it (EKS user guide).",
+        "VPC CNI role (Pod Identity of aws-node, not the node role): the CNI assigns pod IPs and EFA/ENA "
+        "interfaces with it (EKS user guide); AWS keeps it in step with the CNI.",
     _AWS_POLICY.format("AmazonEC2ContainerRegistryPullOnly"):
         "Node IAM role: pull-only ECR access for images, the narrowest AWS policy for it.",
     _AWS_POLICY.format("AmazonSSMManagedInstanceCore"):

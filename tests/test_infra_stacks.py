@@ -313,7 +313,73 @@ def addon(t: Template, name: str) -> tuple[str, dict]:
 def test_vpc_cni_enforces_network_policies(pipeline, env):
     """charts8s ships NetworkPolicies; the VPC CNI's policy agent must be on to enforce them."""
     _, cni = addon(tpl(pipeline, env, "cluster"), "vpc-cni")
-    assert json.loads(cni["Properties"]["ConfigurationValues"]) == {"enableNetworkPolicy": "true"}
+    # issue 28 item 8 adds strict mode (test_vpc_cni_strict_mode_...) to the policy agent being on
+    assert json.loads(cni["Properties"]["ConfigurationValues"]) == {
+        "enableNetworkPolicy": "true", "env": {"NETWORK_POLICY_ENFORCING_MODE": "strict"}}
+
+
+def _chart_values_paths(values: dict, config: dict, path: str = "") -> list[str]:
+    """The paths of `config` that the chart's values.yaml does not declare."""
+    missing = []
+    for k, v in config.items():
+        if k not in values:
+            missing.append(path + k)
+        elif isinstance(v, dict):
+            missing += _chart_values_paths(values[k] or {}, v, f"{path}{k}.")
+    return missing
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_vpc_cni_strict_mode_and_every_system_namespace_has_a_policy(pipeline, env):
+    """Issue 28 item 8: strict mode (a new pod is denied until its policies exist), with values the
+    add-on's chart declares (aws-vpc-cni values.yaml at the pinned v1.22.4), and an allow-all policy
+    in every namespace of the stack's own pods, applied before any node group exists."""
+    import yaml
+
+    from infra.cluster import ADDON_CONFIG, SYSTEM_NAMESPACES
+    cl = tpl(pipeline, env, "cluster")
+    values = yaml.safe_load((ROOT / "tests/data/aws-vpc-cni-v1.22.4-values.yaml").read_text())
+    assert addon_versions(pipeline.cfgs[env].k8s_version)["vpc-cni"].startswith("v1.22.4-")
+    config = ADDON_CONFIG["vpc-cni"]
+    assert _chart_values_paths(values, config) == []
+    assert values["env"]["NETWORK_POLICY_ENFORCING_MODE"] == "standard" and values["nodeAgent"]["enabled"] is True
+    assert config["env"]["NETWORK_POLICY_ENFORCING_MODE"] == "strict"
+    # the namespaces of every Helm chart the stack installs, and kube-system's add-ons
+    charts = {r["Properties"]["Namespace"] for r in resources(cl, "Custom::AWSCDK-EKS-HelmChart").values()}
+    assert charts | {"kube-system"} == set(SYSTEM_NAMESPACES)
+    (mid, manifest), = [(k, r) for k, r in resources(cl, "Custom::AWSCDK-EKS-KubernetesResource").items()
+                        if "SystemNetworkPolicies" in k]
+    docs = json.loads(_resolve(manifest["Properties"]["Manifest"], pipeline.cfgs[env]))
+    policies = {d["metadata"]["namespace"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    assert set(policies) == set(SYSTEM_NAMESPACES)
+    assert all(p == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"], "ingress": [{}], "egress": [{}]}
+               for p in policies.values())
+    for ng in resources(cl, "AWS::EKS::Nodegroup").values():
+        assert mid in ng["DependsOn"]
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_vpc_cni_policy_on_aws_node_not_the_node_role(pipeline, env):
+    """Issue 28 item 8: AmazonEKS_CNI_Policy through Pod Identity on kube-system/aws-node (EKS user
+    guide), not on the node role, where every process on a node could use it."""
+    cfg = pipeline.cfgs[env]
+    cl = tpl(pipeline, env, "cluster")
+    res = cl.to_json()["Resources"]
+    cni_id, cni = addon(cl, "vpc-cni")
+    (assoc,) = cni["Properties"]["PodIdentityAssociations"]
+    assert assoc["ServiceAccount"] == "aws-node"
+    role = res[assoc["RoleArn"]["Fn::GetAtt"][0]]["Properties"]
+    assert role["AssumeRolePolicyDocument"]["Statement"][0]["Condition"] == {"StringEquals": {
+        "aws:SourceAccount": cfg.account, "aws:RequestTag/eks-cluster-name": cfg.name_prefix,
+        "aws:RequestTag/kubernetes-namespace": "kube-system", "aws:RequestTag/kubernetes-service-account": "aws-node"}}
+    (policy,) = role["ManagedPolicyArns"]
+    assert json.dumps(policy).endswith(':iam::aws:policy/AmazonEKS_CNI_Policy"]]}')
+    agent_id, _ = addon(cl, "eks-pod-identity-agent")
+    assert agent_id in cni["DependsOn"]
+    (node_role,) = [r for r in resources(cl, "AWS::IAM::Role").values()
+                    if r["Properties"]["AssumeRolePolicyDocument"]["Statement"][0]["Principal"] == {"Service": "ec2.amazonaws.com"}]
+    assert "AmazonEKS_CNI_Policy" not in json.dumps(node_role["Properties"]["ManagedPolicyArns"])
+    assert "AmazonEKSWorkerNodePolicy" in json.dumps(node_role["Properties"]["ManagedPolicyArns"])
 
 
 def test_ebs_csi_driver_with_pod_identity(pipeline):
