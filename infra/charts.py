@@ -12,6 +12,19 @@ NVIDIA_DEVICE_PLUGIN = ("https://nvidia.github.io/k8s-device-plugin", "nvidia-de
 EFA_DEVICE_PLUGIN = ("https://aws.github.io/eks-charts", "aws-efa-k8s-device-plugin", "v0.5.30")
 # Gang scheduler of the trainer job (charts8s/trainer.py renders a Volcano Job).
 VOLCANO = ("https://volcano-sh.github.io/helm-charts", "volcano", "1.15.0")
+# The Kubernetes versions Volcano's compatibility matrix marks exactly compatible for the pinned
+# line (volcano-sh/volcano README "Kubernetes compatibility", row "Volcano v1.15", at commit
+# ed72c7c8, 2026-08-20: 1.24 to 1.35; 1.36 only for master, and no release newer than v1.15.1).
+VOLCANO_KUBERNETES = ("1.15", tuple(f"1.{m}" for m in range(24, 36)))
+# Kubernetes versions the config accepts although the matrix does not list them, each with the
+# decision. This is the one place that decides which cluster versions run Volcano; the config
+# refuses any other (infra.config.DeploymentConfig) and the README's "Checked only on a real
+# account" list names each entry.
+VOLCANO_UNLISTED_KUBERNETES = {
+    "1.36": "kept rather than held at 1.35: 1.36 is the newest EKS standard-support version, nodeadm's "
+            "graceful shutdown and the recorded add-on pins are for 1.36, Volcano's master lists 1.36; "
+            "the gang scheduling of the trainer on 1.36 is checked on the first deploy",
+}
 # LeaderWorkerSet controller (multi-node SGLang engines; charts8s renders the LWS objects).
 # kubernetes-sigs/lws pushes its chart as an OCI artifact (hack/push-chart.sh; install docs:
 # `helm install lws oci://registry.k8s.io/lws/charts/lws --version=0.10.0`).

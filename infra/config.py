@@ -21,6 +21,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from infra.charts import VOLCANO_KUBERNETES, VOLCANO_UNLISTED_KUBERNETES
 from infra.instances import INSTANCE_TABLE, InstanceSpec
 
 Env = Literal["dev", "staging", "prod"]
@@ -391,6 +392,10 @@ class DeploymentConfig(Model):
     def _k8s(cls, v: str) -> str:
         if tuple(int(x) for x in v.split(".")) < MIN_K8S_VERSION:
             raise ValueError(f"Kubernetes version {v} is below the minimum 1.31")
+        line, listed = VOLCANO_KUBERNETES
+        if v not in listed and v not in VOLCANO_UNLISTED_KUBERNETES:
+            raise ValueError(f"Kubernetes {v}: Volcano {line} (infra/charts.py VOLCANO) lists {listed[0]}-{listed[-1]} "
+                             f"in its compatibility matrix, and {v} is not among VOLCANO_UNLISTED_KUBERNETES")
         return v
 
     @field_validator("image_tag")
