@@ -71,6 +71,12 @@ VPC_CNI_SERVICE_ACCOUNT = "aws-node"
 SYSTEM_NAMESPACES = ("kube-system", "volcano-system", "lws-system", MONITORING_NAMESPACE)
 
 
+def trainer_write_resources(cfg: DeploymentConfig, bucket_arn: str) -> list[str]:
+    """Object ARNs the trainer role may write: each area of TRAINER_WRITE_AREAS of each run of
+    `cfg.trainer_runs` (run ids or 'family-*'), never another run's and nothing else under run_prefix."""
+    return [f"{bucket_arn}/{cfg.run_prefix}/{run}/{area}/*" for run in cfg.trainer_runs for area in TRAINER_WRITE_AREAS]
+
+
 def kubectl_layer(scope: Construct, k8s_version: str):
     """The kubectl/helm Lambda layer matching the control plane's minor version ("1.36" ->
     aws_cdk.lambda_layer_kubectl_v36.KubectlV36Layer; kubectl supports +/-1 minor of skew).
@@ -336,7 +342,8 @@ class ClusterStack(Stack):
                                                       manifest=docs, overwrite=True)
 
     def _pod_identity(self, storage: StorageStack) -> None:
-        """Pod Identity: the trainer writes only the run areas app/ writes under run_prefix/; both
+        """Pod Identity: the trainer writes only the run areas app/ writes, of the runs of
+        cfg.trainer_runs (trainer_write_resources); both
         roles read runs, models_prefix/ and data_prefix/, and neither may write models or data.
 
         Keys under run_prefix/ (app/storage/store.py run_area): <run>/policy/ (app/storage/policy.py,
@@ -365,7 +372,7 @@ class ClusterStack(Stack):
         self.trainer_role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[runs]))
         self.trainer_role.add_to_policy(iam.PolicyStatement(
             actions=["s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts"],
-            resources=[f"{bucket_arn}/{cfg.run_prefix}/*/{area}/*" for area in TRAINER_WRITE_AREAS],
+            resources=trainer_write_resources(cfg, bucket_arn),
         ))
         self.trainer_role.add_to_policy(iam.PolicyStatement(
             actions=["kms:Decrypt", "kms:GenerateDataKey"], resources=[storage.key.key_arn]))

@@ -65,6 +65,8 @@ DEFAULT_K8S_VERSION = "1.36"
 # deploy cannot (infra/app.py refuses to build a pipeline that targets them).
 PLACEHOLDER_ACCOUNTS = ("111111111111", "222222222222", "333333333333")
 
+# A run id as RunConfig.run_id accepts it (app/config.py), optionally a family prefix ending in '*'.
+_RUN_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}\*?$")
 # S3 general-purpose bucket naming rules (S3 user guide, "Bucket naming rules").
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _BUCKET_BAD_PREFIXES = ("xn--", "sthree-", "amzn-s3-demo-")
@@ -320,6 +322,12 @@ class DeploymentConfig(Model):
     models_prefix, data_prefix: key prefixes of the checkpoint bucket holding base models and
         datasets: both Pod Identity roles read them and neither may write there (operators
         upload). They must lie outside run_prefix, where the trainer writes.
+    trainer_runs: the runs whose areas the trainer role may write: run ids (RunConfig.run_id:
+        the trainer writes runs/<run_id>/{policy,train,trainer,metrics,tensorboard}/ only for
+        these), or a family ending in '*' ('grpo-*'); a bare '*' (every run) only in dev. A run
+        whose id is missing gets AccessDenied on its first write: add it and deploy the cluster
+        stack (an IAM policy update; no node changes), so one run's credentials cannot
+        overwrite another run's versions or training state.
     public_endpoint_cidrs: empty keeps the API endpoint private (reach it from inside the VPC);
         otherwise the endpoint is also public, open only to these CIDR blocks.
     retain_data: keep buckets and repositories when the stack is deleted (required in prod).
@@ -352,8 +360,18 @@ class DeploymentConfig(Model):
     node_groups_exist: bool = False
     models_prefix: str = Field("models", pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*$")
     data_prefix: str = Field("data", pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*$")
+    trainer_runs: list[str] = Field(["dev"], min_length=1)
     public_endpoint_cidrs: list[str] = []
     retain_data: bool = True
+
+    @field_validator("trainer_runs")
+    @classmethod
+    def _runs(cls, v: list[str]) -> list[str]:
+        for run in v:
+            if run != "*" and not _RUN_ID_RE.fullmatch(run):
+                raise ValueError(f"{run!r} is neither a run id (lower-case letters, digits, '-'; as RunConfig.run_id) "
+                                 "nor such a prefix followed by '*'")
+        return v
 
     @field_validator("admin_role_arns")
     @classmethod
@@ -435,6 +453,9 @@ class DeploymentConfig(Model):
         if self.env != "dev" and not self.admin_role_arns:
             raise ValueError(f"admin_role_arns: {self.env} needs at least one IAM role with cluster-admin access "
                              "(the API endpoint is private; see README 'Reaching the cluster')")
+        if self.env != "dev" and "*" in self.trainer_runs:
+            raise ValueError("trainer_runs: '*' (every run writable by every trainer) is allowed in dev only; "
+                             "list the run ids, or families such as 'grpo-*'")
         if self.env == "prod" and not self.retain_data:
             raise ValueError("retain_data must be true in prod")
         prefixes = {"run_prefix": self.run_prefix, "models_prefix": self.models_prefix, "data_prefix": self.data_prefix}

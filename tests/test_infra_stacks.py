@@ -456,7 +456,7 @@ def test_pod_identity_trainer_rw_rollout_ro(pipeline):
         for r in policies.values():
             if r["Type"] == "AWS::IAM::Policy" and {"Ref": role} in r["Properties"]["Roles"]:
                 for st in r["Properties"]["PolicyDocument"]["Statement"]:
-                    if f"/{cfg.run_prefix}/*" in json.dumps(st["Resource"]):
+                    if f"/{cfg.run_prefix}/" in json.dumps(st["Resource"]):  # runs/* or runs/<run>/<area>/*
                         acts |= set([st["Action"]] if isinstance(st["Action"], str) else st["Action"])
         return acts
 
@@ -972,6 +972,34 @@ def test_pod_roles_write_only_their_run_areas_and_read_models_and_data(pipeline)
     assert rollout.is_action_permitted("s3:GetObject", obj + written[0]) == ok
     assert trainer.is_action_permitted("s3:PutObject", obj + run + "r1/elsewhere/x") != ok  # only app's areas
     assert trainer.is_action_permitted("s3:DeleteObjectVersion", obj + written[0]) != ok  # versions stay recoverable
+
+
+def test_trainer_writes_only_the_runs_it_is_deployed_for(pipeline):
+    """Issue 28 item 6: writes are scoped per run (trainer_runs), not to every run under runs/: a
+    foothold in one run's trainer cannot overwrite another run's versions or training state."""
+    from moto.iam.access_control import IAMPolicy, PermissionResult
+
+    from app.storage.policy import version_prefix
+    from app.trainer.state import step_prefix
+    from infra.config import ConfigError, default_config, validate_config
+    ok = PermissionResult.PERMITTED
+    obj = "arn:aws:s3:::{}/runs/"
+    for env, mine, other in (("prod", ["r1", "dsv3-a", "dsv3-2node"], ["r2", "r10", "dsv4"]), ("dev", ["dev"], ["r1"])):
+        cfg = pipeline.cfgs[env]
+        cl = tpl(pipeline, env, "cluster")
+        roles = {r["Properties"]["RoleName"]: k for k, r in resources(cl, "AWS::IAM::Role").items() if "RoleName" in r["Properties"]}
+        trainer = IAMPolicy(json.dumps(role_policy(cl, cfg, roles[cfg.pod_role_name("trainer")])))
+        for run in mine + other:
+            for key in (version_prefix(run, 3) + "model.safetensors", step_prefix(run, 10) + "rng0.pt"):
+                want = run in mine
+                assert (trainer.is_action_permitted("s3:PutObject", obj.format(cfg.checkpoint_bucket) + key) == ok) is want, (env, key)
+                assert trainer.is_action_permitted("s3:GetObject", obj.format(cfg.checkpoint_bucket) + key) == ok
+    data = default_config("prod")
+    assert data.get("trainer_runs") is None and validate_config(data).trainer_runs == ["dev"]
+    for runs, says in ((["*"], "allowed in dev only"), (["Run_1"], "neither a run id"), ([], "at least 1")):
+        with pytest.raises(ConfigError, match=says):
+            validate_config({**data, "trainer_runs": runs})
+    assert validate_config({**default_config("dev"), "trainer_runs": ["*"]}).trainer_runs == ["*"]
 
 
 def _buildspecs(t: Template) -> dict[str, dict]:
