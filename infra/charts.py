@@ -34,7 +34,13 @@ KUBE_PROMETHEUS_STACK = ("https://prometheus-community.github.io/helm-charts", "
 # GPU metrics (DCGM) for Prometheus, with its own ServiceMonitor.
 DCGM_EXPORTER = ("https://nvidia.github.io/dcgm-exporter/helm-charts", "dcgm-exporter", "4.8.2")
 
-HELM_CHARTS = (NVIDIA_DEVICE_PLUGIN, EFA_DEVICE_PLUGIN, VOLCANO, LWS, KUBE_PROMETHEUS_STACK, DCGM_EXPORTER)
+# The FSx for Lustre CSI driver's node plugin (infra/config.py FsxConfig; installed only with
+# fsx.enabled): chart 1.17.0 runs driver v1.9.0. Static volumes only (charts8s/fsx.py), so the
+# chart's controller (dynamic provisioning, which would need an IAM role) is left out.
+FSX_CSI_DRIVER = ("https://kubernetes-sigs.github.io/aws-fsx-csi-driver", "aws-fsx-csi-driver", "1.17.0")
+
+HELM_CHARTS = (NVIDIA_DEVICE_PLUGIN, EFA_DEVICE_PLUGIN, VOLCANO, LWS, KUBE_PROMETHEUS_STACK, DCGM_EXPORTER,
+               FSX_CSI_DRIVER)
 MONITORING_NAMESPACE = "monitoring"
 # The label kube-prometheus-stack's Grafana sidecar loads dashboard ConfigMaps by (grafana chart
 # values sidecar.dashboards.label / labelValue; set explicitly in infra/cluster.py, used by

@@ -26,9 +26,9 @@ from aws_cdk import aws_kms as kms
 from constructs import Construct
 
 from infra.addons import DCGM_HOSTENGINE_PORT, EKS_ADDONS, addon_versions  # noqa: F401  (re-exported)
-from infra.charts import (DCGM_EXPORTER, EFA_DEVICE_PLUGIN, GRAFANA_DASHBOARD_LABEL, KUBE_PROMETHEUS_STACK,  # noqa: F401
-                          LWS, MONITORING_NAMESPACE, NVIDIA_DEVICE_PLUGIN, VOLCANO)
-from infra.config import ACCELERATOR_LABEL, EFA_LABEL, GPU_TAINT_KEY, POOL_TAINT_KEY, DeploymentConfig
+from infra.charts import (DCGM_EXPORTER, EFA_DEVICE_PLUGIN, FSX_CSI_DRIVER, GRAFANA_DASHBOARD_LABEL,  # noqa: F401
+                          KUBE_PROMETHEUS_STACK, LWS, MONITORING_NAMESPACE, NVIDIA_DEVICE_PLUGIN, VOLCANO)
+from infra.config import ACCELERATOR_LABEL, EFA_LABEL, GPU_TAINT_KEY, POOL_LABEL, POOL_TAINT_KEY, DeploymentConfig
 from infra.instances import INSTANCE_TABLE
 from infra.network import NetworkStack
 from infra.nodegroup import add_nodegroup
@@ -65,6 +65,9 @@ EBS_CSI_SERVICE_ACCOUNT = "ebs-csi-controller-sa"
 # the node role (EKS user guide, "Configure Amazon VPC CNI plugin to use IRSA" / "Pod Identity":
 # pods on the host network could otherwise use the node role's ENI permissions).
 VPC_CNI_SERVICE_ACCOUNT = "aws-node"
+# The pools whose pods mount the FSx for Lustre file system (trainer and rollout; infra/storage.py
+# admits Lustre from their EFA security group).
+FSX_POOLS = ("train-gpu", "rollout-gpu")
 # Namespaces whose pods the stack itself installs (EKS add-ons, the Helm charts below); under the
 # CNI's strict mode each gets one allow-all NetworkPolicy before any node exists, so these pods
 # keep standard mode's behaviour. moerl's own namespaces carry per-role policies (charts8s).
@@ -275,6 +278,24 @@ class ClusterStack(Stack):
         )
         # The ServiceMonitor kind comes with kube-prometheus-stack's CRDs.
         self.dcgm_exporter.node.add_dependency(self.prometheus)
+
+        if self.cfg.fsx.enabled:
+            self._fsx_csi_driver()
+
+    def _fsx_csi_driver(self) -> None:
+        """The FSx for Lustre CSI driver's node plugin on the pools whose pods mount the file system
+        (FSX_POOLS), with no controller: the volume is static (charts8s/fsx.py), so no AWS call."""
+        repo, chart, version = FSX_CSI_DRIVER
+        # chart values.yaml (1.17.0): nodeComponentOnly drops the controller Deployment;
+        # node.tolerateAllTaints is its default, kept explicit (every GPU pool is tainted).
+        self.fsx_csi = eks.HelmChart(
+            self, "FsxCsiDriver", cluster=self.cluster, repository=repo, chart=chart, version=version,
+            release="aws-fsx-csi-driver", namespace="kube-system", wait=False,
+            values={"nodeComponentOnly": True,
+                    "node": {"tolerateAllTaints": True, "affinity": {"nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [
+                            {"key": POOL_LABEL, "operator": "In", "values": list(FSX_POOLS)}]}]}}}}},
+        )
 
     def _pod_principal(self, namespace: str, service_account: str) -> iam.IPrincipal:
         """The EKS Pod Identity principal, limited to this account, this cluster and one service account.

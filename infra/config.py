@@ -269,6 +269,49 @@ class NodePool(Model):
         return min(self.min_size, want), want, self.max_size
 
 
+# FSx for Lustre PERSISTENT_2 (SSD): per-unit storage throughput, MB/s per TiB, and storage
+# capacity: 1200 GiB, or a multiple of 2400 GiB (FSx API CreateFileSystem StorageCapacity and
+# LustreConfiguration.PerUnitStorageThroughput). app/plan/traffic.py estimates with the same values.
+FSX_PER_UNIT_MBPS = (125, 250, 500, 1000)
+FSX_CAPACITY_STEP_GIB = 2400
+FSX_MIN_CAPACITY_GIB = 1200
+
+
+class FsxConfig(Model):
+    """The shared FSx for Lustre file system (infra/storage.py), linked to the checkpoint bucket's
+    models_prefix/ and data_prefix/ and mounted read-only at /fsx by trainer and rollout pods.
+
+    enabled: off by default: it costs per provisioned GiB whether read or not, and `moerl plan
+        --traffic` shows when it beats reading S3 directly (many nodes reading the same base model).
+    storage_gib: capacity, 1200 or a multiple of 2400 (PERSISTENT_2 SSD).
+    mbps_per_tib: per-unit throughput, one of FSX_PER_UNIT_MBPS; the file system serves
+        storage_gib / 1024 x mbps_per_tib MB/s, shared by every reader.
+    file_system_id, mount_name: the storage stack's outputs FsxFileSystemId and FsxMountName,
+        set after its first deploy; charts8s needs both to render the PersistentVolume.
+    """
+
+    enabled: bool = False
+    storage_gib: int = Field(2400, ge=FSX_MIN_CAPACITY_GIB)
+    mbps_per_tib: int = 1000
+    file_system_id: str | None = Field(None, pattern=r"^fs-[0-9a-f]{8,21}$")
+    mount_name: str | None = Field(None, pattern=r"^[a-z0-9]{1,16}$")
+
+    @field_validator("storage_gib")
+    @classmethod
+    def _capacity(cls, v: int) -> int:
+        if v != FSX_MIN_CAPACITY_GIB and v % FSX_CAPACITY_STEP_GIB:
+            raise ValueError(f"{v} GiB is not a PERSISTENT_2 capacity: {FSX_MIN_CAPACITY_GIB} GiB or a multiple "
+                             f"of {FSX_CAPACITY_STEP_GIB} GiB")
+        return v
+
+    @field_validator("mbps_per_tib")
+    @classmethod
+    def _throughput(cls, v: int) -> int:
+        if v not in FSX_PER_UNIT_MBPS:
+            raise ValueError(f"{v} MB/s/TiB is not a PERSISTENT_2 throughput: one of {list(FSX_PER_UNIT_MBPS)}")
+        return v
+
+
 class PipelineConfig(Model):
     """Where the promotion pipeline runs and which repository it builds (`-c env=pipeline -c
     config=pipeline.yaml`, see `load_pipeline_config`).
@@ -322,6 +365,7 @@ class DeploymentConfig(Model):
     models_prefix, data_prefix: key prefixes of the checkpoint bucket holding base models and
         datasets: both Pod Identity roles read them and neither may write there (operators
         upload). They must lie outside run_prefix, where the trainer writes.
+    fsx: the shared FSx for Lustre file system (FsxConfig; off by default).
     trainer_runs: the runs whose areas the trainer role may write: run ids (RunConfig.run_id:
         the trainer writes runs/<run_id>/{policy,train,trainer,metrics,tensorboard}/ only for
         these), or a family ending in '*' ('grpo-*'); a bare '*' (every run) only in dev. A run
@@ -361,6 +405,7 @@ class DeploymentConfig(Model):
     models_prefix: str = Field("models", pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*$")
     data_prefix: str = Field("data", pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*$")
     trainer_runs: list[str] = Field(["dev"], min_length=1)
+    fsx: FsxConfig = FsxConfig()
     public_endpoint_cidrs: list[str] = []
     retain_data: bool = True
 
@@ -453,6 +498,11 @@ class DeploymentConfig(Model):
         if self.env != "dev" and not self.admin_role_arns:
             raise ValueError(f"admin_role_arns: {self.env} needs at least one IAM role with cluster-admin access "
                              "(the API endpoint is private; see README 'Reaching the cluster')")
+        if self.fsx.enabled:
+            no_efa = [p for p in ("train-gpu", "rollout-gpu") if not self.pools[p].efa]
+            if no_efa:
+                raise ValueError(f"fsx.enabled: the file system admits Lustre from the EFA security group, which "
+                                 f"only EFA pools carry; {no_efa} have efa off")
         if self.env != "dev" and "*" in self.trainer_runs:
             raise ValueError("trainer_runs: '*' (every run writable by every trainer) is allowed in dev only; "
                              "list the run ids, or families such as 'grpo-*'")

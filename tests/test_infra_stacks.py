@@ -1002,6 +1002,73 @@ def test_trainer_writes_only_the_runs_it_is_deployed_for(pipeline):
     assert validate_config({**default_config("dev"), "trainer_runs": ["*"]}).trainer_runs == ["*"]
 
 
+def test_fsx_lustre_linked_to_models_and_data_reached_only_from_gpu_nodes(pipeline):
+    """Issue 27 item 12: PERSISTENT_2 in the nodes' one AZ, KMS-encrypted, linked (import only) to the
+    bucket's models/ and data/ prefixes; Lustre's ports admitted from the EFA security group (the
+    trainer and rollout nodes) and the file servers only; the CSI node plugin on those pools only;
+    off by default (dev, staging): no file system, no driver."""
+    from infra.cluster import FSX_POOLS
+    from infra.storage import LUSTRE_PORTS
+    cfg = pipeline.cfgs["prod"]
+    st, net, cl = tpl(pipeline, "prod", "storage"), tpl(pipeline, "prod", "network"), tpl(pipeline, "prod", "cluster")
+    (fs_id, fs), = resources(st, "AWS::FSx::FileSystem").items()
+    p = fs["Properties"]
+    assert (p["LustreConfiguration"]["DeploymentType"], p["StorageCapacity"], p["LustreConfiguration"]["PerUnitStorageThroughput"]) == \
+        ("PERSISTENT_2", cfg.fsx.storage_gib, cfg.fsx.mbps_per_tib) == ("PERSISTENT_2", 4800, 500)
+    assert subnet_azs(net, st, p["SubnetIds"]) == {cfg.az} and len(p["SubnetIds"]) == 1
+    (key_id,) = resources(st, "AWS::KMS::Key")
+    assert p["KmsKeyId"] == {"Ref": key_id}
+    links = {(r["Properties"]["FileSystemPath"], r["Properties"]["DataRepositoryPath"]): r["Properties"]
+             for r in resources(st, "AWS::FSx::DataRepositoryAssociation").values()}
+    bucket = f"s3://{cfg.checkpoint_bucket}/"
+    assert set(links) == {(f"/{cfg.models_prefix}", f"{bucket}{cfg.models_prefix}/"), (f"/{cfg.data_prefix}", f"{bucket}{cfg.data_prefix}/")}
+    for link in links.values():
+        assert link["FileSystemId"] == {"Ref": fs_id} and "AutoExportPolicy" not in link["S3"]  # S3 is the source of truth
+    (sg_ref,) = p["SecurityGroupIds"]
+    sg_id = sg_ref["Fn::GetAtt"][0]
+    efa_export = [o["Export"]["Name"] for k, o in net.to_json()["Outputs"].items() if "EfaSecurityGroup" in k]
+    rules = [r["Properties"] for r in resources(st, "AWS::EC2::SecurityGroupIngress").values()
+             if r["Properties"]["GroupId"] == {"Fn::GetAtt": [sg_id, "GroupId"]}]
+    assert {(r["FromPort"], r["ToPort"]) for r in rules} == set(LUSTRE_PORTS) == {(988, 988), (1018, 1023)}
+    sources = {json.dumps(r["SourceSecurityGroupId"]) for r in rules}
+    assert all(r["IpProtocol"] == "tcp" and "CidrIp" not in r for r in rules)
+    assert sources == {json.dumps({"Fn::ImportValue": e}) for e in efa_export} | {json.dumps({"Fn::GetAtt": [sg_id, "GroupId"]})}
+    assert "SecurityGroupIngress" not in resources(st, "AWS::EC2::SecurityGroup")[sg_id]["Properties"]
+    # the pools that mount it carry the EFA security group (the config refuses fsx otherwise)
+    assert all(cfg.pools[p].efa for p in FSX_POOLS)
+    (csi,) = [r["Properties"] for r in resources(cl, "Custom::AWSCDK-EKS-HelmChart").values()
+              if r["Properties"]["Chart"] == "aws-fsx-csi-driver"]
+    values = json.loads(csi["Values"])
+    assert values["nodeComponentOnly"] is True
+    (term,) = values["node"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term == {"matchExpressions": [{"key": "moerl.dev/pool", "operator": "In", "values": list(FSX_POOLS)}]}
+    outputs = {k: o for k, o in st.to_json()["Outputs"].items() if k.startswith("Fsx")}
+    assert set(outputs) == {"FsxFileSystemId", "FsxMountName"}
+    for env in ("dev", "staging"):
+        assert not pipeline.cfgs[env].fsx.enabled
+        assert not resources(tpl(pipeline, env, "storage"), "AWS::FSx::FileSystem")
+        assert "aws-fsx-csi-driver" not in json.dumps(resources(tpl(pipeline, env, "cluster"), "Custom::AWSCDK-EKS-HelmChart"))
+
+
+@pytest.mark.parametrize("fsx, says", [
+    ({"storage_gib": 3600}, "not a PERSISTENT_2 capacity"), ({"storage_gib": 600}, "greater than or equal to 1200"),
+    ({"mbps_per_tib": 200}, "not a PERSISTENT_2 throughput"), ({"file_system_id": "fsx-1"}, "fs-"),
+])
+def test_fsx_sizes_are_the_ones_fsx_allows(fsx, says):
+    """FSx API CreateFileSystem: PERSISTENT_2 SSD takes 1200 GiB or multiples of 2400 GiB and 125,
+    250, 500 or 1000 MB/s/TiB; anything else fails the config, naming the field."""
+    from infra.config import ConfigError, default_config, validate_config
+    data = default_config("prod")
+    with pytest.raises(ConfigError, match=f"fsx.*{says}"):
+        validate_config({**data, "fsx": {"enabled": True, **fsx}})
+    for gib in (1200, 2400, 9600):
+        assert validate_config({**data, "fsx": {"enabled": True, "storage_gib": gib}}).fsx.storage_gib == gib
+    no_efa = default_config("prod")
+    no_efa["pools"]["rollout-gpu"]["efa"] = False
+    with pytest.raises(ConfigError, match="fsx.enabled.*rollout-gpu"):
+        validate_config({**no_efa, "fsx": {"enabled": True}})
+
+
 def _buildspecs(t: Template) -> dict[str, dict]:
     return {k: json.loads(r["Properties"]["Source"]["BuildSpec"]) for k, r in resources(t, "AWS::CodeBuild::Project").items()}
 
