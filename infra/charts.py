@@ -46,3 +46,78 @@ MONITORING_NAMESPACE = "monitoring"
 # values sidecar.dashboards.label / labelValue; set explicitly in infra/cluster.py, used by
 # charts8s/dashboards.py).
 GRAFANA_DASHBOARD_LABEL = ("grafana_dashboard", "1")
+
+# The images of the charts above that pull from a registry with an ECR pull-through cache rule
+# (infra/config.py PULL_THROUGH_CACHE, CREDENTIALED_CACHE), as each chart's values.yaml names them
+# at its pinned version (subcharts under their key): (values path, registry value or None when
+# repository holds the host, repository). "basic.image_registry" is Volcano's one registry value
+# for its images' names. Recorded with its sources in tests/data/chart-images.yaml.
+# nvidia-device-plugin and dcgm-exporter pull from nvcr.io (not an upstream ECR caches) and the EFA
+# plugin from EKS's ECR account: they are not listed.
+CHART_IMAGES: dict[str, tuple[tuple[str, str | None, str], ...]] = {
+    "kube-prometheus-stack": (
+        ("crds.upgradeJob.image.busybox", "docker.io", "busybox"),
+        ("crds.upgradeJob.image.kubectl", "registry.k8s.io", "kubectl"),
+        ("alertmanager.alertmanagerSpec.image", "quay.io", "prometheus/alertmanager"),
+        ("prometheusOperator.admissionWebhooks.deployment.image", "quay.io", "prometheus-operator/admission-webhook"),
+        ("prometheusOperator.admissionWebhooks.patch.image", "ghcr.io", "jkroepke/kube-webhook-certgen"),
+        ("prometheusOperator.image", "quay.io", "prometheus-operator/prometheus-operator"),
+        ("prometheusOperator.prometheusConfigReloader.image", "quay.io", "prometheus-operator/prometheus-config-reloader"),
+        ("prometheusOperator.thanosImage", "quay.io", "thanos/thanos"),
+        ("prometheus.prometheusSpec.image", "quay.io", "prometheus/prometheus"),
+        ("thanosRuler.thanosRulerSpec.image", "quay.io", "thanos/thanos"),
+        ("kube-state-metrics.image", "registry.k8s.io", "kube-state-metrics/kube-state-metrics"),
+        ("kube-state-metrics.kubeRBACProxy.image", "quay.io", "brancz/kube-rbac-proxy"),
+        ("prometheus-node-exporter.image", "quay.io", "prometheus/node-exporter"),
+        ("prometheus-node-exporter.kubeRBACProxy.image", "quay.io", "brancz/kube-rbac-proxy"),
+        ("prometheus-node-exporter.permissionInitContainer.image", "quay.io", "prometheus/busybox"),
+        ("grafana.image", "docker.io", "grafana/grafana"),
+        ("grafana.testFramework.image", "docker.io", "bats/bats"),
+        ("grafana.downloadDashboardsImage", "docker.io", "curlimages/curl"),
+        ("grafana.initChownData.image", "docker.io", "library/busybox"),
+        ("grafana.sidecar.image", "quay.io", "kiwigrid/k8s-sidecar"),
+        ("grafana.imageRenderer.image", "docker.io", "grafana/grafana-image-renderer"),
+    ),
+    "lws": (
+        ("image.manager", None, "registry.k8s.io/lws/lws"),
+    ),
+    "volcano": (
+        ("basic.image_registry", "docker.io", "volcanosh/vc-webhook-manager"),
+        ("basic.image_registry", "docker.io", "volcanosh/vc-agent"),
+        ("basic.image_registry", "docker.io", "volcanosh/vc-agent-scheduler"),
+        ("basic.image_registry", "docker.io", "volcanosh/vc-controller-manager"),
+        ("basic.image_registry", "docker.io", "volcanosh/vc-scheduler"),
+    ),
+    "aws-fsx-csi-driver": (
+        ("image", None, "public.ecr.aws/fsx-csi-driver/aws-fsx-csi-driver"),
+        ("sidecars.livenessProbe.image", None, "public.ecr.aws/csi-components/livenessprobe"),
+        ("sidecars.nodeDriverRegistrar.image", None, "public.ecr.aws/csi-components/csi-node-driver-registrar"),
+        ("sidecars.provisioner.image", None, "public.ecr.aws/csi-components/csi-provisioner"),
+        ("sidecars.resizer.image", None, "public.ecr.aws/csi-components/csi-resizer"),
+    ),
+}
+
+
+def cached_image_values(cfg, chart: str) -> dict:
+    """Helm values that point `chart`'s images at this account's ECR pull-through cache
+    (`cfg.cached_image`, a DeploymentConfig); images of registries without a rule stay as they are.
+    Nested by the values path: {"prometheus": {"prometheusSpec": {"image": {"registry": ..., "repository": ...}}}}.
+    """
+    out: dict = {}
+    for path, registry, repository in CHART_IMAGES.get(chart, ()):
+        ref = f"{registry}/{repository}" if registry else repository
+        cached = cfg.cached_image(f"{ref}:tag").removesuffix(":tag")
+        if cached == ref:
+            continue
+        *parents, leaf = path.split(".")
+        node = out
+        for key in parents:
+            node = node.setdefault(key, {})
+        host, _, repo = cached.partition("/")
+        if leaf == "image_registry":  # one registry value in front of the chart's image names
+            node[leaf] = cached.removesuffix("/" + repository)
+        elif registry:
+            node[leaf] = {"registry": host, "repository": repo}
+        else:
+            node[leaf] = {"repository": cached}
+    return out

@@ -26,7 +26,7 @@ from aws_cdk import aws_kms as kms
 from constructs import Construct
 
 from infra.addons import DCGM_HOSTENGINE_PORT, EKS_ADDONS, addon_versions  # noqa: F401  (re-exported)
-from infra.charts import (DCGM_EXPORTER, EFA_DEVICE_PLUGIN, FSX_CSI_DRIVER, GRAFANA_DASHBOARD_LABEL,  # noqa: F401
+from infra.charts import (DCGM_EXPORTER, cached_image_values, EFA_DEVICE_PLUGIN, FSX_CSI_DRIVER, GRAFANA_DASHBOARD_LABEL,  # noqa: F401
                           KUBE_PROMETHEUS_STACK, LWS, MONITORING_NAMESPACE, NVIDIA_DEVICE_PLUGIN, VOLCANO)
 from infra.config import ACCELERATOR_LABEL, EFA_LABEL, GPU_TAINT_KEY, POOL_LABEL, POOL_TAINT_KEY, DeploymentConfig
 from infra.instances import INSTANCE_TABLE
@@ -72,6 +72,14 @@ FSX_POOLS = ("train-gpu", "rollout-gpu")
 # CNI's strict mode each gets one allow-all NetworkPolicy before any node exists, so these pods
 # keep standard mode's behaviour. moerl's own namespaces carry per-role policies (charts8s).
 SYSTEM_NAMESPACES = ("kube-system", "volcano-system", "lws-system", MONITORING_NAMESPACE)
+
+
+def with_cached_images(cfg: DeploymentConfig, chart: str, values: dict | None = None) -> dict:
+    """`values` of `chart` with its images pointed at the ECR pull-through cache (infra/charts.py
+    cached_image_values), merged key by key; `values` is not changed."""
+    def merge(a: dict, b: dict) -> dict:
+        return {**a, **{k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v for k, v in b.items()}}
+    return merge(values or {}, cached_image_values(cfg, chart))
 
 
 def trainer_write_resources(cfg: DeploymentConfig, bucket_arn: str) -> list[str]:
@@ -219,6 +227,7 @@ class ClusterStack(Stack):
         self.volcano = eks.HelmChart(
             self, "Volcano", cluster=self.cluster, repository=repo, chart=chart, version=version,
             release="volcano", namespace="volcano-system", create_namespace=True, wait=True,
+            values=with_cached_images(self.cfg, chart) or None,
         )
         self.volcano.node.add_dependency(self.nodegroups["system"])
 
@@ -230,6 +239,7 @@ class ClusterStack(Stack):
         self.lws = eks.HelmChart(
             self, "LeaderWorkerSet", cluster=self.cluster, repository=repo, chart=chart, version=version,
             release="lws", namespace="lws-system", create_namespace=True, wait=True,
+            values=with_cached_images(self.cfg, chart),
         )
         self.lws.node.add_dependency(self.nodegroups["system"])
 
@@ -238,7 +248,7 @@ class ClusterStack(Stack):
         self.prometheus = eks.HelmChart(
             self, "KubePrometheusStack", cluster=self.cluster, repository=repo, chart=chart, version=version,
             release="kube-prometheus-stack", namespace=MONITORING_NAMESPACE, create_namespace=True, wait=True,
-            values={
+            values=with_cached_images(self.cfg, chart, {
                 "prometheus": {"prometheusSpec": {
                     # Select every ServiceMonitor/PodMonitor (DCGM exporter's, charts8s'), not only this release's.
                     "serviceMonitorSelectorNilUsesHelmValues": False,
@@ -253,7 +263,7 @@ class ClusterStack(Stack):
                 # Dashboards from ConfigMaps of the monitoring namespace with this label (charts8s/dashboards.py).
                 "grafana": {"sidecar": {"dashboards": {"enabled": True, "label": GRAFANA_DASHBOARD_LABEL[0],
                                                        "labelValue": GRAFANA_DASHBOARD_LABEL[1]}}},
-            },
+            }),
         )
         for dep in (self.nodegroups["system"], self.addons["aws-ebs-csi-driver"]):
             self.prometheus.node.add_dependency(dep)
@@ -291,10 +301,11 @@ class ClusterStack(Stack):
         self.fsx_csi = eks.HelmChart(
             self, "FsxCsiDriver", cluster=self.cluster, repository=repo, chart=chart, version=version,
             release="aws-fsx-csi-driver", namespace="kube-system", wait=False,
-            values={"nodeComponentOnly": True,
-                    "node": {"tolerateAllTaints": True, "affinity": {"nodeAffinity": {
-                        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [
-                            {"key": POOL_LABEL, "operator": "In", "values": list(FSX_POOLS)}]}]}}}}},
+            values=with_cached_images(self.cfg, chart, {
+                "nodeComponentOnly": True,
+                "node": {"tolerateAllTaints": True, "affinity": {"nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [
+                        {"key": POOL_LABEL, "operator": "In", "values": list(FSX_POOLS)}]}]}}}}}),
         )
 
     def _pod_principal(self, namespace: str, service_account: str) -> iam.IPrincipal:

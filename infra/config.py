@@ -279,7 +279,7 @@ FSX_MIN_CAPACITY_GIB = 1200
 
 class FsxConfig(Model):
     """The shared FSx for Lustre file system (infra/storage.py), linked to the checkpoint bucket's
-    models_prefix/ and data_prefix/ and mounted read-only at /fsx by trainer and rollout pods.
+    models_prefix/ and mounted read-only at /fsx by trainer and rollout pods (charts8s/fsx.py).
 
     enabled: off by default: it costs per provisioned GiB whether read or not, and `moerl plan
         --traffic` shows when it beats reading S3 directly (many nodes reading the same base model).

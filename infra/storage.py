@@ -140,9 +140,9 @@ class StorageStack(Stack):
 
     def _file_system(self, cfg: DeploymentConfig, network: NetworkStack) -> fsx.CfnFileSystem:
         """FSx for Lustre (PERSISTENT_2, one AZ: the nodes' subnet) linked to the checkpoint bucket's
-        models_prefix/ and data_prefix/ (one data repository association each, imported on creation
-        and kept current as objects change; nothing is exported: S3 stays the source of truth and
-        pods mount the file system read-only, charts8s/fsx.py).
+        models_prefix/ (a data repository association, imported on creation and kept current as
+        objects change; nothing is exported: S3 stays the source of truth and pods mount the file
+        system read-only, charts8s/fsx.py). Datasets stay on S3: the feed alone reads them, once.
 
         Its security group admits Lustre only from the EFA security group, which only the GPU pools'
         nodes carry (trainer and rollout, the pods that mount it), and from itself (file servers).
@@ -169,7 +169,7 @@ class StorageStack(Stack):
                 automatic_backup_retention_days=0),
         )
         fs.apply_removal_policy(RemovalPolicy.DESTROY)
-        for prefix in (cfg.models_prefix, cfg.data_prefix):
+        for prefix in (cfg.models_prefix,):
             fsx.CfnDataRepositoryAssociation(
                 self, f"FsxLink-{prefix.replace('/', '-')}", file_system_id=fs.ref,
                 file_system_path=f"/{prefix}", data_repository_path=f"s3://{cfg.checkpoint_bucket}/{prefix}/",

@@ -890,6 +890,53 @@ def test_pull_through_cache_rules_and_the_nodes_may_fill_them(pipeline):
     assert policy.is_action_permitted("ecr:CreateRepository", repo.replace("/quay/", "/moerl/")) != PermissionResult.PERMITTED
 
 
+def _at(values: dict, path: str):
+    for key in path.split("."):
+        values = values.get(key, {}) if isinstance(values, dict) else {}
+    return values
+
+
+def test_chart_images_come_through_the_pull_through_cache(pipeline, variant):
+    """Issue 27 item 8: every image of an installed chart whose registry has a cache rule is pulled
+    from this account's ECR (the chart's own values keys, recorded from each values.yaml at the
+    pinned version); registries without a rule (Docker Hub and ghcr.io without credentials) stay."""
+    import yaml
+
+    from infra.charts import CHART_IMAGES, HELM_CHARTS
+    recorded = yaml.safe_load((ROOT / "tests/data/chart-images.yaml").read_text())
+    assert {c: [list(i) for i in imgs] for c, imgs in CHART_IMAGES.items()} == {
+        c: [["basic.image_registry" if c == "volcano" else p, r, rep] for p, r, rep in d["images"]] for c, d in recorded.items()}
+    assert set(CHART_IMAGES) <= {c for _, c, _ in HELM_CHARTS}
+    for t, cfg in ((tpl(pipeline, "prod", "cluster"), pipeline.cfgs["prod"]), (Template.from_stack(variant.stacks["cluster"]), variant.cfg)):
+        ecr = f"{cfg.account}.dkr.ecr.{cfg.region}.amazonaws.com"
+        charts = {r["Properties"]["Chart"]: json.loads(r["Properties"].get("Values") or "{}")
+                  for r in resources(t, "Custom::AWSCDK-EKS-HelmChart").values()}
+        cached = 0
+        for chart, images in CHART_IMAGES.items():
+            if chart not in charts:
+                continue  # aws-fsx-csi-driver without fsx
+            for path, registry, repository in images:
+                host = registry or repository.split("/", 1)[0]
+                got = _at(charts[chart], path)
+                if host in ("docker.io", "ghcr.io") and not cfg.pull_through_secrets.get(
+                        {"docker.io": "registry-1.docker.io"}.get(host, host)):
+                    assert got == {} or "registry" not in got, (chart, path)
+                    continue
+                want = cfg.cached_image(f"{registry}/{repository}:1" if registry else f"{repository}:1").removesuffix(":1")
+                assert want.startswith(ecr + "/"), want
+                if path.endswith("image_registry"):
+                    assert f"{got}/{repository}" == want, (chart, path)
+                elif registry:
+                    assert f"{got['registry']}/{got['repository']}" == want and got["registry"] == ecr, (chart, path)
+                else:
+                    assert got["repository"] == want, (chart, path)
+                cached += 1
+        assert cached >= 15
+    vol = json.loads([r for r in resources(Template.from_stack(variant.stacks["cluster"]), "Custom::AWSCDK-EKS-HelmChart").values()
+                      if r["Properties"]["Chart"] == "volcano"][0]["Properties"]["Values"])
+    assert vol == {"basic": {"image_registry": "111111111111.dkr.ecr.us-east-2.amazonaws.com/docker-hub"}}
+
+
 def test_credentialed_pull_through_cache_rule_names_its_secret(variant):
     """Docker Hub (and ghcr.io) are cached only with the account's credentials (ECR user guide)."""
     cfg = variant.cfg
@@ -1004,7 +1051,7 @@ def test_trainer_writes_only_the_runs_it_is_deployed_for(pipeline):
 
 def test_fsx_lustre_linked_to_models_and_data_reached_only_from_gpu_nodes(pipeline):
     """Issue 27 item 12: PERSISTENT_2 in the nodes' one AZ, KMS-encrypted, linked (import only) to the
-    bucket's models/ and data/ prefixes; Lustre's ports admitted from the EFA security group (the
+    bucket's models/ prefix; Lustre's ports admitted from the EFA security group (the
     trainer and rollout nodes) and the file servers only; the CSI node plugin on those pools only;
     off by default (dev, staging): no file system, no driver."""
     from infra.cluster import FSX_POOLS
@@ -1021,7 +1068,7 @@ def test_fsx_lustre_linked_to_models_and_data_reached_only_from_gpu_nodes(pipeli
     links = {(r["Properties"]["FileSystemPath"], r["Properties"]["DataRepositoryPath"]): r["Properties"]
              for r in resources(st, "AWS::FSx::DataRepositoryAssociation").values()}
     bucket = f"s3://{cfg.checkpoint_bucket}/"
-    assert set(links) == {(f"/{cfg.models_prefix}", f"{bucket}{cfg.models_prefix}/"), (f"/{cfg.data_prefix}", f"{bucket}{cfg.data_prefix}/")}
+    assert set(links) == {(f"/{cfg.models_prefix}", f"{bucket}{cfg.models_prefix}/")}  # datasets: the feed reads S3
     for link in links.values():
         assert link["FileSystemId"] == {"Ref": fs_id} and "AutoExportPolicy" not in link["S3"]  # S3 is the source of truth
     (sg_ref,) = p["SecurityGroupIds"]
