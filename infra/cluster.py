@@ -3,9 +3,11 @@ the LeaderWorkerSet controller, the monitoring stack, and the Pod Identity roles
 and the rollout workers.
 
 Node groups are built from `cfg.pools` only (no Auto Mode, no default capacity), one per pool
-(infra/nodegroup.py). Add-ons: the VPC CNI (network policies enforced), CoreDNS, kube-proxy, the
-Pod Identity agent, the EBS CSI driver (the buffer's volume, Prometheus' volume) and the EKS node monitoring agent (GPU, NVLink, kernel and network
-conditions that node auto repair acts on; without it auto repair sees only NodeReady).
+(infra/nodegroup.py). Add-ons: the VPC CNI (network policies enforced in strict mode; its IAM on
+the aws-node service account through Pod Identity), CoreDNS, kube-proxy, the
+Pod Identity agent, the EBS CSI driver (the buffer's volume, Prometheus' volume) and the EKS node
+monitoring agent (GPU, NVLink, kernel and network conditions that node auto repair acts on;
+without it auto repair sees only NodeReady).
 
 Monitoring is kube-prometheus-stack in the cluster, not Amazon Managed Service for Prometheus
 with ADOT: ServiceMonitors are the interface the DCGM exporter chart and charts8s already speak,
@@ -26,8 +28,9 @@ from aws_cdk import aws_kms as kms
 from constructs import Construct
 
 from infra.addons import DCGM_HOSTENGINE_PORT, EKS_ADDONS, addon_versions  # noqa: F401  (re-exported)
-from infra.charts import (DCGM_EXPORTER, cached_image_values, EFA_DEVICE_PLUGIN, FSX_CSI_DRIVER, GRAFANA_DASHBOARD_LABEL,  # noqa: F401
-                          KUBE_PROMETHEUS_STACK, LWS, MONITORING_NAMESPACE, NVIDIA_DEVICE_PLUGIN, VOLCANO)
+from infra.charts import (DCGM_EXPORTER, EFA_DEVICE_PLUGIN, FSX_CSI_DRIVER, GRAFANA_DASHBOARD_LABEL,  # noqa: F401
+                          KUBE_PROMETHEUS_STACK, LWS, MONITORING_NAMESPACE, NVIDIA_DEVICE_PLUGIN, VOLCANO,
+                          cached_image_values)
 from infra.config import ACCELERATOR_LABEL, EFA_LABEL, GPU_TAINT_KEY, POOL_LABEL, POOL_TAINT_KEY, DeploymentConfig
 from infra.instances import INSTANCE_TABLE
 from infra.network import NetworkStack
