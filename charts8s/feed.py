@@ -30,6 +30,7 @@ from constructs import Construct
 from app.torchx_component import CLUSTER_CONFIG, engine_command
 from charts8s.buffer import redis_credentials
 from charts8s.cluster import BUFFER_SERVICE, FEED, REDIS_PORT, run_config_volume
+from charts8s.fsx import mount_fsx
 from charts8s.kube import api_object, k8s_module
 from charts8s.netpol import dns, pod_identity, pods, policy, public_https, tcp
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
@@ -101,7 +102,7 @@ def feed_pod(plan: Plan) -> dict:
             placement["initContainers"] = [init]
     else:
         placement = on_pool(plan.pool("buffer-mem"), spot=False)
-    return {
+    pod = {
         **placement,
         "serviceAccountName": plan.cfg.rollout_service_account,
         # No Kubernetes API token: Pod Identity (task file, policy versions) brings its own (charts8s/cluster.py).
@@ -112,6 +113,8 @@ def feed_pod(plan: Plan) -> dict:
         "containers": containers,
         "volumes": volumes,
     }
+    # The evaluating feed's engine runs on rollout-gpu and serves the base model as the fleet's do.
+    return mount_fsx(plan, pod) if plan.feed_evaluates else pod
 
 
 class FeedChart(cdk8s.Chart):

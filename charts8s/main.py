@@ -24,6 +24,7 @@ from charts8s.buffer import BufferChart
 from charts8s.cluster import ClusterChart
 from charts8s.envpool import EnvPoolChart
 from charts8s.feed import FeedChart
+from charts8s.fsx import FsxChart
 from charts8s.kube import k8s_module
 from charts8s.rewardmodel import RewardModelChart
 from charts8s.rollout import RolloutChart
@@ -32,7 +33,7 @@ from charts8s.workloads import Plan, WorkloadError, load_workloads
 
 
 def build(plan: Plan, outdir: str | Path) -> list[Path]:
-    """Write one file per chart (cluster, buffer, rollout, trainer, envpool, feed; rewardmodel when
+    """Write one file per chart (cluster, buffer, rollout, trainer, envpool, feed; fsx with fsx.enabled; rewardmodel when
     the run config names task.reward_model; bench-rollout-<profile> per bench_rollout profile) into
     `outdir`.
 
@@ -58,6 +59,8 @@ def build(plan: Plan, outdir: str | Path) -> list[Path]:
     try:
         app = cdk8s.App(outdir=str(tmp), yaml_output_type=cdk8s.YamlOutputType.FILE_PER_CHART)
         ClusterChart(app, plan)
+        if plan.cfg.fsx.enabled:
+            FsxChart(app, plan)
         BufferChart(app, plan)
         if not (plan.run.env.name and plan.run.env.url):  # a user's env.url: served elsewhere
             EnvPoolChart(app, plan)

@@ -47,6 +47,7 @@ from app.rollout.engine_args import LWS_GROUP_SIZE, LWS_LEADER_ADDRESS, LWS_WORK
 from app.rollout.engine_client import ADMIN_API_KEY_ENV, API_KEY_ENV
 from app.torchx_component import CLUSTER_CONFIG, EFA_ENV, EFA_RESOURCE, HUGEPAGES_RESOURCE, NVSHMEM_EFA_ENV, worker_command
 from charts8s.buffer import redis_credentials
+from charts8s.fsx import fsx_model_path, mount_fsx
 from charts8s.cluster import (BUFFER_SERVICE, ENV_SERVICE, REDIS_PORT, REWARD_MODEL_SERVICE, ROLLOUT, ROLLOUT_WORKER, TRAINER,
                               WEIGHT_SOURCE_LABEL, run_config_volume, weight_group_port)
 from charts8s.kube import api_object, k8s_module
@@ -109,7 +110,10 @@ def served_model_path(plan: Plan) -> str:
     downloads into HF_HOME itself). SGLang would map s3:// to its runai_streamer loader, which
     the image does not carry, and every disk update would then inherit that load format."""
     model = base_model(plan)
-    return str(store_copy_dir(model, BASE_MODEL_DIR)) if model.startswith("s3://") else model
+    if not model.startswith("s3://"):
+        return model
+    # With the shared file system the engines read the linked prefix where it is mounted (charts8s/fsx.py).
+    return fsx_model_path(plan, model) or str(store_copy_dir(model, BASE_MODEL_DIR))
 
 
 def model_init_container(plan: Plan) -> dict | None:
@@ -117,7 +121,7 @@ def model_init_container(plan: Plan) -> dict | None:
     into `BASE_MODEL_DIR` on the node's model volume (app/model/source.py, through the pod's S3
     access); None for other paths."""
     model = base_model(plan)
-    if not model.startswith("s3://"):
+    if not model.startswith("s3://") or fsx_model_path(plan, model):
         return None
     res = {"cpu": "8", "memory": "16Gi"}
     return {
@@ -202,7 +206,7 @@ def engine_pod(plan: Plan, component: str, containers: list[dict]) -> dict:
     """Pod spec of one engine node: on the rollout-gpu pool (Spot tolerated), one per node."""
     pool = plan.pool("rollout-gpu")
     init = model_init_container(plan)
-    return {
+    return mount_fsx(plan, {
         **on_pool(pool, spot=True),
         **({"initContainers": [init]} if init else {}),
         "serviceAccountName": plan.cfg.rollout_service_account,
@@ -221,7 +225,7 @@ def engine_pod(plan: Plan, component: str, containers: list[dict]) -> dict:
             {"maxSkew": 1, "topologyKey": "node.kubernetes.io/instance-type", "whenUnsatisfiable": "ScheduleAnyway",
              "labelSelector": {"matchLabels": labels(component)}},
         ],
-    }
+    })
 
 
 def leader_address(plan: Plan, group: str) -> str:
@@ -298,7 +302,7 @@ def worker_set_pod(plan: Plan) -> dict:
     pod leaves 16 vCPU), near a leader where it can (preferred, not required), one per node."""
     config_vol, _ = run_config_volume()
     leaders = {**labels(NAME), ROLE_LABEL: "leader"}
-    return {
+    return mount_fsx(plan, {
         **on_pool(plan.pool("rollout-gpu"), spot=True),
         "serviceAccountName": plan.cfg.rollout_service_account,
         # No Kubernetes API token: Pod Identity (the store, opened at start) brings its own.
@@ -314,7 +318,7 @@ def worker_set_pod(plan: Plan) -> dict:
             "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
                 "topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": labels(ROLLOUT_WORKER)}}]},
         },
-    }
+    })
 
 
 LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"  # set on every pod of a group by the LWS controller

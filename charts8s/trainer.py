@@ -23,6 +23,7 @@ from app.torchx_component import CLUSTER_CONFIG, trainer
 from charts8s.buffer import redis_credentials
 from charts8s.cluster import (BUFFER_SERVICE, REDIS_PORT, ROLLOUT, TRAINER, WEIGHT_SOURCE_LABEL, run_config_volume,
                               trainer_source_host, weight_group_port)
+from charts8s.fsx import mount_fsx
 from charts8s.kube import api_object, k8s_module
 from charts8s.monitoring import metrics_port
 from charts8s.netpol import dns, nccl_ports, pod_identity, pods, policy, port_range_sysctl, public_https, tcp
@@ -101,6 +102,7 @@ def place_gang(job: dict, plan: Plan) -> dict:
                        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                        {"name": "VC_TRAINER_0_HOSTS", "value": trainer_source_host(plan.namespace)},
                        *redis_credentials(plan, "trainer")]
+        mount_fsx(plan, pod)  # base weights from the shared file system, when there is one
         task["template"]["metadata"]["labels"].update(labels(JOB_NAME))
         if task["name"].endswith("-0"):  # rank 0 (replica 0) serves the run's figures (charts8s/monitoring.py)
             ctr.setdefault("ports", []).append(metrics_port())

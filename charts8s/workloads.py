@@ -366,6 +366,9 @@ def check(plan: Plan) -> Plan:
         if not _DNS1123.fullmatch(name) or len(name) > 253:
             raise WorkloadError(f"{field}: {name!r} is not a valid Secret name (lower-case DNS-1123 subdomain)")
     _check_ports(plan)
+    if cfg.fsx.enabled and not (cfg.fsx.file_system_id and cfg.fsx.mount_name):
+        raise WorkloadError("fsx.file_system_id and fsx.mount_name: fsx.enabled needs both in the deployment config, "
+                            "from the storage stack's outputs FsxFileSystemId and FsxMountName (after its deploy)")
     if plan.trainer_nodes > train.max_size:
         raise WorkloadError(
             f"trainer.nodes={plan.trainer_nodes} exceeds pools.train-gpu.max_size={train.max_size}"

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from infra.charts import VOLCANO_KUBERNETES, VOLCANO_UNLISTED_KUBERNETES
 from infra.instances import INSTANCE_TABLE, InstanceSpec
 
 Env = Literal["dev", "staging", "prod"]
@@ -64,6 +65,8 @@ DEFAULT_K8S_VERSION = "1.36"
 # deploy cannot (infra/app.py refuses to build a pipeline that targets them).
 PLACEHOLDER_ACCOUNTS = ("111111111111", "222222222222", "333333333333")
 
+# A run id as RunConfig.run_id accepts it (app/config.py), optionally a family prefix ending in '*'.
+_RUN_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}\*?$")
 # S3 general-purpose bucket naming rules (S3 user guide, "Bucket naming rules").
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _BUCKET_BAD_PREFIXES = ("xn--", "sthree-", "amzn-s3-demo-")
@@ -266,6 +269,49 @@ class NodePool(Model):
         return min(self.min_size, want), want, self.max_size
 
 
+# FSx for Lustre PERSISTENT_2 (SSD): per-unit storage throughput, MB/s per TiB, and storage
+# capacity: 1200 GiB, or a multiple of 2400 GiB (FSx API CreateFileSystem StorageCapacity and
+# LustreConfiguration.PerUnitStorageThroughput). app/plan/traffic.py estimates with the same values.
+FSX_PER_UNIT_MBPS = (125, 250, 500, 1000)
+FSX_CAPACITY_STEP_GIB = 2400
+FSX_MIN_CAPACITY_GIB = 1200
+
+
+class FsxConfig(Model):
+    """The shared FSx for Lustre file system (infra/storage.py), linked to the checkpoint bucket's
+    models_prefix/ and mounted read-only at /fsx by trainer and rollout pods (charts8s/fsx.py).
+
+    enabled: off by default: it costs per provisioned GiB whether read or not, and `moerl plan
+        --traffic` shows when it beats reading S3 directly (many nodes reading the same base model).
+    storage_gib: capacity, 1200 or a multiple of 2400 (PERSISTENT_2 SSD).
+    mbps_per_tib: per-unit throughput, one of FSX_PER_UNIT_MBPS; the file system serves
+        storage_gib / 1024 x mbps_per_tib MB/s, shared by every reader.
+    file_system_id, mount_name: the storage stack's outputs FsxFileSystemId and FsxMountName,
+        set after its first deploy; charts8s needs both to render the PersistentVolume.
+    """
+
+    enabled: bool = False
+    storage_gib: int = Field(2400, ge=FSX_MIN_CAPACITY_GIB)
+    mbps_per_tib: int = 1000
+    file_system_id: str | None = Field(None, pattern=r"^fs-[0-9a-f]{8,21}$")
+    mount_name: str | None = Field(None, pattern=r"^[a-z0-9]{1,16}$")
+
+    @field_validator("storage_gib")
+    @classmethod
+    def _capacity(cls, v: int) -> int:
+        if v != FSX_MIN_CAPACITY_GIB and v % FSX_CAPACITY_STEP_GIB:
+            raise ValueError(f"{v} GiB is not a PERSISTENT_2 capacity: {FSX_MIN_CAPACITY_GIB} GiB or a multiple "
+                             f"of {FSX_CAPACITY_STEP_GIB} GiB")
+        return v
+
+    @field_validator("mbps_per_tib")
+    @classmethod
+    def _throughput(cls, v: int) -> int:
+        if v not in FSX_PER_UNIT_MBPS:
+            raise ValueError(f"{v} MB/s/TiB is not a PERSISTENT_2 throughput: one of {list(FSX_PER_UNIT_MBPS)}")
+        return v
+
+
 class PipelineConfig(Model):
     """Where the promotion pipeline runs and which repository it builds (`-c env=pipeline -c
     config=pipeline.yaml`, see `load_pipeline_config`).
@@ -319,6 +365,13 @@ class DeploymentConfig(Model):
     models_prefix, data_prefix: key prefixes of the checkpoint bucket holding base models and
         datasets: both Pod Identity roles read them and neither may write there (operators
         upload). They must lie outside run_prefix, where the trainer writes.
+    fsx: the shared FSx for Lustre file system (FsxConfig; off by default).
+    trainer_runs: the runs whose areas the trainer role may write: run ids (RunConfig.run_id:
+        the trainer writes runs/<run_id>/{policy,train,trainer,metrics,tensorboard}/ only for
+        these), or a family ending in '*' ('grpo-*'); a bare '*' (every run) only in dev. A run
+        whose id is missing gets AccessDenied on its first write: add it and deploy the cluster
+        stack (an IAM policy update; no node changes), so one run's credentials cannot
+        overwrite another run's versions or training state.
     public_endpoint_cidrs: empty keeps the API endpoint private (reach it from inside the VPC);
         otherwise the endpoint is also public, open only to these CIDR blocks.
     retain_data: keep buckets and repositories when the stack is deleted (required in prod).
@@ -351,8 +404,19 @@ class DeploymentConfig(Model):
     node_groups_exist: bool = False
     models_prefix: str = Field("models", pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*$")
     data_prefix: str = Field("data", pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*$")
+    trainer_runs: list[str] = Field(["dev"], min_length=1)
+    fsx: FsxConfig = FsxConfig()
     public_endpoint_cidrs: list[str] = []
     retain_data: bool = True
+
+    @field_validator("trainer_runs")
+    @classmethod
+    def _runs(cls, v: list[str]) -> list[str]:
+        for run in v:
+            if run != "*" and not _RUN_ID_RE.fullmatch(run):
+                raise ValueError(f"{run!r} is neither a run id (lower-case letters, digits, '-'; as RunConfig.run_id) "
+                                 "nor such a prefix followed by '*'")
+        return v
 
     @field_validator("admin_role_arns")
     @classmethod
@@ -391,6 +455,10 @@ class DeploymentConfig(Model):
     def _k8s(cls, v: str) -> str:
         if tuple(int(x) for x in v.split(".")) < MIN_K8S_VERSION:
             raise ValueError(f"Kubernetes version {v} is below the minimum 1.31")
+        line, listed = VOLCANO_KUBERNETES
+        if v not in listed and v not in VOLCANO_UNLISTED_KUBERNETES:
+            raise ValueError(f"Kubernetes {v}: Volcano {line} (infra/charts.py VOLCANO) lists {listed[0]}-{listed[-1]} "
+                             f"in its compatibility matrix, and {v} is not among VOLCANO_UNLISTED_KUBERNETES")
         return v
 
     @field_validator("image_tag")
@@ -430,6 +498,14 @@ class DeploymentConfig(Model):
         if self.env != "dev" and not self.admin_role_arns:
             raise ValueError(f"admin_role_arns: {self.env} needs at least one IAM role with cluster-admin access "
                              "(the API endpoint is private; see README 'Reaching the cluster')")
+        if self.fsx.enabled:
+            no_efa = [p for p in ("train-gpu", "rollout-gpu") if not self.pools[p].efa]
+            if no_efa:
+                raise ValueError(f"fsx.enabled: the file system admits Lustre from the EFA security group, which "
+                                 f"only EFA pools carry; {no_efa} have efa off")
+        if self.env != "dev" and "*" in self.trainer_runs:
+            raise ValueError("trainer_runs: '*' (every run writable by every trainer) is allowed in dev only; "
+                             "list the run ids, or families such as 'grpo-*'")
         if self.env == "prod" and not self.retain_data:
             raise ValueError("retain_data must be true in prod")
         prefixes = {"run_prefix": self.run_prefix, "models_prefix": self.models_prefix, "data_prefix": self.data_prefix}

@@ -24,11 +24,12 @@ import sys
 from infra.config import DeploymentConfig, config_of_args, config_parser
 
 # CloudFormation resource-type service -> IAM action prefix, for every type the stacks create.
-SERVICES = {"EC2": "ec2", "ECR": "ecr", "EKS": "eks", "KMS": "kms", "Lambda": "lambda", "Logs": "logs",
-            "S3": "s3", "SSM": "ssm"}
+SERVICES = {"EC2": "ec2", "ECR": "ecr", "EKS": "eks", "FSx": "fsx", "KMS": "kms", "Lambda": "lambda",
+            "Logs": "logs", "S3": "s3", "SSM": "ssm"}
 # Service-linked roles the resources need (each service's user guide, "Using service-linked roles").
 SERVICE_LINKED = ("eks.amazonaws.com", "eks-nodegroup.amazonaws.com", "spot.amazonaws.com",
-                  "ecr.amazonaws.com", "autoscaling.amazonaws.com")
+                  "ecr.amazonaws.com", "autoscaling.amazonaws.com", "fsx.amazonaws.com",
+                  "s3.data-source.lustre.fsx.amazonaws.com")
 _IAM_ROLE_ACTIONS = ["iam:CreateRole", "iam:DeleteRole", "iam:GetRole", "iam:UpdateRole", "iam:TagRole",
                      "iam:UntagRole", "iam:UpdateAssumeRolePolicy", "iam:PutRolePolicy", "iam:GetRolePolicy",
                      "iam:DeleteRolePolicy", "iam:AttachRolePolicy", "iam:DetachRolePolicy",

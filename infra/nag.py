@@ -25,7 +25,8 @@ CLUSTER_ACKNOWLEDGEMENTS: dict[str, str] = {
     _AWS_POLICY.format("AmazonEKSWorkerNodePolicy"):
         "Node IAM role: required for kubelet registration and Pod Identity (EKS user guide, node IAM role).",
     _AWS_POLICY.format("AmazonEKS_CNI_Policy"):
-        "Node IAM role: the VPC CNI assigns pod IPs and EFA/ENA interfaces with it (EKS user guide).",
+        "VPC CNI role (Pod Identity of aws-node, not the node role): the CNI assigns pod IPs and EFA/ENA "
+        "interfaces with it (EKS user guide); AWS keeps it in step with the CNI.",
     _AWS_POLICY.format("AmazonEC2ContainerRegistryPullOnly"):
         "Node IAM role: pull-only ECR access for images, the narrowest AWS policy for it.",
     _AWS_POLICY.format("AmazonSSMManagedInstanceCore"):
@@ -57,12 +58,12 @@ def acknowledgements(kind: str, cfg: DeploymentConfig) -> dict[str, str]:
                 f"({cfg.vpc_cidr}, a Fn::GetAtt cdk-nag cannot resolve); nothing outside the VPC reaches them."}
     if kind != "cluster":
         return {}
-    from infra.cluster import TRAINER_WRITE_AREAS
+    from infra.cluster import trainer_write_resources
 
     bucket = f"arn:<AWS::Partition>:s3:::{cfg.checkpoint_bucket}"
     prefixes = {f"{bucket}/{p}/*": f"the '{p}/' prefix" for p in (cfg.run_prefix, cfg.models_prefix, cfg.data_prefix)}
-    prefixes.update({f"{bucket}/{cfg.run_prefix}/*/{a}/*": f"the '{a}' area of each run under '{cfg.run_prefix}/'"
-                     for a in TRAINER_WRITE_AREAS})
+    prefixes.update({arn: f"one area of a run of trainer_runs ({arn.removeprefix(bucket + '/')})"
+                     for arn in trainer_write_resources(cfg, bucket)})
     repos = {f"arn:<AWS::Partition>:ecr:{cfg.region}:{cfg.account}:repository/{p}/*": p for p in cfg.cache_prefixes.values()}
     public = {
         "AwsSolutions::AwsSolutions-EKS1":

@@ -13,8 +13,10 @@ pipeline and CloudFormation are not fenced.
 
 from __future__ import annotations
 
-from aws_cdk import Duration, RemovalPolicy, Stack
+from aws_cdk import CfnOutput, Duration, RemovalPolicy, Stack
+from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_ecr as ecr
+from aws_cdk import aws_fsx as fsx
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
 from aws_cdk import aws_s3 as s3
@@ -23,6 +25,14 @@ from constructs import Construct
 from infra.config import DeploymentConfig
 from infra.network import NetworkStack
 
+# Lustre's ports: LNet on TCP 988 and 1018-1023, from the clients and between the file servers
+# (FSx for Lustre user guide, "File system access control with Amazon VPC").
+LUSTRE_PORTS = ((988, 988), (1018, 1023))
+# The FSx service-linked role that a data repository association reads S3 with (FSx for Lustre
+# user guide, "Using service-linked roles": AWSServiceRoleForFSxS3Access_<file system id>).
+FSX_S3_ROLE_PATH = "aws-service-role/s3.data-source.lustre.fsx.amazonaws.com/"
+# Lustre version of a PERSISTENT_2 file system with data repository associations (2.12 or later).
+FSX_LUSTRE_VERSION = "2.15"
 # Lifecycle figures (days) for old object versions and abandoned multipart uploads.
 NONCURRENT_VERSION_DAYS = 30
 INCOMPLETE_UPLOAD_DAYS = 7
@@ -79,6 +89,8 @@ class StorageStack(Stack):
             for host, prefix in cfg.cache_prefixes.items()
         }
 
+        self.fsx = self._file_system(cfg, network) if cfg.fsx.enabled else None
+
         self.repositories: dict[str, ecr.Repository] = {}
         for role, name in cfg.image_repos.items():
             self.repositories[role] = ecr.Repository(
@@ -125,3 +137,53 @@ class StorageStack(Stack):
             removal_policy=removal,
             auto_delete_objects=not retain,
         )
+
+    def _file_system(self, cfg: DeploymentConfig, network: NetworkStack) -> fsx.CfnFileSystem:
+        """FSx for Lustre (PERSISTENT_2, one AZ: the nodes' subnet) linked to the checkpoint bucket's
+        models_prefix/ (a data repository association, imported on creation and kept current as
+        objects change; nothing is exported: S3 stays the source of truth and pods mount the file
+        system read-only, charts8s/fsx.py). Datasets stay on S3: the feed alone reads them, once.
+
+        Its security group admits Lustre only from the EFA security group, which only the GPU pools'
+        nodes carry (trainer and rollout, the pods that mount it), and from itself (file servers).
+        Attributes: fsx_sg. Outputs FsxFileSystemId, FsxMountName: FsxConfig.file_system_id and
+        mount_name for charts8s.
+        """
+        self.fsx_sg = ec2.SecurityGroup(self, "FsxSecurityGroup", vpc=network.vpc, allow_all_outbound=False,
+                                        description="FSx for Lustre: LNet from the GPU nodes and between file servers")
+        for lo, hi in LUSTRE_PORTS:
+            port, ports = (ec2.Port.tcp(lo), f"{lo}") if hi == lo else (ec2.Port.tcp_range(lo, hi), f"{lo}-{hi}")
+            for peer, who in ((network.efa_sg, "GPU nodes"), (self.fsx_sg, "file servers")):
+                self.fsx_sg.add_ingress_rule(peer, port, f"Lustre {ports} from {who}")
+                self.fsx_sg.add_egress_rule(peer, port, f"Lustre {ports} to {who}")
+        (subnet,) = network.vpc.select_subnets(subnet_type=network.node_subnets.subnet_type,
+                                                availability_zones=[cfg.az]).subnet_ids
+        fs = fsx.CfnFileSystem(
+            self, "Fsx", file_system_type="LUSTRE", file_system_type_version=FSX_LUSTRE_VERSION,
+            storage_capacity=cfg.fsx.storage_gib, storage_type="SSD", subnet_ids=[subnet],
+            security_group_ids=[self.fsx_sg.security_group_id], kms_key_id=self.key.key_id,
+            lustre_configuration=fsx.CfnFileSystem.LustreConfigurationProperty(
+                deployment_type="PERSISTENT_2", per_unit_storage_throughput=cfg.fsx.mbps_per_tib,
+                data_compression_type="LZ4",
+                # a cache of S3: nothing to back up
+                automatic_backup_retention_days=0),
+        )
+        fs.apply_removal_policy(RemovalPolicy.DESTROY)
+        for prefix in (cfg.models_prefix,):
+            fsx.CfnDataRepositoryAssociation(
+                self, f"FsxLink-{prefix.replace('/', '-')}", file_system_id=fs.ref,
+                file_system_path=f"/{prefix}", data_repository_path=f"s3://{cfg.checkpoint_bucket}/{prefix}/",
+                batch_import_meta_data_on_create=True,
+                s3=fsx.CfnDataRepositoryAssociation.S3Property(
+                    auto_import_policy=fsx.CfnDataRepositoryAssociation.AutoImportPolicyProperty(
+                        events=["NEW", "CHANGED", "DELETED"])),
+            ).node.add_dependency(self.checkpoint_bucket)
+        # The associations' service-linked role reads the bucket's SSE-KMS objects through S3.
+        self.key.add_to_resource_policy(iam.PolicyStatement(
+            sid="FsxDataRepositoryReadsThroughS3", principals=[iam.AnyPrincipal()],
+            actions=["kms:Decrypt", "kms:DescribeKey"], resources=["*"],
+            conditions={"StringEquals": {"aws:PrincipalAccount": cfg.account, "kms:ViaService": f"s3.{cfg.region}.amazonaws.com"},
+                        "ArnLike": {"aws:PrincipalArn": f"arn:{self.partition}:iam::{cfg.account}:role/{FSX_S3_ROLE_PATH}*"}}))
+        CfnOutput(self, "FsxFileSystemId", value=fs.ref, description="fsx.file_system_id of the deployment config")
+        CfnOutput(self, "FsxMountName", value=fs.attr_lustre_mount_name, description="fsx.mount_name of the deployment config")
+        return fs

@@ -313,7 +313,73 @@ def addon(t: Template, name: str) -> tuple[str, dict]:
 def test_vpc_cni_enforces_network_policies(pipeline, env):
     """charts8s ships NetworkPolicies; the VPC CNI's policy agent must be on to enforce them."""
     _, cni = addon(tpl(pipeline, env, "cluster"), "vpc-cni")
-    assert json.loads(cni["Properties"]["ConfigurationValues"]) == {"enableNetworkPolicy": "true"}
+    # issue 28 item 8 adds strict mode (test_vpc_cni_strict_mode_...) to the policy agent being on
+    assert json.loads(cni["Properties"]["ConfigurationValues"]) == {
+        "enableNetworkPolicy": "true", "env": {"NETWORK_POLICY_ENFORCING_MODE": "strict"}}
+
+
+def _chart_values_paths(values: dict, config: dict, path: str = "") -> list[str]:
+    """The paths of `config` that the chart's values.yaml does not declare."""
+    missing = []
+    for k, v in config.items():
+        if k not in values:
+            missing.append(path + k)
+        elif isinstance(v, dict):
+            missing += _chart_values_paths(values[k] or {}, v, f"{path}{k}.")
+    return missing
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_vpc_cni_strict_mode_and_every_system_namespace_has_a_policy(pipeline, env):
+    """Issue 28 item 8: strict mode (a new pod is denied until its policies exist), with values the
+    add-on's chart declares (aws-vpc-cni values.yaml at the pinned v1.22.4), and an allow-all policy
+    in every namespace of the stack's own pods, applied before any node group exists."""
+    import yaml
+
+    from infra.cluster import ADDON_CONFIG, SYSTEM_NAMESPACES
+    cl = tpl(pipeline, env, "cluster")
+    values = yaml.safe_load((ROOT / "tests/data/aws-vpc-cni-v1.22.4-values.yaml").read_text())
+    assert addon_versions(pipeline.cfgs[env].k8s_version)["vpc-cni"].startswith("v1.22.4-")
+    config = ADDON_CONFIG["vpc-cni"]
+    assert _chart_values_paths(values, config) == []
+    assert values["env"]["NETWORK_POLICY_ENFORCING_MODE"] == "standard" and values["nodeAgent"]["enabled"] is True
+    assert config["env"]["NETWORK_POLICY_ENFORCING_MODE"] == "strict"
+    # the namespaces of every Helm chart the stack installs, and kube-system's add-ons
+    charts = {r["Properties"]["Namespace"] for r in resources(cl, "Custom::AWSCDK-EKS-HelmChart").values()}
+    assert charts | {"kube-system"} == set(SYSTEM_NAMESPACES)
+    (mid, manifest), = [(k, r) for k, r in resources(cl, "Custom::AWSCDK-EKS-KubernetesResource").items()
+                        if "SystemNetworkPolicies" in k]
+    docs = json.loads(_resolve(manifest["Properties"]["Manifest"], pipeline.cfgs[env]))
+    policies = {d["metadata"]["namespace"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    assert set(policies) == set(SYSTEM_NAMESPACES)
+    assert all(p == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"], "ingress": [{}], "egress": [{}]}
+               for p in policies.values())
+    for ng in resources(cl, "AWS::EKS::Nodegroup").values():
+        assert mid in ng["DependsOn"]
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_vpc_cni_policy_on_aws_node_not_the_node_role(pipeline, env):
+    """Issue 28 item 8: AmazonEKS_CNI_Policy through Pod Identity on kube-system/aws-node (EKS user
+    guide), not on the node role, where every process on a node could use it."""
+    cfg = pipeline.cfgs[env]
+    cl = tpl(pipeline, env, "cluster")
+    res = cl.to_json()["Resources"]
+    cni_id, cni = addon(cl, "vpc-cni")
+    (assoc,) = cni["Properties"]["PodIdentityAssociations"]
+    assert assoc["ServiceAccount"] == "aws-node"
+    role = res[assoc["RoleArn"]["Fn::GetAtt"][0]]["Properties"]
+    assert role["AssumeRolePolicyDocument"]["Statement"][0]["Condition"] == {"StringEquals": {
+        "aws:SourceAccount": cfg.account, "aws:RequestTag/eks-cluster-name": cfg.name_prefix,
+        "aws:RequestTag/kubernetes-namespace": "kube-system", "aws:RequestTag/kubernetes-service-account": "aws-node"}}
+    (policy,) = role["ManagedPolicyArns"]
+    assert json.dumps(policy).endswith(':iam::aws:policy/AmazonEKS_CNI_Policy"]]}')
+    agent_id, _ = addon(cl, "eks-pod-identity-agent")
+    assert agent_id in cni["DependsOn"]
+    (node_role,) = [r for r in resources(cl, "AWS::IAM::Role").values()
+                    if r["Properties"]["AssumeRolePolicyDocument"]["Statement"][0]["Principal"] == {"Service": "ec2.amazonaws.com"}]
+    assert "AmazonEKS_CNI_Policy" not in json.dumps(node_role["Properties"]["ManagedPolicyArns"])
+    assert "AmazonEKSWorkerNodePolicy" in json.dumps(node_role["Properties"]["ManagedPolicyArns"])
 
 
 def test_ebs_csi_driver_with_pod_identity(pipeline):
@@ -390,7 +456,7 @@ def test_pod_identity_trainer_rw_rollout_ro(pipeline):
         for r in policies.values():
             if r["Type"] == "AWS::IAM::Policy" and {"Ref": role} in r["Properties"]["Roles"]:
                 for st in r["Properties"]["PolicyDocument"]["Statement"]:
-                    if f"/{cfg.run_prefix}/*" in json.dumps(st["Resource"]):
+                    if f"/{cfg.run_prefix}/" in json.dumps(st["Resource"]):  # runs/* or runs/<run>/<area>/*
                         acts |= set([st["Action"]] if isinstance(st["Action"], str) else st["Action"])
         return acts
 
@@ -824,6 +890,53 @@ def test_pull_through_cache_rules_and_the_nodes_may_fill_them(pipeline):
     assert policy.is_action_permitted("ecr:CreateRepository", repo.replace("/quay/", "/moerl/")) != PermissionResult.PERMITTED
 
 
+def _at(values: dict, path: str):
+    for key in path.split("."):
+        values = values.get(key, {}) if isinstance(values, dict) else {}
+    return values
+
+
+def test_chart_images_come_through_the_pull_through_cache(pipeline, variant):
+    """Issue 27 item 8: every image of an installed chart whose registry has a cache rule is pulled
+    from this account's ECR (the chart's own values keys, recorded from each values.yaml at the
+    pinned version); registries without a rule (Docker Hub and ghcr.io without credentials) stay."""
+    import yaml
+
+    from infra.charts import CHART_IMAGES, HELM_CHARTS
+    recorded = yaml.safe_load((ROOT / "tests/data/chart-images.yaml").read_text())
+    assert {c: [list(i) for i in imgs] for c, imgs in CHART_IMAGES.items()} == {
+        c: [["basic.image_registry" if c == "volcano" else p, r, rep] for p, r, rep in d["images"]] for c, d in recorded.items()}
+    assert set(CHART_IMAGES) <= {c for _, c, _ in HELM_CHARTS}
+    for t, cfg in ((tpl(pipeline, "prod", "cluster"), pipeline.cfgs["prod"]), (Template.from_stack(variant.stacks["cluster"]), variant.cfg)):
+        ecr = f"{cfg.account}.dkr.ecr.{cfg.region}.amazonaws.com"
+        charts = {r["Properties"]["Chart"]: json.loads(r["Properties"].get("Values") or "{}")
+                  for r in resources(t, "Custom::AWSCDK-EKS-HelmChart").values()}
+        cached = 0
+        for chart, images in CHART_IMAGES.items():
+            if chart not in charts:
+                continue  # aws-fsx-csi-driver without fsx
+            for path, registry, repository in images:
+                host = registry or repository.split("/", 1)[0]
+                got = _at(charts[chart], path)
+                if host in ("docker.io", "ghcr.io") and not cfg.pull_through_secrets.get(
+                        {"docker.io": "registry-1.docker.io"}.get(host, host)):
+                    assert got == {} or "registry" not in got, (chart, path)
+                    continue
+                want = cfg.cached_image(f"{registry}/{repository}:1" if registry else f"{repository}:1").removesuffix(":1")
+                assert want.startswith(ecr + "/"), want
+                if path.endswith("image_registry"):
+                    assert f"{got}/{repository}" == want, (chart, path)
+                elif registry:
+                    assert f"{got['registry']}/{got['repository']}" == want and got["registry"] == ecr, (chart, path)
+                else:
+                    assert got["repository"] == want, (chart, path)
+                cached += 1
+        assert cached >= 15
+    vol = json.loads([r for r in resources(Template.from_stack(variant.stacks["cluster"]), "Custom::AWSCDK-EKS-HelmChart").values()
+                      if r["Properties"]["Chart"] == "volcano"][0]["Properties"]["Values"])
+    assert vol == {"basic": {"image_registry": "111111111111.dkr.ecr.us-east-2.amazonaws.com/docker-hub"}}
+
+
 def test_credentialed_pull_through_cache_rule_names_its_secret(variant):
     """Docker Hub (and ghcr.io) are cached only with the account's credentials (ECR user guide)."""
     cfg = variant.cfg
@@ -906,6 +1019,101 @@ def test_pod_roles_write_only_their_run_areas_and_read_models_and_data(pipeline)
     assert rollout.is_action_permitted("s3:GetObject", obj + written[0]) == ok
     assert trainer.is_action_permitted("s3:PutObject", obj + run + "r1/elsewhere/x") != ok  # only app's areas
     assert trainer.is_action_permitted("s3:DeleteObjectVersion", obj + written[0]) != ok  # versions stay recoverable
+
+
+def test_trainer_writes_only_the_runs_it_is_deployed_for(pipeline):
+    """Issue 28 item 6: writes are scoped per run (trainer_runs), not to every run under runs/: a
+    foothold in one run's trainer cannot overwrite another run's versions or training state."""
+    from moto.iam.access_control import IAMPolicy, PermissionResult
+
+    from app.storage.policy import version_prefix
+    from app.trainer.state import step_prefix
+    from infra.config import ConfigError, default_config, validate_config
+    ok = PermissionResult.PERMITTED
+    obj = "arn:aws:s3:::{}/runs/"
+    for env, mine, other in (("prod", ["r1", "dsv3-a", "dsv3-2node"], ["r2", "r10", "dsv4"]), ("dev", ["dev"], ["r1"])):
+        cfg = pipeline.cfgs[env]
+        cl = tpl(pipeline, env, "cluster")
+        roles = {r["Properties"]["RoleName"]: k for k, r in resources(cl, "AWS::IAM::Role").items() if "RoleName" in r["Properties"]}
+        trainer = IAMPolicy(json.dumps(role_policy(cl, cfg, roles[cfg.pod_role_name("trainer")])))
+        for run in mine + other:
+            for key in (version_prefix(run, 3) + "model.safetensors", step_prefix(run, 10) + "rng0.pt"):
+                want = run in mine
+                assert (trainer.is_action_permitted("s3:PutObject", obj.format(cfg.checkpoint_bucket) + key) == ok) is want, (env, key)
+                assert trainer.is_action_permitted("s3:GetObject", obj.format(cfg.checkpoint_bucket) + key) == ok
+    data = default_config("prod")
+    assert data.get("trainer_runs") is None and validate_config(data).trainer_runs == ["dev"]
+    for runs, says in ((["*"], "allowed in dev only"), (["Run_1"], "neither a run id"), ([], "at least 1")):
+        with pytest.raises(ConfigError, match=says):
+            validate_config({**data, "trainer_runs": runs})
+    assert validate_config({**default_config("dev"), "trainer_runs": ["*"]}).trainer_runs == ["*"]
+
+
+def test_fsx_lustre_linked_to_models_and_data_reached_only_from_gpu_nodes(pipeline):
+    """Issue 27 item 12: PERSISTENT_2 in the nodes' one AZ, KMS-encrypted, linked (import only) to the
+    bucket's models/ prefix; Lustre's ports admitted from the EFA security group (the
+    trainer and rollout nodes) and the file servers only; the CSI node plugin on those pools only;
+    off by default (dev, staging): no file system, no driver."""
+    from infra.cluster import FSX_POOLS
+    from infra.storage import LUSTRE_PORTS
+    cfg = pipeline.cfgs["prod"]
+    st, net, cl = tpl(pipeline, "prod", "storage"), tpl(pipeline, "prod", "network"), tpl(pipeline, "prod", "cluster")
+    (fs_id, fs), = resources(st, "AWS::FSx::FileSystem").items()
+    p = fs["Properties"]
+    assert (p["LustreConfiguration"]["DeploymentType"], p["StorageCapacity"], p["LustreConfiguration"]["PerUnitStorageThroughput"]) == \
+        ("PERSISTENT_2", cfg.fsx.storage_gib, cfg.fsx.mbps_per_tib) == ("PERSISTENT_2", 4800, 500)
+    assert subnet_azs(net, st, p["SubnetIds"]) == {cfg.az} and len(p["SubnetIds"]) == 1
+    (key_id,) = resources(st, "AWS::KMS::Key")
+    assert p["KmsKeyId"] == {"Ref": key_id}
+    links = {(r["Properties"]["FileSystemPath"], r["Properties"]["DataRepositoryPath"]): r["Properties"]
+             for r in resources(st, "AWS::FSx::DataRepositoryAssociation").values()}
+    bucket = f"s3://{cfg.checkpoint_bucket}/"
+    assert set(links) == {(f"/{cfg.models_prefix}", f"{bucket}{cfg.models_prefix}/")}  # datasets: the feed reads S3
+    for link in links.values():
+        assert link["FileSystemId"] == {"Ref": fs_id} and "AutoExportPolicy" not in link["S3"]  # S3 is the source of truth
+    (sg_ref,) = p["SecurityGroupIds"]
+    sg_id = sg_ref["Fn::GetAtt"][0]
+    efa_export = [o["Export"]["Name"] for k, o in net.to_json()["Outputs"].items() if "EfaSecurityGroup" in k]
+    rules = [r["Properties"] for r in resources(st, "AWS::EC2::SecurityGroupIngress").values()
+             if r["Properties"]["GroupId"] == {"Fn::GetAtt": [sg_id, "GroupId"]}]
+    assert {(r["FromPort"], r["ToPort"]) for r in rules} == set(LUSTRE_PORTS) == {(988, 988), (1018, 1023)}
+    sources = {json.dumps(r["SourceSecurityGroupId"]) for r in rules}
+    assert all(r["IpProtocol"] == "tcp" and "CidrIp" not in r for r in rules)
+    assert sources == {json.dumps({"Fn::ImportValue": e}) for e in efa_export} | {json.dumps({"Fn::GetAtt": [sg_id, "GroupId"]})}
+    assert "SecurityGroupIngress" not in resources(st, "AWS::EC2::SecurityGroup")[sg_id]["Properties"]
+    # the pools that mount it carry the EFA security group (the config refuses fsx otherwise)
+    assert all(cfg.pools[p].efa for p in FSX_POOLS)
+    (csi,) = [r["Properties"] for r in resources(cl, "Custom::AWSCDK-EKS-HelmChart").values()
+              if r["Properties"]["Chart"] == "aws-fsx-csi-driver"]
+    values = json.loads(csi["Values"])
+    assert values["nodeComponentOnly"] is True
+    (term,) = values["node"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term == {"matchExpressions": [{"key": "moerl.dev/pool", "operator": "In", "values": list(FSX_POOLS)}]}
+    outputs = {k: o for k, o in st.to_json()["Outputs"].items() if k.startswith("Fsx")}
+    assert set(outputs) == {"FsxFileSystemId", "FsxMountName"}
+    for env in ("dev", "staging"):
+        assert not pipeline.cfgs[env].fsx.enabled
+        assert not resources(tpl(pipeline, env, "storage"), "AWS::FSx::FileSystem")
+        assert "aws-fsx-csi-driver" not in json.dumps(resources(tpl(pipeline, env, "cluster"), "Custom::AWSCDK-EKS-HelmChart"))
+
+
+@pytest.mark.parametrize("fsx, says", [
+    ({"storage_gib": 3600}, "not a PERSISTENT_2 capacity"), ({"storage_gib": 600}, "greater than or equal to 1200"),
+    ({"mbps_per_tib": 200}, "not a PERSISTENT_2 throughput"), ({"file_system_id": "fsx-1"}, "fs-"),
+])
+def test_fsx_sizes_are_the_ones_fsx_allows(fsx, says):
+    """FSx API CreateFileSystem: PERSISTENT_2 SSD takes 1200 GiB or multiples of 2400 GiB and 125,
+    250, 500 or 1000 MB/s/TiB; anything else fails the config, naming the field."""
+    from infra.config import ConfigError, default_config, validate_config
+    data = default_config("prod")
+    with pytest.raises(ConfigError, match=f"fsx.*{says}"):
+        validate_config({**data, "fsx": {"enabled": True, **fsx}})
+    for gib in (1200, 2400, 9600):
+        assert validate_config({**data, "fsx": {"enabled": True, "storage_gib": gib}}).fsx.storage_gib == gib
+    no_efa = default_config("prod")
+    no_efa["pools"]["rollout-gpu"]["efa"] = False
+    with pytest.raises(ConfigError, match="fsx.enabled.*rollout-gpu"):
+        validate_config({**no_efa, "fsx": {"enabled": True}})
 
 
 def _buildspecs(t: Template) -> dict[str, dict]:

@@ -49,6 +49,10 @@ MODEL_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+# A read-only file-system copy of one store prefix (FSx for Lustre linked to the checkpoint bucket,
+# mounted by the pods that charts8s/fsx.py gives it): "s3://bucket/prefix/=/mount/prefix/" makes an
+# s3:// model.path under that prefix resolve to the mounted directory instead of a download.
+MIRROR_ENV = "MOERL_S3_MIRROR"
 # owner/name as the Hub spells repository ids (huggingface_hub validate_repo_id checks the rest).
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
@@ -73,7 +77,7 @@ def resolve_model_path(path: str, cache_dir: str | os.PathLike) -> Path:
             (``model.path`` named).
     """
     if path.startswith("s3://"):
-        return _from_store(path, Path(cache_dir))
+        return mirrored(path) or _from_store(path, Path(cache_dir))
     local = Path(path).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
@@ -86,6 +90,25 @@ def resolve_model_path(path: str, cache_dir: str | os.PathLike) -> Path:
     raise FileNotFoundError(
         f"model.path {path!r}: not a local directory, an s3://bucket/prefix or a Hugging Face Hub id (owner/name)"
     )
+
+
+def mirrored(url: str) -> Path | None:
+    """The directory of ``s3://...`` `url` on the file-system copy named by MIRROR_ENV, when it is
+    there (its config.json exists); None without a mirror, outside its prefix, or before the copy
+    has the files (the caller then reads the store, which stays the source of truth).
+
+    Raises ValueError naming MIRROR_ENV when the variable is not ``s3://bucket/prefix/=/path``.
+    """
+    spec = os.environ.get(MIRROR_ENV)
+    if not spec:
+        return None
+    src, sep, dst = spec.partition("=")
+    if not (sep and src.startswith("s3://") and src.endswith("/") and dst.startswith("/")):
+        raise ValueError(f"{MIRROR_ENV}={spec!r}: expected s3://bucket/prefix/=/absolute/path")
+    if not url.rstrip("/").startswith(src.rstrip("/") + "/"):
+        return None
+    local = Path(dst) / url.rstrip("/")[len(src):]
+    return local if (local / "config.json").is_file() else None
 
 
 def lock_path(path: str, cache_dir: str | os.PathLike) -> Path:
@@ -141,6 +164,9 @@ def config_source(path: str, cache_dir: str | os.PathLike) -> str:
     directory, or a Hub id whose config the Hub client fetches alone)."""
     if not path.startswith("s3://"):
         return path
+    local = mirrored(path)
+    if local:
+        return str(local)
     from app.storage import open_store
 
     dest = Path(cache_dir) / "s3-config" / quote(path.rstrip("/")[len("s3://"):], safe="")

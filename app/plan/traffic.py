@@ -44,6 +44,7 @@ from transformers import PretrainedConfig
 
 from app.model.config import DEEPSEEK_V3_FP8_BLOCK, moe_layer_ids, num_routed_experts
 from app.plan.params import param_shapes
+from infra.config import FSX_PER_UNIT_MBPS  # the file system's allowed values, declared once
 
 BUCKET_BYTES = 1024**3  # broadcast pipeline bucket (assumption; Miles/slime bucket sizes are of this order)
 # p5en.48xlarge: 3200 Gbps of EFA per node (Amazon EC2 P5en instance page; infra/instances.py
@@ -209,7 +210,6 @@ S3_GETS_PER_PREFIX = 5500  # GET/HEAD requests per second per partitioned prefix
 S3_PART_BYTES = 16 * 1024**2  # ranged-GET part size assumed for a tuned client
 # Lustre over the node's ENA interface, as for S3 (see S3_GBPS_PER_NODE): the same assumption.
 FSX_CLIENT_GBPS = 100.0
-FSX_PER_UNIT_MBPS = (125, 250, 500, 1000)
 
 
 @dataclass(frozen=True)
