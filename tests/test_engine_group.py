@@ -20,7 +20,9 @@ import pytest
 
 from app.buffer import ExperienceBuffer
 from app.rollout.engine_client import EngineClient
-from app.rollout.engine_server import Engine, create_app, load_checkpoint
+from app.engine.load import load_checkpoint
+from app.engine.scheduler import Engine
+from app.engine.server import create_app
 from app.rollout.group import EngineGroup, Fetcher, group_cache_dir
 from app.rollout.worker import RolloutWorker
 from app.storage import open_store, publish_policy

@@ -21,8 +21,10 @@ import httpx
 import pytest
 
 from app.rollout.engine_client import EngineClient
-from app.rollout.engine_server import Engine, create_app, load_checkpoint
-from app.rollout.sampler import SamplingParams
+from app.engine.load import load_checkpoint
+from app.engine.sampler import SamplingParams
+from app.engine.scheduler import Engine
+from app.engine.server import create_app
 from app.rollout.worker import RolloutWorker
 from helpers import tiny_moe_checkpoint
 from sglang_oracle import _function_node, wheel_function

@@ -24,8 +24,10 @@ import torch
 
 from app.buffer.redis_server import free_port
 from app.rollout.engine_client import EngineClient
-from app.rollout.engine_server import Engine, create_app, load_checkpoint
-from app.rollout.engine_weight_sync import NO_GROUP, NO_OPEN_SESSION, NO_SESSION, NOT_FLUSHED, SESSION_OPEN
+from app.engine.load import load_checkpoint
+from app.engine.receive import NO_GROUP, NO_OPEN_SESSION, NO_SESSION, NOT_FLUSHED, SESSION_OPEN
+from app.engine.scheduler import Engine
+from app.engine.server import create_app
 from app.weight_group import dtype_name, open_group, pack_bucket, plan_buckets, unpack_bucket
 from helpers import Recorder, tiny_moe_checkpoint
 from sglang_oracle import function_strings, http_routes, io_struct_fields, io_struct_required, wheel_function, wheel_module
@@ -169,7 +171,7 @@ def test_a_push_loads_every_tensor_and_the_version_only_at_the_end(pushed):
         assert results[key][0], (key, results[key])
     assert results["version_after_bucket"] == 0  # no weight_version on the first update
     assert results["version"] == 7
-    from app.rollout.engine_weight_sync import hf_slots
+    from app.engine.receive import hf_slots
 
     slots = hf_slots(engine.loaded.model)
     for name, value in sent.items():
@@ -191,7 +193,7 @@ def test_flush_refused_under_an_in_place_pause_fails_the_update_and_keeps_the_ve
         group.close()
 
     async def go():
-        from app.rollout.sampler import SamplingParams
+        from app.engine.sampler import SamplingParams
 
         await engine.start()
         try:
@@ -262,7 +264,7 @@ def test_the_source_waits_for_engines_at_the_first_broadcast_as_sglangs_nccl_gro
     first broadcast brings both sides up. The built-in engine's groups join the same way."""
     import torch.distributed as dist
 
-    from app.rollout.engine_weight_sync import EngineWeightGroups
+    from app.engine.receive import EngineWeightGroups
 
     port, name = free_port(), f"moerl-lazy-{free_port()}"
     send_phase = threading.Event()

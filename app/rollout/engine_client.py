@@ -1,5 +1,5 @@
 """Client of SGLang's native HTTP API, used by rollout workers against both our built-in engine
-(`app.rollout.engine_server`) and a real SGLang server.
+(`app.engine.server`) and a real SGLang server.
 
 It reads only what both servers return (SGLang ``python/sglang/srt/entrypoints/http_server.py``,
 docs "SGLang Native APIs"):
