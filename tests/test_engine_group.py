@@ -116,10 +116,10 @@ def test_the_leaders_fetcher_keeps_the_probes_marker_with_the_workers_pause(tmp_
         url = "http://engine"
 
     worker = RolloutWorker(cfg, buf, Client(), "w0", score_fn=lambda t, c: 1.0, group=EngineGroup.of(buf, ENGINE, 2))
-    worker._mark_paused(60.0)
+    worker.weights.mark_paused(60.0)
     fetcher.mirror_pause()
     until = float(marker.read_text())
     assert time.time() + 55 < until <= time.time() + 60
-    worker._mark_paused(None)
+    worker.weights.mark_paused(None)
     fetcher.mirror_pause()
     assert not marker.exists()

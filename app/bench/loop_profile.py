@@ -81,7 +81,7 @@ OTHER = "other (unmatched)"
 # waits for a core on a loaded machine, so these samples get none of the thread's CPU time.
 WAITING = "waiting (blocked, or runnable without a core)"
 WAIT_LEAVES = ("_worker (concurrent/futures/thread.py", "select (selectors.py", "wait (threading.py",
-               "RewardPool._serve (app/rollout/worker.py", "get (queue.py")
+               "RewardPool._serve (app/rollout/scoring.py", "get (queue.py")
 IMPORTS = ("start-up: imports", ("<frozen importlib._bootstrap",))
 for _rules in RULES.values():
     _rules.insert(0, IMPORTS)
