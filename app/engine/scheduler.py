@@ -28,6 +28,15 @@ class _Pending:
     future: asyncio.Future
     # A sequence retracted by a pause: its tokens so far (the new prompt ends with them).
     prefix: Completion | None = None
+    rid: str = ""  # SGLang's request id (meta_info.id); /abort_request matches its prefix
+
+
+# SGLang 0.5.23's finish_reason of an aborted request: a running one ends with FINISH_ABORT()
+# (managers/schedule_batch.py, to_json), one still waiting with the tokenizer manager's own
+# (managers/tokenizer_manager.py, the AbortReq handler). Both answer HTTP 200 with the tokens
+# generated so far and their logprobs (no status_code: not an error).
+ABORT_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+ABORT_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
 
 
 @dataclass
@@ -41,7 +50,7 @@ class EngineStats:
     max_batch_seen: int = 0  # most rows decoded in one step
     weight_loads: int = 0
     failed_weight_loads: int = 0
-    aborted: int = 0  # sequences ended by a pause in mode abort
+    aborted: int = 0  # sequences ended by a pause in mode abort or by /abort_request
     retracted: int = 0  # sequences put back in the queue by a pause in mode retract
     flushes_refused: int = 0  # /flush_cache (or an update's flush) refused: a request ran or queued
 
@@ -105,6 +114,7 @@ class Engine:
         self.last_progress = 0.0  # time.monotonic() of the last forward that finished
         self.batch: DecodeBatch | None = None
         self._owners: dict[int, _Pending] = {}
+        self._aborts: list[tuple[str, bool]] = []  # /abort_request (rid, abort_all) not yet applied
         self._changed: asyncio.Event | None = None  # set whenever the loop should look again
         self._paused_ack: asyncio.Event | None = None  # set once the loop has applied a pause
         self._drained: asyncio.Event | None = None  # set while no row is live
@@ -148,14 +158,15 @@ class Engine:
 
     # -- generation ------------------------------------------------------------------------
     async def submit(
-        self, prompts: list[list[int]], params: list[SamplingParams]
+        self, prompts: list[list[int]], params: list[SamplingParams], rids: list[str] | None = None,
     ) -> list[tuple[Completion, str]]:
-        """Queue sequences and wait for them; returns (completion, weight_version) per sequence."""
+        """Queue sequences and wait for them; returns (completion, weight_version) per sequence.
+        ``rids``: each sequence's request id (what `abort` matches), default none."""
         loop = asyncio.get_running_loop()
         futures = []
-        for prompt, p in zip(prompts, params):
+        for k, (prompt, p) in enumerate(zip(prompts, params)):
             fut = loop.create_future()
-            self.waiting.append(_Pending(prompt, p, fut))
+            self.waiting.append(_Pending(prompt, p, fut, rid=rids[k] if rids else ""))
             futures.append(fut)
         self._poke()
         return list(await asyncio.gather(*futures))
@@ -181,6 +192,8 @@ class Engine:
     async def _generation_loop(self) -> None:
         while True:
             self._changed.clear()
+            if self._aborts:
+                self._apply_aborts()
             if self.paused:
                 if not self._paused_ack.is_set():  # once per pause call: later arrivals wait
                     self._apply_pause()
@@ -233,23 +246,76 @@ class Engine:
             return
         rows = self.batch.take_all()
         self.live_rows = 0
-        if self.pause_mode == "abort":
-            ended = [(self._owners.pop(key), c) for key, c in rows] + [(x, None) for x in self.waiting]
+        if self.pause_mode == "abort":  # SGLang: abort_request(abort_all=True)
+            ended = [(self._owners.pop(key), c) for key, c in rows]
+            for item in self.waiting:
+                self._end_aborted(item, None, ABORT_WAITING)
             self.waiting.clear()
             for item, c in ended:
-                c = c or Completion([], [], "abort")
-                c.finish_reason, c.routed_experts = "abort", None
-                self.stats.aborted += 1
-                self._deliver(item, c)
+                self._end_aborted(item, c, ABORT_RUNNING)
             return
         for key, c in reversed(rows):  # retract: first in the queue again, in their order
-            item = self._owners.pop(key)
-            prefix = c if item.prefix is None else Completion(
-                item.prefix.token_ids + c.token_ids, item.prefix.logprobs + c.logprobs, "length")
-            left = dataclasses.replace(item.params, max_new_tokens=item.params.max_new_tokens - len(c.token_ids))
-            self.waiting.appendleft(_Pending(item.prompt + c.token_ids, left, item.future, prefix))
-            self.stats.retracted += 1
+            self._retract(self._owners.pop(key), c)
         self._drained.set()
+
+    def _retract(self, item: _Pending, c: Completion) -> None:
+        """Queue a live row first again, its tokens so far as part of its prompt (re-prefilled)."""
+        prefix = c if item.prefix is None else Completion(
+            item.prefix.token_ids + c.token_ids, item.prefix.logprobs + c.logprobs, "length")
+        left = dataclasses.replace(item.params, max_new_tokens=item.params.max_new_tokens - len(c.token_ids))
+        self.waiting.appendleft(_Pending(item.prompt + c.token_ids, left, item.future, prefix, item.rid))
+        self.stats.retracted += 1
+
+    def _end_aborted(self, item: _Pending, c: Completion | None, reason: dict) -> None:
+        """Answer an aborted sequence with its tokens so far (a retracted one's earlier tokens
+        included, as `_deliver` adds them) and SGLang's finish_reason ``reason``."""
+        if item.future.done():
+            return
+        c = c or Completion([], [], "abort")
+        c.finish_reason, c.abort, c.routed_experts = "abort", dict(reason), None
+        self.stats.aborted += 1
+        self._deliver(item, c)
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        """SGLang's /abort_request (``AbortReq``; managers/scheduler.py ``abort_request``): end
+        every sequence (``abort_all``) or those whose request id starts with ``rid``, waiting or
+        running, at the loop's next turn. Each answers with the tokens it generated so far, their
+        logprobs, and finish_reason abort (`ABORT_RUNNING` / `ABORT_WAITING`). An empty ``rid``
+        without ``abort_all`` is ignored, as SGLang ignores it (it would match every request).
+        Running rows that do not match are retracted and continue (re-prefilled with their
+        tokens so far): this batch cannot drop single rows mid-step."""
+        if not abort_all and not rid:
+            log.warning("Ignore abort_request with empty rid and abort_all=False (as SGLang)")
+            return
+        self._aborts.append((rid, abort_all))
+        self._poke()
+
+    def _apply_aborts(self) -> None:
+        reqs, self._aborts = self._aborts, []
+
+        def hit(item: _Pending) -> bool:
+            return any(every or (item.rid and item.rid.startswith(rid)) for rid, every in reqs)
+
+        kept: deque[_Pending] = deque()
+        for item in self.waiting:
+            if hit(item):
+                self._end_aborted(item, None, ABORT_WAITING)
+            elif not item.future.done():
+                kept.append(item)
+        self.waiting = kept
+        if not any(hit(item) for item in self._owners.values()):
+            return
+        rows = self.batch.take_all()
+        self.live_rows = 0
+        back = []
+        for key, c in rows:
+            item = self._owners.pop(key)
+            if hit(item):
+                self._end_aborted(item, c, ABORT_RUNNING)
+            else:
+                back.append((item, c))
+        for item, c in reversed(back):
+            self._retract(item, c)
 
     # -- control ---------------------------------------------------------------------------
     async def pause(self, mode: str = "abort") -> None:

@@ -8,7 +8,7 @@ so that `app.rollout.engine_client.EngineClient` serves this engine and a real S
 
 - ``POST /generate``: ``input_ids`` (one list or a batch of lists) or ``text``, ``sampling_params``
   (``max_new_tokens``, ``temperature``, ``top_p``, ``stop_token_ids``, ``ignore_eos``, ``n``; one
-  dict or one per batch item), ``return_logprob``, ``return_routed_experts`` (with
+  dict or one per batch item), ``rid`` (str or one per input), ``return_logprob``, ``return_routed_experts`` (with
   ``--enable-return-routed-experts``) and ``routed_experts_start_len``. A single input with
   n == 1 answers one object, otherwise a list ordered input-major (input i, sample j at
   ``i * n + j``), like SGLang. Each object: ``text``, ``output_ids``, ``meta_info`` {``id``,
@@ -31,6 +31,10 @@ so that `app.rollout.engine_client.EngineClient` serves this engine and a real S
 - ``GET /health_generate``: 200 once a one-token request (or any other sequence) makes
   progress, 503 after ``--health-check-timeout`` (20 s) without: so 503 while paused, as SGLang.
   ``GET /health`` is the same unless ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false``.
+- ``POST /abort_request`` {``rid``, ``abort_all``} (SGLang ``AbortReq``): ends the matching
+  sequences (every one with ``abort_all``; else those whose ``meta_info.id`` starts with ``rid``)
+  with the tokens and logprobs generated so far and finish_reason ``{"type": "abort", "message":
+  "Aborted", ...}`` (running) or ``"Abort in waiting queue"`` (not started), HTTP 200 as SGLang.
 - ``POST /pause_generation`` {``mode``: abort (default, as SGLang) | retract | in_place} (see
   `Engine`), ``POST /continue_generation``, ``POST /flush_cache`` (``?timeout=``; no prefix cache
   here, but refused as SGLang refuses it: a live row, or a waiting one while not paused),
@@ -66,7 +70,7 @@ from fastapi.responses import JSONResponse, Response
 
 from app.engine.load import LoadedModel, load_checkpoint
 from app.engine.sampler import Completion, SamplingParams
-from app.engine.scheduler import PAUSE_MODES, Engine
+from app.engine.scheduler import ABORT_RUNNING, PAUSE_MODES, Engine
 
 log = logging.getLogger("moerl.engine")
 
@@ -196,8 +200,12 @@ def parse_generate(body: Any, loaded: LoadedModel) -> "GenerateRequest":
         raise BadRequest(f"routed_experts_start_len must be an integer in [0, prompt tokens], got {start!r}")
     if sum(n for _, n in parsed) > MAX_SEQUENCES:
         raise BadRequest(f"inputs x n = {sum(n for _, n in parsed)} sequences; at most {MAX_SEQUENCES} per request")
+    rid = body.get("rid")
+    if rid is not None and not (isinstance(rid, str) or isinstance(rid, list) and len(rid) == len(prompts)
+                                and all(isinstance(r, str) for r in rid)):
+        raise BadRequest(f"rid must be a string or one string per input ({len(prompts)}), got {rid!r}")
     return GenerateRequest(prompts, [p for p, _ in parsed], single, [n for _, n in parsed], bool(return_logprob),
-                           routed, start)
+                           routed, start, rid)
 
 
 @dataclass
@@ -211,21 +219,34 @@ class GenerateRequest:
     return_logprob: bool
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    rid: str | list[str] | None = None
+
+    def sequence_rids(self) -> list[str]:
+        """One request id per sequence, input-major, as SGLang derives them
+        (``GenerateReqInput._normalize_rid``): none given, a fresh one each; one string for
+        several sequences, ``<rid>_<i>``; one per input, that input's (``_<j>`` per sample
+        when its n > 1)."""
+        total = sum(self.n)
+        if self.rid is None:
+            return [uuid.uuid4().hex for _ in range(total)]
+        if isinstance(self.rid, str):
+            return [self.rid] if total == 1 else [f"{self.rid}_{i}" for i in range(total)]
+        return [r if n == 1 else f"{r}_{j}" for r, n in zip(self.rid, self.n) for j in range(n)]
 
     def __iter__(self):  # (prompts, params, single, n, return_logprob), as callers unpack it
         return iter((self.prompts, self.params, self.single, self.n, self.return_logprob))
 
 
 def _response_item(completion: Completion, version: str, prompt_len: int, return_logprob: bool, tokenizer,
-                   routed_start: int | None = None) -> dict:
+                   routed_start: int | None = None, rid: str | None = None) -> dict:
     if completion.finish_reason == "stop":
         finish = {"type": "stop", "matched": completion.matched_stop}
     elif completion.finish_reason == "abort":
-        finish = {"type": "abort", "message": "Abort before generation finished (pause_generation mode abort)."}
+        finish = dict(completion.abort or ABORT_RUNNING)
     else:
         finish = {"type": "length", "length": len(completion.token_ids)}
     meta: dict[str, Any] = {
-        "id": uuid.uuid4().hex,
+        "id": rid or uuid.uuid4().hex,
         "finish_reason": finish,
         "prompt_tokens": prompt_len,
         "completion_tokens": len(completion.token_ids),
@@ -295,15 +316,16 @@ def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> Fa
         for prompt, p, n in zip(req.prompts, req.params, req.n):
             flat_prompts += [prompt] * n
             flat_params += [p] * n
+        rids = req.sequence_rids()  # meta_info.id, what /abort_request matches
         try:
-            results = await engine.submit(flat_prompts, flat_params)
+            results = await engine.submit(flat_prompts, flat_params, rids)
         except RuntimeError as e:
             return _error(str(e), status=500)
         tok = engine.loaded.tokenizer
         start = req.routed_experts_start_len if req.return_routed_experts and engine.capture_routing else None
         items = [
-            _response_item(c, v, len(pr), req.return_logprob, tok, start)
-            for (c, v), pr in zip(results, flat_prompts)
+            _response_item(c, v, len(pr), req.return_logprob, tok, start, rid)
+            for (c, v), pr, rid in zip(results, flat_prompts, rids)
         ]
         return items[0] if req.single and req.n[0] == 1 else items
 
@@ -407,6 +429,18 @@ def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> Fa
             body["names"], body["dtypes"], body["shapes"], body.get("group_name", "weight_update_group"),
             body.get("load_format"), version, body.get("flush_cache", True))
         return answer(ok, message)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        # SGLang's AbortReq body (rid, abort_all; its other fields are the scheduler's own) and
+        # answer: 200 with no body once the abort is queued; the aborted requests answer their
+        # callers with what they generated so far (`Engine.abort`).
+        body = await control_body(request)
+        problem = body_problem(body, ("rid", str, False), ("abort_all", bool, False))
+        if problem:
+            return _error(problem)
+        engine.abort(body.get("rid") or "", body.get("abort_all", False))
+        return Response(status_code=200)
 
     @app.get("/health")
     async def health():

@@ -12,7 +12,9 @@ The weight-update state machine (`change`), the same for a disk load and a netwo
 
 1. stop admission: no new /generate starts (`generating` waits);
 2. wait until idle: the worker's in-flight requests finish on the old weights (so no sequence
-   mixes two versions), bounded for a push by its ready budget;
+   mixes two versions), bounded for a push by its ready budget; with ``rollout.partial_rollout``
+   they are aborted instead (SGLang /abort_request) and answer at once with their tokens so
+   far, which the worker resumes on the new weights (a sample then has version segments);
 3. pause: the pause marker is written for the probes (``hold_s``), then /pause_generation
    (``rollout.pause_mode``);
 4. swap: the caller's body (flush, then /update_weights_from_disk, or the push's buckets);
@@ -31,6 +33,7 @@ import logging
 import os
 import shutil
 import time
+import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -62,15 +65,23 @@ class WeightChange:
 
     async def wait_idle(self, within_s: float | None = None) -> bool:
         """Step 2: wait for the worker's in-flight requests; False when not idle within ``within_s``
-        (None: no bound)."""
-        if within_s is None:
-            await self.w.idle.wait()
-            return True
+        (None: no bound). With ``rollout.partial_rollout`` they are aborted first
+        (`EngineWeights.abort_in_flight`): they answer at once with their tokens so far, which
+        the worker resumes after the swap. The wait is added to ``stats.drained_s``."""
+        t0 = time.monotonic()
         try:
-            await asyncio.wait_for(self.w.idle.wait(), within_s)
-            return True
-        except asyncio.TimeoutError:
-            return False
+            if self.w.r.partial_rollout:
+                await self.w.abort_in_flight()
+            if within_s is None:
+                await self.w.idle.wait()
+                return True
+            try:
+                await asyncio.wait_for(self.w.idle.wait(), within_s)
+                return True
+            except asyncio.TimeoutError:
+                return False
+        finally:
+            self.w.stats.drained_s += time.monotonic() - t0
 
     async def pause(self, hold_s: float) -> None:
         """Step 3: keep the probes' marker for ``hold_s`` seconds, pause the engine.
@@ -135,6 +146,12 @@ class EngineWeights:
         self.idle.set()
         # A disk update whose answer never came: (version, when it may be sent again).
         self.unanswered: tuple[int, float] | None = None
+        # Partial rollout: this worker's request ids share a prefix that /abort_request matches
+        # (SGLang aborts by rid prefix); abort_epoch counts this worker's aborts, so a request
+        # tells an abort of ours (resumed) from anyone else's (an engine error, as before).
+        self.rid_prefix = f"moerl-{worker_id}-{uuid.uuid4().hex[:8]}-"
+        self._rids = 0
+        self.abort_epoch = 0
 
     # -- admission --------------------------------------------------------------------------
     @asynccontextmanager
@@ -149,6 +166,25 @@ class EngineWeights:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self.idle.set()
+
+    def new_rid(self) -> str:
+        """A request id of this worker (`rid_prefix` + a counter)."""
+        self._rids += 1
+        return f"{self.rid_prefix}{self._rids}"
+
+    async def abort_in_flight(self) -> None:
+        """Abort this worker's requests on the engine (/abort_request with ``rid_prefix``); each
+        answers with the tokens and logprobs it has so far (finish_reason abort). An engine
+        that does not answer is waited for instead, as without partial rollout."""
+        if not self.in_flight:
+            return
+        self.abort_epoch += 1
+        try:
+            await self.client.abort_request(rid=self.rid_prefix)
+            self.stats.partial_aborts += 1
+        except EngineError as e:
+            log.warning("%s: /abort_request failed (%s); waiting for the in-flight requests instead",
+                        self.worker_id, e)
 
     async def sleep_or_stop(self, seconds: float) -> None:
         """Sleep ``seconds``, or less if the worker is told to stop."""

@@ -39,7 +39,11 @@ experience buffer (`app.buffer.ExperienceBuffer`). One asyncio loop:
    An engine that restarted (its version went back) is brought to the current version the same
    way before the worker leases again. The engine's weights (lock, admission, marker, version,
    the update's state machine) are one `app.rollout.weights.EngineWeights`, which the network
-   push (app/rollout/weight_sync.py) drives as well.
+   push (app/rollout/weight_sync.py) drives as well. With ``rollout.partial_rollout`` an update
+   aborts the in-flight requests instead of waiting for them (SGLang /abort_request by this
+   worker's rid prefix); each aborted completion keeps its tokens and logprobs and is resumed on
+   the new weights (`RolloutWorker._resume`), its sample then carrying ``version_segments`` and
+   the oldest version as ``policy_version``.
 
 SIGTERM (Spot notice) / SIGINT: stop leasing, let in-flight groups finish within
 ``rollout.drain_grace_s``, publish what finished, release unfinished tasks to the queue, exit 0.
@@ -90,6 +94,9 @@ class WorkerStats:
     pushes_received: int = 0  # versions that came over the network (app/rollout/weight_sync.py)
     pushes_failed: int = 0
     buffer_errors: int = 0
+    partial_aborts: int = 0  # partial rollout: weight updates that aborted this worker's requests
+    partial_resumes: int = 0  # ... completions resumed on the new weights after such an abort
+    drained_s: float = 0.0  # seconds weight updates waited for this worker's requests (admission stopped)
 
 
 class EngineMisconfigured(ValueError):
@@ -148,6 +155,7 @@ class RolloutWorker:
         self.episodes = self._episode_runner() if cfg.env.name else None
         self.rewards = RewardPool(cfg.rollout.reward_threads)
         self._routing_shape: tuple[int, int, list[int]] | None = None  # (layers, top_k, MoE layers) of the model
+        self._tokenizer: Any = None  # partial rollout: decodes resumed completions (False: none here)
         # One thread for every buffer call: the buffer object is not assumed thread-safe.
         self._buffer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="buffer")
 
@@ -246,11 +254,15 @@ class RolloutWorker:
                 if head.finish_reason == "abort":
                     raise EngineError(f"engine aborted the prompt-routing request of task {task.task_id}")
                 prompt_routing = head.routed_experts
+            epoch = self.weights.abort_epoch
             outs = await self.client.generate(
                 task.prompt_ids, n=task.group_size, max_new_tokens=self.r.max_new_tokens,
                 temperature=self.r.temperature, top_p=self.r.top_p, return_routed_experts=self.r.routing_replay,
                 routed_experts_start_len=len(task.prompt_ids) if self.r.routing_replay else 0,
+                rid=self.weights.new_rid() if self.r.partial_rollout else None,
             )
+        if self.r.partial_rollout:
+            outs = await self._resume(task.prompt_ids, outs, epoch)
         if any(o.finish_reason == "abort" for o in outs):
             raise EngineError(f"engine aborted a request of task {task.task_id}")
         if any(len(o.logprobs) != len(o.token_ids) for o in outs):
@@ -265,6 +277,81 @@ class RolloutWorker:
             for o in outs:  # the prompt's rows, then the sample's own: every token fed, P + C - 1 rows
                 o.routed_experts = np.concatenate([prompt_routing, o.routed_experts])
         return outs
+
+    async def _resume(self, prompt: list[int], outs: list[GenOutput], epoch: int) -> list[GenOutput]:
+        """Partial rollout: resume every completion this worker's weight update aborted, on the
+        new weights, until it stops or reaches ``rollout.max_new_tokens`` in all.
+
+        Each aborted completion keeps its tokens and logprobs (the engine's, under the version it
+        reported) and is sent again as prompt + those tokens with the rest of the length budget
+        (Miles/slime ``--partial-rollout``), once the update let generation in again. The result
+        holds every piece's tokens and logprobs in order, ``weight_version`` the oldest piece's,
+        and ``version_segments`` ``[(start, version), ...]`` when more than one version made it.
+        An abort this worker did not cause (``abort_epoch`` unchanged) stays an abort: the
+        caller fails the task as before.
+
+        Args:
+            prompt: the task's prompt ids.
+            outs: the group's outputs, input-major; epoch: ``abort_epoch`` when they were sent.
+        """
+        pieces = [[o] for o in outs]
+        while True:
+            todo = [j for j, ps in enumerate(pieces) if ps[-1].finish_reason == "abort"]
+            if not todo or self.weights.abort_epoch == epoch:
+                break
+            budget = {j: self.r.max_new_tokens - sum(len(p.token_ids) for p in pieces[j]) for j in todo}
+            for j in [j for j in todo if budget[j] <= 0]:  # aborted at its last token: cut at length
+                pieces[j][-1].finish_reason = "length"
+            todo = [j for j in todo if budget[j] > 0]
+            if not todo:
+                break
+            self.stats.partial_resumes += len(todo)
+            async with self.weights.generating():  # after the swap: the new weights
+                epoch = self.weights.abort_epoch
+                more = await asyncio.gather(*(self.client.generate(
+                    prompt + [t for p in pieces[j] for t in p.token_ids], n=1, max_new_tokens=budget[j],
+                    temperature=self.r.temperature, top_p=self.r.top_p, rid=self.weights.new_rid()) for j in todo))
+            for j, (o,) in zip(todo, more):
+                pieces[j].append(o)
+        return [ps[0] if len(ps) == 1 else self._joined(ps) for ps in pieces]
+
+    def _joined(self, pieces: list[GenOutput]) -> GenOutput:
+        """One completion from the pieces of a resumed one (see `_resume`)."""
+        ids = [t for p in pieces for t in p.token_ids]
+        segments: list[tuple[int, int]] = []
+        start = 0
+        for p in pieces:
+            version = p.weight_version if p.weight_version is not None else (self.engine_version or 0)
+            if p.token_ids and (not segments or segments[-1][1] != version):
+                if segments and version < segments[-1][1]:
+                    raise EngineError(f"engine went back from weight version {segments[-1][1]} to {version} "
+                                      "inside a resumed completion")
+                segments.append((start, version))
+            start += len(p.token_ids)
+        if not segments:
+            segments = [(0, pieces[-1].weight_version or 0)]
+        return GenOutput(
+            token_ids=ids, logprobs=[lp for p in pieces for lp in p.logprobs], text=self._decode(ids, pieces),
+            finish_reason=pieces[-1].finish_reason, weight_version=segments[0][1],
+            prompt_tokens=pieces[0].prompt_tokens, version_segments=segments if len(segments) > 1 else None)
+
+    def _decode(self, ids: list[int], pieces: list[GenOutput]) -> str:
+        """The text of a resumed completion: its ids decoded whole with the run's tokenizer, as the
+        engine decodes one completion (``skip_special_tokens``); the pieces' texts joined when
+        there is no tokenizer here (a character split across an abort may then differ)."""
+        if self._tokenizer is None:
+            from app.envs.tokenizer import build_tokenizer, load_tokenizer
+
+            path = self.cfg.model.path
+            try:
+                self._tokenizer = (load_tokenizer(path) if path and (Path(path) / "tokenizer.json").is_file()
+                                   else build_tokenizer() if not path else False)
+            except Exception as e:  # noqa: BLE001 - fall back to the engine's texts
+                log.warning("%s: no tokenizer for resumed completions (%s); joining the engine's texts", self.worker_id, e)
+                self._tokenizer = False
+        if self._tokenizer is False:
+            return "".join(p.text for p in pieces)
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
 
     def routed_experts(self, task: Task, out: GenOutput):
         """The engine's routed experts of one completion as `Sample.routed_experts` holds them:
@@ -355,7 +442,7 @@ class RolloutWorker:
                 attempt=task.attempt, prompt_ids=list(task.prompt_ids), completion_ids=o.token_ids,
                 logprobs=o.logprobs, reward=reward, policy_version=version,
                 finish_reason=o.finish_reason if o.finish_reason in ("stop", "length") else "error",
-                routed_experts=ids,
+                routed_experts=ids, version_segments=o.version_segments,
             ))
         failed = [problem for (o, (_, problem)) in zip(outs, rewards) if problem is not None
                   and not (o.finish_reason == "length" and self.r.overlong_reward is not None)]
