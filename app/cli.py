@@ -17,7 +17,7 @@ import sys
 # name -> "module:attribute" of a typer.Typer. One line per role.
 COMMANDS: dict[str, str] = {
     "run": "app.run:cli",
-    "engine": "app.rollout.engine_server:cli",
+    "engine": "app.engine.server:cli",
     "rollout": "app.rollout.worker:cli",
     "train": "app.trainer.train:cli",
     "warmup": "app.envs.warmup:cli",

@@ -203,6 +203,12 @@ class RolloutConfig(Section):
         "waits for its own requests first, so none is cut either way).")
     routing_replay: bool = Field(False, description="Ask the engine for the experts each token was "
                                  "routed to and store them with every sample (R3).")
+    partial_rollout: bool = Field(
+        False, description="At a weight update, abort the worker's in-flight generations (SGLang "
+        "/abort_request) instead of waiting for them, keep each one's tokens and logprobs with their "
+        "weight version, and resume it on the new weights (Miles/slime --partial-rollout); the sample "
+        "records its version segments and is as stale as its oldest token. Off: every sequence comes "
+        "from one version, the update waits for them to finish.")
     policy_cache_dir: str = Field("runs/policy-cache", description="Local copies of policy versions.")
     reward_fn: str = Field("app.envs.rewards:score", description="module:attr of score(task, text).")
     overlong_reward: float | None = Field(
@@ -520,6 +526,12 @@ class RunConfig(Section):
             self.rollout.routing_replay = True
         if self.env.name and self.rollout.routing_replay:
             raise ValueError("rollout.routing_replay: not supported with env.name (multi-turn episodes) yet")
+        if self.rollout.partial_rollout and self.rollout.routing_replay:
+            # A resumed sequence's prefix would be re-routed by the new weights in the resume's prefill.
+            raise ValueError("rollout.partial_rollout: not supported with rollout.routing_replay (a resumed "
+                             "prefix is routed again by the new weights)")
+        if self.rollout.partial_rollout and self.env.name:
+            raise ValueError("rollout.partial_rollout: not supported with env.name (multi-turn episodes) yet")
         if self.env.name and self.feed.eval_every:
             raise ValueError("feed.eval_every: the feed's held-out evaluation scores single completions; with "
                              "env.name it is not supported yet (moerl run evaluates episodes in process)")

@@ -71,8 +71,8 @@ if [[ "$DRY_RUN" != 1 ]]; then
     fi
     # What the three benchmarks import when they run, so a missing package stops us here, in seconds.
     check_imports app.cli app.bench.cli app.bench.moe app.bench.train_step app.bench.engine app.config \
-        app.model.policy app.model.checkpoint app.trainer.train app.storage.policy app.rollout.sampler \
-        app.bench.weight_sync app.bench.weight_sync_gpu app.weight_group app.rollout.engine_weight_sync
+        app.model.policy app.model.checkpoint app.trainer.train app.storage.policy app.engine.sampler \
+        app.bench.weight_sync app.bench.weight_sync_gpu app.weight_group app.engine.receive
 fi
 
 GPU=(--dtype bfloat16 --device cuda)

@@ -93,7 +93,7 @@ def test_activity_rules_pick_the_first_matching_rule():
            "all_to_all (app/model/dispatch/alltoall.py:42)"]
     assert activity("trainer", a2a) == "step: EP all-to-all (gloo)"
     assert activity("trainer", ["train_step (app/trainer/step.py:153)"]) == "step: forward + loss"
-    assert activity("engine", ["_worker (concurrent/futures/thread.py:81)", "DecodeBatch.step (app/rollout/sampler.py:316)"]) \
+    assert activity("engine", ["_worker (concurrent/futures/thread.py:81)", "DecodeBatch.step (app/engine/sampler.py:316)"]) \
         == "decode forward + sampling"
     assert activity("worker", ["<module> (x.py:1)"]) == OTHER
     assert role_kind("trainer-rank1") == "trainer" and role_kind("engine-0") == "engine"
@@ -104,10 +104,10 @@ def test_activity_rules_pick_the_first_matching_rule():
 def test_attribute_weights_samples_by_each_threads_cpu(tmp_path):
     raw = tmp_path / "engine-0.txt"
     raw.write_text(
-        "thread (11): MainThread;serve (app/rollout/engine_server.py:827);run (uvicorn/main.py:632) 30\n"
+        "thread (11): MainThread;serve (app/engine/server.py:827);run (uvicorn/main.py:632) 30\n"
         "thread (11): MainThread;x (asyncio/base_events.py:1884);select (selectors.py:468) 10\n"
-        "thread (12): asyncio_0;_worker (concurrent/futures/thread.py:83);DecodeBatch.step (app/rollout/sampler.py:316) 10\n"
-        "thread (13): gone;DecodeBatch.add (app/rollout/sampler.py:277) 4\n"
+        "thread (12): asyncio_0;_worker (concurrent/futures/thread.py:83);DecodeBatch.step (app/engine/sampler.py:316) 10\n"
+        "thread (13): gone;DecodeBatch.add (app/engine/sampler.py:277) 4\n"
         "malformed line\n")
     sampled = parse_raw(raw, "engine")
     assert set(sampled) == {11, 12, 13} and sampled[12][0] == "asyncio_0"
@@ -166,7 +166,7 @@ def test_samples_blocked_in_a_wait_get_no_cpu(tmp_path):
     raw = tmp_path / "engine-0.txt"
     raw.write_text(
         "thread (12): asyncio_0;Thread.run (threading.py:982);_worker (concurrent/futures/thread.py:81) 30\n"
-        "thread (12): asyncio_0;_worker (concurrent/futures/thread.py:83);DecodeBatch.step (app/rollout/sampler.py:316) 10\n"
+        "thread (12): asyncio_0;_worker (concurrent/futures/thread.py:83);DecodeBatch.step (app/engine/sampler.py:316) 10\n"
         "thread (13): idle;_worker (concurrent/futures/thread.py:81) 5\n")
     sampled = parse_raw(raw, "engine")
     p = attribute("engine-0", 1, (0.0, {12: 0.0, 13: 0.0}), (2.5, {12: 2.0, 13: 0.5}), sampled)

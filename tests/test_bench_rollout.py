@@ -98,3 +98,27 @@ def test_percentile_is_nearest_rank():
     assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50) == 3.0
     assert percentile([1.0, 2.0], 99) == 2.0 and percentile([7.0], 1) == 7.0
     assert math.isnan(percentile([], 50))
+
+
+def test_partial_ab_runs_both_arms_through_weight_updates(tmp_path):
+    """`--partial-ab`: a worker on the in-process built-in engine through weight updates, partial
+    rollout off then on; the file holds both arms, both saw updates, only the on arm resumed
+    completions (samples of two versions are tests/test_partial_rollout.py's), and its updates
+    drained the engine for less time than waiting for the requests did."""
+    cfg = RunConfig()
+    cfg.rollout.group_size, cfg.rollout.max_new_tokens, cfg.rollout.inflight_sequences = 4, 48, 8
+    cfg.task.train_size, cfg.task.eval_size = 40, 10
+    cfg.save(tmp_path / "run.yaml")
+    r = CliRunner().invoke(cli, ["rollout", "--partial-ab", "--config", str(tmp_path / "run.yaml"), "--seconds", "6",
+                                 "--update-every-s", "1.5", "--out-dir", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    result = only_result(tmp_path / "out", "rollout-partial")
+    off, on = (next(f for f in result["figures"] if f["name"] == f"partial_rollout {x}") for x in ("off", "on"))
+    assert off["weight_updates"] >= 1 and on["weight_updates"] >= 1
+    assert off["partial_resumes"] == 0 and off["mixed_version_samples"] == 0
+    assert on["partial_resumes"] > 0
+    assert on["drained_s_per_update"] < off["drained_s_per_update"]
+    assert "tokens/s partial on / off" in result["ratios"]
+    bad = CliRunner().invoke(cli, ["rollout", "--partial-ab", "--url", "http://127.0.0.1:1", "--out-dir",
+                                   str(tmp_path / "bad")])
+    assert bad.exit_code == 2 and "--url" in bad.output

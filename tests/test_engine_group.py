@@ -20,7 +20,9 @@ import pytest
 
 from app.buffer import ExperienceBuffer
 from app.rollout.engine_client import EngineClient
-from app.rollout.engine_server import Engine, create_app, load_checkpoint
+from app.engine.load import load_checkpoint
+from app.engine.scheduler import Engine
+from app.engine.server import create_app
 from app.rollout.group import EngineGroup, Fetcher, group_cache_dir
 from app.rollout.worker import RolloutWorker
 from app.storage import open_store, publish_policy
@@ -114,10 +116,10 @@ def test_the_leaders_fetcher_keeps_the_probes_marker_with_the_workers_pause(tmp_
         url = "http://engine"
 
     worker = RolloutWorker(cfg, buf, Client(), "w0", score_fn=lambda t, c: 1.0, group=EngineGroup.of(buf, ENGINE, 2))
-    worker._mark_paused(60.0)
+    worker.weights.mark_paused(60.0)
     fetcher.mirror_pause()
     until = float(marker.read_text())
     assert time.time() + 55 < until <= time.time() + 60
-    worker._mark_paused(None)
+    worker.weights.mark_paused(None)
     fetcher.mirror_pause()
     assert not marker.exists()

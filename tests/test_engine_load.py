@@ -13,7 +13,7 @@ from app.model.checkpoint import save_policy
 from app.model.config import tiny_config
 from app.model.parallel import EPContext
 from app.model.policy import build_policy
-from app.rollout.engine_server import load_checkpoint
+from app.engine.load import load_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_wrong_shape_names_the_tensor(checkpoint, tmp_path):
     ({"stop_token_ids": [2, True]}, "stop_token_ids"),
 ])
 def test_generate_params_are_type_checked_not_coerced(checkpoint, params, field):
-    from app.rollout.engine_server import BadRequest, parse_generate
+    from app.engine.server import BadRequest, parse_generate
 
     loaded = load_checkpoint(checkpoint)
     with pytest.raises(BadRequest, match=field):
@@ -76,7 +76,7 @@ def test_generate_params_are_type_checked_not_coerced(checkpoint, params, field)
 
 
 def test_return_logprob_must_be_a_boolean(checkpoint):
-    from app.rollout.engine_server import BadRequest, parse_generate
+    from app.engine.server import BadRequest, parse_generate
 
     loaded = load_checkpoint(checkpoint)
     with pytest.raises(BadRequest, match="return_logprob"):

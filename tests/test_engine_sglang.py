@@ -20,9 +20,11 @@ from transformers import AutoModelForCausalLM
 from app.envs.tokenizer import BOS_ID
 from app.rollout import probe
 from app.rollout.engine_client import EngineClient, decode_routed_experts
-from app.rollout.engine_server import Engine, create_app, load_checkpoint
-from app.rollout.engine_weight_sync import NOT_FLUSHED
-from app.rollout.sampler import RoutingCapture, SamplingParams
+from app.engine.load import load_checkpoint
+from app.engine.receive import NOT_FLUSHED
+from app.engine.scheduler import Engine
+from app.engine.server import create_app
+from app.engine.sampler import RoutingCapture, SamplingParams
 from helpers import tiny_moe_checkpoint
 
 LONG = SamplingParams(max_new_tokens=40, temperature=1.0, ignore_eos=True)

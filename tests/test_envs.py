@@ -219,7 +219,7 @@ def test_power_towers_do_not_use_up_the_reward_threads(tmp_path):
     4 x size of them no reward ran at all."""
     import asyncio
 
-    from app.rollout.worker import RewardPool
+    from app.rollout.scoring import RewardPool
 
     cfg, task = _jsonl_task(tmp_path)
     rewards.warm(cfg)

@@ -21,8 +21,10 @@ import httpx
 import pytest
 
 from app.rollout.engine_client import EngineClient
-from app.rollout.engine_server import Engine, create_app, load_checkpoint
-from app.rollout.sampler import SamplingParams
+from app.engine.load import load_checkpoint
+from app.engine.sampler import SamplingParams
+from app.engine.scheduler import Engine
+from app.engine.server import create_app
 from app.rollout.worker import RolloutWorker
 from helpers import tiny_moe_checkpoint
 from sglang_oracle import _function_node, wheel_function
@@ -116,9 +118,10 @@ def test_a_held_request_puts_the_update_off_instead_of_failing_it_after_the_load
     cfg = make_config(tmp_path, "redis://127.0.0.1:1/0", "http://engine", pause_mode="in_place",
                       flush_timeout_s=0.3)
 
-    class Worker(RolloutWorker):
-        def _download(self, version):
-            return ckpts[1]
+    class Worker(RolloutWorker):  # the engine's weights load from here instead of the store
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.weights.download = lambda version: ckpts[1]
 
     async def go():
         engine = Engine(load_checkpoint(ckpts[0]), weight_version="0", max_batch=4)

@@ -25,7 +25,9 @@ import yaml
 
 from app.model.source import store_copy_dir
 from app.rollout.engine_client import EngineClient
-from app.rollout.engine_server import Engine, create_app, load_checkpoint
+from app.engine.load import load_checkpoint
+from app.engine.scheduler import Engine
+from app.engine.server import create_app
 from charts8s.main import build
 from charts8s.rollout import BASE_MODEL_DIR
 from charts8s.workloads import load_workloads

@@ -382,6 +382,7 @@ def test_the_worker_client_passes_sglangs_own_auth_on_every_route_it_calls():
         await c.end_weight_update()
         await c.destroy_weights_update_group("g")
         await c.pause_generation()
+        await c.abort_request(abort_all=True)
         await c.flush_cache()
         await c.continue_generation()
         await c.server_info()

@@ -177,7 +177,7 @@ def free_port() -> int:
 def test_moerl_reward_serves_the_config_model_to_remote_reward(tmp_path, rm_dir, scorer):
     from app.buffer.records import Task
     from app.envs.reward_model import RemoteReward
-    from app.rollout.worker import score_fn_for
+    from app.rollout.scoring import score_fn_for
 
     port = free_port()
     cfg = RunConfig.model_validate({"task": {"reward_model": str(rm_dir)},
@@ -223,7 +223,7 @@ def test_mode_picks_or_refuses_the_scorer(rm_dir):
 
 
 def test_score_fn_for_uses_the_verifier_without_a_reward_model():
-    from app.rollout.worker import score_fn_for
+    from app.rollout.scoring import score_fn_for
     from app.envs.rewards import score
 
     assert score_fn_for(RunConfig()) is score

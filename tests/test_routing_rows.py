@@ -22,7 +22,9 @@ import torch
 from app.buffer.records import Task
 from app.envs.tokenizer import BOS_ID
 from app.rollout.engine_client import EngineClient
-from app.rollout.engine_server import Engine, create_app, load_checkpoint
+from app.engine.load import load_checkpoint
+from app.engine.scheduler import Engine
+from app.engine.server import create_app
 from app.rollout.worker import RolloutWorker
 from helpers import Recorder
 from sglang_oracle import io_struct_fields

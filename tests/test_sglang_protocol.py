@@ -17,9 +17,12 @@ from pathlib import Path
 import pytest
 
 from app.envs.tokenizer import BOS_ID
-from app.rollout import engine_client, engine_server
+from app.engine import scheduler as engine_server
+from app.engine.load import load_checkpoint
+from app.engine.scheduler import Engine
+from app.engine.server import create_app
+from app.rollout import engine_client
 from app.rollout.engine_client import EngineClient
-from app.rollout.engine_server import Engine, create_app, load_checkpoint
 from helpers import Recorder, tiny_moe_checkpoint
 from sglang_oracle import api_types, io_struct_fields, literal_values
 

@@ -24,8 +24,10 @@ import torch
 
 from app.buffer.redis_server import free_port
 from app.rollout.engine_client import EngineClient
-from app.rollout.engine_server import Engine, create_app, load_checkpoint
-from app.rollout.engine_weight_sync import NO_GROUP, NO_OPEN_SESSION, NO_SESSION, NOT_FLUSHED, SESSION_OPEN
+from app.engine.load import load_checkpoint
+from app.engine.receive import NO_GROUP, NO_OPEN_SESSION, NO_SESSION, NOT_FLUSHED, SESSION_OPEN
+from app.engine.scheduler import Engine
+from app.engine.server import create_app
 from app.weight_group import dtype_name, open_group, pack_bucket, plan_buckets, unpack_bucket
 from helpers import Recorder, tiny_moe_checkpoint
 from sglang_oracle import function_strings, http_routes, io_struct_fields, io_struct_required, wheel_function, wheel_module
@@ -169,7 +171,7 @@ def test_a_push_loads_every_tensor_and_the_version_only_at_the_end(pushed):
         assert results[key][0], (key, results[key])
     assert results["version_after_bucket"] == 0  # no weight_version on the first update
     assert results["version"] == 7
-    from app.rollout.engine_weight_sync import hf_slots
+    from app.engine.receive import hf_slots
 
     slots = hf_slots(engine.loaded.model)
     for name, value in sent.items():
@@ -191,7 +193,7 @@ def test_flush_refused_under_an_in_place_pause_fails_the_update_and_keeps_the_ve
         group.close()
 
     async def go():
-        from app.rollout.sampler import SamplingParams
+        from app.engine.sampler import SamplingParams
 
         await engine.start()
         try:
@@ -262,7 +264,7 @@ def test_the_source_waits_for_engines_at_the_first_broadcast_as_sglangs_nccl_gro
     first broadcast brings both sides up. The built-in engine's groups join the same way."""
     import torch.distributed as dist
 
-    from app.rollout.engine_weight_sync import EngineWeightGroups
+    from app.engine.receive import EngineWeightGroups
 
     port, name = free_port(), f"moerl-lazy-{free_port()}"
     send_phase = threading.Event()
@@ -378,10 +380,10 @@ def test_a_prepare_during_a_version_check_waits_for_the_weights_lock():
     within the ready budget and acks ready; only a holder past the budget (a load from the store)
     makes the worker ack busy. (It acked busy at once: on a loaded machine both workers of
     tests/test_weight_sync.py were left out of a push that way.)"""
-    from types import SimpleNamespace
-
     from app.config import RunConfig
     from app.rollout.weight_sync import PushMember
+    from app.rollout.weights import EngineWeights
+    from app.rollout.worker import WorkerStats
 
     class Board:
         def __init__(self):
@@ -409,16 +411,12 @@ def test_a_prepare_during_a_version_check_waits_for_the_weights_lock():
     async def take(ready_timeout_s: float, release: asyncio.Event | None):
         cfg = RunConfig()
         cfg.weight_sync.ready_timeout_s = ready_timeout_s
-        idle = asyncio.Event()
-        idle.set()
-        w = SimpleNamespace(cfg=cfg, r=cfg.rollout, client=Client(), worker_id="w0", weights_lock=asyncio.Lock(),
-                            _may_generate=asyncio.Event(), _idle=idle, _stop=asyncio.Event(),
-                            _mark_paused=lambda for_s: None, _engine_suspect=False)
+        w = EngineWeights(cfg, Client(), "w0", stats=WorkerStats(), current_policy=None, stop=asyncio.Event())
         board = Board()
         member = PushMember(w, board)
 
         async def version_check():
-            async with w.weights_lock:
+            async with w.lock:
                 if release is None:
                     await asyncio.sleep(0.1)
                 else:
@@ -426,13 +424,13 @@ def test_a_prepare_during_a_version_check_waits_for_the_weights_lock():
 
         holder = asyncio.create_task(version_check())
         await asyncio.sleep(0)  # the poll holds the lock when the prepare is taken
-        assert w.weights_lock.locked()
+        assert w.lock.locked()
         await member.take({"id": "p1", "version": 1, "state": "prepare"})
         if release is not None:
             release.set()
         await holder
         member._pool.shutdown()
-        return board.acks, w.weights_lock.locked(), w._may_generate.is_set()
+        return board.acks, w.lock.locked(), w.admitting.is_set()
 
     # a 0.1 s version check, a 29.5 s budget: ready (then cancelled), lock released, generating
     assert asyncio.run(take(30.0, None)) == (["ready"], False, True)
@@ -442,10 +440,10 @@ def test_a_prepare_during_a_version_check_waits_for_the_weights_lock():
 
 def _member_against(board, trainer_host: str, master_port: int):
     """A `PushMember` over ``board`` with a recording engine client (what it asks the engine)."""
-    from types import SimpleNamespace
-
     from app.config import RunConfig
     from app.rollout.weight_sync import PushMember
+    from app.rollout.weights import EngineWeights
+    from app.rollout.worker import WorkerStats
 
     class Client:
         def __init__(self):
@@ -475,11 +473,7 @@ def _member_against(board, trainer_host: str, master_port: int):
     cfg = RunConfig()
     ws = cfg.weight_sync
     ws.mode, ws.trainer_host, ws.master_port, ws.ready_timeout_s, ws.timeout_s = "network", trainer_host, master_port, 1.0, 1.0
-    idle = asyncio.Event()
-    idle.set()
-    w = SimpleNamespace(cfg=cfg, r=cfg.rollout, client=Client(), worker_id="w0", weights_lock=asyncio.Lock(),
-                        _may_generate=asyncio.Event(), _idle=idle, _stop=asyncio.Event(),
-                        _mark_paused=lambda for_s: None, _engine_suspect=False)
+    w = EngineWeights(cfg, Client(), "w0", stats=WorkerStats(), current_policy=None, stop=asyncio.Event())
     return PushMember(w, board), w.client
 
 
@@ -534,7 +528,7 @@ def test_a_push_record_pointing_elsewhere_is_refused_and_no_engine_joins(tmp_pat
                 trainer_board.set_push({**rec, "state": "cancelled"})
             await asyncio.wait_for(task, 30)
             member._pool.shutdown()
-            return client.calls, trainer_board.acks(rec["id"])["w0"], member.w._may_generate.is_set()
+            return client.calls, trainer_board.acks(rec["id"])["w0"], member.w.admitting.is_set()
 
         for rec in (forged, record("rdzv", "127.0.0.1", 29500)):
             calls, ack, generating = asyncio.run(take(rec))

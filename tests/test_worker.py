@@ -28,7 +28,8 @@ from app.buffer.redis_server import free_port
 from app.config import RunConfig
 from app.envs.tokenizer import BOS_ID
 from app.rollout.engine_client import EngineClient, EngineError, wait_until_healthy
-from app.rollout.worker import RolloutWorker, score_with_timeout
+from app.rollout.scoring import score_with_timeout
+from app.rollout.worker import RolloutWorker
 from helpers import engine_argv, scrape, tiny_moe_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -488,9 +489,10 @@ def test_an_unanswered_update_is_not_resent_before_the_engine_reports_its_versio
     the engine's version and sends the update again only weight_update_timeout_s later."""
     cfg = make_config(tmp_path, "redis://127.0.0.1:1/0", "http://engine", weight_update_timeout_s=0.5)
 
-    class Worker(RolloutWorker):
-        def _download(self, version):
-            return tmp_path / f"v{version}"
+    class Worker(RolloutWorker):  # the engine's weights load from here instead of the store
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.weights.download = lambda version: tmp_path / f"v{version}"
 
     async def go():
         client = UnansweredUpdates("http://engine", loaded_after)

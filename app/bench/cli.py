@@ -178,7 +178,7 @@ def loop(
 
 @cli.command("rollout")
 def rollout(
-    url: list[str] = typer.Option(..., "--url", help="Engine base URL (repeat for each engine)."),
+    url: list[str] = typer.Option([], "--url", help="Engine base URL (repeat for each engine; not with --partial-ab)."),
     seconds: float = typer.Option(30.0, help="Load phase, seconds."),
     config: str = typer.Option("", help="Run config YAML: prompts (task), group size, sampling (default: RunConfig())."),
     concurrency: int = typer.Option(0, help="Requests (prompt groups) in flight per engine (0: rollout.inflight_tasks())."),
@@ -188,10 +188,30 @@ def rollout(
     wait_s: float = typer.Option(120.0, help="How long to wait for the engines to become healthy, seconds."),
     label: str = typer.Option("", help="Name printed with the figures (e.g. the engine profile)."),
     out_dir: str = typer.Option("runs/bench", help="Where the JSON result goes."),
+    partial_ab: bool = typer.Option(False, "--partial-ab", help="Instead: one worker on the built-in engine in this "
+                                    "process through weight updates, rollout.partial_rollout off then on "
+                                    "(app/bench/partial.py)."),
+    update_every_s: float = typer.Option(2.0, help="--partial-ab: a new policy version every this many seconds."),
+    rounds: int = typer.Option(1, help="--partial-ab: (off, on) pairs to run."),
+    max_batch: int = typer.Option(64, help="--partial-ab: the built-in engine's --max-running-requests."),
 ) -> None:
-    """N SGLang-compatible engines driven with a run's prompts: aggregate tokens/s, per GPU, latency."""
+    """N SGLang-compatible engines driven with a run's prompts: aggregate tokens/s, per GPU, latency;
+    or (--partial-ab) a worker through weight updates with and without partial rollout."""
     from app.bench.rollout import RolloutBench, run
 
+    if partial_ab:
+        from app.bench.partial import PartialBench
+        from app.bench.partial import run as run_partial
+
+        try:
+            if url:
+                raise ValueError("--partial-ab starts its own engine: give no --url")
+            run_partial(PartialBench(seconds=seconds, config=config, update_every_s=update_every_s, rounds=rounds,
+                                     max_new_tokens=max_new_tokens, max_batch=max_batch), out_dir=out_dir)
+        except ValueError as e:
+            typer.echo(f"moerl bench rollout: error: {e}", err=True)
+            raise SystemExit(2) from None
+        return
     try:
         run(RolloutBench(urls=tuple(url), seconds=seconds, config=config, concurrency=concurrency,
                          gpus_per_engine=gpus_per_engine, max_new_tokens=max_new_tokens,

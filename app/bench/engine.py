@@ -7,11 +7,11 @@ rollout worker takes. Then, in the same run and on the same disk:
 
   - disk: sequential read of a file of the checkpoint's size (16 MiB reads) after dropping it
     from the page cache, the read bandwidth in GB/s; also the same read warm, for reference;
-  - load: the engine's weight load (`app.rollout.engine_server.load_checkpoint`: stock
+  - load: the engine's weight load (`app.engine.load.load_checkpoint`: stock
     `AutoModelForCausalLM.from_pretrained(...).to(device)`, what `/update_weights_from_disk`
     runs) of the downloaded version, after one untimed load, with its files dropped from the page
     cache ("cold") and again right after ("warm"): seconds per GB and GB/s against the disk's;
-  - generate: `app.rollout.sampler.generate` (no HTTP) on the loaded model at each batch size,
+  - generate: `app.engine.sampler.generate` (no HTTP) on the loaded model at each batch size,
     fixed prompt and output lengths (``ignore_eos``, temperature 1, top_p 1): output tokens/s;
     a run with ``max_new_tokens=1`` gives the prefill time, and decode tokens/s =
     B x (output_len - 1) / (full time - prefill time); with ``repeats`` > 1, medians of each.
@@ -91,16 +91,16 @@ def write_file(path: str | os.PathLike, nbytes: int, seed: int = 0) -> None:
 def engine_loader():
     """The engine's checkpoint loader and its name.
 
-    `app.rollout.engine_server.load_checkpoint` imports FastAPI with its module; where FastAPI is
-    missing (the GPU image) the same calls are made here: ``AutoModelForCausalLM.from_pretrained(
+    `app.engine.load.load_checkpoint` (it imports torch, transformers and the policy checks);
+    where one of those is missing the same calls are made here: ``AutoModelForCausalLM.from_pretrained(
     path, dtype=...).to(device).eval()``, pad id from the config, EOS ids from the generation config.
     """
     try:
-        from app.rollout.engine_server import load_checkpoint
+        from app.engine.load import load_checkpoint
 
-        return load_checkpoint, "app.rollout.engine_server.load_checkpoint"
+        return load_checkpoint, "app.engine.load.load_checkpoint"
     except ImportError as e:
-        return _load_like_engine, f"AutoModelForCausalLM.from_pretrained + .to(device) ({e.name} missing, so not via engine_server)"
+        return _load_like_engine, f"AutoModelForCausalLM.from_pretrained + .to(device) ({e.name} missing, so not via app.engine.load)"
 
 
 def _load_like_engine(path, device: str = "cpu", dtype: str = "float32"):
@@ -166,7 +166,7 @@ def run(bench: EngineBench, out_dir: str = "runs/bench") -> dict:
     from app.model.checkpoint import save_policy
     from app.model.parallel import EPContext
     from app.model.policy import build_policy
-    from app.rollout.sampler import SamplingParams, generate
+    from app.engine.sampler import SamplingParams, generate
     from app.storage.file import FileStore
     from app.storage.policy import download_policy, publish_policy
 

@@ -50,13 +50,13 @@ RULES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     ],
     "engine": [
         ("weight reload: checks", ("check_checkpoint (app/model/checkpoint.py",)),
-        ("weight reload: load model + tokenizer", ("load_checkpoint (app/rollout/engine_server.py",
+        ("weight reload: load model + tokenizer", ("load_checkpoint (app/engine/load.py",
                                                    "Engine.update_weights", "transformers/core_model_loading")),
-        ("decode forward + sampling", ("DecodeBatch.step (app/rollout/sampler.py",)),
-        ("prefill forward", ("DecodeBatch.add (app/rollout/sampler.py",)),
+        ("decode forward + sampling", ("DecodeBatch.step (app/engine/sampler.py",)),
+        ("prefill forward", ("DecodeBatch.add (app/engine/sampler.py",)),
         ("HTTP + JSON (uvicorn, FastAPI)", ("uvicorn/", "starlette/", "fastapi/", "h11/", "httptools",
-                                           "_response_item (app/rollout", "parse_generate (app/rollout", "json/")),
-        ("health probes", ("Engine.health (app/rollout",)),
+                                           "_response_item (app/engine", "parse_generate (app/engine", "json/")),
+        ("health probes", ("Engine.health (app/engine",)),
         ("thread hand-off (to_thread, wake-ups)", ("concurrent/futures/thread.py", "call_soon_threadsafe",
                                                    "_write_to_self", "to_thread")),
         ("event loop (select, scheduling)", ("asyncio/", "selectors.py")),
@@ -81,7 +81,7 @@ OTHER = "other (unmatched)"
 # waits for a core on a loaded machine, so these samples get none of the thread's CPU time.
 WAITING = "waiting (blocked, or runnable without a core)"
 WAIT_LEAVES = ("_worker (concurrent/futures/thread.py", "select (selectors.py", "wait (threading.py",
-               "RewardPool._serve (app/rollout/worker.py", "get (queue.py")
+               "RewardPool._serve (app/rollout/scoring.py", "get (queue.py")
 IMPORTS = ("start-up: imports", ("<frozen importlib._bootstrap",))
 for _rules in RULES.values():
     _rules.insert(0, IMPORTS)

@@ -3,7 +3,7 @@ this process to a second process on the same GPU (paths: app/bench/weight_sync.p
 
 Both processes hold the stock transformers model of the config (bf16, random weights; the
 values do not change the time); the receiver loads what arrives by Hugging Face name with the
-built-in engine's own loader (`app.rollout.engine_weight_sync.load_named`). The sender plans and
+built-in engine's own loader (`app.engine.receive.load_named`). The sender plans and
 buckets exactly as the trainer does (`app.trainer.publish.plan_version`,
 `app.weight_group.plan_buckets`). Baselines measured in the same run: a device-to-device copy
 and pinned host<->device copies of the same number of bytes.
@@ -40,7 +40,7 @@ def _host_buffer(nbytes: int) -> torch.Tensor:
 
 
 def _check_sums(model, names: list[str]) -> list[float]:
-    from app.rollout.engine_weight_sync import hf_slots
+    from app.engine.receive import hf_slots
 
     slots = hf_slots(model)
     return [float(slots[n][0][slots[n][1]].float().sum()) for n in names]
@@ -50,7 +50,7 @@ def _receiver(config, dtype_name: str, inbox, outbox, work: str, device: str) ->
     """The second process: a model on the GPU that takes versions by each path."""
     from safetensors.torch import load_file
 
-    from app.rollout.engine_weight_sync import hf_slots, load_named
+    from app.engine.receive import hf_slots, load_named
     from app.storage import open_store
     from app.storage.policy import download_policy
     from app.weight_group import bucket_bytes, open_group, parse_dtype, unpack_bucket

@@ -7,7 +7,14 @@ Header (`GroupHeader`; the stream entry's ``meta`` field; JSON, a few hundred by
      "sample_ids": [str] * G, "policy_versions": [int] * G, "rewards": [float] * G,
      "finish_reasons": [str] * G, "prompt_lens": [int] * G, "completion_lens": [int] * G,
      "shared_prompt": bool, "loss_mask": [bool] * G,
-     "routed": null | {"layers": n_moe, "k": K, "dtype": "uint8" | "uint16" | "int32"}}
+     "routed": null | {"layers": n_moe, "k": K, "dtype": "uint8" | "uint16" | "int32"},
+     "version_segments": [null | [[start, version], ...]] * G}    (optional)
+
+``version_segments`` is written only when a sample's tokens came from more than one weight
+version (a partial rollout, ``rollout.partial_rollout``): per sample null (every token from its
+``policy_versions`` entry) or its segments, ``[start, version]`` pairs over its completion
+tokens (`app.buffer.records.check_version_segments`): a few bytes per update a sample lived
+through, never one version per token.
 
 Everything the trainer's rank 0 needs to check, filter and assign a group (staleness, the
 lineage's duplicates, error groups, rewards, token counts) is in the header; it never reads a
@@ -38,7 +45,7 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from app.buffer.records import FINISH_REASONS, Group, Sample
+from app.buffer.records import FINISH_REASONS, Group, Sample, check_version_segments
 
 FORMAT_VERSION = 1
 MAX_TOKEN_ID = 2**31 - 1
@@ -48,6 +55,7 @@ _HEADER_KEYS = {"v", "task_id", "attempt", "sample_ids", "policy_versions", "rew
                 "prompt_lens", "completion_lens", "shared_prompt", "loss_mask", "routed"}
 _PER_SAMPLE = ("sample_ids", "policy_versions", "rewards", "finish_reasons", "prompt_lens", "completion_lens",
                "loss_mask")
+_OPTIONAL_KEYS = {"version_segments"}  # absent: one version per sample (format 1 as first written)
 
 
 def routed_dtype(top: int) -> str:
@@ -69,6 +77,7 @@ class SampleHeader:
     finish_reason: str
     prompt_len: int
     completion_len: int
+    version_segments: list[tuple[int, int]] | None = None
 
 
 @dataclass
@@ -125,6 +134,9 @@ class GroupHeader:
 
     def to_json(self) -> str:
         """The stream entry's ``meta`` field."""
+        segments = [None if s.version_segments is None else [list(seg) for seg in s.version_segments]
+                    for s in self.samples]
+        extra = {"version_segments": segments} if any(x is not None for x in segments) else {}
         return json.dumps({
             "v": FORMAT_VERSION, "task_id": self.task_id, "attempt": self.attempt,
             "sample_ids": [s.sample_id for s in self.samples],
@@ -136,6 +148,7 @@ class GroupHeader:
             "shared_prompt": self.shared_prompt, "loss_mask": self.loss_mask,
             "routed": None if self.routed is None else
             {"layers": self.routed[0], "k": self.routed[1], "dtype": self.routed[2]},
+            **extra,
         }, separators=(",", ":"))
 
     @classmethod
@@ -149,7 +162,7 @@ class GroupHeader:
         d = json.loads(text)
         if not isinstance(d, dict):
             raise ValueError(f"meta: expected a JSON object, got {type(d).__name__}")
-        unknown, missing = sorted(set(d) - _HEADER_KEYS), sorted(_HEADER_KEYS - set(d))
+        unknown, missing = sorted(set(d) - _HEADER_KEYS - _OPTIONAL_KEYS), sorted(_HEADER_KEYS - set(d))
         if unknown or missing:
             raise ValueError(f"meta: unknown key(s) {unknown}, missing key(s) {missing}")
         if d["v"] != FORMAT_VERSION:
@@ -182,9 +195,17 @@ class GroupHeader:
             _want(routed["dtype"] in {n for n, _ in ROUTED_DTYPES}, "routed.dtype",
                   f"one of {[n for n, _ in ROUTED_DTYPES]}")
             routed = (routed["layers"], routed["k"], routed["dtype"])
+        segments = d.get("version_segments", [None] * g)
+        _want(isinstance(segments, list) and len(segments) == g, "version_segments", "one entry per sample")
+        for i, seg in enumerate(segments):
+            try:
+                check_version_segments(seg, d["completion_lens"][i], d["policy_versions"][i], f"sample {i}")
+            except ValueError as e:
+                raise ValueError(f"meta.version_segments: {e}") from None
         samples = [SampleHeader(sample_id=d["sample_ids"][i], index=i, policy_version=d["policy_versions"][i],
                                 reward=float(d["rewards"][i]), finish_reason=d["finish_reasons"][i],
-                                prompt_len=d["prompt_lens"][i], completion_len=d["completion_lens"][i])
+                                prompt_len=d["prompt_lens"][i], completion_len=d["completion_lens"][i],
+                                version_segments=None if segments[i] is None else [tuple(x) for x in segments[i]])
                    for i in range(g)]
         return cls(task_id=d["task_id"], attempt=d["attempt"], samples=samples, shared_prompt=d["shared_prompt"],
                    loss_mask=list(d["loss_mask"]), routed=routed)
@@ -259,7 +280,10 @@ def encode_group(group: Group) -> tuple[GroupHeader, bytes]:
         task_id=group.task_id, attempt=group.attempt, shared_prompt=bool(shared), loss_mask=masks, routed=routed,
         samples=[SampleHeader(sample_id=s.sample_id, index=s.index, policy_version=int(s.policy_version),
                               reward=float(s.reward), finish_reason=s.finish_reason, prompt_len=len(p),
-                              completion_len=len(c)) for s, p, c in zip(samples, prompts, completions)],
+                              completion_len=len(c),
+                              version_segments=None if s.version_segments is None else
+                              [(int(a), int(b)) for a, b in s.version_segments])
+                     for s, p, c in zip(samples, prompts, completions)],
     )
     return header, st_save(tensors)
 
@@ -338,7 +362,8 @@ def decode_group(header: GroupHeader, payload: bytes, *, as_lists: bool = False,
         out.append(Sample(sample_id=s.sample_id, task_id=header.task_id, index=s.index, attempt=header.attempt,
                           prompt_ids=conv(prompt), completion_ids=conv(completion), logprobs=conv(logprobs),
                           reward=s.reward, policy_version=s.policy_version, finish_reason=s.finish_reason,
-                          routed_experts=ids, loss_mask=mask))
+                          routed_experts=ids, loss_mask=mask,
+                          version_segments=None if s.version_segments is None else list(s.version_segments)))
     return Group(task_id=header.task_id, attempt=header.attempt, samples=out, entry_id=header.entry_id)
 
 

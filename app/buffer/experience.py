@@ -62,7 +62,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from app.buffer.encoding import GroupHeader, decode_group, encode_group
-from app.buffer.records import FINISH_REASONS, Group, Sample, Task, sample_id
+from app.buffer.records import FINISH_REASONS, Group, Sample, Task, check_version_segments, sample_id
 
 if TYPE_CHECKING:
     from app.config import RunConfig
@@ -575,6 +575,7 @@ class ExperienceBuffer:
                 raise ValueError(f"{where}: reward is {s.reward}")
             if s.policy_version < 0:
                 raise ValueError(f"{where}: policy_version {s.policy_version} < 0")
+            check_version_segments(s.version_segments, len(s.completion_ids), s.policy_version, where)
         header, payload = encode_group(Group(task.task_id, task.attempt, samples))
         blob = f"{self.blob_prefix}{uuid.uuid4().hex}"
         self.raw.set(blob, payload, px=PAYLOAD_TTL_MS)

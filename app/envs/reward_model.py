@@ -15,7 +15,7 @@ kept for the check written beside the checkpoint (``reward_model.json``: MSE and
 reference answer outscores a corruption).
 
 Using one: set ``task.reward_model`` to the checkpoint, start ``moerl reward --config run.yaml``
-and point ``rollout.reward_url`` at it; `app.rollout.worker.score_fn_for` then gives rollout workers a
+and point ``rollout.reward_url`` at it; `app.rollout.scoring.score_fn_for` then gives rollout workers a
 `RemoteReward` instead of the verifier (``rollout.reward_fn``).
 """
 

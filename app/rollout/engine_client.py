@@ -1,5 +1,5 @@
 """Client of SGLang's native HTTP API, used by rollout workers against both our built-in engine
-(`app.rollout.engine_server`) and a real SGLang server.
+(`app.engine.server`) and a real SGLang server.
 
 It reads only what both servers return (SGLang ``python/sglang/srt/entrypoints/http_server.py``,
 docs "SGLang Native APIs"):
@@ -51,7 +51,7 @@ API_KEY_ENV, ADMIN_API_KEY_ENV = "MOERL_ENGINE_API_KEY", "MOERL_ENGINE_ADMIN_API
 ADMIN_ROUTES = frozenset({
     "/update_weights_from_disk", "/init_weights_update_group", "/destroy_weights_update_group",
     "/begin_weight_update", "/end_weight_update", "/update_weights_from_distributed",
-    "/pause_generation", "/continue_generation", "/flush_cache",
+    "/pause_generation", "/continue_generation", "/flush_cache", "/abort_request",
 })
 
 
@@ -102,6 +102,9 @@ class GenOutput:
     weight_version: int | None
     prompt_tokens: int = 0
     routed_experts: np.ndarray | None = None
+    # A completion resumed across weight updates (partial rollout, app/rollout/worker.py):
+    # [(start, version), ...] over token_ids; None: one version (weight_version).
+    version_segments: list[tuple[int, int]] | None = None
 
 
 def parse_version(value: Any) -> int | None:
@@ -238,6 +241,7 @@ class EngineClient:
         self, prompt: list[int] | list[list[int]] | str, *, n: int = 1, max_new_tokens: int = 128,
         temperature: float = 1.0, top_p: float = 1.0, stop_token_ids: list[int] | None = None,
         return_logprob: bool = True, return_routed_experts: bool = False, routed_experts_start_len: int = 0,
+        rid: str | None = None,
     ) -> list[GenOutput]:
         """Generate ``n`` completions of each prompt in one request.
 
@@ -247,6 +251,8 @@ class EngineClient:
             return_routed_experts: ask for ``meta_info.routed_experts`` (see the module doc).
             routed_experts_start_len: the first position they cover (SGLang ``GenerateReqInput``:
                 rows ``[start, prompt + completion - 1)``, start in ``[0, prompt tokens]``).
+            rid: the request id (SGLang ``GenerateReqInput.rid``; with several sequences each
+                gets ``rid_<i>``), what `abort_request` matches by prefix; None: the engine's own.
 
         Returns:
             ``len(prompts) * n`` outputs, input-major (prompt i, sample j at ``i * n + j``).
@@ -267,6 +273,8 @@ class EngineClient:
         if stop_token_ids:
             sp["stop_token_ids"] = list(stop_token_ids)
         body.update(sampling_params=sp, return_logprob=return_logprob)
+        if rid is not None:
+            body["rid"] = rid
         if return_routed_experts:
             body["return_routed_experts"] = True
             if routed_experts_start_len:
@@ -385,6 +393,15 @@ class EngineClient:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         await self._request("POST", "/pause_generation", json={"mode": mode})
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """POST /abort_request {rid, abort_all} (SGLang ``AbortReq``): end the requests whose id
+        starts with ``rid`` (every one with ``abort_all``). Their /generate calls answer HTTP 200
+        with the tokens generated so far, their logprobs and finish_reason ``abort``. Sent once,
+        never retried (an abort that comes late ends nothing it should not)."""
+        if not abort_all and not rid:
+            raise ValueError("abort_request: give a rid or abort_all (an empty rid would match every request)")
+        await self._request("POST", "/abort_request", json={"rid": rid, "abort_all": bool(abort_all)}, retries=0)
 
     async def continue_generation(self) -> None:
         """Let the engine take work again (POST /continue_generation)."""

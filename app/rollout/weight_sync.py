@@ -2,18 +2,19 @@
 engine through each push (protocol and failure semantics: app/trainer/weight_sync.py).
 
 A `PushMember` runs beside the worker's main loop (``weight_sync.mode: network``) as one asyncio
-task. Every ``weight_sync.poll_s`` it renews the engine's registration on the board
-(app/buffer/weight_sync.py) and reads the push record; for a new ``prepare`` it takes the
-worker's weights lock (the disk path takes the same one: one weight change at a time; it waits
-for it within the ready budget, and acks ``busy`` only if a load holds it longer), stops
-the worker's generation, waits for its in-flight requests, pauses the engine
-(``rollout.pause_mode``) under the pause marker, acks ``ready``, and follows the trainer:
+task, on the worker's `app.rollout.weights.EngineWeights`. Every ``weight_sync.poll_s`` it
+renews the engine's registration on the board (app/buffer/weight_sync.py) and reads the push
+record; for a new ``prepare`` it takes the weights lock (the disk path takes the same one: one
+weight change at a time; it waits for it within the ready budget, and acks ``busy`` only if a
+load holds it longer) and runs the weights' state machine (`EngineWeights.change`): admission
+stopped, the worker's in-flight requests waited for, the engine paused (``rollout.pause_mode``)
+under the pause marker; it acks ``ready`` and follows the trainer:
 join the group (``/init_weights_update_group``, after destroying its previous one), then
 ``/begin_weight_update``, one ``/update_weights_from_distributed`` per bucket (the version on
 the last, ``flush_cache`` false: the cache was flushed after the pause, before ``ready``, as
 Miles flushes before its pushes), ``/end_weight_update``, ack ``done``, continue.
 
-What the engine serves is never claimed: the worker's ``engine_version`` moves to N only on a
+What the engine serves is never claimed: the weights' ``version`` moves to N only on a
 complete push. A push that fails after it began leaves the engine's weights partly new
 (SGLang's own words), so the member keeps the engine paused, holds the weights lock (the disk
 path cannot continue it either) and reloads the newest stored version from the store
@@ -40,15 +41,16 @@ class PushMember:
     """The network-push side of one rollout worker (see the module doc).
 
     Args:
-        worker: the `app.rollout.worker.RolloutWorker` (its client, buffer, events, weights
-            lock, pause marker, version, store download and stats are used).
-        board: the run's `SyncBoard` (default: next to ``worker.buffer``).
+        weights: the worker's `app.rollout.weights.EngineWeights` (its client, lock, state
+            machine, version, reload from the store, stop event and stats are used).
+        board: the run's `SyncBoard` (default: ``SyncBoard.of(buffer)``).
+        buffer: the worker's experience buffer, when no ``board`` is given.
     """
 
-    def __init__(self, worker, board: SyncBoard | None = None):
-        self.w = worker
-        self.cfg = worker.cfg.weight_sync
-        self.board = board or SyncBoard.of(worker.buffer)
+    def __init__(self, weights, board: SyncBoard | None = None, buffer=None):
+        self.w = weights
+        self.cfg = weights.cfg.weight_sync
+        self.board = board or SyncBoard.of(buffer)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wsync")
         self.ranks: int | None = None  # the engine's ranks in a group (None: not offered)
         self.started: float | None = None  # the engine's startup_time when it joined its group
@@ -67,16 +69,16 @@ class PushMember:
     async def run(self) -> None:
         """Until the worker stops: renew the registration, take new pushes; then withdraw."""
         try:
-            while not self.w._stop.is_set():
+            while not self.w.stop.is_set():
                 try:
                     await self.step()
                 except EngineError as e:
                     log.warning("%s: engine call failed outside a push: %s", self.w.worker_id, e)
                     self.ranks = None  # ask again: the engine may have restarted
-                    await self.w._sleep_or_stop(self.cfg.poll_s)
+                    await self.w.sleep_or_stop(self.cfg.poll_s)
                 except Exception as e:  # noqa: BLE001 - Redis hiccup: try again at the next poll
                     log.warning("%s: weight-sync board error: %s", self.w.worker_id, e)
-                    await self.w._sleep_or_stop(self.cfg.poll_s)
+                    await self.w.sleep_or_stop(self.cfg.poll_s)
         finally:
             try:
                 await self._board("unregister", self.w.worker_id)
@@ -101,7 +103,7 @@ class PushMember:
         """Renew the registration (at most every engine_ttl_s / 3 unless ``force``); also during a
         long push, so the engine is still offered when the next one is prepared."""
         if force or time.monotonic() >= self._renew_at:
-            await self._board("register", Registration(self.w.worker_id, self.ranks, self.w.engine_version, self.epoch),
+            await self._board("register", Registration(self.w.worker_id, self.ranks, self.w.version, self.epoch),
                               self.cfg.engine_ttl_s)
             self._renew_at = time.monotonic() + self.cfg.engine_ttl_s / 3
 
@@ -132,55 +134,45 @@ class PushMember:
         budget = max(0.05, self.cfg.ready_timeout_s - 0.5)
         deadline = time.monotonic() + budget
         try:
-            await asyncio.wait_for(w.weights_lock.acquire(), budget)
+            await asyncio.wait_for(w.lock.acquire(), budget)
         except asyncio.TimeoutError:
             await self._board("ack", pid, w.worker_id, "busy")
             return
         try:
-            w._may_generate.clear()
-            paused = False
-            try:
+            async with w.change() as change:
                 try:
-                    await asyncio.wait_for(w._idle.wait(), max(0.05, deadline - time.monotonic()))
-                except asyncio.TimeoutError:
-                    await self._board("ack", pid, w.worker_id, "busy")
-                    return
-                self.ranks = await self._engine_ranks()
-                if self.ranks is None:
-                    await self._board("ack", pid, w.worker_id, "busy")
-                    return
-                w._mark_paused(self.cfg.ready_timeout_s + self.cfg.timeout_s + 30)
-                await w.client.pause_generation(w.r.pause_mode)
-                paused = True
-                # The cache goes before the weights change, as Miles does (the buckets then
-                # carry flush_cache false): a flush refused after a bucket would fail the push
-                # with the weights already changed. Refused within the ready budget: busy.
-                if not await w.client.flush_until(max(0.0, deadline - time.monotonic())):
-                    w.stats.flushes_refused += 1
-                    await self._board("ack", pid, w.worker_id, "busy")
-                    return
-                await self._board("ack", pid, w.worker_id, "ready", ranks=self.ranks, epoch=self.epoch)
-                if await self._follow(pid) == "dirty":
-                    self.dirty = True
-            except Exception as e:  # noqa: BLE001 - before the send phase: the weights are untouched
-                log.warning("%s: push %s: %s: %s", w.worker_id, pid, type(e).__name__, e)
-                self.epoch = self.group_name = None
-            finally:
-                while self.dirty and not w._stop.is_set():
-                    if await self.restore():
-                        break
-                    await w._sleep_or_stop(self.cfg.poll_s * 5)
-                if not self.dirty:
-                    if paused:
-                        try:
-                            await w.client.continue_generation()
-                        except EngineError as e:
-                            log.warning("%s: continue after push failed: %s", w.worker_id, e)
-                            w._engine_suspect = True
-                    w._mark_paused(None)
-                    w._may_generate.set()
+                    if not await change.wait_idle(max(0.05, deadline - time.monotonic())):
+                        await self._board("ack", pid, w.worker_id, "busy")
+                        return
+                    self.ranks = await self._engine_ranks()
+                    if self.ranks is None:
+                        await self._board("ack", pid, w.worker_id, "busy")
+                        return
+                    await change.pause(self.cfg.ready_timeout_s + self.cfg.timeout_s + 30)
+                    # The cache goes before the weights change, as Miles does (the buckets then
+                    # carry flush_cache false): a flush refused after a bucket would fail the push
+                    # with the weights already changed. Refused within the ready budget: busy.
+                    if not await w.client.flush_until(max(0.0, deadline - time.monotonic())):
+                        w.stats.flushes_refused += 1
+                        await self._board("ack", pid, w.worker_id, "busy")
+                        return
+                    await self._board("ack", pid, w.worker_id, "ready", ranks=self.ranks, epoch=self.epoch)
+                    if await self._follow(pid) == "dirty":
+                        self.dirty = True
+                except Exception as e:  # noqa: BLE001 - before the send phase: the weights are untouched
+                    log.warning("%s: push %s: %s: %s", w.worker_id, pid, type(e).__name__, e)
+                    self.epoch = self.group_name = None
+                finally:
+                    while self.dirty and not w.stop.is_set():
+                        if await self.restore():
+                            break
+                        await w.sleep_or_stop(self.cfg.poll_s * 5)
+                    change.keep_paused = self.dirty  # partly new weights never serve
+        except EngineError as e:  # /continue_generation after the push
+            log.warning("%s: continue after push failed: %s", w.worker_id, e)
+            w.suspect = True
         finally:
-            w.weights_lock.release()
+            w.lock.release()
 
     async def _follow(self, pid: str) -> str:
         """After ``ready``: join, receive, ack. Returns "updated", "untouched" (the weights did
@@ -243,7 +235,7 @@ class PushMember:
                     await w.client.end_weight_update(timeout_s=t)
                     ok, message = await w.client.begin_weight_update(timeout_s=t)
                 for k, bucket in enumerate(plan if ok else []):
-                    w._mark_paused(self.cfg.timeout_s + 30)
+                    w.mark_paused(self.cfg.timeout_s + 30)
                     last = k == len(plan) - 1
                     await self._renew()
                     ok, message = await w.client.update_weights_from_distributed(
@@ -259,9 +251,7 @@ class PushMember:
         except Exception as e:  # noqa: BLE001 - engine or Redis: the weights are not known to be whole
             ok, message = False, f"{type(e).__name__}: {e}"
         if ok:
-            w.engine_version = version
-            w.stats.weight_updates += 1
-            w.stats.pushes_received += 1
+            w.commit(version)
             log.info("%s: engine now at policy v%d (network push)", w.worker_id, version)
             try:
                 await self._board("ack", pid, w.worker_id, "done", version=version)
@@ -286,26 +276,9 @@ class PushMember:
 
     async def restore(self) -> bool:
         """Reload the newest stored version into the (paused) engine; True once it serves it."""
-        w = self.w
-        try:
-            current = await w._buf("current_policy")
-            if current is None:
-                return False
-            version = int(current[0])
-            path = await asyncio.to_thread(w._download, version)
-            w._mark_paused(w.r.weight_update_timeout_s + w.r.flush_timeout_s + 60)
-            ok, message = False, "the engine refused /flush_cache"
-            if await w.flush_paused_engine():
-                ok, message = await w.client.update_weights_from_disk(
-                    str(path), version, timeout_s=w.r.weight_update_timeout_s, flush_cache=False)
-        except Exception as e:  # noqa: BLE001 - store, Redis or engine: retried while paused
-            ok, message = False, repr(e)
-        if not ok:
-            log.warning("%s: reload from the store failed (%s); the engine stays paused", w.worker_id, message)
+        if not await self.w.reload_from_store():
             return False
-        w.engine_version = version
         self.dirty = False
-        log.info("%s: engine reloaded policy v%d from the store after a failed push", w.worker_id, version)
         return True
 
 

@@ -37,7 +37,13 @@ experience buffer (`app.buffer.ExperienceBuffer`). One asyncio loop:
    is retried at the next poll; an update that got no answer is not resent until the engine
    reports its version (see `RolloutWorker.sync_policy`).
    An engine that restarted (its version went back) is brought to the current version the same
-   way before the worker leases again.
+   way before the worker leases again. The engine's weights (lock, admission, marker, version,
+   the update's state machine) are one `app.rollout.weights.EngineWeights`, which the network
+   push (app/rollout/weight_sync.py) drives as well. With ``rollout.partial_rollout`` an update
+   aborts the in-flight requests instead of waiting for them (SGLang /abort_request by this
+   worker's rid prefix); each aborted completion keeps its tokens and logprobs and is resumed on
+   the new weights (`RolloutWorker._resume`), its sample then carrying ``version_segments`` and
+   the oldest version as ``policy_version``.
 
 SIGTERM (Spot notice) / SIGINT: stop leasing, let in-flight groups finish within
 ``rollout.drain_grace_s``, publish what finished, release unfinished tasks to the queue, exit 0.
@@ -46,20 +52,15 @@ SIGTERM (Spot notice) / SIGINT: stop leasing, let in-flight groups finish within
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import logging
-import math
 import os
-import queue
-import shutil
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import typer
 
@@ -67,11 +68,10 @@ from app.buffer.records import Sample, Task
 from app.config import RunConfig
 from app.rollout.engine_client import ADMIN_API_KEY_ENV, API_KEY_ENV, EngineClient, EngineError, GenOutput
 from app.rollout.episodes import GroupFailed
+from app.rollout.scoring import RewardPool, ScoreFn, score_fn_for
+from app.rollout.weights import EngineWeights
 
 log = logging.getLogger("moerl.rollout")
-
-ScoreFn = Callable[[Task, str], float]
-
 
 @dataclass
 class WorkerStats:
@@ -94,131 +94,9 @@ class WorkerStats:
     pushes_received: int = 0  # versions that came over the network (app/rollout/weight_sync.py)
     pushes_failed: int = 0
     buffer_errors: int = 0
-
-
-def score_fn_for(cfg: RunConfig) -> ScoreFn:
-    """The worker's reward: the reward-model server (`moerl reward`) when ``task.reward_model``
-    is set, else the verifier ``rollout.reward_fn``.
-
-    Raises:
-        ValueError: ``rollout.reward_fn`` cannot be imported.
-    """
-    if cfg.task.reward_model:
-        from app.envs.reward_model import RemoteReward
-
-        return RemoteReward(cfg.rollout.reward_url, timeout_s=cfg.rollout.reward_timeout_s)
-    return load_score_fn(cfg.rollout.reward_fn)
-
-
-def load_score_fn(spec: str) -> ScoreFn:
-    """Import ``"module:attr"``, a callable ``score(task: Task, completion: str) -> float``.
-
-    Raises:
-        ValueError: ``spec`` is not "module:attr", the module or attribute does not exist, or
-            it is not callable; the message names ``rollout.reward_fn``.
-    """
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"rollout.reward_fn must be 'module:attr', got {spec!r}")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"rollout.reward_fn {spec!r} cannot be imported: {e}") from None
-    if not callable(fn):
-        raise ValueError(f"rollout.reward_fn {spec!r} is not callable")
-    return fn
-
-
-class RewardPool:
-    """Daemon threads that run reward functions, shared by every sample of a worker.
-
-    Daemon threads (not a ThreadPoolExecutor, whose threads are joined at exit) so that a reward
-    function that hangs forever cannot keep the process from exiting. A timeout counts from when
-    the function starts running; a thread still stuck in a timed-out call is replaced (at most
-    ``4 x size`` threads in all), so hung verifiers do not starve the others.
-
-    Args:
-        size: threads running reward functions at once.
-    """
-
-    def __init__(self, size: int = 8):
-        if size < 1:
-            raise ValueError(f"reward pool size must be >= 1, got {size}")
-        self.size = size
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = 0
-        self._lock = threading.Lock()
-        for _ in range(size):
-            self._spawn()
-
-    def _spawn(self) -> None:
-        with self._lock:
-            if self._threads >= 4 * self.size:
-                return
-            self._threads += 1
-            n = self._threads
-        threading.Thread(target=self._serve, daemon=True, name=f"reward-{n}").start()
-
-    def _serve(self) -> None:
-        while True:
-            self._jobs.get()()
-
-    async def score(self, fn: ScoreFn, task: Task, completion: str, timeout_s: float) -> tuple[float, str | None]:
-        """``fn(task, completion)`` on a pool thread, at most ``timeout_s`` seconds once started.
-
-        Returns:
-            (reward, problem): problem is None, "error" (raised or returned a non-finite /
-            non-number value) or "timeout"; reward is 0.0 whenever problem is not None.
-        """
-        loop = asyncio.get_running_loop()
-        started: asyncio.Future = loop.create_future()
-        done: asyncio.Future = loop.create_future()
-
-        def settle(fut: asyncio.Future, value) -> None:
-            try:
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(value))
-            except RuntimeError:
-                pass  # the loop closed while a hung reward ran on: its result is not wanted
-
-        def job() -> None:
-            settle(started, True)
-            try:
-                value = float(fn(task, completion))
-                result: tuple[float, str | None] = (value, None) if math.isfinite(value) else (0.0, "error")
-            except TimeoutError as e:  # the verifier's own deadline (app/envs/process_pool.py): a timeout
-                log.debug("reward timed out on %s: %s", task.task_id, e)
-                result = (0.0, "timeout")
-            except Exception as e:  # noqa: BLE001 - a reward that raises scores 0, counted
-                log.debug("reward raised on %s: %s", task.task_id, e)
-                result = (0.0, "error")
-            settle(done, result)
-
-        self._jobs.put(job)
-        await started
-        try:
-            return await asyncio.wait_for(asyncio.shield(done), timeout_s)
-        except asyncio.TimeoutError:
-            self._spawn()  # that thread may never come back
-            return 0.0, "timeout"
-
-
-_default_pool: RewardPool | None = None
-
-
-async def score_with_timeout(fn: ScoreFn, task: Task, completion: str, timeout_s: float,
-                             pool: RewardPool | None = None) -> tuple[float, str | None]:
-    """Score one completion on ``pool`` (default: one shared `RewardPool`); see `RewardPool.score`."""
-    global _default_pool
-    if pool is None:
-        if _default_pool is None:
-            _default_pool = RewardPool()
-        pool = _default_pool
-    return await pool.score(fn, task, completion, timeout_s)
-
-
-class GroupNotReady(RuntimeError):
-    """Not every pod of a multi-node engine holds the version yet (app/rollout/group.py): the
-    update waits for a later poll, the engine keeps serving what it has."""
+    partial_aborts: int = 0  # partial rollout: weight updates that aborted this worker's requests
+    partial_resumes: int = 0  # ... completions resumed on the new weights after such an abort
+    drained_s: float = 0.0  # seconds weight updates waited for this worker's requests (admission stopped)
 
 
 class EngineMisconfigured(ValueError):
@@ -261,39 +139,30 @@ class RolloutWorker:
         self.client = client
         self.worker_id = worker_id
         self.score_fn = score_fn or score_fn_for(cfg)
-        self.store = store
         self.max_groups = max_groups
         self.stats = WorkerStats()
         self.metrics = metrics
         self.fatal: Exception | None = None  # set when the worker stopped on an EngineMisconfigured
-        self.engine_version: int | None = None
         self.group = group
-        if group is None:
-            self.cache_dir = Path(cfg.rollout.policy_cache_dir).resolve() / worker_id
-        else:  # the path on the engine's nodes (app/rollout/group.py), not on this pod
-            from app.rollout.group import group_cache_dir
-
-            self.cache_dir = group_cache_dir(cfg.rollout.policy_cache_dir, group.engine)
         self._stop = asyncio.Event()
-        self._may_generate = asyncio.Event()  # cleared while weights are swapped
-        self._may_generate.set()
-        self._generating = 0  # /generate calls in flight
-        self._idle = asyncio.Event()  # set when _generating == 0
-        self._idle.set()
         self._finished: list[tuple[Task, list[Sample]]] = []
         self._to_fail: list[Task] = []  # tasks whose group failed (reward / environment), to requeue
-        self._engine_suspect = False
         self._env_suspect = False
+        # The engine's weights: the lock, admission, pause marker, version, loads (app/rollout/weights.py).
+        self.weights = EngineWeights(cfg, client, worker_id, stats=self.stats, stop=self._stop,
+                                     current_policy=lambda: self._buf("current_policy"), store=store,
+                                     pause_marker=pause_marker, metrics=metrics, group=group)
         self.episodes = self._episode_runner() if cfg.env.name else None
-        self.pause_marker = Path(pause_marker) if pause_marker else None
         self.rewards = RewardPool(cfg.rollout.reward_threads)
-        # A weight update whose answer never came: (version, when it may be sent again).
-        self._unanswered_update: tuple[int, float] | None = None
         self._routing_shape: tuple[int, int, list[int]] | None = None  # (layers, top_k, MoE layers) of the model
-        # Held by whoever changes the engine's weights: the disk path or a network push.
-        self.weights_lock = asyncio.Lock()
+        self._tokenizer: Any = None  # partial rollout: decodes resumed completions (False: none here)
         # One thread for every buffer call: the buffer object is not assumed thread-safe.
         self._buffer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="buffer")
+
+    @property
+    def engine_version(self) -> int | None:
+        """The version the engine serves, as far as known (`EngineWeights.version`)."""
+        return self.weights.version
 
     # -- multi-turn episodes and reward warm-up (issue 16) ---------------------------------
     def _episode_runner(self):
@@ -307,16 +176,9 @@ class RolloutWorker:
 
     async def _generate_turn(self, ids: list[int]) -> GenOutput:
         """One turn of an episode (n = 1), held back while weights are swapped like `_generate`."""
-        await self._may_generate.wait()
-        self._generating += 1
-        self._idle.clear()
-        try:
+        async with self.weights.generating():
             return (await self.client.generate(ids, n=1, max_new_tokens=self.r.max_new_tokens,
                                                temperature=self.r.temperature, top_p=self.r.top_p))[0]
-        finally:
-            self._generating -= 1
-            if self._generating == 0:
-                self._idle.set()
 
     async def warm_up(self) -> None:
         """Before the first lease: the reward function's ``warm(cfg.task)`` (imports, verifier
@@ -370,171 +232,18 @@ class RolloutWorker:
         self._stop.set()
 
     async def _sleep_or_stop(self, seconds: float) -> None:
-        try:
-            await asyncio.wait_for(self._stop.wait(), seconds)
-        except asyncio.TimeoutError:
-            pass
+        await self.weights.sleep_or_stop(seconds)
 
     # -- policy versions -------------------------------------------------------------------
-    def _download(self, version: int) -> Path:
-        """The local directory of policy ``version`` the engine can load: downloaded here, or,
-        for a multi-node engine, held by every pod of its group (raises `GroupNotReady` until then)."""
-        if self.group is not None:
-            missing = self.group.missing(version)
-            if missing:
-                raise GroupNotReady(f"engine {self.group.engine}: pod(s) {missing} of {self.group.size} do not "
-                                    f"hold policy v{version} yet")
-            return self.cache_dir / f"v{version}"
-        from app.storage import open_store
-        from app.storage.policy import download_policy
-
-        if self.store is None:
-            self.store = open_store(self.cfg.store_url)
-        # Idempotent: an intact copy already in the cache is used as it is.
-        dest = Path(download_policy(self.store, self.cfg.run_id, version, self.cache_dir / f"v{version}"))
-        # Keep this version and the one before it (the engine may still be reading it).
-        for old in self.cache_dir.glob("v*"):
-            try:
-                n = int(old.name[1:])
-            except ValueError:
-                continue
-            if n < version - 1:
-                shutil.rmtree(old, ignore_errors=True)
-        return dest.resolve()
-
     async def sync_policy(self) -> None:
-        """`_sync_policy` unless a network push holds the weights (then at the next poll)."""
-        if self.weights_lock.locked():
-            return
-        async with self.weights_lock:
-            await self._sync_policy()
-
-    async def _sync_policy(self) -> None:
-        """Bring the engine to the buffer's current policy version if it lags (see module doc).
-
-        An update whose answer did not come in time is not sent again blindly: SGLang goes on
-        loading after the client gave up and reloads on every call. The engine's own version
-        (/model_info) decides: the target version means it loaded; the old one means wait, and
-        only ``weight_update_timeout_s`` after the unanswered call is the update sent again.
-        """
-        try:
-            current = await self._buf("current_policy")
-            self.engine_version = await self.client.weight_version()
-        except EngineError as e:
-            log.warning("%s: engine unreachable for the version check: %s", self.worker_id, e)
-            self._engine_suspect = True
-            return
-        except Exception as e:  # noqa: BLE001 - Redis hiccup: try again at the next poll
-            self.stats.buffer_errors += 1
-            log.warning("%s: buffer error reading the policy version: %s", self.worker_id, e)
-            return
-        if self._unanswered_update is not None:
-            version, resend_at = self._unanswered_update
-            if self.engine_version is not None and self.engine_version >= version:
-                log.info("%s: the unanswered update took effect: engine at v%d", self.worker_id, self.engine_version)
-                self._unanswered_update = None
-                self.stats.weight_updates += 1
-            elif time.monotonic() < resend_at:
-                return  # the engine may still be loading it
-            else:
-                self._unanswered_update = None
-        if current is None:
-            return
-        version = int(current[0])
-        if self.engine_version is not None and self.engine_version >= version:
-            return
-        try:
-            path = await asyncio.to_thread(self._download, version)
-        except GroupNotReady as e:
-            log.info("%s: %s; the engine stays at v%s", self.worker_id, e, self.engine_version)
-            return
-        except Exception as e:  # noqa: BLE001 - retried at the next poll
-            self.stats.weight_update_failures += 1
-            log.warning("%s: download of policy v%d failed: %s", self.worker_id, version, e)
-            return
-        # Let this worker's requests finish so that no sequence mixes two weight versions.
-        self._may_generate.clear()
-        timeout = self.r.weight_update_timeout_s
-        unanswered = refused = False
-        try:
-            await self._idle.wait()
-            self._mark_paused(timeout + self.r.flush_timeout_s + 60.0)
-            await self.client.pause_generation(self.r.pause_mode)
-            try:
-                refused = not await self.flush_paused_engine()
-                ok, message = False, "the engine refused /flush_cache"
-                if not refused:
-                    started = time.monotonic()
-                    ok, message = await self.client.update_weights_from_disk(
-                        str(path), version, timeout_s=timeout, flush_cache=False)
-            except EngineError as e:
-                ok, message, unanswered = False, str(e), e.timed_out
-            finally:
-                await self.client.continue_generation()
-        except EngineError as e:
-            ok, message = False, str(e)
-        finally:
-            self._mark_paused(None)
-            self._may_generate.set()
-        if ok:
-            self.engine_version = version
-            self.stats.weight_updates += 1
-            if self.metrics is not None:
-                self.metrics.observe_weight_update(time.monotonic() - started)
-            log.info("%s: engine now at policy v%d", self.worker_id, version)
-            return
-        if refused:
-            self.stats.flushes_refused += 1
-            log.warning("%s: the paused engine refused /flush_cache for %.0f s (a request still runs or "
-                        "queues); v%d is loaded at the next poll", self.worker_id, self.r.flush_timeout_s, version)
-            return
-        self.stats.weight_update_failures += 1
-        if unanswered:
-            # No answer: ask the engine which version it serves before any new update.
-            self._unanswered_update = (version, time.monotonic() + timeout)
-            log.warning("%s: no answer to the update to v%d (%s); waiting for the engine to report it",
-                        self.worker_id, version, message)
-        else:
-            log.warning("%s: engine failed to load v%d (%s); keeps v%s", self.worker_id, version, message, self.engine_version)
-
-    async def flush_paused_engine(self) -> bool:
-        """Flush the paused engine's cache before its weights change, retried a second apart for
-        ``rollout.flush_timeout_s`` (Miles and slime: pause -> /flush_cache until it succeeds ->
-        update with flush_cache false). SGLang refuses a flush while a request runs or queues
-        (an in_place pause, a /health_generate probe caught mid-flight); a flush left to the
-        update itself would then fail the update after the weights changed, with the old
-        version still reported. True once flushed; False: nothing was changed.
-
-        Raises:
-            EngineError: the engine did not answer.
-        """
-        return await self.client.flush_until(self.r.flush_timeout_s)
-
-    def _mark_paused(self, for_s: float | None) -> None:
-        """Write (atomically) or remove the pause marker the engine's probes read; for a
-        multi-node engine, record the pause for its leader's fetcher to mirror."""
-        if self.group is not None:
-            try:
-                self.group.pause(None if for_s is None else time.time() + for_s)
-            except Exception as e:  # noqa: BLE001 - the probes may then fail a long load: said, not fatal
-                log.warning("%s: could not record the pause for the engine's probes: %s", self.worker_id, e)
-        if self.pause_marker is None:
-            return
-        if for_s is None:
-            self.pause_marker.unlink(missing_ok=True)
-            return
-        self.pause_marker.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.pause_marker.with_name(f".{self.pause_marker.name}.tmp")
-        tmp.write_text(f"{time.time() + for_s:.3f}\n")
-        os.replace(tmp, self.pause_marker)
+        """Bring the engine to the buffer's current policy version if it lags
+        (`EngineWeights.sync`; nothing while a network push holds the weights)."""
+        await self.weights.sync()
 
     # -- one task --------------------------------------------------------------------------
     async def _generate(self, task: Task) -> list[GenOutput]:
-        await self._may_generate.wait()
-        self._generating += 1
-        self._idle.clear()
         prompt_routing = None
-        try:
+        async with self.weights.generating():
             if self.r.routing_replay:
                 # The prompt's routing once per group: a one-token request first (its prefill is
                 # the one the group's samples reuse from the prefix cache), then the group asks
@@ -545,15 +254,15 @@ class RolloutWorker:
                 if head.finish_reason == "abort":
                     raise EngineError(f"engine aborted the prompt-routing request of task {task.task_id}")
                 prompt_routing = head.routed_experts
+            epoch = self.weights.abort_epoch
             outs = await self.client.generate(
                 task.prompt_ids, n=task.group_size, max_new_tokens=self.r.max_new_tokens,
                 temperature=self.r.temperature, top_p=self.r.top_p, return_routed_experts=self.r.routing_replay,
                 routed_experts_start_len=len(task.prompt_ids) if self.r.routing_replay else 0,
+                rid=self.weights.new_rid() if self.r.partial_rollout else None,
             )
-        finally:
-            self._generating -= 1
-            if self._generating == 0:
-                self._idle.set()
+        if self.r.partial_rollout:
+            outs = await self._resume(task.prompt_ids, outs, epoch)
         if any(o.finish_reason == "abort" for o in outs):
             raise EngineError(f"engine aborted a request of task {task.task_id}")
         if any(len(o.logprobs) != len(o.token_ids) for o in outs):
@@ -568,6 +277,81 @@ class RolloutWorker:
             for o in outs:  # the prompt's rows, then the sample's own: every token fed, P + C - 1 rows
                 o.routed_experts = np.concatenate([prompt_routing, o.routed_experts])
         return outs
+
+    async def _resume(self, prompt: list[int], outs: list[GenOutput], epoch: int) -> list[GenOutput]:
+        """Partial rollout: resume every completion this worker's weight update aborted, on the
+        new weights, until it stops or reaches ``rollout.max_new_tokens`` in all.
+
+        Each aborted completion keeps its tokens and logprobs (the engine's, under the version it
+        reported) and is sent again as prompt + those tokens with the rest of the length budget
+        (Miles/slime ``--partial-rollout``), once the update let generation in again. The result
+        holds every piece's tokens and logprobs in order, ``weight_version`` the oldest piece's,
+        and ``version_segments`` ``[(start, version), ...]`` when more than one version made it.
+        An abort this worker did not cause (``abort_epoch`` unchanged) stays an abort: the
+        caller fails the task as before.
+
+        Args:
+            prompt: the task's prompt ids.
+            outs: the group's outputs, input-major; epoch: ``abort_epoch`` when they were sent.
+        """
+        pieces = [[o] for o in outs]
+        while True:
+            todo = [j for j, ps in enumerate(pieces) if ps[-1].finish_reason == "abort"]
+            if not todo or self.weights.abort_epoch == epoch:
+                break
+            budget = {j: self.r.max_new_tokens - sum(len(p.token_ids) for p in pieces[j]) for j in todo}
+            for j in [j for j in todo if budget[j] <= 0]:  # aborted at its last token: cut at length
+                pieces[j][-1].finish_reason = "length"
+            todo = [j for j in todo if budget[j] > 0]
+            if not todo:
+                break
+            self.stats.partial_resumes += len(todo)
+            async with self.weights.generating():  # after the swap: the new weights
+                epoch = self.weights.abort_epoch
+                more = await asyncio.gather(*(self.client.generate(
+                    prompt + [t for p in pieces[j] for t in p.token_ids], n=1, max_new_tokens=budget[j],
+                    temperature=self.r.temperature, top_p=self.r.top_p, rid=self.weights.new_rid()) for j in todo))
+            for j, (o,) in zip(todo, more):
+                pieces[j].append(o)
+        return [ps[0] if len(ps) == 1 else self._joined(ps) for ps in pieces]
+
+    def _joined(self, pieces: list[GenOutput]) -> GenOutput:
+        """One completion from the pieces of a resumed one (see `_resume`)."""
+        ids = [t for p in pieces for t in p.token_ids]
+        segments: list[tuple[int, int]] = []
+        start = 0
+        for p in pieces:
+            version = p.weight_version if p.weight_version is not None else (self.engine_version or 0)
+            if p.token_ids and (not segments or segments[-1][1] != version):
+                if segments and version < segments[-1][1]:
+                    raise EngineError(f"engine went back from weight version {segments[-1][1]} to {version} "
+                                      "inside a resumed completion")
+                segments.append((start, version))
+            start += len(p.token_ids)
+        if not segments:
+            segments = [(0, pieces[-1].weight_version or 0)]
+        return GenOutput(
+            token_ids=ids, logprobs=[lp for p in pieces for lp in p.logprobs], text=self._decode(ids, pieces),
+            finish_reason=pieces[-1].finish_reason, weight_version=segments[0][1],
+            prompt_tokens=pieces[0].prompt_tokens, version_segments=segments if len(segments) > 1 else None)
+
+    def _decode(self, ids: list[int], pieces: list[GenOutput]) -> str:
+        """The text of a resumed completion: its ids decoded whole with the run's tokenizer, as the
+        engine decodes one completion (``skip_special_tokens``); the pieces' texts joined when
+        there is no tokenizer here (a character split across an abort may then differ)."""
+        if self._tokenizer is None:
+            from app.envs.tokenizer import build_tokenizer, load_tokenizer
+
+            path = self.cfg.model.path
+            try:
+                self._tokenizer = (load_tokenizer(path) if path and (Path(path) / "tokenizer.json").is_file()
+                                   else build_tokenizer() if not path else False)
+            except Exception as e:  # noqa: BLE001 - fall back to the engine's texts
+                log.warning("%s: no tokenizer for resumed completions (%s); joining the engine's texts", self.worker_id, e)
+                self._tokenizer = False
+        if self._tokenizer is False:
+            return "".join(p.text for p in pieces)
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
 
     def routed_experts(self, task: Task, out: GenOutput):
         """The engine's routed experts of one completion as `Sample.routed_experts` holds them:
@@ -658,7 +442,7 @@ class RolloutWorker:
                 attempt=task.attempt, prompt_ids=list(task.prompt_ids), completion_ids=o.token_ids,
                 logprobs=o.logprobs, reward=reward, policy_version=version,
                 finish_reason=o.finish_reason if o.finish_reason in ("stop", "length") else "error",
-                routed_experts=ids,
+                routed_experts=ids, version_segments=o.version_segments,
             ))
         failed = [problem for (o, (_, problem)) in zip(outs, rewards) if problem is not None
                   and not (o.finish_reason == "length" and self.r.overlong_reward is not None)]
@@ -732,7 +516,7 @@ class RolloutWorker:
                 failed.append(task)
             else:
                 self.stats.engine_errors += 1
-                self._engine_suspect = True
+                self.weights.suspect = True
                 log.warning("%s: task %s failed: %s", self.worker_id, task.task_id, err)
                 failed.append(task)
         return failed
@@ -747,19 +531,19 @@ class RolloutWorker:
         if self.cfg.weight_sync.mode == "network":
             from app.rollout.weight_sync import PushMember
 
-            pushes = asyncio.create_task(PushMember(self).run())
+            pushes = asyncio.create_task(PushMember(self.weights, buffer=self.buffer).run())
         try:
             await self.warm_up()  # before the first lease: the first batch must not be timeouts
             while not self._stop.is_set():
-                if self._engine_suspect:
+                if self.weights.suspect:
                     if not await self.client.health_generate(timeout_s=self.r.request_timeout_s):
                         log.warning("%s: engine %s unhealthy; not leasing", self.worker_id, self.client.url)
                         await self._sleep_or_stop(self.r.retry_backoff_s * 4)
                         continue
-                    self._engine_suspect = False
+                    self.weights.suspect = False
                     next_poll = 0.0  # a restarted engine must load the current version first
                     # It generates again, so no load holds it: its version now says what to do.
-                    self._unanswered_update = None
+                    self.weights.unanswered = None
                 if self._env_suspect:
                     if not await self.episodes.healthy():
                         log.warning("%s: environment %s unhealthy; not leasing", self.worker_id, self.episodes.url)
@@ -784,9 +568,9 @@ class RolloutWorker:
 
                 free = self.r.inflight_tasks() - len(inflight)
                 # No new leases while the weights change (a push waits for in-flight work).
-                if (free <= 0 or self._engine_suspect or self._env_suspect or self._stop.is_set()
-                        or not self._may_generate.is_set()):
-                    if not self._may_generate.is_set() and not inflight:
+                if (free <= 0 or self.weights.suspect or self._env_suspect or self._stop.is_set()
+                        or not self.weights.admitting.is_set()):
+                    if not self.weights.admitting.is_set() and not inflight:
                         await asyncio.sleep(0.05)
                     continue
                 try:
@@ -811,7 +595,7 @@ class RolloutWorker:
 
     async def _drain(self, inflight: dict[asyncio.Task, Task]) -> None:
         """Finish in-flight groups within drain_grace_s, publish them, release the rest."""
-        self._may_generate.set()  # a weight swap interrupted by the signal must not block the drain
+        self.weights.admitting.set()  # a weight swap interrupted by the signal must not block the drain
         deadline = time.monotonic() + self.r.drain_grace_s
         to_release: list[Task] = []
         while inflight and time.monotonic() < deadline:

@@ -65,7 +65,8 @@ class Completion:
     Attributes:
         token_ids: generated token ids (the stop token included when finish_reason is "stop").
         logprobs: one float per generated token, see the module docstring.
-        finish_reason: "stop" (a stop/EOS token) or "length" (max_new_tokens reached).
+        finish_reason: "stop" (a stop/EOS token), "length" (max_new_tokens reached) or "abort"
+            (ended by /abort_request or a pause in mode abort: the tokens so far).
         matched_stop: the stop token id when finish_reason is "stop", else None.
     """
 
@@ -73,6 +74,9 @@ class Completion:
     logprobs: list[float]
     finish_reason: str
     matched_stop: int | None = None
+    # finish_reason "abort": SGLang's finish_reason object of the abort (app/engine/scheduler.py
+    # ABORT_RUNNING / ABORT_WAITING), else None.
+    abort: dict | None = None
     # With a RoutingCapture: the expert ids of every token fed through the model, ``[P + C - 1,
     # layers, top_k]`` int32 once finished (parts of it while the row is live).
     routed_experts: torch.Tensor | list[torch.Tensor] | None = None
