@@ -94,6 +94,7 @@ class WorkerStats:
     pushes_received: int = 0  # versions that came over the network (app/rollout/weight_sync.py)
     pushes_failed: int = 0
     buffer_errors: int = 0
+    requests_resent: int = 0  # behind the router: answers aborted by another worker's weight update, sent again
 
 
 def score_fn_for(cfg: RunConfig) -> ScoreFn:
@@ -248,17 +249,23 @@ class RolloutWorker:
             worker asks for the update once all hold it, and records its pauses there (the
             leader's fetcher keeps the probes' marker); None: the engine shares this worker's
             disk and marker (one node, or the embedded loop).
+        gen_client: where /generate goes: the router (``rollout.router``, app/rollout/router.py),
+            which may send it to any engine; None: ``client``, the worker's own engine. Every
+            control call (version, pause, flush, updates, health) goes to ``client`` either way.
     """
 
     def __init__(
         self, cfg: RunConfig, buffer: Any, client: EngineClient, worker_id: str, *,
         score_fn: ScoreFn | None = None, store: Any = None, max_groups: int | None = None,
         pause_marker: str | os.PathLike | None = None, metrics: Any = None, group: Any = None,
+        gen_client: EngineClient | None = None,
     ):
         self.cfg = cfg
         self.r = cfg.rollout
         self.buffer = buffer
         self.client = client
+        self.gen_client = gen_client or client
+        self.routed = gen_client is not None and gen_client is not client
         self.worker_id = worker_id
         self.score_fn = score_fn or score_fn_for(cfg)
         self.store = store
@@ -311,8 +318,8 @@ class RolloutWorker:
         self._generating += 1
         self._idle.clear()
         try:
-            return (await self.client.generate(ids, n=1, max_new_tokens=self.r.max_new_tokens,
-                                               temperature=self.r.temperature, top_p=self.r.top_p))[0]
+            return (await self._gen(ids, n=1, max_new_tokens=self.r.max_new_tokens,
+                                    temperature=self.r.temperature, top_p=self.r.top_p))[0]
         finally:
             self._generating -= 1
             if self._generating == 0:
@@ -529,6 +536,30 @@ class RolloutWorker:
         os.replace(tmp, self.pause_marker)
 
     # -- one task --------------------------------------------------------------------------
+    async def _gen(self, prompt, **kwargs) -> list[GenOutput]:
+        """One /generate on `gen_client`. Behind the router, an answer with an aborted sequence
+        is sent again, up to ``rollout.engine_retries`` times: the engine it landed on was paused
+        (mode abort) for its own worker's weight update. An answer without an integer
+        ``meta_info.weight_version`` is refused there: the worker's own engine's version says
+        nothing about the engine that served it.
+
+        Raises:
+            EngineError: as `EngineClient.generate`; EngineMisconfigured: no version in the answer.
+        """
+        outs = await self.gen_client.generate(prompt, **kwargs)
+        if not self.routed:
+            return outs
+        for _ in range(self.r.engine_retries):
+            if not any(o.finish_reason == "abort" for o in outs):
+                break
+            self.stats.requests_resent += 1
+            outs = await self.gen_client.generate(prompt, **kwargs)
+        if any(o.weight_version is None for o in outs):
+            raise EngineMisconfigured(
+                f"the router {self.gen_client.url} answered without an integer meta_info.weight_version: with "
+                "rollout.router every engine must report its version (start it with --weight-version N)")
+        return outs
+
     async def _generate(self, task: Task) -> list[GenOutput]:
         await self._may_generate.wait()
         self._generating += 1
@@ -539,13 +570,13 @@ class RolloutWorker:
                 # The prompt's routing once per group: a one-token request first (its prefill is
                 # the one the group's samples reuse from the prefix cache), then the group asks
                 # only for its own tokens (routed_experts_start_len = P), instead of G copies.
-                (head,) = await self.client.generate(
+                (head,) = await self._gen(
                     task.prompt_ids, n=1, max_new_tokens=1, temperature=self.r.temperature, top_p=self.r.top_p,
                     return_routed_experts=True)
                 if head.finish_reason == "abort":
                     raise EngineError(f"engine aborted the prompt-routing request of task {task.task_id}")
                 prompt_routing = head.routed_experts
-            outs = await self.client.generate(
+            outs = await self._gen(
                 task.prompt_ids, n=task.group_size, max_new_tokens=self.r.max_new_tokens,
                 temperature=self.r.temperature, top_p=self.r.top_p, return_routed_experts=self.r.routing_replay,
                 routed_experts_start_len=len(task.prompt_ids) if self.r.routing_replay else 0,
@@ -560,8 +591,12 @@ class RolloutWorker:
             raise EngineError(f"engine returned fewer logprobs than tokens for task {task.task_id}")
         if self.r.routing_replay and (prompt_routing is None or any(o.routed_experts is None for o in outs)):
             raise EngineMisconfigured(
-                f"rollout.routing_replay is set but {self.client.url} returned no meta_info.routed_experts: "
+                f"rollout.routing_replay is set but {self.gen_client.url} returned no meta_info.routed_experts: "
                 "start SGLang (or `moerl engine`) with --enable-return-routed-experts")
+        if prompt_routing is not None and any(o.weight_version != head.weight_version for o in outs):
+            # behind the router the two requests may land on engines at different versions
+            raise EngineError(f"task {task.task_id}: the prompt's routing came from v{head.weight_version}, the "
+                              f"group from v{outs[0].weight_version}; the task is leased again")
         if prompt_routing is not None:
             import numpy as np
 
@@ -752,8 +787,10 @@ class RolloutWorker:
             await self.warm_up()  # before the first lease: the first batch must not be timeouts
             while not self._stop.is_set():
                 if self._engine_suspect:
-                    if not await self.client.health_generate(timeout_s=self.r.request_timeout_s):
-                        log.warning("%s: engine %s unhealthy; not leasing", self.worker_id, self.client.url)
+                    sick = next((c for c in {self.client: 0, self.gen_client: 0}  # the router too, when routed
+                                 if not await c.health_generate(timeout_s=self.r.request_timeout_s)), None)
+                    if sick is not None:
+                        log.warning("%s: engine %s unhealthy; not leasing", self.worker_id, sick.url)
                         await self._sleep_or_stop(self.r.retry_backoff_s * 4)
                         continue
                     self._engine_suspect = False
@@ -835,7 +872,7 @@ class RolloutWorker:
 async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_groups: int | None = None,
                      pause_marker: str | None = None, metrics_port: int = 0, metrics_addr: str = "0.0.0.0",
                      metrics_every_s: float = 5.0, engine_group: str | None = None,
-                     group_size: int | None = None) -> WorkerStats:
+                     group_size: int | None = None, router_url: str | None = None) -> WorkerStats:
     """Connect to the buffer and the engine, run a `RolloutWorker` until SIGTERM/SIGINT, drain.
 
     metrics_port: serve the worker's counters (WorkerStats, refreshed every `metrics_every_s`
@@ -843,6 +880,8 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
         ``http://<metrics_addr>:<port>/metrics`` (app.metrics); 0: no endpoint.
     engine_group, group_size: the leader address and pod count of a multi-node engine whose
         pods fetch the versions themselves (app/rollout/group.py); None: one-node engine.
+    router_url: send /generate there (SGLang's router, app/rollout/router.py); control calls
+        still go to ``engine_url``. None: everything to ``engine_url``.
 
     Raises:
         ValueError: ``rollout.reward_fn`` cannot be imported, or ``store_url`` is invalid.
@@ -864,6 +903,12 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
         # an engine on the pod network (several nodes) asks for SGLang's keys (charts8s/rollout.py)
         api_key=os.environ.get(API_KEY_ENV) or None, admin_api_key=os.environ.get(ADMIN_API_KEY_ENV) or None,
     )
+    gen_client = None
+    if router_url:
+        # The router takes no admin key; it sends the engines' API key itself (its --api-key).
+        gen_client = EngineClient(
+            router_url, timeout_s=cfg.rollout.request_timeout_s, retries=cfg.rollout.engine_retries,
+            backoff_s=cfg.rollout.retry_backoff_s, max_connections=cfg.rollout.inflight_tasks() + 8)
     metrics = server = reporter = None
     if metrics_port:
         from app.metrics import RunMetrics, serve
@@ -876,7 +921,7 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
 
         group = EngineGroup.of(buffer, engine_group, group_size or 1)
     worker = RolloutWorker(cfg, buffer, client, worker_id, score_fn=score_fn, store=store, max_groups=max_groups,
-                           pause_marker=pause_marker, metrics=metrics, group=group)
+                           pause_marker=pause_marker, metrics=metrics, group=group, gen_client=gen_client)
     if metrics is not None:
         async def report() -> None:
             while True:
@@ -905,6 +950,8 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
             metrics.observe_worker_stats(asdict(worker.stats))
             server.shutdown()
         await client.aclose()
+        if gen_client is not None:
+            await gen_client.aclose()
         close = getattr(buffer, "close", None)
         if callable(close):
             close()
@@ -928,6 +975,9 @@ def rollout(
                                      "pods fetch each version (python -m app.rollout.group) and this worker "
                                      "waits for all of them before an update."),
     group_size: int = typer.Option(None, "--group-size", min=1, help="Pods in that engine's group."),
+    router_url: str = typer.Option(None, "--router-url", help="With rollout.router: the router's URL "
+                                   "(default: rollout.router_url); /generate goes there, control calls to "
+                                   "--engine-url."),
     env_url: str = typer.Option(None, "--env-url", help="Environment server (default: env.url; moerl run "
                                 "passes the `moerl env` it started)."),
 ) -> None:
@@ -944,7 +994,15 @@ def rollout(
     url = engine_url or cfg.rollout.engine_url
     if engine_group and not group_size:
         raise typer.BadParameter("--engine-group needs --group-size", param_hint="--group-size")
+    router = None
+    if cfg.rollout.router:
+        router = router_url or cfg.rollout.router_url
+        if not router:
+            raise typer.BadParameter("rollout.router is on: give the router's URL (rollout.router_url or "
+                                     "--router-url)", param_hint="--router-url")
+    elif router_url:
+        raise typer.BadParameter("--router-url needs rollout.router: true in the run config", param_hint="--router-url")
     stats = asyncio.run(run_worker(cfg, url, worker_id, max_groups=max_groups, pause_marker=pause_marker,
                                    metrics_port=metrics_port, metrics_addr=metrics_addr, engine_group=engine_group,
-                                   group_size=group_size))
+                                   group_size=group_size, router_url=router))
     print(json.dumps({"worker_id": worker_id, **asdict(stats)}), flush=True)

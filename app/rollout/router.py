@@ -1,0 +1,69 @@
+"""The router in front of the rollout engines: SGLang's router (PyPI ``sglang-router``, the Rust
+"SGLang Model Gateway"), one command for `moerl run` and the cluster.
+
+Why: a worker pinned to one engine leaves that engine idle whenever its own requests wait on an
+environment or a reward, while another engine queues. With ``rollout.router`` on, every worker
+sends its ``/generate`` calls to the router, which spreads them over all engines (policy
+``rollout.router_policy``; ``cache_aware`` by default: a request goes to the engine whose prefix
+cache holds most of its prompt unless the loads differ by more than the balance thresholds, then
+to the least loaded; ``sglang_router/router_args.py``). `moerl bench rollout --router-url`
+measures what that changes.
+
+What does NOT go through the router: a worker still owns one engine (``--engine-url``) and sends
+it, directly, every control call: ``/model_info`` (the version that engine serves), pause,
+``/flush_cache``, weight updates (disk or network), continue, ``/health_generate``. Every engine
+gets every update from its own worker, and the version is per engine.
+
+The version contract with the router: a request can land on any engine, so a sample's
+``policy_version`` is the ``meta_info.weight_version`` of the answer (SGLang writes the serving
+engine's version into every answer, ``managers/tokenizer_manager.py``; the built-in engine does
+the same), never the worker's own engine's version. An engine paused for its update also holds
+requests other workers routed to it; ``retract`` or ``in_place`` would resume them on the new
+weights and mix two versions in one sequence, so with the router the pause mode must be
+``abort`` (`app.config.RolloutConfig` refuses anything else), and a worker sends an aborted
+request again (the router then picks an engine; the paused one runs it only after its update,
+entirely on the new version).
+"""
+
+from __future__ import annotations
+
+import sys
+
+# The router's Python package and version, the same as images/versions.toml's SGLANG_ROUTER_VERSION
+# (the rollout image; tests/test_engine_router.py checks they agree) and pyproject's `router` extra.
+ROUTER_PACKAGE = "sglang-router"
+ROUTER_POLICIES = ("cache_aware", "power_of_two", "round_robin", "random")
+
+
+def router_command(worker_urls: list[str], *, port: int, host: str = "127.0.0.1", policy: str = "cache_aware",
+                   prometheus_port: int = 29000, api_key: str | None = None, python: str = "python3",
+                   request_timeout_s: float = 1800.0, log_level: str = "warn") -> list[str]:
+    """``python -m sglang_router.launch_router`` in front of ``worker_urls`` (the engines' base URLs).
+
+    Args:
+        port, host: where the router serves (SGLang's native API: /generate, /health, ...).
+        policy: one of `ROUTER_POLICIES` (the router's ``--policy``).
+        prometheus_port: the router's metrics port (it always serves one; pick a free one here).
+        api_key: the engines' ``--api-key``, which the router sends to them (``--api-key``: "used for
+            the authorization with the worker"); a ``$(VAR)`` for the kubelet to expand, or None.
+        request_timeout_s: the router's per-request timeout (a group of long sequences takes minutes).
+
+    Raises:
+        ValueError: no engine URL, or an unknown policy.
+    """
+    if not worker_urls:
+        raise ValueError("the router needs at least one engine URL")
+    if policy not in ROUTER_POLICIES:
+        raise ValueError(f"rollout.router_policy must be one of {list(ROUTER_POLICIES)}, got {policy!r}")
+    cmd = [python, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+           "--worker-urls", *worker_urls, "--policy", policy, "--prometheus-port", str(prometheus_port),
+           "--request-timeout-secs", str(int(request_timeout_s)), "--log-level", log_level]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    return cmd
+
+
+def local_router_command(worker_urls: list[str], port: int, prometheus_port: int, policy: str) -> list[str]:
+    """`router_command` for `moerl run`: this interpreter (the ``router`` extra installed), loopback."""
+    return router_command(worker_urls, port=port, host="127.0.0.1", policy=policy,
+                          prometheus_port=prometheus_port, python=sys.executable)
