@@ -211,8 +211,8 @@ class EmbeddedLoop:
         from app.rollout.router import local_router_command
 
         self.router_port = self.router_port or free_port()
-        argv = local_router_command([self.engine_url(i) for i in range(self.workers)], self.router_port,
-                                    free_port(), self.cfg.rollout.router_policy)
+        argv = local_router_command(self.cfg.rollout, [self.engine_url(i) for i in range(self.workers)],
+                                    self.router_port, free_port())
         proc = self.sup.start("router", argv, ONE_THREAD_ENV)
         deadline, last = time.monotonic() + timeout_s, "no answer"
         while time.monotonic() < deadline:

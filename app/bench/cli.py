@@ -188,6 +188,11 @@ def rollout(
     wait_s: float = typer.Option(120.0, help="How long to wait for the engines to become healthy, seconds."),
     label: str = typer.Option("", help="Name printed with the figures (e.g. the engine profile)."),
     out_dir: str = typer.Option("runs/bench", help="Where the JSON result goes."),
+    router_url: str = typer.Option("", help="The router in front of the --url engines: compare pinned lanes "
+                                   "with the same lanes through it (p50/p99, samples/s, engine idle)."),
+    env_wait_s: list[float] = typer.Option([0.0], help="With --router-url: mean environment wait before each "
+                                           "request, s; repeat once per --url for workers whose waits differ."),
+    seed: int = typer.Option(0, help="With --router-url: seed of the environment waits."),
 ) -> None:
     """N SGLang-compatible engines driven with a run's prompts: aggregate tokens/s, per GPU, latency."""
     from app.bench.rollout import RolloutBench, run
@@ -195,7 +200,8 @@ def rollout(
     try:
         run(RolloutBench(urls=tuple(url), seconds=seconds, config=config, concurrency=concurrency,
                          gpus_per_engine=gpus_per_engine, max_new_tokens=max_new_tokens,
-                         baseline_seconds=baseline_seconds, wait_s=wait_s, label=label), out_dir=out_dir)
+                         baseline_seconds=baseline_seconds, wait_s=wait_s, label=label, router_url=router_url,
+                         env_wait_s=tuple(env_wait_s), seed=seed), out_dir=out_dir)
     except (ValueError, TimeoutError) as e:
         typer.echo(f"moerl bench rollout: error: {e}", err=True)
         raise SystemExit(2) from None

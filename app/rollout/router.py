@@ -35,35 +35,60 @@ ROUTER_PACKAGE = "sglang-router"
 ROUTER_POLICIES = ("cache_aware", "power_of_two", "round_robin", "random")
 
 
-def router_command(worker_urls: list[str], *, port: int, host: str = "127.0.0.1", policy: str = "cache_aware",
-                   prometheus_port: int = 29000, api_key: str | None = None, python: str = "python3",
-                   request_timeout_s: float = 1800.0, log_level: str = "warn") -> list[str]:
-    """``python -m sglang_router.launch_router`` in front of ``worker_urls`` (the engines' base URLs).
+def router_command(worker_urls: list[str] | None = None, *, port: int, host: str = "127.0.0.1",
+                   policy: str = "cache_aware", prometheus_port: int = 29000, api_key: str | None = None,
+                   python: str = "python3", request_timeout_s: float = 1800.0, log_level: str = "warn",
+                   balance_abs_threshold: int | None = None,
+                   discovery: tuple[dict[str, str], int, str] | None = None) -> list[str]:
+    """``python -m sglang_router.launch_router`` in front of the engines.
 
     Args:
+        worker_urls: the engines' base URLs (``--worker-urls``), or None with ``discovery``.
         port, host: where the router serves (SGLang's native API: /generate, /health, ...).
         policy: one of `ROUTER_POLICIES` (the router's ``--policy``).
         prometheus_port: the router's metrics port (it always serves one; pick a free one here).
         api_key: the engines' ``--api-key``, which the router sends to them (``--api-key``: "used for
             the authorization with the worker"); a ``$(VAR)`` for the kubelet to expand, or None.
         request_timeout_s: the router's per-request timeout (a group of long sequences takes minutes).
+        balance_abs_threshold: cache_aware routes by prefix match until the engines' loads (requests
+            in flight through the router) differ by more than this and by the relative threshold
+            (1.5x); the router's default, 64, is more than a rollout fleet keeps in flight, so
+            callers pass one worker's in-flight groups (`rollout_router_command`).
+        discovery: (label selector, engine port, namespace): the router watches the namespace's pods
+            with those labels (``--service-discovery``; needs pods get/list/watch) instead of URLs.
 
     Raises:
-        ValueError: no engine URL, or an unknown policy.
+        ValueError: neither or both of worker_urls and discovery, or an unknown policy.
     """
-    if not worker_urls:
-        raise ValueError("the router needs at least one engine URL")
+    if bool(worker_urls) == (discovery is not None):
+        raise ValueError("the router needs engine URLs or service discovery (one of them)")
     if policy not in ROUTER_POLICIES:
         raise ValueError(f"rollout.router_policy must be one of {list(ROUTER_POLICIES)}, got {policy!r}")
-    cmd = [python, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
-           "--worker-urls", *worker_urls, "--policy", policy, "--prometheus-port", str(prometheus_port),
-           "--request-timeout-secs", str(int(request_timeout_s)), "--log-level", log_level]
+    cmd = [python, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port), "--policy", policy,
+           "--prometheus-port", str(prometheus_port), "--request-timeout-secs", str(int(request_timeout_s)),
+           "--log-level", log_level]
+    if worker_urls:
+        cmd += ["--worker-urls", *worker_urls]
+    else:
+        selector, engine_port, namespace = discovery
+        cmd += ["--service-discovery", "--selector", *(f"{k}={v}" for k, v in selector.items()),
+                "--service-discovery-port", str(engine_port), "--service-discovery-namespace", namespace]
+    if balance_abs_threshold is not None:
+        cmd += ["--balance-abs-threshold", str(balance_abs_threshold)]
     if api_key:
         cmd += ["--api-key", api_key]
     return cmd
 
 
-def local_router_command(worker_urls: list[str], port: int, prometheus_port: int, policy: str) -> list[str]:
-    """`router_command` for `moerl run`: this interpreter (the ``router`` extra installed), loopback."""
-    return router_command(worker_urls, port=port, host="127.0.0.1", policy=policy,
-                          prometheus_port=prometheus_port, python=sys.executable)
+def rollout_router_command(rollout, worker_urls: list[str] | None = None, **kwargs) -> list[str]:
+    """`router_command` as a run's ``rollout`` section (`app.config.RolloutConfig`) sets it: its
+    policy, its request timeout, and load balancing once engines differ by one worker's in-flight
+    groups (``rollout.inflight_tasks()``), the imbalance that pinning workers to engines causes."""
+    return router_command(worker_urls, policy=rollout.router_policy, request_timeout_s=rollout.request_timeout_s,
+                          balance_abs_threshold=rollout.inflight_tasks(), **kwargs)
+
+
+def local_router_command(rollout, worker_urls: list[str], port: int, prometheus_port: int) -> list[str]:
+    """`rollout_router_command` for `moerl run`: this interpreter (the ``router`` extra), loopback."""
+    return rollout_router_command(rollout, worker_urls, port=port, host="127.0.0.1", prometheus_port=prometheus_port,
+                                  python=sys.executable)
