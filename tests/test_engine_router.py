@@ -156,3 +156,66 @@ def test_a_request_aborted_by_another_workers_update_is_sent_again(tmp_path, red
     groups, queued = drain_buffer(buf)
     assert len(groups) == 2 and not queued
     assert all(s.finish_reason in ("stop", "length") for gs in groups.values() for s in gs[0].samples)
+
+
+@pytest.mark.slow
+def test_bench_rollout_compares_pinned_lanes_with_the_router(tmp_path, fleet):
+    """`moerl bench rollout --router-url`: both layouts in one run, the same lanes and waits; the
+    figures the command promises (p50/p99, samples/s, per-engine idle) and both engines served."""
+    from typer.testing import CliRunner
+
+    from app.bench.cli import cli
+    from test_bench import only_result, positive
+    from test_bench_rollout import run_config
+
+    loop, _, _ = fleet
+    urls = [loop.engine_url(0), loop.engine_url(1)]
+    before = served(loop)
+    r = CliRunner().invoke(cli, ["rollout", "--url", urls[0], "--url", urls[1], "--router-url", loop.router_url(),
+                                 "--seconds", "1.5", "--concurrency", "2", "--env-wait-s", "0.05", "--env-wait-s", "0",
+                                 "--repeats", "2", "--config", run_config(tmp_path), "--out-dir", str(tmp_path / "out")],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "ratio router p99 / pinned p99" in r.output
+    doc = only_result(tmp_path / "out", "rollout")
+    pinned, routed = doc["figures"]
+    assert pinned["name"].startswith("pinned") and routed["name"] == "router"
+    for f in (pinned, routed):
+        assert f["errors"] == 0 and f["sequences"] == 4 * f["requests"] and positive(f["samples_per_s"])
+        assert 0 < f["latency_p50_s"] <= f["latency_p99_s"]
+        assert len(f["engine_idle_fractions"]) == 2 and all(0 <= x <= 1 for x in f["engine_idle_fractions"])
+        assert len(f["per_repeat_samples_per_s"]) == 2
+    assert positive(doc["ratios"]["router samples/s / pinned samples/s"])
+    assert doc["shape"]["env_wait_s"] == [0.05, 0.0] and doc["shape"]["router_url"] == loop.router_url()
+    after = served(loop)
+    assert sum(after) - sum(before) >= pinned["sequences"] + routed["sequences"]
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--router-url", "ftp://r"], "--router-url"),
+    (["--router-url", "http://127.0.0.1:1", "--env-wait-s", "1", "--env-wait-s", "1", "--env-wait-s", "1"], "--env-wait-s"),
+    (["--router-url", "http://127.0.0.1:1", "--env-wait-s", "-1"], "--env-wait-s"),
+    (["--router-url", "http://127.0.0.1:1", "--repeats", "0"], "--repeats"),
+])
+def test_bad_layout_flags_give_one_error(tmp_path, args, flag):
+    from typer.testing import CliRunner
+
+    from app.bench.cli import cli
+    from test_bench_rollout import run_config
+
+    r = CliRunner().invoke(cli, ["rollout", "--url", "http://127.0.0.1:1", "--url", "http://127.0.0.1:2", *args,
+                                 "--config", run_config(tmp_path), "--out-dir", str(tmp_path / "out")])
+    assert r.exit_code == 2 and flag in r.output, r.output
+
+
+def test_moerl_run_refuses_the_router_without_its_package(monkeypatch):
+    import importlib.util
+
+    from app.run import check_inputs
+
+    cfg = RunConfig()
+    cfg.rollout.router, cfg.rollout.pause_mode = True, "abort"
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang_router" else real(name, *a))
+    with pytest.raises(ValueError, match="rollout.router is on but sglang-router is not installed"):
+        check_inputs(cfg)

@@ -64,7 +64,7 @@ def test_router_flags_parse_with_sglang_routers_own_code(which, engines, request
     want = [e.format(i=i).replace(".moerl:", f".{ns}:") for e in engines for i in range(2)]
     assert args.worker_urls == want
     assert args.policy == "cache_aware" and args.port == r.plan.wl.rollout.router_port and args.host == "0.0.0.0"
-    assert args.balance_abs_threshold == r.plan.run.rollout.inflight_tasks()
+    assert args.balance_abs_threshold == max(1, r.plan.run.rollout.inflight_tasks() // 4)
     assert args.api_key == "$(SGLANG_API_KEY)" and not args.service_discovery
     (env,) = c["env"]
     assert env["valueFrom"]["secretKeyRef"] == {"name": r.plan.wl.rollout.api_key_secret, "key": "api-key"}

@@ -193,6 +193,7 @@ def rollout(
     env_wait_s: list[float] = typer.Option([0.0], help="With --router-url: mean environment wait before each "
                                            "request, s; repeat once per --url for workers whose waits differ."),
     seed: int = typer.Option(0, help="With --router-url: seed of the environment waits."),
+    repeats: int = typer.Option(1, help="With --router-url: pinned/router pairs, alternated."),
 ) -> None:
     """N SGLang-compatible engines driven with a run's prompts: aggregate tokens/s, per GPU, latency."""
     from app.bench.rollout import RolloutBench, run
@@ -201,7 +202,7 @@ def rollout(
         run(RolloutBench(urls=tuple(url), seconds=seconds, config=config, concurrency=concurrency,
                          gpus_per_engine=gpus_per_engine, max_new_tokens=max_new_tokens,
                          baseline_seconds=baseline_seconds, wait_s=wait_s, label=label, router_url=router_url,
-                         env_wait_s=tuple(env_wait_s), seed=seed), out_dir=out_dir)
+                         env_wait_s=tuple(env_wait_s), seed=seed, repeats=repeats), out_dir=out_dir)
     except (ValueError, TimeoutError) as e:
         typer.echo(f"moerl bench rollout: error: {e}", err=True)
         raise SystemExit(2) from None

@@ -18,7 +18,8 @@ the two layouts instead, in one run: ``--concurrency`` lanes per engine, each a 
 episode that waits on its environment (an exponential wait of mean ``--env-wait-s``, seeded; one
 value for every worker, or one per ``--url``: workers whose environments differ) and then sends
 one group; first every lane pinned to its engine (today's one worker per engine), then
-every lane through the router, ``--seconds`` each. Figures per layout: request latency p50/p99,
+every lane through the router, ``--seconds`` each, alternated ``--repeats`` times (a shared
+machine's load then falls on both alike; the figures pool the repeats). Figures per layout: request latency p50/p99,
 samples (sequences) per second, and each engine's idle fraction (its ``/server_info`` polled
 every 20 ms: no sequence running or waiting; the built-in engine's fields, nan on SGLang).
 
@@ -61,6 +62,7 @@ class RolloutBench:
     router_url: str = ""  # "" = no layout comparison
     env_wait_s: tuple[float, ...] = (0.0,)  # mean environment wait before each request: one, or one per url (s)
     seed: int = 0
+    repeats: int = 1  # pinned/router pairs of the layout comparison
 
     def check(self) -> None:
         """Raise ValueError naming the first bad flag."""
@@ -79,6 +81,8 @@ class RolloutBench:
         if len(self.env_wait_s) not in (1, len(self.urls)) or any(not w >= 0 for w in self.env_wait_s):
             raise ValueError(f"--env-wait-s: one value >= 0, or one per --url ({len(self.urls)}), got "
                              f"{list(self.env_wait_s)}")
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be at least 1, got {self.repeats}")
         if self.gpus_per_engine < 1:
             raise ValueError(f"--gpus-per-engine must be at least 1, got {self.gpus_per_engine}")
 
@@ -191,6 +195,16 @@ async def drive_layout(lane_clients, engines, prompts: list[str], seconds: float
     return {"latencies": lat, "wall_s": wall, "idle": await poller, **counts}
 
 
+def pool(runs: list[dict]) -> dict:
+    """`drive_layout` results of several repeats as one: latencies and counts summed, idle
+    fractions averaged per engine (weighted by each repeat's wall time)."""
+    wall = sum(m["wall_s"] for m in runs)
+    idle = [sum(m["idle"][i] * m["wall_s"] for m in runs) / wall for i in range(len(runs[0]["idle"]))]
+    return {"latencies": [x for m in runs for x in m["latencies"]], "wall_s": wall, "idle": idle,
+            "sequences": sum(m["sequences"] for m in runs), "errors": sum(m["errors"] for m in runs),
+            "per_repeat_samples_per_s": [m["sequences"] / m["wall_s"] for m in runs]}
+
+
 async def _compare_async(bench: RolloutBench, cfg, prompts: list[str], concurrency: int) -> tuple[dict, dict, dict]:
     from app.rollout.engine_client import API_KEY_ENV, EngineClient
 
@@ -213,9 +227,12 @@ async def _compare_async(bench: RolloutBench, cfg, prompts: list[str], concurren
         means = list(bench.env_wait_s) * (len(engines) if len(bench.env_wait_s) == 1 else 1)
         waits = [means[j // concurrency] for j in range(lanes)]
         pinned = [engines[j // concurrency] for j in range(lanes)]
-        a = await drive_layout(pinned, engines, prompts, bench.seconds, waits, bench.seed, gen_kwargs)
-        b = await drive_layout([router] * lanes, engines, prompts, bench.seconds, waits, bench.seed, gen_kwargs)
-        return a, b, gen_kwargs
+        runs: tuple[list, list] = ([], [])
+        for k in range(bench.repeats):
+            runs[0].append(await drive_layout(pinned, engines, prompts, bench.seconds, waits, bench.seed + k, gen_kwargs))
+            runs[1].append(await drive_layout([router] * lanes, engines, prompts, bench.seconds, waits, bench.seed + k,
+                                              gen_kwargs))
+        return pool(runs[0]), pool(runs[1]), gen_kwargs
     finally:
         for c in [*engines, router]:
             await c.aclose()
@@ -230,7 +247,8 @@ def compare(bench: RolloutBench, cfg, prompts: list[str], concurrency: int, out_
         figures.append({"name": name, "requests": len(m["latencies"]), "sequences": m["sequences"],
                         "errors": m["errors"], "wall_s": m["wall_s"], "samples_per_s": m["sequences"] / m["wall_s"],
                         "engine_idle_fraction": sum(idle) / len(idle) if idle else math.nan,
-                        "engine_idle_fractions": m["idle"], **latencies(m["latencies"])})
+                        "engine_idle_fractions": m["idle"], "per_repeat_samples_per_s": m["per_repeat_samples_per_s"],
+                        **latencies(m["latencies"])})
     a, b = figures
     ratios = {"router samples/s / pinned samples/s": b["samples_per_s"] / a["samples_per_s"] if a["samples_per_s"]
               else math.nan,
@@ -244,7 +262,7 @@ def compare(bench: RolloutBench, cfg, prompts: list[str], concurrency: int, out_
     title = f" [{bench.label}]" if bench.label else ""
     print(f"rollout layouts{title}: {len(bench.urls)} engines x {concurrency} lanes, env wait mean "
           f"{'/'.join(f'{w:g}' for w in bench.env_wait_s)} s (n={gen_kwargs['n']}, max_new_tokens={gen_kwargs['max_new_tokens']}), "
-          f"{bench.seconds:g} s each")
+          f"{bench.seconds:g} s each, {bench.repeats} repeat(s)")
     print(f"{'layout':<34}{'samples/s':>11}{'requests':>10}{'errors':>8}{'p50 s':>8}{'p99 s':>8}{'idle':>7}")
     for f in figures:
         print(f"{f['name']:<34}{f['samples_per_s']:>11.1f}{f['requests']:>10}{f['errors']:>8}"

@@ -82,10 +82,16 @@ def router_command(worker_urls: list[str] | None = None, *, port: int, host: str
 
 def rollout_router_command(rollout, worker_urls: list[str] | None = None, **kwargs) -> list[str]:
     """`router_command` as a run's ``rollout`` section (`app.config.RolloutConfig`) sets it: its
-    policy, its request timeout, and load balancing once engines differ by one worker's in-flight
-    groups (``rollout.inflight_tasks()``), the imbalance that pinning workers to engines causes."""
+    policy, its request timeout, and load balancing once engines differ by more than a quarter of
+    one worker's in-flight groups (``rollout.inflight_tasks()``): pinning lets them differ by up to
+    a whole worker's (one worker waiting on its environment, the other busy)."""
     return router_command(worker_urls, policy=rollout.router_policy, request_timeout_s=rollout.request_timeout_s,
-                          balance_abs_threshold=rollout.inflight_tasks(), **kwargs)
+                          balance_abs_threshold=balance_threshold(rollout), **kwargs)
+
+
+def balance_threshold(rollout) -> int:
+    """The router's ``--balance-abs-threshold`` for a run: a quarter of one worker's in-flight groups."""
+    return max(1, rollout.inflight_tasks() // 4)
 
 
 def local_router_command(rollout, worker_urls: list[str], port: int, prometheus_port: int) -> list[str]:

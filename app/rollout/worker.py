@@ -39,6 +39,11 @@ experience buffer (`app.buffer.ExperienceBuffer`). One asyncio loop:
    An engine that restarted (its version went back) is brought to the current version the same
    way before the worker leases again.
 
+With ``rollout.router`` (app/rollout/router.py), /generate goes to the router (``--router-url``)
+and may land on any engine; every control call above still goes to the worker's own engine
+(``--engine-url``). The sample's version is then always the answer's ``meta_info.weight_version``,
+and an answer aborted by another worker's update (pause mode abort) is sent again.
+
 SIGTERM (Spot notice) / SIGINT: stop leasing, let in-flight groups finish within
 ``rollout.drain_grace_s``, publish what finished, release unfinished tasks to the queue, exit 0.
 """
