@@ -205,7 +205,8 @@ class RolloutConfig(Section):
         "waits for its own requests first, so none is cut either way).")
     router: bool = Field(False, description="Send /generate through SGLang's router (app/rollout/router.py) "
                          "to any engine instead of the worker's own; control calls still go to the own engine. "
-                         "Needs pause_mode abort.")
+                         "Needs pause_mode abort. Off by default: on the 2-core VM it did not reliably pay "
+                         "(BENCHMARKS.md); engines that own a GPU each are where it should.")
     router_url: str = Field("", description="The router's base URL (the cluster's router Service; `moerl run` "
                             "starts one and passes it); used when router is on.")
     router_policy: Literal[ROUTER_POLICIES] = Field(

@@ -5,7 +5,6 @@ command parsed by sglang-router's own argument code, the engines it names, and t
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import yaml
