@@ -792,8 +792,11 @@ class RolloutWorker:
             await self.warm_up()  # before the first lease: the first batch must not be timeouts
             while not self._stop.is_set():
                 if self._engine_suspect:
-                    sick = next((c for c in {self.client: 0, self.gen_client: 0}  # the router too, when routed
-                                 if not await c.health_generate(timeout_s=self.r.request_timeout_s)), None)
+                    sick = None
+                    for c in dict.fromkeys((self.client, self.gen_client)):  # the router too, when routed
+                        if not await c.health_generate(timeout_s=self.r.request_timeout_s):
+                            sick = c
+                            break
                     if sick is not None:
                         log.warning("%s: engine %s unhealthy; not leasing", self.worker_id, sick.url)
                         await self._sleep_or_stop(self.r.retry_backoff_s * 4)
