@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch first, so nothing later pulls a CUDA build.
 	$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,infra,bench,env]'
+	$(BIN)/pip install -q -e '.[test,infra,bench,env,router]'
 	$(BIN)/pip install -q --no-deps $(SGLANG_PIN)
 	# checkov (tests/test_charts.py, tests/test_images.py) in its own venv: its pins clash with ours.
 	test -x $(VENV)/checkov/bin/checkov || { $(PY) -m venv $(VENV)/checkov && $(VENV)/checkov/bin/pip install -q checkov==3.3.30; }

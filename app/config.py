@@ -20,6 +20,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from app.rollout.router import ROUTER_POLICIES
+
 
 def _numeric_not_bool(annotation: Any) -> bool:
     """Whether a field of this type takes an int or a float and not a bool."""
@@ -201,6 +203,14 @@ class RolloutConfig(Section):
     pause_mode: Literal["abort", "retract", "in_place"] = Field(
         "retract", description="SGLang /pause_generation mode around a weight update (the worker "
         "waits for its own requests first, so none is cut either way).")
+    router: bool = Field(False, description="Send /generate through SGLang's router (app/rollout/router.py) "
+                         "to any engine instead of the worker's own; control calls still go to the own engine. "
+                         "Needs pause_mode abort. Off by default: on the 2-core VM it did not reliably pay "
+                         "(BENCHMARKS.md); engines that own a GPU each are where it should.")
+    router_url: str = Field("", description="The router's base URL (the cluster's router Service; `moerl run` "
+                            "starts one and passes it); used when router is on.")
+    router_policy: Literal[ROUTER_POLICIES] = Field(
+        "cache_aware", description="The router's --policy.")
     routing_replay: bool = Field(False, description="Ask the engine for the experts each token was "
                                  "routed to and store them with every sample (R3).")
     partial_rollout: bool = Field(
@@ -226,6 +236,16 @@ class RolloutConfig(Section):
             raise ValueError("truncated_reward was renamed rollout.overlong_reward (a fixed reward for a "
                              "completion cut at max_new_tokens)")
         return data
+
+    @model_validator(mode="after")
+    def _router_aborts(self) -> "RolloutConfig":
+        # A paused engine behind the router also holds other workers' requests: retract or in_place
+        # would resume them on the new weights (two versions in one sequence); abort ends them and
+        # their workers send them again (app/rollout/router.py).
+        if self.router and self.pause_mode != "abort":
+            raise ValueError(f"rollout.pause_mode must be abort with rollout.router on (got {self.pause_mode!r}): "
+                             "a paused engine would resume requests other workers routed to it on the new weights")
+        return self
 
     def inflight_tasks(self) -> int:
         """Prompt groups a worker generates at once: the in-flight sequences in whole groups (>= 1)."""
@@ -532,6 +552,11 @@ class RunConfig(Section):
                              "prefix is routed again by the new weights)")
         if self.rollout.partial_rollout and self.env.name:
             raise ValueError("rollout.partial_rollout: not supported with env.name (multi-turn episodes) yet")
+        if self.rollout.partial_rollout and self.rollout.router:
+            # The worker aborts and resumes its own requests on its own engine; behind the router they
+            # may be on any engine, and the router's resend would restart them from the prompt.
+            raise ValueError("rollout.partial_rollout: not supported with rollout.router (a worker's requests "
+                             "may be on any engine)")
         if self.env.name and self.feed.eval_every:
             raise ValueError("feed.eval_every: the feed's held-out evaluation scores single completions; with "
                              "env.name it is not supported yet (moerl run evaluates episodes in process)")

@@ -60,6 +60,7 @@ class EmbeddedLoop:
         self.redis: LocalRedis | None = None
         self.passwords = {role: new_password() for role in ROLES}  # each role's Redis user (app/buffer/acl.py)
         self.engine_ports: dict[int, int] = {}
+        self.router_port: int | None = None  # with rollout.router (`start_router`)
         self.env_port: int | None = None  # the environment server's (`start_env`)
         # Where the workers reach the environment: a server of the user's (env.url), or the
         # `moerl env` that `start_env` starts. Passed as --env-url, never written into run.yaml,
@@ -193,7 +194,39 @@ class EmbeddedLoop:
         )
         if self.cfg.env.name:
             argv += ["--env-url", self.env_url]
+        if self.cfg.rollout.router:  # /generate to any engine; its own engine still gets the control calls
+            argv += ["--router-url", self.router_url()]
         return self.sup.start(f"worker-{i}", argv, {**ONE_THREAD_ENV, **self.role_env("rollout")})
+
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
+
+    def start_router(self, timeout_s: float = 60.0) -> Proc:
+        """Start SGLang's router (app/rollout/router.py) in front of every engine on a free
+        loopback port and wait until it counts every engine healthy (its ``/readiness``).
+
+        Raises:
+            RoleFailed: the router exited, or not every engine was healthy there within `timeout_s`.
+        """
+        from app.rollout.router import local_router_command
+
+        self.router_port = self.router_port or free_port()
+        argv = local_router_command(self.cfg.rollout, [self.engine_url(i) for i in range(self.workers)],
+                                    self.router_port, free_port())
+        proc = self.sup.start("router", argv, ONE_THREAD_ENV)
+        deadline, last = time.monotonic() + timeout_s, "no answer"
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise RoleFailed(f"router exited with {proc.returncode()}:\n{proc.tail()}")
+            try:
+                r = httpx.get(self.router_url() + "/readiness", timeout=5)
+                if r.status_code == 200 and r.json().get("healthy_workers") == self.workers:
+                    return proc
+                last = f"HTTP {r.status_code}: {r.text[:200]}"
+            except (httpx.TransportError, ValueError) as e:
+                last = type(e).__name__
+            time.sleep(0.5)
+        raise RoleFailed(f"router not ready with {self.workers} engines after {timeout_s:.0f}s ({last}):\n{proc.tail()}")
 
     def pause_marker(self, i: int) -> Path:
         """The file worker `i` keeps while it holds engine `i` paused for a weight update."""
@@ -219,6 +252,8 @@ class EmbeddedLoop:
             self.start_engine(i, model_path)
         for i in range(self.workers):
             self.wait_engine(i)
+        if self.cfg.rollout.router:
+            self.start_router()
         for i in range(self.workers):
             self.start_worker(i)
         self.watch_engines()
@@ -269,7 +304,7 @@ class EmbeddedLoop:
         if not restart_rollout:
             return
         for name, proc in list(self.sup.procs.items()):
-            if name.startswith(("engine-", "worker-", "env-")) and not proc.alive():
+            if name.startswith(("engine-", "worker-", "env-", "router")) and not proc.alive():
                 proc.start()
 
     def trainer_done(self) -> bool:
@@ -285,7 +320,7 @@ class EmbeddedLoop:
         for p in workers:
             p.stop(grace)
         for n, p in self.sup.procs.items():
-            if n.startswith("engine-") or (n.startswith("env-") and not keep_env):
+            if n.startswith("engine-") or n == "router" or (n.startswith("env-") and not keep_env):
                 p.stop(10)
 
     def close(self) -> None:

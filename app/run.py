@@ -135,6 +135,14 @@ def check_inputs(cfg: RunConfig) -> None:
     from app.model.config import tiny_config, validate_config
 
     make_splits(cfg.task)
+    if cfg.rollout.router:
+        import importlib.util
+
+        from app.rollout.router import ROUTER_PACKAGE
+
+        if importlib.util.find_spec("sglang_router") is None:
+            raise ValueError(f"rollout.router is on but {ROUTER_PACKAGE} is not installed here "
+                             f"(pip install -e '.[router]')")
     if cfg.env.name and cfg.env.served_by_moerl() and not cfg.env.builtin():
         from app.envs.openenv_server import user_environment
 

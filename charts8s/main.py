@@ -28,6 +28,7 @@ from charts8s.fsx import FsxChart
 from charts8s.kube import k8s_module
 from charts8s.rewardmodel import RewardModelChart
 from charts8s.rollout import RolloutChart
+from charts8s.router import RouterChart
 from charts8s.trainer import TrainerChart
 from charts8s.workloads import Plan, WorkloadError, load_workloads
 
@@ -65,6 +66,8 @@ def build(plan: Plan, outdir: str | Path) -> list[Path]:
         if not (plan.run.env.name and plan.run.env.url):  # a user's env.url: served elsewhere
             EnvPoolChart(app, plan)
         RolloutChart(app, plan)
+        if plan.run.rollout.router:
+            RouterChart(app, plan)
         TrainerChart(app, plan)
         FeedChart(app, plan)
         if plan.run.task.reward_model:

@@ -55,6 +55,7 @@ from charts8s.lws import ROLE_LABEL, leader_worker_set
 from charts8s.monitoring import metrics_port
 from charts8s.netpol import dns, nccl_ports, pod_identity, pods, policy, port_range_sysctl, public_https, tcp
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
+from charts8s.router import NAME as ROUTER, router_url
 from charts8s.workloads import CACHE_GI, TMP_GI, Plan
 
 NAME = ROLLOUT
@@ -244,6 +245,9 @@ def worker_container(plan: Plan, group: bool = False) -> dict:
            *redis_credentials(plan, "rollout")]
     # The pod name is the worker id (its task-lease consumer name); the kubelet expands $(POD_NAME).
     cmd = worker_command(CLUSTER_CONFIG, "$(POD_NAME)", None if group else PAUSE_MARKER, metrics_port=METRICS_PORT)
+    routed = plan.run.rollout.router
+    if routed:  # /generate through the router; the control calls still to its own engine
+        cmd += ["--router-url", router_url(plan)]
     mounts = [config_mount, {"name": "tmp", "mountPath": "/tmp"}]
     if group:
         # StatefulSet pod i drives group i (the controller labels each pod with its ordinal).
@@ -252,10 +256,11 @@ def worker_container(plan: Plan, group: bool = False) -> dict:
         addr = leader_address(plan, "$(POD_INDEX)")
         cmd += ["--engine-url", f"http://{addr}:{plan.wl.rollout.engine_port}", "--engine-group", addr,
                 "--group-size", str(plan.engine.nodes)]
-        # the engine serves on the pod network and asks for its keys (`keyed_engine`)
-        env += secret_env(plan.wl.rollout.api_key_secret, {API_KEY: API_KEY_ENV, ADMIN_API_KEY: ADMIN_API_KEY_ENV})
     else:
         mounts += [{"name": "models", "mountPath": "/models"}, {"name": "state", "mountPath": STATE_DIR}]
+    if group or routed:
+        # the engine serves on the pod network and asks for its keys (`keyed_engine`)
+        env += secret_env(plan.wl.rollout.api_key_secret, {API_KEY: API_KEY_ENV, ADMIN_API_KEY: ADMIN_API_KEY_ENV})
     return {
         "name": "worker", "image": plan.images["rollout"], "imagePullPolicy": "IfNotPresent",
         "command": cmd,
@@ -292,7 +297,11 @@ def rollout_pod(plan: Plan, leader: bool = True) -> dict:
     every other node; the worker runs in a pod of its own (`worker_set_pod`), so that its
     restarts do not recreate the group."""
     if plan.engine.nodes == 1:
-        return engine_pod(plan, NAME, [engine_container(plan, plan.engine, leader=True), worker_container(plan)])
+        engine = engine_container(plan, plan.engine, leader=True)
+        if plan.run.rollout.router:  # the router reaches it on the pod network
+            engine = keyed_engine(engine_container(plan, plan.engine, leader=True, host="0.0.0.0"),
+                                  plan.wl.rollout.api_key_secret)
+        return engine_pod(plan, NAME, [engine, worker_container(plan)])
     engine = keyed_engine(engine_container(plan, plan.engine, leader=leader, host="0.0.0.0"), plan.wl.rollout.api_key_secret)
     return engine_pod(plan, NAME, [engine, fetcher_container(plan, leader)])
 
@@ -361,11 +370,17 @@ def rollout_network_policies(scope: Construct, k8s, plan: Plan) -> None:
         ingress.append(pods(source, nccl_ports(), direction="from"))
         egress.append(pods(source, [tcp(weight_group_port(plan.run)), *nccl_ports()], direction="to"))
     multi = plan.engine.nodes > 1
+    engine_port = [tcp(plan.wl.rollout.engine_port)]
+    worker_services = list(services)
+    if plan.run.rollout.router:  # workers -> router -> engines (charts8s/router.py)
+        worker_services.append(pods(labels(ROUTER), [tcp(plan.wl.rollout.router_port)], direction="to"))
+        ingress.append(pods(labels(ROUTER), engine_port, direction="from"))
+        if not multi:
+            egress.append(worker_services[-1])
     if multi:
-        engine_port = [tcp(plan.wl.rollout.engine_port)]
         ingress.append(pods(labels(ROLLOUT_WORKER), engine_port, direction="from"))
         policy(scope, k8s, ROLLOUT_WORKER, plan.namespace, labels(ROLLOUT_WORKER), ingress=[],
-               egress=[dns(), *services, pods(labels(NAME), engine_port, direction="to")])
+               egress=[dns(), *worker_services, pods(labels(NAME), engine_port, direction="to")])
     engine_network_policies(scope, k8s, NAME, plan.namespace, labels(NAME), groups=plan.rollout_replicas,
                             multi_node=multi, ingress=ingress, egress=egress)
 
@@ -400,6 +415,19 @@ class RolloutChart(cdk8s.Chart):
                 "podManagementPolicy": "Parallel",  # pod i needs only group i, not pod i - 1
                 "selector": {"matchLabels": wlab},
                 "template": {"metadata": {"labels": wlab}, "spec": worker_set_pod(plan)},
+            })
+        elif plan.run.rollout.router:
+            # Named pods behind a headless Service: the router reaches each engine by name (charts8s/router.py).
+            api_object(self, k8s.KubeService, NAME, ns, labels=lab, spec={
+                "clusterIP": "None", "selector": lab,
+                "ports": [{"name": "engine", "port": plan.wl.rollout.engine_port,
+                           "targetPort": plan.wl.rollout.engine_port}]})
+            api_object(self, k8s.KubeStatefulSet, NAME, ns, labels=lab, annotations=skips, spec={
+                "replicas": plan.rollout_replicas, "serviceName": NAME,
+                "podManagementPolicy": "Parallel",  # engine i does not wait for engine i - 1
+                "selector": {"matchLabels": lab},
+                "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+                "template": {"metadata": {"labels": lab}, "spec": rollout_pod(plan)},
             })
         else:
             api_object(self, k8s.KubeDeployment, NAME, ns, labels=lab, annotations=skips, spec={

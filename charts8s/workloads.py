@@ -87,6 +87,9 @@ class RolloutSpec(_Model):
     api_key_secret: str = Field("moerl-rollout-api-key", description="Secret with the SGLang keys (``api-key``, "
                                 "``admin-api-key``) of engines over several nodes, which serve on the pod network; "
                                 "made outside dist/ (README).")
+    # SGLang's router (run config rollout.router; charts8s/router.py).
+    router_port: int = Field(30100, ge=1024, le=65535, description="The router's Service and container port.")
+    router_metrics_port: int = Field(29000, ge=1024, le=65535, description="The router's Prometheus port.")
 
 
 class EnvSpec(_Model):
@@ -326,6 +329,7 @@ def _check_ports(plan: Plan) -> None:
     group = plan.run.weight_sync.master_port or WEIGHT_GROUP_PORT
     ports = {"trainer.rdzv_port": wl.trainer.rdzv_port, "rollout.engine_port": wl.rollout.engine_port,
              "env.port": wl.env.port, "reward_model.port": wl.reward_model.port, "feed.engine_port": wl.feed.engine_port,
+             "rollout.router_port": wl.rollout.router_port, "rollout.router_metrics_port": wl.rollout.router_metrics_port,
              "run config weight_sync.master_port": group}
     for field, port in ports.items():
         if NCCL_PORTS[0] <= port <= NCCL_PORTS[1]:

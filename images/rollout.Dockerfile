@@ -25,6 +25,7 @@ ARG TORCH_VERSION=2.14.1
 ARG NCCL_VERSION=2.30.7
 ARG EFA_INSTALLER_VERSION=1.49.0
 ARG EFA_INSTALLER_KEY_FINGERPRINT=4E9091BCBB97A96B26B15E59A05480B1DD2D3CCC
+ARG SGLANG_ROUTER_VERSION=0.3.2
 ARG GDRCOPY_COMMIT=c91ad9f178e5fb729fc5b6dc62a77c3bb364d6c9
 ARG NVSHMEM_EFA_VERSION=3.7.0
 ARG DEEPEP_EFA_COMMIT=567632d
@@ -88,6 +89,7 @@ ENV FI_PROVIDER=efa \
     PATH=/opt/amazon/efa/bin:${PATH}
 WORKDIR /opt/moerl
 COPY --from=wheel /wheels /wheels
+# sglang-router: the router Deployment in front of the engines (rollout.router; app/rollout/router.py).
 # --no-deps: the worker needs few of moerl's dependencies (not torchx: it pins urllib3<1.27). The
 # rest are installed pinned, constrained to the versions the image already has (except MAY_REPLACE),
 # so pip stops rather than replace one of SGLang's packages; tests/test_images.py resolves this
@@ -96,6 +98,7 @@ RUN python3 -m pip list --format=freeze | grep -viE "^(${MAY_REPLACE})==" > /tmp
     && PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir --no-deps /wheels/*.whl \
     && PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir -c /tmp/base-constraints.txt \
         "redis==5.2.1" "boto3==1.38.0" "reasoning-gym==0.1.25" "math-verify==0.7.0" "websockets==17.4" \
+        "sglang-router==${SGLANG_ROUTER_VERSION}" \
     && rm -rf /wheels /tmp/base-constraints.txt
 RUN useradd --create-home --uid 10001 --user-group moerl
 USER 10001

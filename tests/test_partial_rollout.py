@@ -279,3 +279,5 @@ def test_partial_rollout_config_is_validated():
         RunConfig.model_validate({"rollout": {"partial_rollout": True, "routing_replay": True}})
     with pytest.raises(ValueError, match="partial_rollout"):
         RunConfig.model_validate({"rollout": {"partial_rollout": "sometimes"}})
+    with pytest.raises(ValueError, match="rollout.partial_rollout.*rollout.router"):
+        RunConfig.model_validate({"rollout": {"partial_rollout": True, "router": True, "pause_mode": "abort"}})

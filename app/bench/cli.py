@@ -194,6 +194,12 @@ def rollout(
     update_every_s: float = typer.Option(2.0, help="--partial-ab: a new policy version every this many seconds."),
     rounds: int = typer.Option(1, help="--partial-ab: (off, on) pairs to run."),
     max_batch: int = typer.Option(64, help="--partial-ab: the built-in engine's --max-running-requests."),
+    router_url: str = typer.Option("", help="The router in front of the --url engines: compare pinned lanes "
+                                   "with the same lanes through it (p50/p99, samples/s, engine idle)."),
+    env_wait_s: list[float] = typer.Option([0.0], help="With --router-url: mean environment wait before each "
+                                           "request, s; repeat once per --url for workers whose waits differ."),
+    seed: int = typer.Option(0, help="With --router-url: seed of the environment waits."),
+    repeats: int = typer.Option(1, help="With --router-url: pinned/router pairs, alternated."),
 ) -> None:
     """N SGLang-compatible engines driven with a run's prompts: aggregate tokens/s, per GPU, latency;
     or (--partial-ab) a worker through weight updates with and without partial rollout."""
@@ -215,7 +221,8 @@ def rollout(
     try:
         run(RolloutBench(urls=tuple(url), seconds=seconds, config=config, concurrency=concurrency,
                          gpus_per_engine=gpus_per_engine, max_new_tokens=max_new_tokens,
-                         baseline_seconds=baseline_seconds, wait_s=wait_s, label=label), out_dir=out_dir)
+                         baseline_seconds=baseline_seconds, wait_s=wait_s, label=label, router_url=router_url,
+                         env_wait_s=tuple(env_wait_s), seed=seed, repeats=repeats), out_dir=out_dir)
     except (ValueError, TimeoutError) as e:
         typer.echo(f"moerl bench rollout: error: {e}", err=True)
         raise SystemExit(2) from None

@@ -45,6 +45,11 @@ experience buffer (`app.buffer.ExperienceBuffer`). One asyncio loop:
    the new weights (`RolloutWorker._resume`), its sample then carrying ``version_segments`` and
    the oldest version as ``policy_version``.
 
+With ``rollout.router`` (app/rollout/router.py), /generate goes to the router (``--router-url``)
+and may land on any engine; every control call above still goes to the worker's own engine
+(``--engine-url``). The sample's version is then always the answer's ``meta_info.weight_version``,
+and an answer aborted by another worker's update (pause mode abort) is sent again.
+
 SIGTERM (Spot notice) / SIGINT: stop leasing, let in-flight groups finish within
 ``rollout.drain_grace_s``, publish what finished, release unfinished tasks to the queue, exit 0.
 """
@@ -97,6 +102,7 @@ class WorkerStats:
     partial_aborts: int = 0  # partial rollout: weight updates that aborted this worker's requests
     partial_resumes: int = 0  # ... completions resumed on the new weights after such an abort
     drained_s: float = 0.0  # seconds weight updates waited for this worker's requests (admission stopped)
+    requests_resent: int = 0  # behind the router: answers aborted by another worker's weight update, sent again
 
 
 class EngineMisconfigured(ValueError):
@@ -126,17 +132,23 @@ class RolloutWorker:
             worker asks for the update once all hold it, and records its pauses there (the
             leader's fetcher keeps the probes' marker); None: the engine shares this worker's
             disk and marker (one node, or the embedded loop).
+        gen_client: where /generate goes: the router (``rollout.router``, app/rollout/router.py),
+            which may send it to any engine; None: ``client``, the worker's own engine. Every
+            control call (version, pause, flush, updates, health) goes to ``client`` either way.
     """
 
     def __init__(
         self, cfg: RunConfig, buffer: Any, client: EngineClient, worker_id: str, *,
         score_fn: ScoreFn | None = None, store: Any = None, max_groups: int | None = None,
         pause_marker: str | os.PathLike | None = None, metrics: Any = None, group: Any = None,
+        gen_client: EngineClient | None = None,
     ):
         self.cfg = cfg
         self.r = cfg.rollout
         self.buffer = buffer
         self.client = client
+        self.gen_client = gen_client or client
+        self.routed = gen_client is not None and gen_client is not client
         self.worker_id = worker_id
         self.score_fn = score_fn or score_fn_for(cfg)
         self.max_groups = max_groups
@@ -177,8 +189,8 @@ class RolloutWorker:
     async def _generate_turn(self, ids: list[int]) -> GenOutput:
         """One turn of an episode (n = 1), held back while weights are swapped like `_generate`."""
         async with self.weights.generating():
-            return (await self.client.generate(ids, n=1, max_new_tokens=self.r.max_new_tokens,
-                                               temperature=self.r.temperature, top_p=self.r.top_p))[0]
+            return (await self._gen(ids, n=1, max_new_tokens=self.r.max_new_tokens,
+                                    temperature=self.r.temperature, top_p=self.r.top_p))[0]
 
     async def warm_up(self) -> None:
         """Before the first lease: the reward function's ``warm(cfg.task)`` (imports, verifier
@@ -241,6 +253,30 @@ class RolloutWorker:
         await self.weights.sync()
 
     # -- one task --------------------------------------------------------------------------
+    async def _gen(self, prompt, **kwargs) -> list[GenOutput]:
+        """One /generate on `gen_client`. Behind the router, an answer with an aborted sequence
+        is sent again, up to ``rollout.engine_retries`` times: the engine it landed on was paused
+        (mode abort) for its own worker's weight update. An answer without an integer
+        ``meta_info.weight_version`` is refused there: the worker's own engine's version says
+        nothing about the engine that served it.
+
+        Raises:
+            EngineError: as `EngineClient.generate`; EngineMisconfigured: no version in the answer.
+        """
+        outs = await self.gen_client.generate(prompt, **kwargs)
+        if not self.routed:
+            return outs
+        for _ in range(self.r.engine_retries):
+            if not any(o.finish_reason == "abort" for o in outs):
+                break
+            self.stats.requests_resent += 1
+            outs = await self.gen_client.generate(prompt, **kwargs)
+        if any(o.weight_version is None for o in outs):
+            raise EngineMisconfigured(
+                f"the router {self.gen_client.url} answered without an integer meta_info.weight_version: with "
+                "rollout.router every engine must report its version (start it with --weight-version N)")
+        return outs
+
     async def _generate(self, task: Task) -> list[GenOutput]:
         prompt_routing = None
         async with self.weights.generating():
@@ -248,14 +284,14 @@ class RolloutWorker:
                 # The prompt's routing once per group: a one-token request first (its prefill is
                 # the one the group's samples reuse from the prefix cache), then the group asks
                 # only for its own tokens (routed_experts_start_len = P), instead of G copies.
-                (head,) = await self.client.generate(
+                (head,) = await self._gen(
                     task.prompt_ids, n=1, max_new_tokens=1, temperature=self.r.temperature, top_p=self.r.top_p,
                     return_routed_experts=True)
                 if head.finish_reason == "abort":
                     raise EngineError(f"engine aborted the prompt-routing request of task {task.task_id}")
                 prompt_routing = head.routed_experts
             epoch = self.weights.abort_epoch
-            outs = await self.client.generate(
+            outs = await self._gen(
                 task.prompt_ids, n=task.group_size, max_new_tokens=self.r.max_new_tokens,
                 temperature=self.r.temperature, top_p=self.r.top_p, return_routed_experts=self.r.routing_replay,
                 routed_experts_start_len=len(task.prompt_ids) if self.r.routing_replay else 0,
@@ -269,8 +305,12 @@ class RolloutWorker:
             raise EngineError(f"engine returned fewer logprobs than tokens for task {task.task_id}")
         if self.r.routing_replay and (prompt_routing is None or any(o.routed_experts is None for o in outs)):
             raise EngineMisconfigured(
-                f"rollout.routing_replay is set but {self.client.url} returned no meta_info.routed_experts: "
+                f"rollout.routing_replay is set but {self.gen_client.url} returned no meta_info.routed_experts: "
                 "start SGLang (or `moerl engine`) with --enable-return-routed-experts")
+        if prompt_routing is not None and any(o.weight_version != head.weight_version for o in outs):
+            # behind the router the two requests may land on engines at different versions
+            raise EngineError(f"task {task.task_id}: the prompt's routing came from v{head.weight_version}, the "
+                              f"group from v{outs[0].weight_version}; the task is leased again")
         if prompt_routing is not None:
             import numpy as np
 
@@ -536,8 +576,13 @@ class RolloutWorker:
             await self.warm_up()  # before the first lease: the first batch must not be timeouts
             while not self._stop.is_set():
                 if self.weights.suspect:
-                    if not await self.client.health_generate(timeout_s=self.r.request_timeout_s):
-                        log.warning("%s: engine %s unhealthy; not leasing", self.worker_id, self.client.url)
+                    sick = None
+                    for c in dict.fromkeys((self.client, self.gen_client)):  # the router too, when routed
+                        if not await c.health_generate(timeout_s=self.r.request_timeout_s):
+                            sick = c
+                            break
+                    if sick is not None:
+                        log.warning("%s: engine %s unhealthy; not leasing", self.worker_id, sick.url)
                         await self._sleep_or_stop(self.r.retry_backoff_s * 4)
                         continue
                     self.weights.suspect = False
@@ -619,7 +664,7 @@ class RolloutWorker:
 async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_groups: int | None = None,
                      pause_marker: str | None = None, metrics_port: int = 0, metrics_addr: str = "0.0.0.0",
                      metrics_every_s: float = 5.0, engine_group: str | None = None,
-                     group_size: int | None = None) -> WorkerStats:
+                     group_size: int | None = None, router_url: str | None = None) -> WorkerStats:
     """Connect to the buffer and the engine, run a `RolloutWorker` until SIGTERM/SIGINT, drain.
 
     metrics_port: serve the worker's counters (WorkerStats, refreshed every `metrics_every_s`
@@ -627,6 +672,8 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
         ``http://<metrics_addr>:<port>/metrics`` (app.metrics); 0: no endpoint.
     engine_group, group_size: the leader address and pod count of a multi-node engine whose
         pods fetch the versions themselves (app/rollout/group.py); None: one-node engine.
+    router_url: send /generate there (SGLang's router, app/rollout/router.py); control calls
+        still go to ``engine_url``. None: everything to ``engine_url``.
 
     Raises:
         ValueError: ``rollout.reward_fn`` cannot be imported, or ``store_url`` is invalid.
@@ -648,6 +695,12 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
         # an engine on the pod network (several nodes) asks for SGLang's keys (charts8s/rollout.py)
         api_key=os.environ.get(API_KEY_ENV) or None, admin_api_key=os.environ.get(ADMIN_API_KEY_ENV) or None,
     )
+    gen_client = None
+    if router_url:
+        # The router takes no admin key; it sends the engines' API key itself (its --api-key).
+        gen_client = EngineClient(
+            router_url, timeout_s=cfg.rollout.request_timeout_s, retries=cfg.rollout.engine_retries,
+            backoff_s=cfg.rollout.retry_backoff_s, max_connections=cfg.rollout.inflight_tasks() + 8)
     metrics = server = reporter = None
     if metrics_port:
         from app.metrics import RunMetrics, serve
@@ -660,7 +713,7 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
 
         group = EngineGroup.of(buffer, engine_group, group_size or 1)
     worker = RolloutWorker(cfg, buffer, client, worker_id, score_fn=score_fn, store=store, max_groups=max_groups,
-                           pause_marker=pause_marker, metrics=metrics, group=group)
+                           pause_marker=pause_marker, metrics=metrics, group=group, gen_client=gen_client)
     if metrics is not None:
         async def report() -> None:
             while True:
@@ -689,6 +742,8 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
             metrics.observe_worker_stats(asdict(worker.stats))
             server.shutdown()
         await client.aclose()
+        if gen_client is not None:
+            await gen_client.aclose()
         close = getattr(buffer, "close", None)
         if callable(close):
             close()
@@ -712,6 +767,9 @@ def rollout(
                                      "pods fetch each version (python -m app.rollout.group) and this worker "
                                      "waits for all of them before an update."),
     group_size: int = typer.Option(None, "--group-size", min=1, help="Pods in that engine's group."),
+    router_url: str = typer.Option(None, "--router-url", help="With rollout.router: the router's URL "
+                                   "(default: rollout.router_url); /generate goes there, control calls to "
+                                   "--engine-url."),
     env_url: str = typer.Option(None, "--env-url", help="Environment server (default: env.url; moerl run "
                                 "passes the `moerl env` it started)."),
 ) -> None:
@@ -728,7 +786,15 @@ def rollout(
     url = engine_url or cfg.rollout.engine_url
     if engine_group and not group_size:
         raise typer.BadParameter("--engine-group needs --group-size", param_hint="--group-size")
+    router = None
+    if cfg.rollout.router:
+        router = router_url or cfg.rollout.router_url
+        if not router:
+            raise typer.BadParameter("rollout.router is on: give the router's URL (rollout.router_url or "
+                                     "--router-url)", param_hint="--router-url")
+    elif router_url:
+        raise typer.BadParameter("--router-url needs rollout.router: true in the run config", param_hint="--router-url")
     stats = asyncio.run(run_worker(cfg, url, worker_id, max_groups=max_groups, pause_marker=pause_marker,
                                    metrics_port=metrics_port, metrics_addr=metrics_addr, engine_group=engine_group,
-                                   group_size=group_size))
+                                   group_size=group_size, router_url=router))
     print(json.dumps({"worker_id": worker_id, **asdict(stats)}), flush=True)
