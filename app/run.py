@@ -257,11 +257,13 @@ def start_environment(loop: EmbeddedLoop, out: Console) -> None:
     """With ``env.name``: start `moerl env` (or, with ``env.url``, use the user's server, and
     say so), wait until it answers, and for a user's environment read its text fields from its
     ``/schema`` now, so that a server that does not fit moerl's contract fails before the
-    warm-up (app/envs/wire.py).
+    warm-up (app/envs/wire.py); a server given by ``env.url`` must also take the task's
+    ``spec`` and ``episode_id`` at reset (app/envs/contract.py).
 
     Raises:
         RoleFailed: the server exited or never answered.
-        WireError (a ValueError): its schema has no usable text field.
+        WireError (a ValueError): its schema has no usable text field, or its reset drops spec
+            or episode_id.
     """
     env = loop.cfg.env
     if not env.name:
@@ -279,6 +281,14 @@ def start_environment(loop: EmbeddedLoop, out: Console) -> None:
         wire = fetch_wire_format(loop.env_url)
         out.print(f"environment: actions go in {wire.action_field!r}, observations are read from "
                   f"{wire.observation_field!r} (its /schema)", soft_wrap=True)
+    if not env.served_by_moerl():  # `moerl env` checked its class in process; a user's server is asked
+        from app.envs.contract import check_reset
+        from app.envs.tasks import make_splits
+        from app.envs.wire import fetch_wire_format
+
+        train, _ = make_splits(loop.cfg.task)
+        check_reset(loop.env_url, fetch_wire_format(loop.env_url), spec=train[0].spec)
+        out.print("environment: its reset takes spec and episode_id (checked on one probe session)", soft_wrap=True)
 
 
 def progress_loop(loop: EmbeddedLoop, feeder: TaskFeeder, steps: int) -> None:
