@@ -444,6 +444,10 @@ class EnvConfig(Section):
     demos_path: str | None = Field(None, description="JSONL of warm-up demonstrations for an environment "
                                    'of your own: {"spec": ..., "actions": ["turn", ...]} per line, played '
                                    "against it (README); None: the built-in environments' scripted ones.")
+    demos_from_env: bool = Field(False, description="Warm-up demonstrations from the environment's own "
+                                 "training episodes: each one's reset observation carries the turns that solve "
+                                 'it in OpenEnv\'s metadata, {"demonstration": ["turn", ...]}, played against it '
+                                 "as a demos_path row is (README); instead of demos_path.")
     max_turns: int = Field(3, ge=1, description="Policy turns per episode at most.")
     step_timeout_s: float = Field(10.0, gt=0.0, description="Wait for one reset/step answer, seconds.")
     episode_timeout_s: float = Field(120.0, gt=0.0, description="The server closes an episode's session "
@@ -568,6 +572,9 @@ class RunConfig(Section):
             raise ValueError("task.source=env: the environment's own episodes need env.name")
         if self.env.demos_path and not self.env.name:
             raise ValueError("env.demos_path: demonstrations need env.name")
+        if self.env.demos_from_env and (not self.env.name or self.env.builtin() or self.env.demos_path):
+            raise ValueError("env.demos_from_env: needs env.name an environment of your own (the built-in ones "
+                             "have scripted demonstrations) and no env.demos_path (one source of demonstrations)")
         if self.env.name and t.algorithm == "ppo":
             # GAE (app/trainer/ppo.py) stops at masked tokens: it would not carry the episode's
             # reward back across the environment's observations to earlier turns.

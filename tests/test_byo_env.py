@@ -83,6 +83,8 @@ def test_an_environment_without_a_text_field_is_one_error_naming_it():
 class NoSpecEnv(Environment[GuessAction, GuessObservation, State]):
     """Picks its own problem per episode: OpenEnv would drop moerl's spec without a word."""
 
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
     def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None) -> GuessObservation:
         return GuessObservation(message="1-15?")
 
@@ -144,10 +146,11 @@ def test_moerl_env_serves_an_import_path_and_every_episode_gets_its_spec():
 
 
 class CountingServer:
-    """examples/guess_number/server.py's app (OpenEnv's own server over the author's classes)
-    on a free loopback port in this process, counting the environments its sessions made."""
+    """examples/guess_number/server.py's app (OpenEnv's own server over the author's classes;
+    ``env_cls`` another environment of the same action and observation) on a free loopback port
+    in this process, counting the environments its sessions made."""
 
-    def __init__(self):
+    def __init__(self, env_cls=GuessNumberEnv):
         import uvicorn
         from openenv.core.env_server import create_fastapi_app
 
@@ -157,7 +160,7 @@ class CountingServer:
 
         def factory():
             self.made += 1
-            return GuessNumberEnv()
+            return env_cls()
 
         app = create_fastapi_app(factory, GuessAction, GuessObservation, max_concurrent_envs=512,
                                  env_name="guess-number", mode="production")
@@ -172,6 +175,130 @@ class CountingServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+class NoEpisodeIdEnv(GuessNumberEnv):
+    """Takes spec, but keeps an episode id of its own."""
+
+    def reset(self, seed: Optional[int] = None, spec: Any = None, **kwargs: Any) -> GuessObservation:
+        return super().reset(seed=seed, episode_id="mine", spec=spec)
+
+
+class NoDemoEnv(GuessNumberEnv):
+    """Gives no demonstration in its reset metadata."""
+
+    def reset(self, *args: Any, **kwargs: Any) -> GuessObservation:
+        return GuessObservation(message=super().reset(*args, **kwargs).message)
+
+
+def heldout_spec(i: int = 0) -> str:
+    return json.dumps({"source": "env", "split": "heldout", "index": i, "seed": 0})
+
+
+def test_an_external_server_whose_reset_takes_spec_and_episode_id_passes_the_check():
+    from app.envs.contract import check_reset
+    from app.envs.wire import fetch_wire_format
+
+    server = CountingServer()
+    try:
+        check_reset(server.url, fetch_wire_format(server.url), spec=heldout_spec())  # no error
+    finally:
+        server.stop()
+
+
+def test_an_external_server_whose_reset_drops_spec_or_episode_id_is_refused_naming_it():
+    """OpenEnv's server drops keyword arguments that reset's signature lacks: the check finds
+    it from the server's answers (a spec naming no problem is taken; the state keeps another
+    episode id), before any episode."""
+    from app.envs.contract import check_reset
+    from app.envs.wire import fetch_wire_format
+
+    for env_cls, match in ((NoSpecEnv, r"reset took spec=.*drops 'spec'"),
+                           (NoEpisodeIdEnv, r"reset does not take 'episode_id'.*episode_id is 'mine'")):
+        server = CountingServer(env_cls)
+        try:
+            with pytest.raises(WireError, match=r"env\.url http://127\.0\.0\.1:\d+: " + match):
+                check_reset(server.url, fetch_wire_format(server.url), spec=heldout_spec())
+        finally:
+            server.stop()
+
+
+def test_a_rollout_worker_refuses_an_external_server_whose_reset_drops_spec_at_start():
+    """The cluster's workers reach env.url directly: their start (before the first lease) asks
+    the server too, and a good server passes."""
+    import asyncio
+
+    from app.rollout.worker import RolloutWorker
+
+    for env_cls in (GuessNumberEnv, NoSpecEnv):
+        server = CountingServer(env_cls)
+        try:
+            cfg = RunConfig.model_validate({"task": {"source": "env"}, "env": {"name": "guess-number", "url": server.url}})
+            worker = RolloutWorker(cfg, None, None, "w0")
+            if env_cls is GuessNumberEnv:
+                asyncio.run(worker.warm_up())
+            else:
+                with pytest.raises(WireError, match=r"drops 'spec'"):
+                    asyncio.run(worker.warm_up())
+        finally:
+            server.stop()
+
+
+def test_moerl_run_refuses_an_external_server_whose_reset_drops_spec(tmp_path):
+    """One line, exit 2, naming 'spec'; no warm-up, no run directory left."""
+    server = CountingServer(NoSpecEnv)
+    cfg = yaml.safe_load((ROOT / "examples/guess_number/run.yaml").read_text())
+    cfg["env"] = {**cfg["env"], "name": "guess-number", "url": server.url}
+    cfg["env"].pop("demos_path")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "run"
+    try:
+        proc = subprocess.run([sys.executable, "-m", "app.cli", "run", "--config", str(tmp_path / "run.yaml"),
+                               "--out", str(out), "--cache", str(tmp_path / "cache")],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+    finally:
+        server.stop()
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "drops 'spec'" in lines[0], proc.stderr
+    assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+def test_warm_up_demonstrations_from_the_environments_own_episodes():
+    """env.demos_from_env: each training episode's reset metadata gives the turns that solve it
+    (the example's bisection); the warm-up's examples are those episodes as played, loss on the
+    turns only. An environment without them is one error naming 'demonstration'."""
+    from app.envs.env_client import EnvError
+    from app.envs.tasks import make_splits
+    from app.envs.tokenizer import build_tokenizer
+    from app.envs.warmup import user_env_examples
+
+    tok = build_tokenizer()
+    server = CountingServer()
+    try:
+        cfg = RunConfig.model_validate({"task": {"source": "env", "train_size": 12, "eval_size": 4},
+                                        "env": {"name": "guess-number", "url": server.url, "max_turns": 4,
+                                                "demos_from_env": True}})
+        examples = user_env_examples(cfg, tok, None, log=lambda *_: None)
+        train, _ = make_splits(cfg.task)
+        assert len(examples) == len(train) == 12
+        for (ids, mask), p in zip(examples, train):
+            taught = [i for i, m in zip(ids, mask) if m]
+            want = [t for g in bisect(secret_of(p.spec)) for t in tok(g, add_special_tokens=False)["input_ids"]
+                    + [tok.eos_token_id]]
+            assert taught == want
+        assert len({tuple(ids) for ids, _ in examples}) > 1  # different secrets, different episodes
+    finally:
+        server.stop()
+    bare = CountingServer(NoDemoEnv)
+    try:
+        cfg.env.url = bare.url
+        with pytest.raises(EnvError, match=r"metadata has no 'demonstration'"):
+            user_env_examples(cfg, tok, None, log=lambda *_: None)
+    finally:
+        bare.stop()
+    with pytest.raises(ValueError, match="env.demos_from_env: .*no env.demos_path"):
+        RunConfig.model_validate({"env": {"name": GUESS, "demos_from_env": True, "demos_path": "d.jsonl"}})
 
 
 @pytest.mark.slow

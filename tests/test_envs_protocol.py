@@ -218,6 +218,18 @@ def test_calculator_env_call_limit_and_tool_errors():
     assert env.step(TextAction(text="[2**10]")).content == "=1024\n"
 
 
+def test_calculator_scores_exact_answers_only():
+    """reasoning-gym's score_answer gives len(answer)/len(text) to a text that contains the
+    answer: the calculator pays only for the exact value (RL learned to pad wrong answers)."""
+    cfg = env_config("calculator", max_turns=2)
+    p = make_splits(cfg.task)[0][0]
+    env = CalculatorEnv(cfg.env)
+    for text, reward in ((p.answer, 1.0), (p.answer + "3", 0.0), ("1" + p.answer, 0.0), (p.answer[:-1], 0.0)):
+        env.reset(spec=p.spec)
+        end = env.step(TextAction(text=text))
+        assert end.done and end.reward == reward, (text, end.reward)
+
+
 @pytest.mark.parametrize("expr, value", [("95*21", 1995), ("(3+4)**2//5", 9), ("-7%3", 2), (" 12 - -3 ", 15)])
 def test_calculator_computes(expr, value):
     assert calculator.evaluate(expr) == value

@@ -12,6 +12,7 @@ Protocol (OpenEnv ``core/env_server/types.py``, ``http_server.py``; one WebSocke
 ``ws://HOST:PORT/ws``):
   -> ``{"type": "reset", "data": {...reset kwargs}}``   <- ``{"type": "observation", "data": D}``
   -> ``{"type": "step", "data": {...action fields}}``   <- ``{"type": "observation", "data": D}``
+  -> ``{"type": "state"}``                              <- ``{"type": "state", "data": {...State fields}}``
   -> ``{"type": "close"}``                              (the server ends the session)
   <- ``{"type": "error", "data": {"message", "code"}}`` on any failure;
   ``D = {"observation": {...observation fields}, "reward": float | None, "done": bool,
@@ -114,6 +115,13 @@ class EnvSession:
         await self.close(check=False)
 
     async def _call(self, message: dict, what: str) -> StepResult:
+        raw = await self._exchange(message, what)
+        try:
+            return parse_observation(json.loads(raw), f"{self.url} {what}")
+        except ValueError:
+            raise EnvError(f"{self.url}: {what} answer is not JSON: {str(raw)[:200]}") from None
+
+    async def _exchange(self, message: dict, what: str) -> str:
         if self._ws is None:
             raise EnvError(f"{self.url}: {what} on a closed session")
         try:
@@ -129,10 +137,7 @@ class EnvSession:
         except OSError as e:
             await self._abandon()
             raise EnvError(f"{self.url}: {what} failed: {type(e).__name__}: {e}") from None
-        try:
-            return parse_observation(json.loads(raw), f"{self.url} {what}")
-        except ValueError:
-            raise EnvError(f"{self.url}: {what} answer is not JSON: {str(raw)[:200]}") from None
+        return raw
 
     async def reset(self, **kwargs: Any) -> StepResult:
         """Start the episode (OpenEnv ``reset``; kwargs go to the environment's ``reset``)."""
@@ -141,6 +146,24 @@ class EnvSession:
     async def step(self, action: dict[str, Any]) -> StepResult:
         """Send one action (its fields, e.g. ``{"text": ...}``) and read the observation."""
         return await self._call({"type": "step", "data": action}, "step")
+
+    async def state(self) -> dict[str, Any]:
+        """The environment's ``State`` fields (OpenEnv ``state``: ``episode_id``, ``step_count``, ...).
+
+        Raises:
+            EnvError: an error answer, or not ``{"type": "state", "data": {...}}``.
+        """
+        raw = await self._exchange({"type": "state"}, "state")
+        try:
+            message = json.loads(raw)
+        except ValueError:
+            raise EnvError(f"{self.url}: state answer is not JSON: {str(raw)[:200]}") from None
+        if isinstance(message, dict) and message.get("type") == "error":
+            data = message.get("data") or {}
+            raise EnvError(f"{self.url} state: server error {data.get('code', '?')}: {str(data.get('message', ''))[:300]}")
+        if not isinstance(message, dict) or message.get("type") != "state" or not isinstance(message.get("data"), dict):
+            raise EnvError(f"{self.url}: expected a state, got {str(message)[:200]}")
+        return message["data"]
 
     async def _abandon(self) -> None:
         ws, self._ws = self._ws, None

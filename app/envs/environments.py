@@ -24,8 +24,11 @@ after feedback scores between its own score and 1.0).
 ``[EXPRESSION]`` (square brackets around the whole turn) calls the calculator
 (app/envs/calculator.py: integers, ``+ - * // % **`` and parentheses; no code runs); the
 environment answers ``=VALUE`` + newline (role ``tool``), or ``=error: REASON`` + newline. Any
-other turn is the final answer, scored by the dataset's ``score_answer`` on its first line;
-that ends the episode. At most ``env.max_turns - 1`` calls: a call in the last turn ends the
+other turn is the final answer, scored on its first line: 1 when the dataset's
+``score_answer`` gives it full marks, else 0. (reasoning-gym's default ``score_answer`` gives
+``len(answer) / len(text)`` to a text that merely contains the answer, e.g. ``4453`` for
+``445``: RL on that credit taught greedy decoding to pad wrong answers, not to compute right
+ones; BENCHMARKS.md.) That ends the episode. At most ``env.max_turns - 1`` calls: a call in the last turn ends the
 episode with reward 0.
 
 Errors (a step before reset or after done, a spec that is not a reasoning-gym task) raise:
@@ -169,7 +172,7 @@ class CalculatorEnv(_TaskEnv):
         self._check_step()
         text = action.text.strip()
         if not (text.startswith("[") and text.endswith("]")):
-            return self._end(self._score(text))
+            return self._end(1.0 if self._score(text) == 1.0 else 0.0)  # exact answers only
         self.calls += 1
         if self.calls >= self.cfg.max_turns:
             return self._end(0.0)  # no turn left for an answer

@@ -14,7 +14,10 @@ prompt = the reset observation, each turn ends with ``<eos>``, an episode that r
 * `demonstrations`: the warm-up's examples from ``env.demos_path``, a JSONL of
   ``{"spec": <the episode's problem>, "actions": ["turn", ...]}``: each row is played against
   the environment (the actions sent in order until it says done), and its tokens are the
-  episode's with loss mask 1 on the actions and their ``<eos>``, 0 on the observations.
+  episode's with loss mask 1 on the actions and their ``<eos>``, 0 on the observations. A row
+  whose ``actions`` is None (``env.demos_from_env``) takes them from the reset observation's
+  OpenEnv ``metadata``, ``{"demonstration": ["turn", ...]}``: the environment's own solution of
+  its episode, which the policy never reads (only the observation's text field is rendered).
 
 Any failure of the environment (no connection, an error answer, no text field) raises
 `EnvError`: an evaluation or warm-up never counts a failed episode as a score.
@@ -133,6 +136,25 @@ def load_demos(path: str | Path) -> list[dict]:
     return rows
 
 
+def _own_demonstration(first: StepResult, url: str) -> list[str]:
+    """The turns of the reset observation's ``metadata["demonstration"]`` (``env.demos_from_env``).
+
+    Raises:
+        EnvError: no such list of strings (names the URL and what the metadata held).
+    """
+    meta = first.metadata or first.observation.get("metadata") or {}
+    actions = meta.get("demonstration") if isinstance(meta, dict) else None
+    if not (isinstance(actions, list) and actions and all(isinstance(a, str) for a in actions)):
+        raise EnvError(f"env.demos_from_env: {url}: the reset observation's metadata has no 'demonstration' "
+                       f"list of turns (it has {sorted(meta) if isinstance(meta, dict) else meta!r})")
+    return actions
+
+
+def own_demo_rows(specs: list[str]) -> list[dict]:
+    """`demonstrations` rows for ``env.demos_from_env``: each spec, its turns from the environment."""
+    return [{"spec": spec, "actions": None} for spec in specs]
+
+
 async def _demo_chunk(rows: list[dict], tokenizer, env_cfg, url: str, wire: WireFormat) -> list[tuple[list[int], list[int]]]:
     renderer = renderer_for(tokenizer)
 
@@ -142,7 +164,8 @@ async def _demo_chunk(rows: list[dict], tokenizer, env_cfg, url: str, wire: Wire
             history = [_msg(wire, first, reset=True)]
             ids = renderer.prompt_ids(history)
             mask = [0] * len(ids)
-            for text in row["actions"]:
+            actions = row["actions"] if row["actions"] is not None else _own_demonstration(first, url)
+            for text in actions:
                 turn = list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
                 ids += turn
                 mask += [1] * len(turn)

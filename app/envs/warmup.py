@@ -153,14 +153,17 @@ def build_base_policy(cfg: RunConfig):
 
 
 def user_env_examples(cfg: RunConfig, tokenizer, env_url: str | None, log=print):
-    """The warm-up examples of a user's environment: its ``env.demos_path`` rows played against
-    the server at ``env_url`` (app/envs/episodes_remote.py), or None without demonstrations.
+    """The warm-up examples of a user's environment, played against the server at ``env_url``
+    (app/envs/episodes_remote.py): its ``env.demos_path`` rows, or with ``env.demos_from_env``
+    the training episodes with the turns each reset observation's metadata gives; None without
+    demonstrations.
 
     Raises:
         ValueError, FileNotFoundError: a bad demonstrations file, or no server address.
-        EnvError, WireError: the server failed or has no text fields.
+        EnvError, WireError: the server failed, has no text fields, or (``demos_from_env``) gave
+            no demonstration.
     """
-    if not cfg.env.demos_path:
+    if not cfg.env.demos_path and not cfg.env.demos_from_env:
         log("warmup: env.demos_path unset: the base policy is the untrained preset (no demonstrations)")
         return None
     from app.envs import episodes_remote
@@ -169,9 +172,14 @@ def user_env_examples(cfg: RunConfig, tokenizer, env_url: str | None, log=print)
     url = env_url or cfg.env.url
     if not url:
         raise ValueError(f"env.url: the demonstrations of {cfg.env.name!r} are played against its server")
-    rows = episodes_remote.load_demos(cfg.env.demos_path)
+    if cfg.env.demos_from_env:
+        train, _ = make_splits(cfg.task)
+        rows = episodes_remote.own_demo_rows([p.spec for p in train])
+    else:
+        rows = episodes_remote.load_demos(cfg.env.demos_path)
     examples = episodes_remote.demonstrations(rows, tokenizer, cfg.env, url, fetch_wire_format(url))
-    log(f"warmup: {len(examples)} demonstrations played against {url}")
+    source = "the environment's own (reset metadata)" if cfg.env.demos_from_env else cfg.env.demos_path
+    log(f"warmup: {len(examples)} demonstrations from {source} played against {url}")
     return examples
 
 

@@ -206,7 +206,11 @@ class RolloutWorker:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"environment server {self.episodes.url} not healthy after {limit:.0f} s")
                 await self._sleep_or_stop(0.5)
-            await self.episodes.read_wire()  # a schema without text fields ends the worker here
+            wire = await self.episodes.read_wire()  # a schema without text fields ends the worker here
+            if not self.cfg.env.served_by_moerl():  # a user's server: reset must take spec (app/envs/contract.py)
+                from app.envs.contract import check_reset_async
+
+                await check_reset_async(self.episodes.url, wire)
             return
         warm = getattr(self.score_fn, "warm", None)
         if callable(warm):

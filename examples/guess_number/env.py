@@ -11,7 +11,9 @@ observation's ``message``), and moerl reads them from the server's ``/schema``. 
 moerl asks of it: ``reset`` takes ``spec``, the episode's problem, so that every episode of a
 GRPO group plays the same secret. With ``task.source: env`` moerl sends
 ``{"source": "env", "split": "train" | "heldout", "index": i, "seed": s}`` as JSON; the secret
-is drawn from it, so held-out episodes are a fixed set.
+is drawn from it, so held-out episodes are a fixed set. Each reset observation's OpenEnv
+``metadata`` also carries ``{"demonstration": [the bisection guesses]}``, which moerl's warm-up
+plays with ``env.demos_from_env: true`` instead of reading ``demos.jsonl``.
 
 Serve it on its own, as any OpenEnv environment::
 
@@ -83,7 +85,9 @@ class GuessNumberEnv(Environment[GuessAction, GuessObservation, State]):
         self.secret = secret_of(spec)
         self.done = False
         self._state = State(episode_id=episode_id, step_count=0)
-        return GuessObservation(message=f"{LOW}-{HIGH}?", reward=0.0)
+        # OpenEnv's metadata, which the player never reads: the turns that solve this episode,
+        # for moerl's warm-up with env.demos_from_env (instead of a demonstrations JSONL).
+        return GuessObservation(message=f"{LOW}-{HIGH}?", reward=0.0, metadata={"demonstration": bisect(self.secret)})
 
     def step(self, action: GuessAction, timeout_s: Optional[float] = None, **kwargs: Any) -> GuessObservation:
         if self.secret is None or self.done:

@@ -1,0 +1,90 @@
+"""A user's environment server checked against moerl's reset contract before any episode.
+
+OpenEnv's server publishes the action, observation and state schemas (``GET /schema``, read by
+app/envs/wire.py) but not the signature of the environment's ``reset``: its WebSocket handler
+passes ``reset`` only the keyword arguments the signature names (``_get_valid_kwargs`` in
+OpenEnv's ``http_server.py``; everything when it has ``**kwargs``) and drops the rest without a
+word. A server whose ``reset`` cannot take ``spec`` therefore plays a problem of its own choice
+in every episode, and the G episodes of one GRPO group compare different problems.
+
+`check_reset` asks the server itself, on one WebSocket session (OpenEnv's protocol,
+app/envs/env_client.py):
+
+1. ``reset`` with a ``spec`` that names no problem (`PROBE_SPEC`) must be refused (an error
+   answer). An environment that reads ``spec`` refuses one it cannot read; one that dropped or
+   ignored it starts an episode anyway.
+2. With a problem of the task (``spec``), ``reset`` must succeed, its observation must carry the
+   reset text field of the server's schema, and ``state`` (OpenEnv's ``State.episode_id``, which
+   OpenEnv's own environments set from ``reset(episode_id=...)``) must name the ``episode_id``
+   moerl sent.
+
+Every failure is one `WireError` (a ValueError: `moerl run` prints it in one line, exit 2)
+naming the URL and the field. `moerl env` checks its own classes in process instead
+(app/envs/openenv_server.py), so only servers given by ``env.url`` are probed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+from app.envs.env_client import EnvError, EnvSession
+from app.envs.wire import WireError, WireFormat, http_base
+
+# Not JSON and not a number: no environment that reads its spec can take it as a problem.
+PROBE_SPEC = "moerl-probe: this spec names no problem"
+
+
+async def check_reset_async(url: str, wire: WireFormat, spec: Any = None, timeout_s: float = 10.0) -> None:
+    """`check_reset` in a running event loop (the rollout worker's)."""
+    base = http_base(url)
+    probe_id = f"moerl-probe-{uuid.uuid4().hex[:12]}"
+    try:
+        async with EnvSession(base, step_timeout_s=timeout_s) as env:
+            try:
+                await env.reset(spec=PROBE_SPEC, episode_id=probe_id)
+            except EnvError as e:
+                if "server error" not in str(e):  # no answer at all: not a refusal of the spec
+                    raise
+            else:
+                raise WireError(
+                    f"env.url {base}: reset took spec={PROBE_SPEC!r} without an error: its reset drops 'spec' "
+                    "(OpenEnv passes reset only the keyword arguments its signature names) or ignores it, so "
+                    "the episodes of a GRPO group would not play the same problem; reset must take spec and "
+                    "refuse one it cannot read")
+            if spec is None:
+                return
+            try:
+                first = await env.reset(spec=spec, episode_id=probe_id)
+            except EnvError as e:
+                raise WireError(f"env.url {base}: reset with the task's first problem as spec failed: {e}") from None
+            wire.message(first.observation, reset=True)  # WireError: no reset text field
+            state = await env.state()
+            await env.close(check=False)
+    except EnvError as e:
+        raise ConnectionError(f"env.url {base}: checking reset: {e}") from None
+    except WireError as e:
+        if str(e).startswith("env.url"):
+            raise
+        raise WireError(f"env.url {base}: reset's {e}") from None
+    if state.get("episode_id") != probe_id:
+        raise WireError(f"env.url {base}: reset does not take 'episode_id': after reset(episode_id={probe_id!r}) "
+                        f"its state's episode_id is {state.get('episode_id')!r} (OpenEnv's State.episode_id)")
+
+
+def check_reset(url: str, wire: WireFormat, spec: Any = None, timeout_s: float = 10.0) -> None:
+    """Check that the server at ``url`` takes moerl's ``reset(spec=..., episode_id=...)``
+    (module docstring). Without ``spec`` (no problem at hand) only step 1 runs.
+
+    Args:
+        url: the server, ``http://host:port`` (``env.url``).
+        wire: its text fields (`app.envs.wire.fetch_wire_format`).
+        spec: one problem of the task, as rollouts send it (`app.envs.tasks.Prompt.spec`).
+
+    Raises:
+        WireError: reset takes a spec that names no problem, fails on the task's problem, its
+            observation lacks the reset text field, or its state does not name the episode_id.
+        ConnectionError: no session could be opened or a call got no answer.
+    """
+    asyncio.run(check_reset_async(url, wire, spec, timeout_s))
