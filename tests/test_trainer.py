@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_usable_rejects_and_counts_bad_groups():
-    from app.trainer.loop import TrainState, usable
+    from app.trainer.intake import usable
+    from app.trainer.state import TrainState
 
     state = TrainState(version=3)
     good, stale, errored, broken = fake_groups(4)

@@ -63,6 +63,7 @@ from redis.retry import Retry
 
 from app.buffer.encoding import GroupHeader, decode_group, encode_group
 from app.buffer.records import FINISH_REASONS, Group, Sample, Task, sample_id
+from app.versions import overstale
 
 if TYPE_CHECKING:
     from app.config import RunConfig
@@ -672,7 +673,7 @@ class ExperienceBuffer:
                     self._cursor = entry_id
                     try:
                         h = self._header(entry_id, fields)
-                        stale = trainer_version - h.policy_version > self.max_staleness
+                        stale = overstale(trainer_version, h.policy_version, self.max_staleness)
                     except (KeyError, TypeError, ValueError) as e:  # JSONDecodeError is a ValueError
                         self.dead_letter(entry_id, fields, f"{type(e).__name__}: {e}")
                         continue
