@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from app.envs.tokenizer import BOS_ID
+from app.model.tokenizer import BOS_ID
 from app.rollout import engine_client, engine_server
 from app.rollout.engine_client import EngineClient
 from app.rollout.engine_server import Engine, create_app, load_checkpoint

@@ -99,7 +99,7 @@ def add_tokenizer(out_dir: Path, source_dir: str | Path | None) -> None:
     """Put tokenizer files into ``out_dir`` so AutoTokenizer (and SGLang) load the version alone.
 
     Copies them from ``source_dir`` (the checkpoint the run started from) if it has a
-    tokenizer.json; otherwise writes the built-in character tokenizer (app.envs.tokenizer).
+    tokenizer.json; otherwise writes the built-in character tokenizer (app.model.tokenizer).
     """
     src = Path(source_dir) if source_dir else None
     if src is not None and (src / "tokenizer.json").is_file():
@@ -107,7 +107,7 @@ def add_tokenizer(out_dir: Path, source_dir: str | Path | None) -> None:
             if (src / name).is_file():
                 shutil.copy2(src / name, out_dir / name)
         return
-    from app.envs.tokenizer import save_tokenizer
+    from app.model.tokenizer import save_tokenizer
 
     save_tokenizer(out_dir)
 
