@@ -24,8 +24,9 @@ from __future__ import annotations
 import cdk8s
 from constructs import Construct
 
-from app.buffer.acl import ROLES, USER_ENV, server_args
-from app.buffer.experience import PASSWORD_ENV, SET_KEYS, STREAM_KEYS, buffer_keys
+from app.buffer.acl import ROLES, server_args
+from app.buffer.experience import SET_KEYS, STREAM_KEYS, buffer_keys
+from app.names import PASSWORD_ENV, USER_ENV
 from charts8s.cluster import BUFFER_SERVICE, FEED, REDIS_DB, REDIS_EXPORTER_PORT, REDIS_PORT, ROLLOUT, TRAINER
 from charts8s.kube import api_object, k8s_module
 from charts8s.monitoring import METRICS_PORT_NAME, metrics_port

@@ -20,7 +20,8 @@ import yaml
 from referencing import Registry, Resource
 
 from app.config import RunConfig
-from app.torchx_component import CLUSTER_CONFIG, EFA_RESOURCE, engine_command, trainer_command
+from app.names import CLUSTER_CONFIG
+from app.torchx_component import EFA_RESOURCE, engine_command, trainer_command
 from charts8s.main import build, main
 from charts8s.volcano import JOB_SCHEMA
 from charts8s.workloads import WorkloadError, load_workloads

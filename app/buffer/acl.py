@@ -33,7 +33,7 @@ image patched (charts8s/workloads.py ``BufferSpec.image``).
 
 from __future__ import annotations
 
-from app.buffer.experience import USER_ENV, buffer_keys  # noqa: F401  (USER_ENV: the role's user)
+from app.buffer.experience import buffer_keys
 
 ROLES = ("trainer", "rollout", "feed")
 # redis-py also sends CLIENT SETINFO on connect and ignores a refusal; Redis 7.0 has no such

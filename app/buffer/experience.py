@@ -63,14 +63,13 @@ from redis.retry import Retry
 
 from app.buffer.encoding import GroupHeader, decode_group, encode_group
 from app.buffer.records import FINISH_REASONS, Group, Sample, Task, sample_id
+from app.names import PASSWORD_ENV, USER_ENV
 from app.versions import overstale
 
 if TYPE_CHECKING:
     from app.config import RunConfig
 
 ROLLOUT_GROUP = "rollout"
-PASSWORD_ENV = "MOERL_REDIS_PASSWORD"
-USER_ENV = "MOERL_REDIS_USER"  # the role's Redis ACL user (app/buffer/acl.py); unset: "default"
 STAT_NAMES = ("issued", "finished", "taken", "consumed", "dropped_stale", "requeued",
               "duplicates", "released", "failed_requeued", "failed_dropped", "dead_lettered")
 # Dead letters kept (approximately: XADD MAXLEN ~), and the characters of each field kept in one.
