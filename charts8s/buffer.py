@@ -25,7 +25,7 @@ import cdk8s
 from constructs import Construct
 
 from app.buffer.acl import ROLES, server_args
-from app.buffer.experience import SET_KEYS, STREAM_KEYS, buffer_keys
+from app.buffer.keys import SET_KEYS, STREAM_KEYS, buffer_keys
 from app.names import PASSWORD_ENV, USER_ENV
 from charts8s.cluster import BUFFER_SERVICE, FEED, REDIS_DB, REDIS_EXPORTER_PORT, REDIS_PORT, ROLLOUT, TRAINER
 from charts8s.kube import api_object, k8s_module

@@ -382,7 +382,8 @@ def test_the_exporter_checks_the_keys_the_buffer_writes(synth, redis_server):
     import redis
 
     from app.buffer import ExperienceBuffer, Sample, Task
-    from app.buffer.experience import ROLLOUT_GROUP, SET_KEYS, STREAM_KEYS
+    from app.buffer.experience import ROLLOUT_GROUP
+    from app.buffer.keys import SET_KEYS, STREAM_KEYS
 
     (cm,) = synth.kinds("ConfigMap")
     run = RunConfig.model_validate(yaml.safe_load(cm["data"]["run.yaml"]))
