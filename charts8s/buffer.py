@@ -12,7 +12,7 @@ Beside redis-server runs oliver006/redis_exporter (flags and environment variabl
 README lists them for v1.88.0), the usual way to give Prometheus Redis's figures (memory,
 clients, commands, AOF); its container port "metrics" is what the moerl-buffer PodMonitor
 (charts8s/monitoring.py) scrapes. It also exports the length of the run's keys
-(app.buffer.experience.buffer_keys): ``redis_key_size`` of the task and sample streams and the
+(app.buffer.keys.buffer_keys): ``redis_key_size`` of the task and sample streams and the
 sets, and for the two streams ``redis_stream_length`` and, per consumer group,
 ``redis_stream_group_messages_pending`` (the tasks leased by rollout workers) and
 ``redis_stream_group_lag``. Its /scrape endpoint, which would make it connect to any address a
