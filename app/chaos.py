@@ -138,7 +138,7 @@ def chaos_config(steps: int, seed: int, run_dir: Path, *, group_size: int, group
 
 def make_base_policy(cfg: RunConfig, out: Path) -> Path:
     """A tiny random policy (``model.preset``, seed ``task.seed``) with the character tokenizer."""
-    from app.envs.tokenizer import save_tokenizer
+    from app.model.tokenizer import save_tokenizer
     from app.model.checkpoint import save_policy
     from app.model.config import tiny_config
     from app.model.parallel import EPContext
@@ -156,7 +156,7 @@ def make_base_policy(cfg: RunConfig, out: Path) -> Path:
 def make_tasks(cfg: RunConfig, base: Path) -> list:
     """The training prompts of ``cfg.task`` as Task records (ids "train-NNNNNN")."""
     from app.envs.tasks import make_splits, make_tasks as to_tasks
-    from app.envs.tokenizer import load_tokenizer
+    from app.model.tokenizer import load_tokenizer
 
     train, _ = make_splits(cfg.task)
     return to_tasks(train, load_tokenizer(base), cfg.rollout.group_size)

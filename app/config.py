@@ -478,12 +478,22 @@ class FeedConfig(Section):
                               "at rollout.temperature).")
 
 
+def error_line(e: ValidationError, whole: str | None = None) -> str:
+    """A pydantic error as one line, ``<field path>: <why>; ...`` (pydantic's "Value error, "
+    prefix dropped): the one format of the run config's and the workloads file's errors (the
+    CLIs print it on one line and exit 2). A rule of the whole document (no field path) reads
+    ``<whole>: <why>``, or ``<why>`` when ``whole`` is None."""
+    parts = []
+    for err in e.errors():
+        loc = ".".join(map(str, err["loc"])) or whole
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
 def _describe(e: ValidationError) -> str:
-    """A pydantic error as one line: 'invalid run config: <field path>: <why>; ...' (the CLI's
-    one line, exit 2)."""
-    parts = [f"{'.'.join(map(str, err['loc'])) or '(run config)'}: {err['msg'].removeprefix('Value error, ')}"
-             for err in e.errors()]
-    return "invalid run config: " + "; ".join(parts)
+    """'invalid run config: <field path>: <why>; ...' (`error_line`)."""
+    return "invalid run config: " + error_line(e, "(run config)")
 
 
 class RunConfig(Section):

@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 
 from app.buffer import ExperienceBuffer
-from app.buffer.acl import ROLES, USER_ENV, server_args
-from app.buffer.experience import PASSWORD_ENV
+from app.buffer.acl import ROLES, server_args
+from app.names import PASSWORD_ENV, USER_ENV
 from app.buffer.redis_server import LocalRedis, free_port, new_password
 from app.config import RunConfig
 from app.layout import default_world

@@ -141,7 +141,7 @@ def make_feeder(cfg: RunConfig, tokenizer_dir: Path, open_buffer: Callable, ledg
                 cache_dir: Path | None = None) -> TaskFeeder:
     """The `TaskFeeder` of ``cfg``: its task's training split, tokenized with ``tokenizer_dir``."""
     from app.envs.tasks import make_splits, make_tasks
-    from app.envs.tokenizer import load_tokenizer
+    from app.model.tokenizer import load_tokenizer
 
     task = resolve_task(cfg.task, cache_dir or Path(tokenizer_dir).parent)
     train, _ = make_splits(task)
@@ -203,7 +203,7 @@ class HeldOutEval:
             EngineError: the engine failed, or did not load the version.
             FileNotFoundError: the version is not (or no longer) in the store.
         """
-        from app.envs.tokenizer import load_tokenizer
+        from app.model.tokenizer import load_tokenizer
         from app.rollout.engine_client import EngineClient, EngineError
         from app.storage.policy import download_policy
 

@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app import versions
+
 
 def append_issued(path: Path, task_ids: list[str], attempt: int = 0) -> None:
     """Append one line per prompt to ``issued.jsonl`` and fsync (before the tasks are queued)."""
@@ -171,7 +173,7 @@ def audit(issued: set[str], lineage: Lineage, pending: set[str], max_staleness: 
             trained_prompts.add(g["task_id"])
             for sid, pv in g["samples"]:
                 seen[sid] = seen.get(sid, 0) + 1
-                if tv - int(pv) > max_staleness:
+                if versions.overstale(tv, pv, max_staleness):
                     overstale.append(sid)
     completed = issued & trained_prompts
     waiting = (issued - completed) & pending

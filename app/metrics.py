@@ -28,8 +28,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from app.storage import ObjectStore, open_store
 from app.storage.store import run_area
 
-# The port every moerl process serves /metrics on (charts8s/monitoring.py scrapes it).
-METRICS_PORT = 9464
 # Buffer counters (app.buffer.experience STAT_NAMES) exported as Prometheus counters.
 BUFFER_COUNTERS = ("issued", "finished", "taken", "consumed", "dropped_stale", "requeued", "duplicates", "released",
                    "failed_requeued", "failed_dropped", "dead_lettered")

@@ -19,10 +19,10 @@ import sys
 
 import torchx.specs as specs
 
+from app.names import CLUSTER_CONFIG
+
 TRAINER_ROLE = "trainer"
 ROLLOUT_ROLE = "rollout"
-# Where every cluster pod finds the run config (the ConfigMap is mounted here).
-CLUSTER_CONFIG = "/etc/moerl/run.yaml"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 HUGEPAGES_RESOURCE = "hugepages-2Mi"
 MIB = 1024 * 1024

@@ -23,9 +23,8 @@ from __future__ import annotations
 import cdk8s
 from constructs import Construct
 
-from app.rollout.engine_client import API_KEY_ENV
+from app.names import API_KEY_ENV, CLUSTER_CONFIG
 from app.rollout.engine_args import EngineLayout
-from app.torchx_component import CLUSTER_CONFIG
 from charts8s.cluster import ENV_SERVICE, run_config_volume
 from charts8s.kube import api_object, k8s_module
 from charts8s.lws import leader_worker_set

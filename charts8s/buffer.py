@@ -12,7 +12,7 @@ Beside redis-server runs oliver006/redis_exporter (flags and environment variabl
 README lists them for v1.88.0), the usual way to give Prometheus Redis's figures (memory,
 clients, commands, AOF); its container port "metrics" is what the moerl-buffer PodMonitor
 (charts8s/monitoring.py) scrapes. It also exports the length of the run's keys
-(app.buffer.experience.buffer_keys): ``redis_key_size`` of the task and sample streams and the
+(app.buffer.keys.buffer_keys): ``redis_key_size`` of the task and sample streams and the
 sets, and for the two streams ``redis_stream_length`` and, per consumer group,
 ``redis_stream_group_messages_pending`` (the tasks leased by rollout workers) and
 ``redis_stream_group_lag``. Its /scrape endpoint, which would make it connect to any address a
@@ -24,8 +24,9 @@ from __future__ import annotations
 import cdk8s
 from constructs import Construct
 
-from app.buffer.acl import ROLES, USER_ENV, server_args
-from app.buffer.experience import PASSWORD_ENV, SET_KEYS, STREAM_KEYS, buffer_keys
+from app.buffer.acl import ROLES, server_args
+from app.buffer.keys import SET_KEYS, STREAM_KEYS, buffer_keys
+from app.names import PASSWORD_ENV, USER_ENV
 from charts8s.cluster import BUFFER_SERVICE, FEED, REDIS_DB, REDIS_EXPORTER_PORT, REDIS_PORT, ROLLOUT, TRAINER
 from charts8s.kube import api_object, k8s_module
 from charts8s.monitoring import METRICS_PORT_NAME, metrics_port

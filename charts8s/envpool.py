@@ -15,7 +15,7 @@ from __future__ import annotations
 import cdk8s
 from constructs import Construct
 
-from app.torchx_component import CLUSTER_CONFIG
+from app.names import CLUSTER_CONFIG
 from charts8s.cluster import ENV_SERVICE, run_config_volume
 from charts8s.kube import api_object, k8s_module, rollout_facing_service
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security

@@ -27,7 +27,8 @@ from __future__ import annotations
 import cdk8s
 from constructs import Construct
 
-from app.torchx_component import CLUSTER_CONFIG, engine_command
+from app.names import CLUSTER_CONFIG
+from app.torchx_component import engine_command
 from charts8s.buffer import redis_credentials
 from charts8s.cluster import BUFFER_SERVICE, FEED, REDIS_PORT, run_config_volume
 from charts8s.fsx import mount_fsx

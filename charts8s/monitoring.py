@@ -4,7 +4,7 @@ NetworkPolicies that let Prometheus reach the metrics port.
 kube-prometheus-stack (infra/cluster.py) selects every PodMonitor in the cluster. A PodMonitor,
 not a ServiceMonitor: the rollout workers have no Service, and a trainer rank's pod is its
 target. Each selects one role's pods by their labels (charts8s.placement.labels) and scrapes the
-container port named "metrics": app.metrics.METRICS_PORT on trainer rank 0 and the rollout
+container port named "metrics": app.names.METRICS_PORT on trainer rank 0 and the rollout
 workers, the Redis exporter's port (charts8s.cluster.REDIS_EXPORTER_PORT) on the buffer pod,
 whose sidecar (charts8s/buffer.py) exports redis-server's figures and the length of the run's
 queue keys. A pod that declares no such port is no target, so only trainer rank 0, which serves
@@ -24,7 +24,7 @@ from typing import Any
 import cdk8s
 from constructs import Construct
 
-from app.metrics import METRICS_PORT
+from app.names import METRICS_PORT
 from charts8s.cluster import BUFFER_SERVICE, REDIS_EXPORTER_PORT, ROLLOUT, ROLLOUT_WORKER, TRAINER
 from charts8s.kube import api_object, k8s_module
 from charts8s.placement import labels

@@ -41,11 +41,10 @@ import math
 import cdk8s
 from constructs import Construct
 
-from app.metrics import METRICS_PORT
 from app.model.source import store_copy_dir
+from app.names import ADMIN_API_KEY_ENV, API_KEY_ENV, CLUSTER_CONFIG, METRICS_PORT
 from app.rollout.engine_args import LWS_GROUP_SIZE, LWS_LEADER_ADDRESS, LWS_WORKER_INDEX, EngineLayout, sglang_command
-from app.rollout.engine_client import ADMIN_API_KEY_ENV, API_KEY_ENV
-from app.torchx_component import CLUSTER_CONFIG, EFA_ENV, EFA_RESOURCE, HUGEPAGES_RESOURCE, NVSHMEM_EFA_ENV, worker_command
+from app.torchx_component import EFA_ENV, EFA_RESOURCE, HUGEPAGES_RESOURCE, NVSHMEM_EFA_ENV, worker_command
 from charts8s.buffer import redis_credentials
 from charts8s.fsx import fsx_model_path, mount_fsx
 from charts8s.cluster import (BUFFER_SERVICE, ENV_SERVICE, REDIS_PORT, REWARD_MODEL_SERVICE, ROLLOUT, ROLLOUT_WORKER, TRAINER,

@@ -18,8 +18,8 @@ import cdk8s
 from constructs import Construct
 from torchx.schedulers.kubernetes_scheduler import app_to_resource, sanitize_for_serialization
 
-from app.metrics import METRICS_PORT
-from app.torchx_component import CLUSTER_CONFIG, trainer
+from app.names import CLUSTER_CONFIG, METRICS_PORT
+from app.torchx_component import trainer
 from charts8s.buffer import redis_credentials
 from charts8s.cluster import (BUFFER_SERVICE, REDIS_PORT, ROLLOUT, TRAINER, WEIGHT_SOURCE_LABEL, run_config_volume,
                               trainer_source_host, weight_group_port)

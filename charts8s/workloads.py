@@ -16,7 +16,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from app.config import EngineProfile, RunConfig
+from app.config import EngineProfile, RunConfig, error_line
 from app.layout import resolve_layout
 from app.rollout.engine_args import EngineLayout
 from infra.config import DeploymentConfig, NodePool
@@ -489,8 +489,7 @@ def load_workloads(cfg: DeploymentConfig, path: str | Path | None = None) -> Pla
     try:
         wl = Workloads.model_validate(data)
     except ValidationError as e:
-        fields = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
-        raise WorkloadError(f"{source}: {fields}") from None
+        raise WorkloadError(f"{source}: {error_line(e)}") from None
     try:
         run = RunConfig.load(wl.run_config) if wl.run_config else RunConfig()
     except (OSError, ValueError) as e:

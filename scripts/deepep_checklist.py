@@ -67,7 +67,7 @@ def _nvcc() -> dict:
 
 def preflight() -> dict:
     """The facts (dict) and the problems seen (list of sentences under "problems")."""
-    from app.model.parallel import deepep_pin_mismatch, deepep_unavailable_reason, loaded_nccl_version
+    from app.model.dispatch.deepep import deepep_pin_mismatch, deepep_unavailable_reason, loaded_nccl_version
 
     facts: dict = {"python": sys.version.split()[0], "torch": torch.__version__, "torch_cuda": torch.version.cuda}
     try:
@@ -206,7 +206,7 @@ def check_group(group, device, hidden: int = HIDDEN) -> list[dict]:
         os.environ["EP_DISABLE_GIN"] = "1"
         deepep.get_buffer(group, hidden, hidden * 2, 8, top_k)
         record("buffer", True, seconds=time.perf_counter() - t0, EP_DISABLE_GIN="1", first_error=str(e))
-    from app.model.parallel import loaded_nccl_version
+    from app.model.dispatch.deepep import loaded_nccl_version
 
     loaded = loaded_nccl_version()
     record("nccl loaded", True, version=".".join(map(str, loaded)) if loaded else None)

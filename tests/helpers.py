@@ -102,7 +102,7 @@ def tiny_moe_checkpoint(out: Path, seed: int, max_position_embeddings: int) -> P
     at `out` as an HF dir with the character tokenizer. Returns `out`."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from app.envs.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
+    from app.model.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
 
     torch.manual_seed(seed)
     cfg = Qwen3MoeConfig(

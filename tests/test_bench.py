@@ -280,8 +280,8 @@ for name in {NOT_IN_GPU_IMAGE!r}:
 import torch
 from transformers import AutoModelForCausalLM
 import app.bench.cli
-from app.bench.weight_sync import WeightSyncBench, real_width_config
-from app.bench.weight_sync_gpu import run_gpu
+from app.bench.weight_sync import WeightSyncBench
+from app.bench.weight_sync_gpu import real_width_config, run_gpu
 from app.model.config import tiny_config
 from app.trainer.publish import plan_version
 from app.weight_group import plan_buckets

@@ -154,8 +154,7 @@ def test_the_embedded_default_has_a_password_and_a_user_per_role(tmp_path):
     """`moerl run`'s Redis (app/embedded.py): nothing connects without a password, run.yaml holds
     none, each role process gets its own user in its environment, and the rollout user cannot
     write the push record there either."""
-    from app.buffer.acl import USER_ENV
-    from app.buffer.experience import PASSWORD_ENV
+    from app.names import PASSWORD_ENV, USER_ENV
     from app.config import RunConfig
     from app.embedded import EmbeddedLoop
 

@@ -270,7 +270,7 @@ def test_warm_up_demonstrations_from_the_environments_own_episodes():
     turns only. An environment without them is one error naming 'demonstration'."""
     from app.envs.env_client import EnvError
     from app.envs.tasks import make_splits
-    from app.envs.tokenizer import build_tokenizer
+    from app.model.tokenizer import build_tokenizer
     from app.envs.warmup import user_env_examples
 
     tok = build_tokenizer()

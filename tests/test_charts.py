@@ -20,7 +20,8 @@ import yaml
 from referencing import Registry, Resource
 
 from app.config import RunConfig
-from app.torchx_component import CLUSTER_CONFIG, EFA_RESOURCE, engine_command, trainer_command
+from app.names import CLUSTER_CONFIG
+from app.torchx_component import EFA_RESOURCE, engine_command, trainer_command
 from charts8s.main import build, main
 from charts8s.volcano import JOB_SCHEMA
 from charts8s.workloads import WorkloadError, load_workloads
@@ -381,7 +382,8 @@ def test_the_exporter_checks_the_keys_the_buffer_writes(synth, redis_server):
     import redis
 
     from app.buffer import ExperienceBuffer, Sample, Task
-    from app.buffer.experience import ROLLOUT_GROUP, SET_KEYS, STREAM_KEYS
+    from app.buffer.experience import ROLLOUT_GROUP
+    from app.buffer.keys import SET_KEYS, STREAM_KEYS
 
     (cm,) = synth.kinds("ConfigMap")
     run = RunConfig.model_validate(yaml.safe_load(cm["data"]["run.yaml"]))

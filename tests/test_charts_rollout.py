@@ -321,7 +321,7 @@ def test_the_default_rollout_engine_command_parses_with_sglang_arguments(env):
 def test_the_worker_serves_the_port_its_podmonitor_scrapes(example):
     """The leader's worker container runs `moerl rollout --metrics-port` on the named port the
     moerl-rollout PodMonitor (charts8s/monitoring.py) scrapes, in a pod its selector matches."""
-    from app.metrics import METRICS_PORT
+    from app.names import METRICS_PORT
     from charts8s.monitoring import SCRAPED, metrics_port
     from charts8s.placement import labels
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from app.envs.chat import ChatRenderer, ChatTemplateError, TextRenderer, renderer_for
-from app.envs.tokenizer import BOS_ID, EOS_ID, build_tokenizer
+from app.model.tokenizer import BOS_ID, EOS_ID, build_tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -75,7 +75,7 @@ def _checklist():
 
 def _use_standin(variant: str) -> None:
     """Make `import deep_ep` give the stand-in: V2 (ElasticBuffer and Buffer) or V1 only."""
-    import app.model.parallel as parallel
+    import app.model.dispatch.deepep as deepep_module
 
     if variant == "v2":
         standin.topk_idx_t = torch.int32  # a build with EP_NUM_TOPK_IDX_BITS=32: the cast matters
@@ -87,7 +87,7 @@ def _use_standin(variant: str) -> None:
             setattr(module, name, getattr(standin, name))
     sys.modules["deep_ep"] = module
     # The stand-in runs on CPU: the availability check (CUDA, NCCL, sm90) is the real module's.
-    parallel.deepep_unavailable_reason = lambda group=None, hidden_size=None: None
+    deepep_module.deepep_unavailable_reason = lambda group=None, hidden_size=None: None
 
 
 def _equivalence_cases(rank: int, size: int, device: torch.device) -> None:
@@ -206,7 +206,7 @@ def test_dispatcher_through_the_standin_on_two_gloo_ranks(variant: str) -> None:
 @pytest.mark.parametrize("size", [2, 4, 8])
 def test_deepep_matches_ep1_on_gpus(size: int) -> None:
     """The equivalence cases with the real deep_ep in bf16 (relative L2 error < 2e-2)."""
-    from app.model.parallel import deepep_unavailable_reason
+    from app.model.dispatch.deepep import deepep_unavailable_reason
 
     reason = deepep_unavailable_reason(hidden_size=HIDDEN)
     if reason or torch.cuda.device_count() < size:
@@ -234,7 +234,7 @@ def test_a_hidden_size_deepep_rejects_is_refused_when_the_layer_is_built() -> No
 
 
 def test_auto_gives_the_import_error_as_its_reason(tmp_path, monkeypatch) -> None:
-    from app.model.parallel import deepep_unavailable_reason
+    from app.model.dispatch.deepep import deepep_unavailable_reason
 
     package = tmp_path / "deep_ep"
     package.mkdir()
@@ -345,7 +345,7 @@ def test_the_wheels_compiled_module_carries_the_checks_the_standin_enforces(whee
 
 
 def test_the_wheels_pins_are_checked_with_its_real_metadata() -> None:
-    from app.model.parallel import deepep_pin_mismatch
+    from app.model.dispatch.deepep import deepep_pin_mismatch
 
     md = {canonicalize_name(m["name"]): m for m in pypi.resolve([WHEEL, "torch==2.14.1"], no_deps=True)}
     old = pypi.resolve(["torch==2.11.0"], no_deps=True)[0]  # the lent GPU machine's torch

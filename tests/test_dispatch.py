@@ -112,7 +112,7 @@ def test_grouped_mm_path_matches_loop_on_cpu() -> None:
 
 
 def test_deepep_backend_skips_without_deep_ep_and_gpus() -> None:
-    from app.model.parallel import deepep_unavailable_reason
+    from app.model.dispatch.deepep import deepep_unavailable_reason
 
     reason = deepep_unavailable_reason()
     if reason is None and torch.cuda.device_count() >= 2:

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from app.buffer.redis_server import free_port
-from app.envs.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, load_tokenizer
+from app.model.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, load_tokenizer
 from app.rollout.engine_client import EngineClient, EngineError, wait_until_healthy
 from app.engine.sampler import DecodeBatch, SamplingParams, generate
 from helpers import engine_argv, tiny_moe_checkpoint

@@ -92,7 +92,7 @@ def test_a_new_version_of_the_served_model_skips_the_checks_not_the_weights(chec
     import app.model.checkpoint as ckpt_mod
     from safetensors.torch import load_file, save_file
 
-    from app.envs.tokenizer import save_tokenizer
+    from app.model.tokenizer import save_tokenizer
 
     v1 = edited(checkpoint, tmp_path / "v1")
     save_tokenizer(v1)

@@ -66,7 +66,7 @@ def test_a_routed_answer_without_a_version_is_refused(tmp_path):
     with pytest.raises(EngineMisconfigured, match="weight_version"):
         asyncio.run(worker._generate(make_tasks(1)[0]))
     # the worker's own engine's version never stands in for the serving engine's
-    worker.engine_version = 7
+    worker.weights.version = 7
     with pytest.raises(EngineMisconfigured):
         asyncio.run(worker._generate(make_tasks(1)[0]))
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from app.envs.tokenizer import BOS_ID
+from app.model.tokenizer import BOS_ID
 from app.rollout import probe
 from app.rollout.engine_client import EngineClient, decode_routed_experts
 from app.engine.load import load_checkpoint

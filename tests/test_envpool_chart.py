@@ -16,7 +16,7 @@ import yaml
 
 from app.cli import command
 from app.config import RunConfig
-from app.torchx_component import CLUSTER_CONFIG
+from app.names import CLUSTER_CONFIG
 from charts8s.main import build
 from charts8s.workloads import load_workloads
 from infra.config import POOL_LABEL, load_config

@@ -12,7 +12,7 @@ from app.config import TaskConfig
 from app.envs import rewards
 from app.envs.jsonl import load_jsonl, math_verify_reward
 from app.envs.tasks import make_splits, make_tasks
-from app.envs.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, VOCAB_SIZE, build_tokenizer, load_tokenizer, save_tokenizer
+from app.model.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, VOCAB_SIZE, build_tokenizer, load_tokenizer, save_tokenizer
 
 SMALL = dict(train_size=40, eval_size=10)
 

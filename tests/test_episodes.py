@@ -32,7 +32,7 @@ from app.buffer import ExperienceBuffer, Task
 from app.buffer.redis_server import free_port
 from app.config import RunConfig
 from app.envs.tasks import make_splits, make_tasks
-from app.envs.tokenizer import EOS_ID, build_tokenizer
+from app.model.tokenizer import EOS_ID, build_tokenizer
 from app.rollout.engine_client import EngineClient, GenOutput, wait_until_healthy
 from app.rollout.worker import RolloutWorker
 from helpers import EnvServer, engine_argv, single_rank_env, tiny_moe_checkpoint

@@ -63,7 +63,7 @@ def _fake_version(tmp_path: Path) -> Path:
     from safetensors.torch import save_file
     import torch
 
-    from app.envs.tokenizer import save_tokenizer
+    from app.model.tokenizer import save_tokenizer
 
     d = tmp_path / "fake-policy"
     d.mkdir()

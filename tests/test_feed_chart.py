@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.torchx_component import CLUSTER_CONFIG, engine_command
+from app.names import CLUSTER_CONFIG
+from app.torchx_component import engine_command
 from charts8s.main import build
 from charts8s.workloads import WorkloadError, load_workloads
 from infra.config import POOL_LABEL, load_config

@@ -61,7 +61,7 @@ def test_a_malformed_payload_is_dead_lettered_and_the_step_goes_on(redis_server,
     """A good header over a payload that is not one (written by whoever can write to Redis): the
     rank that reads it reports it, rank 0 dead-letters it and counts it malformed, and the step
     trains the group beside it instead of raising on every take."""
-    from app.trainer.loop import TrainState
+    from app.trainer.state import TrainState
 
     intake, buf = make_intake(redis_server, steps=1)
     publish(buf, "bad", version=0)
@@ -85,7 +85,7 @@ def test_the_next_batch_is_taken_during_the_step_and_committed_only_after_its_ow
     taken while step 1 runs and checked against v2 (a v0 group is stale there, though not at v1).
     The save after step 1 commits step 1's groups only; a trainer killed during step 2 reads the
     prefetched ones again."""
-    from app.trainer.loop import TrainState
+    from app.trainer.state import TrainState
 
     intake, buf = make_intake(redis_server, steps=3, publish_every=1)
     publish(buf, "s1-a", version=1)
@@ -111,7 +111,7 @@ def test_the_next_batch_is_taken_during_the_step_and_committed_only_after_its_ow
 def test_the_next_batch_skips_a_republished_copy_of_the_batch_in_flight(redis_server, one_rank):
     """A group of the batch in flight published again (after a Redis failure lost the seen set)
     is a duplicate for the prefetch, though the lineage has not recorded it as trained yet."""
-    from app.trainer.loop import TrainState
+    from app.trainer.state import TrainState
 
     intake, buf = make_intake(redis_server, steps=3, publish_every=5)
     publish(buf, "a", version=0)
@@ -174,7 +174,7 @@ def test_a_prefetch_times_out_from_when_the_loop_waits_not_from_the_step_start(r
     as long again once the step is over, and then fails like a plain take (one clear error)."""
     import time
 
-    from app.trainer.loop import TrainState
+    from app.trainer.state import TrainState
 
     intake, buf = make_intake(redis_server, steps=3, batch_timeout_s=1.5)
     publish(buf, "a", version=0)

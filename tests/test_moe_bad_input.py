@@ -8,7 +8,8 @@ from transformers import DeepseekV3Config, LlamaConfig, Qwen3MoeConfig
 
 from app.config import ParallelConfig, RouterConfig
 from app.model.moe import MoEBlock
-from app.model.parallel import EPContext, deepep_unavailable_reason, init_ep
+from app.model.dispatch.deepep import deepep_unavailable_reason
+from app.model.parallel import EPContext, init_ep
 
 QWEN = dict(hidden_size=16, moe_intermediate_size=8, num_experts=8, num_experts_per_tok=2)
 DEEPSEEK = dict(hidden_size=16, moe_intermediate_size=8, n_routed_experts=8, num_experts_per_tok=2,

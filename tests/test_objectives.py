@@ -497,7 +497,7 @@ def _publish(buf, run_id: str, task_id: str, rewards: list[float], version: int 
 
 def test_take_groups_fills_the_batch_with_signal_and_the_buffer_consumes_the_rest(redis_server):
     from app.buffer import ExperienceBuffer
-    from app.trainer.loop import take_groups
+    from app.trainer.intake import take_groups
     from app.trainer.sampling import SignalFilter
 
     run_id = "ds"

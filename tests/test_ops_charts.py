@@ -17,7 +17,7 @@ import yaml
 from referencing import Registry, Resource
 
 from app.healthcheck import bus_bandwidth
-from app.metrics import METRICS_PORT
+from app.names import METRICS_PORT
 from charts8s.buffer import BufferChart
 from charts8s.cluster import BUFFER_SERVICE, REDIS_EXPORTER_PORT
 from charts8s.healthcheck import NAMESPACE, NCCL_JOB, NCCL_SERVICE, HealthCheckChart, dcgm_image

@@ -31,7 +31,7 @@ from app.engine.load import load_checkpoint
 from app.engine.sampler import SamplingParams
 from app.engine.scheduler import Engine
 from app.engine.server import create_app
-from app.envs.tokenizer import BOS_ID
+from app.model.tokenizer import BOS_ID
 from app.rollout.engine_client import EngineClient
 from app.rollout.worker import RolloutWorker
 from helpers import Recorder, tiny_moe_checkpoint

@@ -799,7 +799,7 @@ def test_expert_imbalance_scales_the_expert_side_and_its_default_is_the_measured
     16, the busiest of 2 EP ranks' rows over the mean, worst micro-batch and MoE layer."""
     from app.config import TaskConfig
     from app.envs.tasks import make_splits
-    from app.envs.tokenizer import build_tokenizer
+    from app.model.tokenizer import build_tokenizer
     from app.envs.warmup import build_base_policy, sft_batch, warm_up
     from app.model.moe import MoEBlock
     from app.plan.memory import EXPERT_IMBALANCE

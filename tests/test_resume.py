@@ -91,7 +91,7 @@ _KILL_CHILD = textwrap.dedent('''
         for v in (0, 1):
             out = root / f"hf{v}"
             save_policy(model, out, ep)
-            from app.envs.tokenizer import save_tokenizer
+            from app.model.tokenizer import save_tokenizer
             save_tokenizer(out)
             if v == 0:
                 publish_policy(store, "r", 0, out)

@@ -26,7 +26,7 @@ def rm_dir(tmp_path_factory) -> Path:
     """A tiny random Qwen3-MoE sequence-classification checkpoint (one label) with our tokenizer."""
     from transformers import Qwen3MoeForSequenceClassification
 
-    from app.envs.tokenizer import PAD_ID, save_tokenizer
+    from app.model.tokenizer import PAD_ID, save_tokenizer
     from app.model.config import tiny_config
 
     out = tmp_path_factory.mktemp("rm")
@@ -91,7 +91,7 @@ def test_large_request_is_split_into_max_batch_chunks(scorer):
 
 def test_text_and_token_ids_give_the_same_reward(scorer):
     from app.envs.reward_server import make_app
-    from app.envs.tokenizer import build_tokenizer
+    from app.model.tokenizer import build_tokenizer
 
     ids = build_tokenizer()("hello=olleh")["input_ids"]
     app = make_app(scorer, max_wait_ms=0)

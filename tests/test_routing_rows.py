@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from app.buffer.records import Task
-from app.envs.tokenizer import BOS_ID
+from app.model.tokenizer import BOS_ID
 from app.rollout.engine_client import EngineClient
 from app.engine.load import load_checkpoint
 from app.engine.scheduler import Engine
@@ -37,7 +37,7 @@ def dense_first_checkpoint(out):
     """A tiny Qwen3-MoE of 3 layers whose layer 0 is a dense MLP (mlp_only_layers), 4 experts top-2."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from app.envs.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
+    from app.model.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
 
     torch.manual_seed(3)
     cfg = Qwen3MoeConfig(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from app.envs.tokenizer import BOS_ID
+from app.model.tokenizer import BOS_ID
 from app.engine import scheduler as engine_server
 from app.engine.load import load_checkpoint
 from app.engine.scheduler import Engine

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_usable_rejects_and_counts_bad_groups():
-    from app.trainer.loop import TrainState, usable
+    from app.trainer.intake import usable
+    from app.trainer.state import TrainState
 
     state = TrainState(version=3)
     good, stale, errored, broken = fake_groups(4)
@@ -205,3 +206,25 @@ def test_unreachable_redis_fails_fast_on_both_ranks(tmp_path):
     assert f"moerl train (rank 0): cannot reach Redis at redis://127.0.0.1:{port}/0" in err, err[-3000:]
     assert "moerl train (rank 1): rank 0 failed" in err, err[-3000:]
     assert not (tmp_path / "store").exists() or not any((tmp_path / "store").rglob("*.safetensors"))
+
+
+def test_next_version_decides_push_store_and_announce():
+    """Every publish_every-th step and the last publish one more version; with network weight sync
+    each is pushed and only every store_every-th (and the last) is stored and announced."""
+    from app.trainer.publish import NextVersion, first_version, next_version
+
+    assert first_version(None) == 0 and first_version(4) == 5
+    cfg = RunConfig.model_validate({"trainer": {"steps": 9, "publish_every": 2},
+                                    "weight_sync": {"mode": "network", "store_every": 3}})
+    version, seen = 0, []
+    for step in range(1, 10):
+        d = next_version(cfg, step, version)
+        assert d.announce == d.store and d.publish == (d.version == version + 1)
+        if d.publish:
+            seen.append((step, d.version, d.push, d.store))
+        version = d.version
+    assert seen == [(2, 1, True, False), (4, 2, True, False), (6, 3, True, True), (8, 4, True, False),
+                    (9, 5, True, True)]
+    store = RunConfig.model_validate({"trainer": {"steps": 3, "publish_every": 2}})
+    stored = NextVersion(1, publish=True, store=True, announce=True)
+    assert [next_version(store, s, 0) for s in (1, 2, 3)] == [NextVersion(0), stored, stored]

@@ -10,7 +10,7 @@ import torch
 from app.config import RunConfig, TaskConfig
 from app.envs.evaluate import evaluate, evaluate_checkpoint, generate
 from app.envs.tasks import make_splits
-from app.envs.tokenizer import EOS_ID, build_tokenizer
+from app.model.tokenizer import EOS_ID, build_tokenizer
 from app.envs.warmup import lr_at, run_warmup, sft_batch
 
 

@@ -26,7 +26,7 @@ import pytest
 from app.buffer import ExperienceBuffer, Task
 from app.buffer.redis_server import free_port
 from app.config import RunConfig
-from app.envs.tokenizer import BOS_ID
+from app.model.tokenizer import BOS_ID
 from app.rollout.engine_client import EngineClient, EngineError, wait_until_healthy
 from app.rollout.scoring import score_with_timeout
 from app.rollout.worker import RolloutWorker

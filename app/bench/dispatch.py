@@ -259,7 +259,7 @@ def _time_backend(name: str, bench: DispatchBench, group, x: Tensor, topk_idx: T
 
 def resolve_backends(names: list[str], fp8: bool, group) -> tuple[list[str], list[str]]:
     """Backends to time, in order, and notes on the ones left out and why."""
-    from app.model.parallel import deepep_unavailable_reason
+    from app.model.dispatch.deepep import deepep_unavailable_reason
 
     reason = deepep_unavailable_reason(group)
     out, notes = ["alltoall"] if "auto" in names or "alltoall" in names else [], []

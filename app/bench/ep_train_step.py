@@ -239,7 +239,7 @@ def run(bench: EPTrainStepBench, out_dir: str = "runs/bench") -> dict | None:
         ValueError: a bad flag, fewer than 2 ranks, or NVLink multicast not off on CUDA (before
             the process group is joined); deepep asked for where it cannot run.
     """
-    from app.model.parallel import deepep_unavailable_reason
+    from app.model.dispatch.deepep import deepep_unavailable_reason
     from app.trainer.parallel import init_distributed
 
     world = world_size_from_env()

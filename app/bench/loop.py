@@ -478,7 +478,7 @@ def run_trl(cfg, base: Path, out_dir: Path, seconds: float, before: dict) -> dic
 
     from app.bench.machine import LoadMonitor
     from app.envs.tasks import make_splits
-    from app.envs.tokenizer import load_tokenizer, save_tokenizer
+    from app.model.tokenizer import load_tokenizer, save_tokenizer
     from app.run import held_out_reward
 
     t = cfg.trainer

@@ -42,10 +42,10 @@ RULES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("step: other collectives (all-reduce of counts, stats)", ("_all_reduce (app/trainer/step.py",)),
         ("step: backward", ("Tensor.backward (torch/_tensor.py",)),
         ("step: forward + loss", ("train_step (app/trainer/step.py",)),
-        ("batch: take groups from Redis", ("take_groups (app/trainer/loop.py",)),
-        ("batch: scatter to ranks", ("scatter_groups (app/trainer/loop.py",)),
+        ("batch: take groups from Redis", ("take_groups (app/trainer/intake.py",)),
+        ("batch: scatter to ranks", ("scatter_groups (app/trainer/intake.py",)),
         ("batch: collate", ("collate_groups (app/trainer/batch.py",)),
-        ("ledger + metrics (fsync, Redis stats)", ("append_line (app/trainer/loop.py", "json/", "logging/",
+        ("ledger + metrics (fsync, Redis stats)", ("append_line (app/trainer/trainer.py", "json/", "logging/",
                                                    "ExperienceBuffer.stats", "ExperienceBuffer.commit")),
     ],
     "engine": [

@@ -79,7 +79,7 @@ def make_checkpoints(cfg, out: Path) -> tuple[Path, Path]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from app.envs.tokenizer import save_tokenizer
+    from app.model.tokenizer import save_tokenizer
     from app.model.config import tiny_config
 
     dirs = []
@@ -179,7 +179,7 @@ def run(bench: PartialBench, out_dir: str = "runs/bench") -> dict:
     from app.bench.results import print_notes_and_write
     from app.config import RunConfig
     from app.envs.tasks import make_splits, make_tasks
-    from app.envs.tokenizer import build_tokenizer
+    from app.model.tokenizer import build_tokenizer
 
     bench.check()
     cfg = RunConfig.load(bench.config) if bench.config else RunConfig()

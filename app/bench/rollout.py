@@ -273,7 +273,8 @@ def compare(bench: RolloutBench, cfg, prompts: list[str], concurrency: int, out_
 
 
 async def _run_async(bench: RolloutBench, cfg, prompts: list[str], concurrency: int, baseline_s: float):
-    from app.rollout.engine_client import API_KEY_ENV, EngineClient
+    from app.names import API_KEY_ENV
+    from app.rollout.engine_client import EngineClient
 
     r = cfg.rollout
     gen_kwargs = dict(n=r.group_size, max_new_tokens=bench.max_new_tokens or r.max_new_tokens,

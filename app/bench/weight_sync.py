@@ -84,26 +84,6 @@ def cpu_model_config(name: str):
     raise ValueError(f"--model must be one of {CPU_MODELS} on cpu, got {name!r}")
 
 
-def real_width_config(layers: int):
-    """Qwen3-30B-A3B at its published widths with ``layers`` decoder layers: the repository's
-    own definition (`app.bench.train_step.model_config`) where it exists, else built here from
-    the published config.json values (hidden 2048, 128 experts of 768, top-8, 32 query / 4 kv
-    heads of 128, vocabulary 151936)."""
-    try:
-        from app.bench.train_step import model_config
-
-        return model_config("qwen3-30b-a3b", layers=layers)
-    except ImportError:  # app.model.config.real_config is not on this branch yet
-        from transformers import Qwen3MoeConfig
-
-        return Qwen3MoeConfig(
-            vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-            num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-            num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, norm_topk_prob=True,
-            max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
-            architectures=["Qwen3MoeForCausalLM"])
-
-
 def check(b: WeightSyncBench) -> None:
     """Raise ValueError naming the first bad flag."""
     check_device(b.device)

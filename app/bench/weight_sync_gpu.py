@@ -22,6 +22,26 @@ import torch
 from app.bench.common import DTYPES
 
 
+def real_width_config(layers: int):
+    """Qwen3-30B-A3B at its published widths with ``layers`` decoder layers: the repository's
+    own definition (`app.bench.train_step.model_config`) where it exists, else built here from
+    the published config.json values (hidden 2048, 128 experts of 768, top-8, 32 query / 4 kv
+    heads of 128, vocabulary 151936)."""
+    try:
+        from app.bench.train_step import model_config
+
+        return model_config("qwen3-30b-a3b", layers=layers)
+    except ImportError:  # app.model.config.real_config is not on this branch yet
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+            num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+            num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, norm_topk_prob=True,
+            max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            architectures=["Qwen3MoeForCausalLM"])
+
+
 def _model(config, dtype: torch.dtype, device: str):
     from transformers import AutoModelForCausalLM
 
@@ -130,7 +150,6 @@ def run_gpu(b, work: Path, device: str = "cuda", config=None):
     with a tiny model (default: the GPU and `real_width_config(b.layers)`)."""
     import torch.multiprocessing as mp
 
-    from app.bench.weight_sync import real_width_config
     from app.storage import open_store
     from app.trainer.publish import plan_version, publish_version
     from app.weight_group import dtype_name, open_group, pack_bucket, plan_buckets

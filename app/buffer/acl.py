@@ -8,7 +8,7 @@ engine to an address of its choosing. As user ``rollout`` it can only read the p
 bucket plans, the event stream and the policy hash; it writes its own queue work, its engine's
 registration and its acks.
 
-Roles (`ROLES`) and their keys (every key is ``{prefix}:{run_id}:<name>``, app/buffer/experience.py
+Roles (`ROLES`) and their keys (every key is ``{prefix}:{run_id}:<name>``, app/buffer/keys.py
 and app/buffer/weight_sync.py):
 
 - ``trainer``: every key of the run (it takes and commits samples, requeues stale tasks, announces
@@ -33,7 +33,7 @@ image patched (charts8s/workloads.py ``BufferSpec.image``).
 
 from __future__ import annotations
 
-from app.buffer.experience import USER_ENV, buffer_keys  # noqa: F401  (USER_ENV: the role's user)
+from app.buffer.keys import buffer_keys
 
 ROLES = ("trainer", "rollout", "feed")
 # redis-py also sends CLIENT SETINFO on connect and ignores a refusal; Redis 7.0 has no such

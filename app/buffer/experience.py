@@ -50,7 +50,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import threading
 import time
 import uuid
@@ -62,14 +61,15 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from app.buffer.encoding import GroupHeader, decode_group, encode_group
+from app.buffer.keys import blob_key_prefix, buffer_keys
 from app.buffer.records import FINISH_REASONS, Group, Sample, Task, check_version_segments, sample_id
+from app.names import PASSWORD_ENV, USER_ENV
+from app.versions import overstale
 
 if TYPE_CHECKING:
     from app.config import RunConfig
 
 ROLLOUT_GROUP = "rollout"
-PASSWORD_ENV = "MOERL_REDIS_PASSWORD"
-USER_ENV = "MOERL_REDIS_USER"  # the role's Redis ACL user (app/buffer/acl.py); unset: "default"
 STAT_NAMES = ("issued", "finished", "taken", "consumed", "dropped_stale", "requeued",
               "duplicates", "released", "failed_requeued", "failed_dropped", "dead_lettered")
 # Dead letters kept (approximately: XADD MAXLEN ~), and the characters of each field kept in one.
@@ -180,32 +180,6 @@ if ARGV[3] == '1' or not cur or tonumber(cur) < tonumber(ARGV[1]) then
 end
 return 0
 """
-
-_ID_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-# The keys of one run (module docstring), by Redis type.
-STREAM_KEYS = ("tasks", "samples", "dead")
-SET_KEYS = ("issued", "seen", "dropped")
-HASH_KEYS = ("stats", "policy")
-KEY_NAMES = STREAM_KEYS + SET_KEYS + HASH_KEYS
-
-
-def buffer_keys(run_id: str, prefix: str = "moerl") -> dict[str, str]:
-    """Redis key of each name in KEY_NAMES for one run: ``{prefix}:{run_id}:{name}``.
-
-    The buffer's own layout, also what charts8s/buffer.py gives the Redis exporter to watch.
-    Raises ValueError when run_id or prefix is not ``[A-Za-z0-9][A-Za-z0-9._-]*`` (named).
-    """
-    for name, value in (("run_id", run_id), ("prefix", prefix)):
-        if not isinstance(value, str) or not _ID_PART.match(value):
-            raise ValueError(f"{name} must match {_ID_PART.pattern}, got {value!r}")
-    return {n: f"{prefix}:{run_id}:{n}" for n in KEY_NAMES}
-
-
-def blob_key_prefix(run_id: str, prefix: str = "moerl") -> str:
-    """Prefix of the run's payload keys, ``{prefix}:{run_id}:blob:`` (checked as `buffer_keys` checks)."""
-    buffer_keys(run_id, prefix)
-    return f"{prefix}:{run_id}:blob:"
-
 
 class BufferConnectionError(ConnectionError):
     """Redis cannot be reached or refuses the credentials; the message names the URL."""
@@ -673,7 +647,7 @@ class ExperienceBuffer:
                     self._cursor = entry_id
                     try:
                         h = self._header(entry_id, fields)
-                        stale = trainer_version - h.policy_version > self.max_staleness
+                        stale = overstale(trainer_version, h.policy_version, self.max_staleness)
                     except (KeyError, TypeError, ValueError) as e:  # JSONDecodeError is a ValueError
                         self.dead_letter(entry_id, fields, f"{type(e).__name__}: {e}")
                         continue

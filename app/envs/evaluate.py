@@ -158,7 +158,7 @@ def evaluate_checkpoint(path: str | os.PathLike, prompts: list[Prompt], temperat
     """
     from transformers import AutoModelForCausalLM
 
-    from app.envs.tokenizer import load_tokenizer
+    from app.model.tokenizer import load_tokenizer
 
     path = Path(path)
     if not (path / "config.json").is_file():

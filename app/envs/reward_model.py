@@ -204,7 +204,7 @@ def fit_reward_model(cfg: RunConfig, base: str | os.PathLike, out: str | os.Path
     from transformers import AutoModelForSequenceClassification
 
     from app.envs.tasks import make_splits
-    from app.envs.tokenizer import PAD_ID, build_tokenizer, save_tokenizer
+    from app.model.tokenizer import PAD_ID, build_tokenizer, save_tokenizer
     from app.envs.warmup import lr_at
 
     base, out = Path(base), Path(out)

@@ -28,7 +28,7 @@ import typer
 
 from app.config import RunConfig
 from app.envs.tasks import Prompt, make_splits
-from app.envs.tokenizer import PAD_ID, build_tokenizer, load_tokenizer, save_tokenizer
+from app.model.tokenizer import PAD_ID, build_tokenizer, load_tokenizer, save_tokenizer
 
 
 def sft_batch(prompts: list[Prompt], tokenizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

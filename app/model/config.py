@@ -26,13 +26,13 @@ from typing import Any
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, DeepseekV3Config, PretrainedConfig, Qwen3MoeConfig
 
-from app.envs.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+from app.model.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "deepseek_v3")
 PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
 REAL_PRESETS = ("qwen3-30b-a3b", "deepseek-v3")
 
-# Shared by both presets: the character tokenizer's vocabulary (app/envs/tokenizer.py) and a
+# Shared by both presets: the character tokenizer's vocabulary (app/model/tokenizer.py) and a
 # size that keeps a forward+backward of a short batch in milliseconds on one CPU core.
 _COMMON: dict[str, Any] = dict(
     vocab_size=VOCAB_SIZE,

@@ -43,9 +43,9 @@ import base64
 import httpx
 import numpy as np
 
+# The engine keys' variables; app/rollout/worker.py still imports them from here.
+from app.names import ADMIN_API_KEY_ENV, API_KEY_ENV  # noqa: F401
 
-# Where a worker or the bench reads an engine's SGLang keys (the pods' Secret references, charts8s/rollout.py).
-API_KEY_ENV, ADMIN_API_KEY_ENV = "MOERL_ENGINE_API_KEY", "MOERL_ENGINE_ADMIN_API_KEY"
 # The routes this client calls that SGLang 0.5.23 marks ``@auth_level(AuthLevel.ADMIN_OPTIONAL)``
 # (sglang/srt/entrypoints/http_server.py): with --admin-api-key set they take that key, and only it.
 ADMIN_ROUTES = frozenset({

@@ -179,7 +179,7 @@ class RolloutWorker:
     # -- multi-turn episodes and reward warm-up (issue 16) ---------------------------------
     def _episode_runner(self):
         from app.envs.chat import renderer_for
-        from app.envs.tokenizer import build_tokenizer, load_tokenizer
+        from app.model.tokenizer import build_tokenizer, load_tokenizer
         from app.rollout.episodes import EpisodeRunner
 
         path = self.cfg.model.path
@@ -384,7 +384,7 @@ class RolloutWorker:
         engine decodes one completion (``skip_special_tokens``); the pieces' texts joined when
         there is no tokenizer here (a character split across an abort may then differ)."""
         if self._tokenizer is None:
-            from app.envs.tokenizer import build_tokenizer, load_tokenizer
+            from app.model.tokenizer import build_tokenizer, load_tokenizer
 
             path = self.cfg.model.path
             try:

@@ -1,4 +1,4 @@
-"""The object store interface and `open_store(url)`.
+"""The object store interface (`open_store(url)` in app/storage/__init__.py picks the backend).
 
 Artifacts (policy versions, training state) live in an object store addressed by a URL:
 ``file:///abs/path`` or ``file://rel/path`` (the embedded default) and ``s3://bucket/prefix``
@@ -97,32 +97,3 @@ class ObjectStore(abc.ABC):
     def uri(self, key: str = "") -> str:
         """The URL of `key` (or of the root when empty)."""
         return f"{self.url.rstrip('/')}/{key}" if key else self.url
-
-
-def open_store(url: str, **kwargs) -> ObjectStore:
-    """Open the object store at `url`.
-
-    Args:
-        url: ``file:///abs/path``, ``file://rel/path`` (relative to the current directory, made
-            absolute now) or ``s3://bucket[/prefix]``.
-        kwargs: passed to S3Store (endpoint_url, sse, kms_key_id, multipart_threshold, ...).
-    Raises:
-        ValueError: an unknown scheme or an empty path/bucket, naming the URL.
-    """
-    if url.startswith("file://"):
-        from app.storage.file import FileStore
-
-        path = url[len("file://"):]
-        if not path:
-            raise ValueError(f"store URL {url!r} has no path")
-        if kwargs:
-            raise ValueError(f"file store {url!r} takes no options, got {sorted(kwargs)}")
-        return FileStore(path)
-    if url.startswith("s3://"):
-        from app.storage.s3 import S3Store
-
-        bucket, _, prefix = url[len("s3://"):].partition("/")
-        if not bucket:
-            raise ValueError(f"store URL {url!r} has no bucket")
-        return S3Store(bucket, prefix.strip("/"), **kwargs)
-    raise ValueError(f"store URL {url!r}: scheme must be file:// or s3://")

@@ -1,5 +1,6 @@
-"""GRPO trainer: losses (grpo.py), batch collation (batch.py), the training loop (train.py) and
-policy publishing (publish.py). PPO (issue 9) will add its losses beside grpo.py."""
+"""GRPO trainer: losses (grpo.py), batch collation (batch.py), the trainer (trainer.py, looped by
+loop.py, started by train.py) and policy publishing (publish.py). PPO (issue 9) will add its
+losses beside grpo.py."""
 
 
 class TrainingError(RuntimeError):

@@ -82,7 +82,7 @@ def sample_rewards(samples: list, soft_overlong: tuple[int, int, float] | None =
 
 def check_group(group, moe_layers: list[int] | None = None) -> None:
     """What the trainer needs of a group before it collates it (one definition: `collate_groups`,
-    `Group.check` and so the loop's `usable`). ``group`` has ``task_id`` and ``samples`` with the
+    `Group.check` and so the intake's `usable`). ``group`` has ``task_id`` and ``samples`` with the
     fields of `app.buffer.records.Sample` (duck-typed: app/bench/train_step.py builds its own,
     without the buffer, whose package needs redis-py).
 

@@ -3,7 +3,7 @@ reads and decodes its own groups, and the next step's headers are taken during t
 
 Rank 0 takes the step's group *headers* (`ExperienceBuffer.take_headers`: ids, policy versions,
 rewards and lengths, a few hundred bytes a group; app/buffer/encoding.py), checks them with the
-loop's `usable` (the lineage's duplicates, staleness, all-"error" groups and the header's cheap
+`usable` (the lineage's duplicates, staleness, all-"error" groups and the header's cheap
 shape checks, `GroupHeader.check`) and assigns whole groups to ranks (`split_groups`, balancing
 tokens). Only that assignment is broadcast. Each rank then reads its own groups' payloads from
 Redis, decodes them (`decode_group`: the dtypes and lengths the header promised, finite logprobs,
@@ -33,11 +33,115 @@ import torch.distributed as dist
 from app.config import RunConfig
 from app.trainer import TrainingError
 from app.trainer.batch import TrainBatch, collate_groups, split_groups
+from app.trainer.publish import next_version
 from app.trainer.sampling import SignalFilter
+from app.trainer.state import TrainState, newer_entry
+from app.versions import overstale, staleness
 
 log = logging.getLogger("moerl.train")
 
 COUNTERS = ("duplicates", "overstale", "error_groups", "malformed")
+
+
+class Stop(Exception):
+    """Raised on every rank when rank 0 says the run must end (a signal)."""
+
+
+def take_groups(buffer, cfg: RunConfig, version: int, should_stop, keep) -> tuple[list, float]:
+    """Rank 0: block until ``groups_per_step`` whole groups' headers (`GroupHeader`) that pass
+    ``keep(group)`` are taken.
+
+    Groups that ``keep`` rejects are consumed from the buffer but not trained on (``keep``
+    counts them).
+
+    Returns:
+        ``(groups, seconds waited)``.
+
+    Raises:
+        TimeoutError: fewer groups than needed arrived within ``trainer.batch_timeout_s``.
+        Stop: ``should_stop()`` became true while waiting.
+    """
+    n = cfg.trainer.groups_per_step
+    t0 = time.monotonic()
+    groups: list = []
+    while len(groups) < n:
+        if should_stop():
+            raise Stop("stop requested while waiting for a batch")
+        waited = time.monotonic() - t0
+        if waited > cfg.trainer.batch_timeout_s:
+            raise TimeoutError(
+                f"only {len(groups)}/{n} GRPO groups arrived within trainer.batch_timeout_s="
+                f"{cfg.trainer.batch_timeout_s:g}s from {cfg.buffer.redis_url} "
+                f"(run {cfg.run_id!r}): are rollout workers running?"
+            )
+        got = buffer.take_headers(n - len(groups), trainer_version=version, timeout_s=1.0)
+        groups.extend(g for g in got if keep(g))
+    return groups, time.monotonic() - t0
+
+
+def scatter_groups(payload: dict | None, rank: int) -> dict:
+    """Broadcast rank 0's step payload ``{"parts": [groups per rank], "error": str|None,
+    "stop": bool}`` and return it on every rank. Raises `Stop` / `TrainingError` everywhere if
+    rank 0 reported one."""
+    box = [payload if rank == 0 else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    msg = box[0]
+    if msg["error"]:
+        raise TrainingError(msg["error"])
+    if msg["stop"]:
+        raise Stop("stop requested")
+    return msg
+
+
+def usable(group, state: TrainState, max_staleness: int, pad_id: int, *,
+           trained: set[str] | None = None, skipped: list | None = None, moe_layers: list[int] | None = None) -> bool:
+    """Rank 0's check of one group before it is scattered: not trained on before by this
+    lineage (``trained`` holds "task_id/attempt" keys), within ``max_staleness`` (the buffer
+    enforces it already; this guards the contract), not an all-"error" group, and well-formed
+    (its ``check``). A rejected group is counted in ``state``, appended to ``skipped`` as
+    ``[task_id, attempt, reason]``, never trained on, and does not take a place in the step's
+    ``groups_per_step``. ``group`` is a `GroupHeader` (what rank 0 takes; its payload is checked
+    by the rank that decodes it) or a whole `Group`."""
+    reason = None
+    if trained is not None and f"{group.task_id}/{group.attempt}" in trained:
+        state.duplicates += 1
+        reason = "duplicate"
+    elif overstale(state.version, group.policy_version, max_staleness):
+        state.overstale += 1
+        reason = "overstale"
+    elif all(s.finish_reason == "error" for s in group.samples):
+        # A task the engine refused (rollout worker): no completion tokens to learn from.
+        state.error_groups += 1
+        reason = "error"
+    else:
+        try:
+            group.check(moe_layers)
+        except ValueError as e:
+            state.malformed += 1
+            log.warning("skipping malformed group %s/%s: %s", group.task_id, group.attempt, e)
+            reason = "malformed"
+    if reason is not None and skipped is not None:
+        skipped.append([group.task_id, group.attempt, reason])
+    return reason is None
+
+
+def batch_meta(groups: list, version: int) -> dict:
+    """Rank 0's summary of a step's groups: rewards and staleness (whole batch)."""
+    samples = [s for g in groups for s in g.samples]
+    rewards = [float(s.reward) for s in samples]
+    stale = [staleness(version, s.policy_version) for s in samples]
+    lengths = [s.completion_len for s in samples]
+    n = max(len(samples), 1)
+    return {
+        "groups": len(groups),
+        "samples": len(samples),
+        "reward_mean": sum(rewards) / n if samples else float("nan"),
+        "reward_max": max(rewards, default=float("nan")),
+        "completion_len_mean": sum(lengths) / n,
+        "staleness_mean": sum(stale) / n,
+        "staleness_max": max(stale, default=0),
+    }
 
 
 @dataclass
@@ -115,9 +219,6 @@ class BatchIntake:
     def _take(self, version: int, seen, should_stop, cfg: RunConfig | None = None) -> _Taken:
         """Block until ``groups_per_step`` usable headers are taken for `version` (rank 0), or
         ``trainer.batch_timeout_s`` of `cfg` (default: the run's) ran out."""
-        from app.trainer.loop import TrainState, take_groups, usable
-        from app.trainer.state import newer_entry
-
         out = _Taken()
         scratch = TrainState(version=version)  # usable() counts here; merged into the loop's state at hand-out
 
@@ -173,12 +274,10 @@ class BatchIntake:
                 f"from {self.cfg.buffer.redis_url} (run {self.cfg.run_id!r}): are rollout workers running?")
         return taken
 
-    @staticmethod
-    def version_of_next(state, t) -> int:
+    def version_of_next(self, state) -> int:
         """The policy version the step after the current one trains at: one more if the step now
-        starting (``state.step + 1``) publishes."""
-        step = state.step + 1
-        return state.version + (1 if step % t.publish_every == 0 or step == t.steps else 0)
+        starting (``state.step + 1``) publishes (`app.trainer.publish.next_version`)."""
+        return next_version(self.cfg, state.step + 1, state.version).version
 
     # -- every rank ------------------------------------------------------------------------
 
@@ -195,8 +294,6 @@ class BatchIntake:
             TrainingError: on every rank, when rank 0 could not take a batch or a rank could not
                 read its share (Redis unreachable).
         """
-        from app.trainer.loop import Stop, batch_meta, scatter_groups
-
         t = self.cfg.trainer
         payload = None
         taken = _Taken()
@@ -215,7 +312,7 @@ class BatchIntake:
                 payload["stop"] = True
             elif payload["parts"] is not None and state.step + 1 < t.steps:
                 inflight = {f"{h.task_id}/{h.attempt}" for h in taken.headers}
-                self._prefetch(self.version_of_next(state, t), _Seen(trained, inflight), should_stop)
+                self._prefetch(self.version_of_next(state), _Seen(trained, inflight), should_stop)
         msg = scatter_groups(payload, self.rank)
         t0 = time.perf_counter()
         groups, bad, error = self._read(msg["parts"][self.rank])

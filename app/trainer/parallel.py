@@ -106,6 +106,37 @@ def init_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def on_rank0(fn, rank: int):
+    """Run ``fn()`` on rank 0 only and return its result there (None elsewhere).
+
+    If it raises, rank 0 re-raises the original exception and every other rank raises a
+    `TrainingError` with the same message, so no rank is left waiting for a dead peer.
+    """
+    box: list = [None]
+    result = error = None
+    if rank == 0:
+        try:
+            result = fn()
+        except Exception as e:
+            error = e
+            box[0] = f"{type(e).__name__}: {e}"
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    if box[0] is not None:
+        raise TrainingError(f"rank 0 failed: {box[0]}")
+    return result
+
+
+def broadcast_from_rank0(value, rank: int):
+    """``value`` of rank 0 on every rank (a pickled broadcast; small objects only)."""
+    box = [value if rank == 0 else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def gather(t: DTensor, placements=None) -> torch.Tensor:
     """This rank's local tensor of ``t`` redistributed to ``placements`` (default: Replicate on
     every mesh dimension, i.e. the full tensor). Collective over ``t``'s mesh.

@@ -50,11 +50,56 @@ TOKENIZER_FILES = (
 )
 
 
+@dataclass(frozen=True)
+class NextVersion:
+    """What one optimizer step does with the policy (`next_version`).
+
+    Attributes:
+        version: the last published version once the step is done (one more when it publishes).
+        publish: the step makes a new version.
+        push: it is pushed to the registered engines over the network first
+            (``weight_sync.mode: network``, app/trainer/weight_sync.py).
+        store: it is written to the store (`publish_version`).
+        announce: it is announced on the buffer, which `publish_version` does once it is stored.
+    """
+
+    version: int
+    publish: bool = False
+    push: bool = False
+    store: bool = False
+    announce: bool = False
+
+
+def first_version(latest: int | None) -> int:
+    """The version a trainer publishes before its first step: 0 for a new run (``latest`` None),
+    else the one after the newest in the store, so that versions keep growing across a resume."""
+    return 0 if latest is None else latest + 1
+
+
+def next_version(cfg, step: int, version: int) -> NextVersion:
+    """The policy decision of optimizer step ``step`` (1-based, the step just done) of a run whose
+    last published version is ``version``.
+
+    Every ``trainer.publish_every``-th step and the last one publish ``version + 1``. With
+    ``weight_sync.mode: network`` every version is pushed and only every
+    ``weight_sync.store_every``-th version (and the last step's) is stored and announced; with
+    ``store`` mode every version is stored and announced.
+    """
+    t, ws = cfg.trainer, cfg.weight_sync
+    last = step == t.steps
+    if not (step % t.publish_every == 0 or last):
+        return NextVersion(version)
+    new = version + 1
+    network = ws.mode == "network"
+    store = not network or new % ws.store_every == 0 or last
+    return NextVersion(new, publish=True, push=network, store=store, announce=store)
+
+
 def add_tokenizer(out_dir: Path, source_dir: str | Path | None) -> None:
     """Put tokenizer files into ``out_dir`` so AutoTokenizer (and SGLang) load the version alone.
 
     Copies them from ``source_dir`` (the checkpoint the run started from) if it has a
-    tokenizer.json; otherwise writes the built-in character tokenizer (app.envs.tokenizer).
+    tokenizer.json; otherwise writes the built-in character tokenizer (app.model.tokenizer).
     """
     src = Path(source_dir) if source_dir else None
     if src is not None and (src / "tokenizer.json").is_file():
@@ -62,7 +107,7 @@ def add_tokenizer(out_dir: Path, source_dir: str | Path | None) -> None:
             if (src / name).is_file():
                 shutil.copy2(src / name, out_dir / name)
         return
-    from app.envs.tokenizer import save_tokenizer
+    from app.model.tokenizer import save_tokenizer
 
     save_tokenizer(out_dir)
 

@@ -42,6 +42,7 @@ import json
 import re
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,24 @@ METADATA_CLASSES = [dcp_metadata.Metadata, dcp_metadata.TensorStorageMetadata, d
                     dcp_metadata.ChunkStorageMetadata, dcp_metadata.TensorProperties, dcp_metadata.MetadataIndex,
                     dcp_metadata.StorageMeta, dcp_metadata._MEM_FORMAT_ENCODING, _StorageInfo]
 _STEP_DIR = re.compile(r"^s(\d{8})/")
+
+
+@dataclass
+class TrainState:
+    """What the trainer carries from step to step; saved in the manifest (``train_state``) and
+    restored on resume."""
+
+    step: int = 0  # optimizer steps attempted (skipped ones included)
+    version: int = 0  # last published policy version
+    bad_steps: int = 0  # skipped (non-finite) steps in total
+    bad_in_row: int = 0
+    samples: int = 0  # samples trained on
+    overstale: int = 0  # groups dropped here for exceeding max_staleness (the buffer should)
+    malformed: int = 0  # groups skipped because a sample did not collate
+    error_groups: int = 0  # all-"error" groups skipped (tasks the engine refused)
+    duplicates: int = 0  # groups skipped because this lineage had trained on them already
+    resumed_from: int | None = None  # step of the state this process resumed from
+    started: float = field(default_factory=time.time)
 
 
 def _root(run_id: str) -> str:

@@ -65,6 +65,15 @@ def build_optimizer(params, lr: float, betas: tuple[float, float], weight_decay:
                              weight_decay=weight_decay, fused=device.type == "cuda" or None)
 
 
+def step_lr(t, step: int) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warm-up over
+    ``trainer.lr_warmup_steps`` steps to ``trainer.lr``, then constant. A function of the step
+    alone, so a resumed run continues the same schedule."""
+    if t.lr_warmup_steps <= 0:
+        return t.lr
+    return t.lr * min(1.0, (step + 1) / t.lr_warmup_steps)
+
+
 def dummy_batch(pad_id: int) -> TrainBatch:
     """A one-row batch with an empty completion mask: lets a rank with no work join the step's
     collectives while adding nothing to the loss."""

@@ -3,8 +3,8 @@ process) of the trainer gang.
 
 The pieces, as torchtitan lays them out: the parallel layout (app/layout.py, app/trainer/parallel.py),
 the modules (models.py), the step (step.py: loss, backward, clip, optimizer; the losses in
-grpo.py and ppo.py), the loop (loop.py: batches from the buffer, metrics), training state (state.py)
-and publishing (publish.py).
+grpo.py and ppo.py), the trainer (trainer.py: build, step, ledger and metrics; loop.py loops;
+intake.py: batches from the buffer), training state (state.py) and publishing (publish.py).
 """
 
 from __future__ import annotations

@@ -20,9 +20,47 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from app.model.parallel import EPContext
+
+@dataclass
+class EPContext:
+    """This process's place in expert parallelism.
+
+    Attributes:
+        group: the EP process group (None for EP size 1).
+        rank: rank inside `group` (0 for EP size 1); it owns experts [rank * E_local, (rank + 1) * E_local).
+        size: number of EP ranks.
+        backend: resolved dispatcher backend, one of "local", "alltoall", "deepep".
+    """
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+    backend: str
+
+    @classmethod
+    def local(cls) -> "EPContext":
+        """EP size 1: every expert lives in this process."""
+        return cls(group=None, rank=0, size=1, backend="local")
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device whose tensors a collective over ``group`` (default: the world) must use.
+
+    An NCCL group takes only CUDA tensors, and so does the ``cuda:gloo`` test layout (several
+    ranks on one GPU: app/trainer/train.py); a CPU-tensor collective there raises "No backend
+    type associated with device type cpu". A gloo group on CPU takes CPU tensors. The rule is
+    torch's own for object collectives (``distributed_c10d._get_object_coll_device``: the
+    group's one device type, or cpu when the group has a CPU backend among several), with the
+    CUDA device made concrete as this process's current GPU.
+    """
+    group = group if group is not None else dist.group.WORLD
+    types = {d.type for d in group._device_types}
+    if "cuda" in types and "cpu" not in types:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @dataclass

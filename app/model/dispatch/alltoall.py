@@ -22,9 +22,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 from torch import Tensor
 
-from app.model.dispatch import Dispatched, at_least_fp32, exchange_cache
+from app.model.dispatch import Dispatched, EPContext, at_least_fp32, exchange_cache
 from app.model.dispatch.permute import RowMap, permute, row_map, unpermute
-from app.model.parallel import EPContext
 
 
 def all_to_all(x: Tensor, output_splits: list[int], input_splits: list[int], group) -> Tensor:

@@ -36,6 +36,9 @@ inside it) and upstream DeepEP dd758ca's `csrc/` (whose assertion texts the whee
 
 from __future__ import annotations
 
+import ctypes
+import importlib.metadata
+import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +49,7 @@ from torch import Tensor
 
 from app.model.dispatch import Dispatched
 from app.model.dispatch.permute import RowMap, permute, row_map, unpermute
-from app.model.parallel import EPContext, collective_device
+from app.model.dispatch import EPContext, collective_device
 
 # V2 combine's compile-time requirement on the hidden size (module docstring).
 HIDDEN_MULTIPLE = 256
@@ -70,6 +73,105 @@ def check_hidden_size(hidden: int, field: str = "config.hidden_size") -> None:
     if reason:
         raise ValueError(f"ep.backend='deepep' cannot move this model's rows: {field}={reason}; "
                          "use ep.backend='alltoall' for it")
+
+
+def deepep_unavailable_reason(group: dist.ProcessGroup | None = None, hidden_size: int | None = None) -> str | None:
+    """Why the DeepEP backend cannot run here, or None if it can.
+
+    Checked in this order (the first failure is the reason): the `deep_ep` module is installed
+    (PyPI `sgl-deep-ep` or a source build); CUDA is available; the EP group uses NCCL; the GPU is
+    sm90+ (DeepEP README, "Requirements"); `hidden_size`, when given, is a width DeepEP's kernels
+    accept (`hidden_size_error`); `import deep_ep` succeeds (the wheel
+    checks there that torch's CUDA major is the one it was built for and that the NCCL library
+    loaded is the one it links: deep_ep/prerequisites.py:34, deep_ep/__init__.py:54-76); and, for
+    an `sgl-deep-ep` wheel, the versions its metadata pins (`deepep_pin_mismatch`). A failed import
+    is reported with its exception type and message.
+    """
+    if importlib.util.find_spec("deep_ep") is None:
+        return "the deep_ep module is not installed (pip install sgl-deep-ep in GPU images)"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    if group is not None and dist.get_backend(group) != "nccl":
+        return f"the EP process group uses {dist.get_backend(group)!r}, DeepEP needs 'nccl'"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 9:
+        return f"GPU compute capability {major}.{minor} < 9.0 (DeepEP targets sm90+)"
+    if hidden_size is not None:
+        reason = hidden_size_error(hidden_size)
+        if reason:
+            return f"config.hidden_size={reason}"
+    try:
+        import deep_ep  # noqa: F401, PLC0415 - optional GPU-only dependency; importing runs its checks
+    except Exception as e:  # noqa: BLE001 - any failure (ImportError, AssertionError, OSError) is the reason
+        return f"import deep_ep failed: {type(e).__name__}: {e}"
+    try:
+        deepep = importlib.metadata.distribution("sgl-deep-ep")
+    except importlib.metadata.PackageNotFoundError:
+        return None  # a source build: built against whatever NCCL and torch it found
+    loaded = loaded_nccl_version()
+    if loaded is None:
+        return "no libnccl is mapped into this process, so the NCCL version DeepEP would use is unknown"
+    return deepep_pin_mismatch(deepep.version, deepep.requires or [], importlib.metadata.version("torch"),
+                               importlib.metadata.requires("torch") or [], loaded)
+
+
+def loaded_nccl_version() -> tuple[int, int, int] | None:
+    """(major, minor, patch) of the libnccl this process has mapped, from its own `ncclGetVersion`;
+    None when none is mapped.
+
+    `torch.cuda.nccl.version()` is the version torch was compiled against (torch/csrc/cuda/nccl.cpp
+    returns NCCL_MAJOR/MINOR/PATCH), not the library loaded; DeepEP checks the loaded one. Paths are
+    read from /proc/self/maps as deep_ep/__init__.py:62-67 does.
+    """
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if "libnccl.so" in line and "/" in line})
+    except OSError:
+        return None
+    if not paths:
+        return None
+    code = ctypes.c_int()
+    if ctypes.CDLL(paths[0]).ncclGetVersion(ctypes.byref(code)) != 0:
+        return None
+    # NCCL_VERSION(X, Y, Z) = X * 10000 + Y * 100 + Z since NCCL 2.9 (nccl.h).
+    return code.value // 10000, code.value % 10000 // 100, code.value % 100
+
+
+def deepep_pin_mismatch(deepep_version: str, deepep_requires: list[str], torch_version: str,
+                        torch_requires: list[str], loaded_nccl: tuple[int, ...]) -> str | None:
+    """Why an `sgl-deep-ep` wheel cannot work with this torch and NCCL, or None.
+
+    The wheel's `Requires-Dist` pins torch exactly (0.1.2.post1: `torch==2.14.1`; its C++ extension
+    is built against that release), and the wheel is built against the NCCL that torch release pins
+    (0.1.2.post1's `_C` compares the loaded NCCL with 23007 = 2.30.7). Below NCCL 2.31 DeepEP needs
+    the loaded NCCL to be exactly that version (csrc/kernels/backend/nccl.cu:104 in DeepEP dd758ca:
+    "Prior to NCCL 2.31, NCCL compile-time and runtime versions must be the same").
+
+    Args:
+        deepep_version / deepep_requires: the wheel's version and Requires-Dist lines.
+        torch_version / torch_requires: the installed torch's version and Requires-Dist lines.
+        loaded_nccl: (major, minor, patch) of the NCCL this process loaded (`loaded_nccl_version`).
+    """
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    def pins(lines: list[str]) -> dict[str, Requirement]:
+        reqs = (Requirement(line) for line in lines)
+        return {r.name.lower(): r for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})}
+
+    torch_pin = pins(deepep_requires).get("torch")
+    if torch_pin is not None and not torch_pin.specifier.contains(torch_version, prereleases=True):
+        return (f"sgl-deep-ep {deepep_version} is built for {torch_pin} (its Requires-Dist), this process "
+                f"has torch {torch_version}")
+    for name, req in pins(torch_requires).items():
+        exact = [s.version for s in req.specifier if s.operator == "=="]
+        if name.startswith("nvidia-nccl-cu") and exact:
+            need = Version(exact[0]).release
+            if need < (2, 31) and tuple(loaded_nccl[:3]) != need:
+                return (f"sgl-deep-ep {deepep_version} needs NCCL {exact[0]} exactly (torch {torch_version} "
+                        f"pins it; below 2.31 DeepEP requires the NCCL it was built with), this process "
+                        f"loaded NCCL {'.'.join(map(str, loaded_nccl[:3]))}")
+    return None
 
 
 def _deep_ep():
@@ -324,8 +426,6 @@ class DeepEPDispatcher:
     of 256, on the device of the EP group's backend (CUDA for NCCL)."""
 
     def __init__(self, ep: EPContext, num_experts: int):
-        from app.model.parallel import deepep_unavailable_reason
-
         reason = deepep_unavailable_reason(ep.group)
         if reason:
             raise ValueError(f"ep.backend='deepep' cannot run here: {reason}")
