@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from app.rollout.router import ROUTER_POLICIES
+from infra.config import error_line  # the one config-error format (also charts8s/workloads.py)
 
 
 def _numeric_not_bool(annotation: Any) -> bool:
@@ -476,19 +477,6 @@ class FeedConfig(Section):
                             "measured when > 0.")
     eval_samples: int = Field(4, ge=1, description="Completions per held-out prompt (sampled "
                               "at rollout.temperature).")
-
-
-def error_line(e: ValidationError, whole: str | None = None) -> str:
-    """A pydantic error as one line, ``<field path>: <why>; ...`` (pydantic's "Value error, "
-    prefix dropped): the one format of the run config's and the workloads file's errors (the
-    CLIs print it on one line and exit 2). A rule of the whole document (no field path) reads
-    ``<whole>: <why>``, or ``<why>`` when ``whole`` is None."""
-    parts = []
-    for err in e.errors():
-        loc = ".".join(map(str, err["loc"])) or whole
-        msg = err["msg"].removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts)
 
 
 def _describe(e: ValidationError) -> str:

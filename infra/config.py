@@ -636,11 +636,16 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def _error_text(err: ValidationError) -> str:
+def error_line(e: ValidationError, whole: str | None = None) -> str:
+    """A pydantic error as one line, ``<field path>: <why>; ...`` (pydantic's "Value error, "
+    prefix dropped): the one format of the deployment config's, the run config's (app/config.py)
+    and the workloads file's (charts8s/workloads.py) errors; the CLIs print it on one line and
+    exit 2. A rule of the whole document (no field path) reads ``<whole>: <why>``, or ``<why>``
+    when ``whole`` is None."""
     parts = []
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"])
-        msg = e["msg"].removeprefix("Value error, ")
+    for err in e.errors():
+        loc = ".".join(map(str, err["loc"])) or whole
+        msg = err["msg"].removeprefix("Value error, ")
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts)
 
@@ -712,7 +717,7 @@ def load_pipeline_config(path: str | Path | None) -> tuple[PipelineConfig, list[
     try:
         pcfg = PipelineConfig.model_validate(data.get("pipeline") or {})
     except ValidationError as e:
-        raise ConfigError(f"{path}: pipeline.{_error_text(e)}") from None
+        raise ConfigError(f"{path}: pipeline.{error_line(e)}") from None
     envs = data.get("environments") or {}
     if not isinstance(envs, dict) or set(envs) - set(ENVS):
         raise ConfigError(f"{path}: environments must map some of {list(ENVS)} to overrides")
@@ -729,4 +734,4 @@ def validate_config(data: dict, source: str = "config") -> DeploymentConfig:
     try:
         return DeploymentConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(f"{source}: {_error_text(e)}") from None
+        raise ConfigError(f"{source}: {error_line(e)}") from None
