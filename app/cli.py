@@ -16,14 +16,14 @@ import sys
 
 # name -> "module:attribute" of a typer.Typer. One line per role.
 COMMANDS: dict[str, str] = {
-    "run": "app.run:cli",
+    "run": "app.local.run:cli",
     "engine": "app.engine.server:cli",
     "rollout": "app.rollout.worker:cli",
     "train": "app.trainer.train:cli",
     "warmup": "app.envs.warmup:cli",
     "reward": "app.envs.reward_server:cli",
     "env": "app.envs.openenv_server:cli",
-    "chaos": "app.chaos:cli",
+    "chaos": "app.local.chaos:cli",
     "feed": "app.feed:cli",
     "replica": "app.replica:cli",
     "bench": "app.bench.cli:cli",

@@ -151,12 +151,12 @@ def test_rules_name_only_this_runs_keys():
 
 
 def test_the_embedded_default_has_a_password_and_a_user_per_role(tmp_path):
-    """`moerl run`'s Redis (app/embedded.py): nothing connects without a password, run.yaml holds
+    """`moerl run`'s Redis (app/local/embedded.py): nothing connects without a password, run.yaml holds
     none, each role process gets its own user in its environment, and the rollout user cannot
     write the push record there either."""
     from app.names import PASSWORD_ENV, USER_ENV
     from app.config import RunConfig
-    from app.embedded import EmbeddedLoop
+    from app.local.embedded import EmbeddedLoop
 
     loop = EmbeddedLoop(RunConfig(), tmp_path / "run", workers=1)
     try:

@@ -339,7 +339,7 @@ def test_moerl_runs_own_env_server_serves_the_import_path_and_outlives_the_rollo
     """The `moerl env` process `moerl run` starts for an import path: it serves the class
     (its /schema names the class's fields), the workers would get its address, and it stays
     up after the rollout stops, for the held-out episodes after RL."""
-    from app.embedded import EmbeddedLoop
+    from app.local.embedded import EmbeddedLoop
     from app.envs.wire import fetch_wire_format
 
     cfg = RunConfig.model_validate({"task": {"source": "env"}, "env": {"name": GUESS}})

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from app.chaos import make_schedule, run_chaos
+from app.local.chaos import make_schedule, run_chaos
 from app.ledger import audit, read_issued, read_lineage
 
 
@@ -98,8 +98,8 @@ def test_watchdog_kills_a_hung_engine_and_it_is_restarted(tmp_path):
     import signal
     import time
 
-    from app.chaos import chaos_config, make_base_policy
-    from app.embedded import EmbeddedLoop
+    from app.local.chaos import chaos_config, make_base_policy
+    from app.local.embedded import EmbeddedLoop
 
     cfg = chaos_config(4, 0, tmp_path, group_size=2, groups_per_step=1, save_every=1, max_new_tokens=4, workers=1)
     base = make_base_policy(cfg, tmp_path / "base")

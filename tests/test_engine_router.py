@@ -15,7 +15,7 @@ import pytest
 
 from app.buffer import ExperienceBuffer
 from app.config import RolloutConfig, RunConfig
-from app.embedded import EmbeddedLoop
+from app.local.embedded import EmbeddedLoop
 from app.rollout.engine_client import EngineClient, GenOutput
 from app.rollout.router import router_command
 from app.rollout.worker import EngineMisconfigured, RolloutWorker
@@ -211,7 +211,7 @@ def test_bad_layout_flags_give_one_error(tmp_path, args, flag):
 def test_moerl_run_refuses_the_router_without_its_package(monkeypatch):
     import importlib.util
 
-    from app.run import check_inputs
+    from app.local.run import check_inputs
 
     cfg = RunConfig()
     cfg.rollout.router, cfg.rollout.pause_mode = True, "abort"

@@ -141,7 +141,7 @@ def test_held_out_evaluation_through_the_builtin_engine(tmp_path):
     import asyncio
 
     from app.buffer.redis_server import free_port
-    from app.chaos import make_base_policy
+    from app.local.chaos import make_base_policy
     from app.envs.tasks import make_splits
     from app.feed import HeldOutEval
     from app.storage.policy import publish_policy

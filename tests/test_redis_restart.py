@@ -79,7 +79,7 @@ def test_drop_committed_finishes_an_interrupted_commit(tmp_path):
 
 def test_embedded_loop_redis_uses_the_requested_fsync(tmp_path):
     from app.config import RunConfig
-    from app.embedded import EmbeddedLoop
+    from app.local.embedded import EmbeddedLoop
 
     loop = EmbeddedLoop(RunConfig(), tmp_path / "run", workers=1)
     try:

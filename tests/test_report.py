@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import matplotlib.figure
 
-from app.run import embedded_default, print_summary, summarize
+from app.local.run import embedded_default, print_summary, summarize
 
 
 def test_the_plot_and_the_summary_show_greedy_beside_sampled(tmp_path, monkeypatch, capsys):

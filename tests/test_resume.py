@@ -31,7 +31,7 @@ from app.buffer import ExperienceBuffer, Sample, Task
 from app.buffer.redis_server import free_port
 from app.config import RunConfig
 from app.ledger import read_lineage
-from app.procs import descendants
+from app.local.procs import descendants
 from app.storage import open_store
 from app.storage.policy import download_policy, latest_policy_version, policy_versions
 from app.trainer.state import latest_state, load_state, state_steps

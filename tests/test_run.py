@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from app.run import embedded_default, warmup_dir
+from app.local.run import embedded_default, warmup_dir
 
 pytestmark = pytest.mark.slow
 
@@ -136,7 +136,7 @@ def test_the_first_interrupt_ignores_the_next_before_anything_unwinds():
     """`moerl run`'s handler: the Ctrl-C that raises KeyboardInterrupt has already set SIGINT and
     SIGTERM to be ignored, so a second one during the unwinding cannot abort the clean-up (it
     did when the except clause set them: a second SIGINT 50 ms after the first could land before)."""
-    from app.run import _interrupt
+    from app.local.run import _interrupt
 
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -156,7 +156,7 @@ def test_the_first_interrupt_ignores_the_next_before_anything_unwinds():
 
 
 def test_rolling_mean_skips_missing_values():
-    from app.report import rolling_mean
+    from app.local.report import rolling_mean
 
     nan = float("nan")
     out = rolling_mean([nan, 1.0, nan, 3.0, 5.0], window=2)

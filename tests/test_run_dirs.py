@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from app.config import RunConfig
-from app.embedded import EmbeddedLoop
-from app.run import embedded_default, new_run_dir, start_from_base, task_preset, warmup_dir
+from app.local.embedded import EmbeddedLoop
+from app.local.run import embedded_default, new_run_dir, start_from_base, task_preset, warmup_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from app.buffer.redis_server import free_port
-from app.chaos import make_base_policy
-from app.run import embedded_default
+from app.local.chaos import make_base_policy
+from app.local.run import embedded_default
 from app.storage import open_store, read_done
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ def _group(ctx: typer.Context) -> None:
     import signal
     import threading
 
-    from app.procs import sigterm_as_interrupt
+    from app.local.procs import sigterm_as_interrupt
 
     # SIGTERM (timeout, kill, a pod's stop) would end this process without running the finally
     # blocks that stop its engines, redis-server and trainer gang: make it an interrupt instead,
@@ -163,7 +163,7 @@ def loop(
     """The embedded loop vs TRL's GRPOTrainer, same model, task and recipe, equal wall-clock;
     records the machine's load during each leg and warns when it was not quiet."""
     from app.bench.loop import LoopBench, run
-    from app.embedded import RoleFailed
+    from app.local.embedded import RoleFailed
 
     try:
         run(LoopBench(seconds=seconds, workers=workers, config=config, cache=cache, work_dir=work_dir,

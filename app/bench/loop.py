@@ -2,7 +2,7 @@
 
 One invocation on this machine runs, one after the other:
 
-1. **moerl**: the embedded default of `moerl run` (app/run.py, app/embedded.py): redis-server,
+1. **moerl**: the embedded default of `moerl run` (app/local/run.py, app/local/embedded.py): redis-server,
    the trainer gang (torchrun, EP over gloo), W engines and W rollout workers as separate
    processes, for ``seconds`` of training wall-clock;
 2. **trl**: ``trl.GRPOTrainer`` (synchronous: generate, score, train, in turn, in one process)
@@ -144,7 +144,7 @@ def load_config(bench: LoopBench):
         ValueError: the config file is invalid (the message names the file and field).
     """
     from app.config import RunConfig
-    from app.run import embedded_default
+    from app.local.run import embedded_default
 
     cfg = RunConfig.load(bench.config) if bench.config else embedded_default()
     cfg.trainer.steps = bench.step_cap()
@@ -213,7 +213,7 @@ def wait_initial_policy(loop, timeout_s: float = 600.0) -> None:
     Raises:
         RoleFailed: the trainer exited or published nothing within ``timeout_s``.
     """
-    from app.embedded import RoleFailed
+    from app.local.embedded import RoleFailed
     from app.storage import open_store
     from app.storage.policy import latest_policy_version
 
@@ -280,8 +280,8 @@ def run_moerl(loop, feeder, base: Path, seconds: float, before: dict, profile_di
         RoleFailed: a role failed (the message carries its log tail).
     """
     from app.bench.machine import LoadMonitor
-    from app.embedded import RoleFailed
-    from app.run import held_out_reward, latest_local_policy
+    from app.local.embedded import RoleFailed
+    from app.local.run import held_out_reward, latest_local_policy
 
     t_setup = time.monotonic()
     loop.start_trainer()
@@ -479,7 +479,7 @@ def run_trl(cfg, base: Path, out_dir: Path, seconds: float, before: dict) -> dic
     from app.bench.machine import LoadMonitor
     from app.envs.tasks import make_splits
     from app.model.tokenizer import load_tokenizer, save_tokenizer
-    from app.run import held_out_reward
+    from app.local.run import held_out_reward
 
     t = cfg.trainer
     batch = t.groups_per_step * cfg.rollout.group_size
@@ -590,9 +590,9 @@ def moerl_leg(bench: LoopBench, cfg, run_dir: Path, base: Path | None, before: d
     """One moerl leg in its own run directory (its own redis-server and store). The first leg
     makes (or reuses) the warm-up checkpoint and measures its held-out reward; later ones reuse
     both. Returns ``(row, base, before, the leg's config)``."""
-    from app.embedded import EmbeddedLoop
+    from app.local.embedded import EmbeddedLoop
     from app.feed import make_feeder
-    from app.run import start_from_base
+    from app.local.run import start_from_base
 
     cfg = cfg.model_copy(deep=True)
     cfg.store_url = f"file://{run_dir / 'store'}"

@@ -62,10 +62,10 @@ def feed_run_dir(pod) -> Path:
 
 
 def small_run_config(steps: int, base: Path):
-    """The run config of the replica: `make run`'s tiny recipe (app/run.py `embedded_default`),
+    """The run config of the replica: `make run`'s tiny recipe (app/local/run.py `embedded_default`),
     starting from the warm-up checkpoint ``base``, with short drain and lease times so that a
     deleted pod's work returns within the run, and held-out evaluation at the start and end."""
-    from app.run import embedded_default
+    from app.local.run import embedded_default
 
     cfg = embedded_default()
     cfg.run_id = "replica"
@@ -105,7 +105,7 @@ def write_workload(out: Path, steps: int, base: Path) -> tuple[Path, Path]:
 def warm_base(cache: Path, steps: int) -> Path:
     """The warm-up checkpoint of the replica's recipe (`moerl warmup`, cached by recipe as
     `moerl run` caches it)."""
-    from app.run import warmup_dir
+    from app.local.run import warmup_dir
 
     cfg = small_run_config(steps, Path("/unused"))
     cfg.model.path = None
@@ -121,7 +121,7 @@ def warm_base(cache: Path, steps: int) -> Path:
 
 def progress(cluster) -> int:
     """The trainer's newest step over every trainer pod incarnation (metrics.jsonl)."""
-    from app.report import read_metrics
+    from app.local.report import read_metrics
 
     step = 0
     for pod in cluster.history:
@@ -292,7 +292,7 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
 
 
 def _heldout(cluster, feed: str | None) -> list[dict]:
-    from app.report import read_metrics
+    from app.local.report import read_metrics
 
     recs = []
     for p in cluster.history:
@@ -339,7 +339,7 @@ def replica(
     """Synthesize a small workload and run every pod of it locally; exit 1 if the ledger is not clean."""
     from app.replica.manifests import ManifestError
     from app.replica.kubelet import PodError
-    from app.procs import sigterm_as_interrupt
+    from app.local.procs import sigterm_as_interrupt
 
     out = (out or Path("runs") / f"replica-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     if out.exists() and any(out.iterdir()):

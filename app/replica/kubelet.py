@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from app.procs import descendants
+from app.local.procs import descendants
 from app.replica.network import Rewriter
 
 BACKOFF_S, BACKOFF_MAX_S = 10.0, 300.0

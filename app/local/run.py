@@ -27,9 +27,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from app.config import RunConfig
-from app.embedded import EmbeddedLoop, RoleFailed
+from app.local.embedded import EmbeddedLoop, RoleFailed
 from app.feed import TaskFeeder, make_feeder
-from app.procs import moerl_argv
+from app.local.procs import moerl_argv
 
 console = Console()
 cli = typer.Typer(add_completion=False, help="Run the whole loop on this machine (the embedded default).")
@@ -452,7 +452,7 @@ def latest_local_policy(loop: EmbeddedLoop) -> Path:
 
 def summarize(loop: EmbeddedLoop, before: dict, after: dict, started: float) -> dict:
     """Write plot.png, TensorBoard events and summary.json; return the summary."""
-    from app.report import write_plot, write_tensorboard
+    from app.local.report import write_plot, write_tensorboard
 
     records = loop.metrics()
     evals = {"held-out sampled before RL": before["mean_reward"], "held-out sampled after RL": after["mean_reward"],

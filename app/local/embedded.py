@@ -5,7 +5,7 @@ its own engine (SGLang in the cluster, the built-in `moerl engine` here), and a 
 started by torchrun (EP over gloo here, NCCL/DeepEP there). Only the engine and the object
 store (file:// instead of s3://) differ.
 
-`EmbeddedLoop` owns those processes; `moerl run` (app/run.py) and `moerl chaos` (app/chaos.py)
+`EmbeddedLoop` owns those processes; `moerl run` (app/local/run.py) and `moerl chaos` (app/local/chaos.py)
 drive it. Its Redis, as the cluster's, has a password for the ``default`` user (this process: the
 feeder and the audits) and an ACL user per role (app/buffer/acl.py): the trainer and each rollout
 worker get their own user and password in their environment, never in run.yaml.
@@ -27,7 +27,7 @@ from app.names import PASSWORD_ENV, USER_ENV
 from app.buffer.redis_server import LocalRedis, free_port, new_password
 from app.config import RunConfig
 from app.layout import default_world
-from app.procs import Proc, Supervisor, moerl_argv
+from app.local.procs import Proc, Supervisor, moerl_argv
 from app.rollout.probe import healthy
 
 # Each role process uses one thread: the 2-core machine runs engines, workers and trainer ranks
@@ -344,7 +344,7 @@ class EmbeddedLoop:
 
     def metrics(self) -> list[dict]:
         """The trainer's metrics so far (rank 0's metrics.jsonl)."""
-        from app.report import read_metrics
+        from app.local.report import read_metrics
 
         path = self.run_dir / "metrics.jsonl"
         return read_metrics(path) if path.exists() else []

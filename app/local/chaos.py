@@ -1,6 +1,6 @@
 """`moerl chaos`: the embedded loop under a seeded fault schedule, audited by an independent ledger.
 
-One invocation runs two loops of ``--steps`` trainer steps on this machine (app/embedded.py):
+One invocation runs two loops of ``--steps`` trainer steps on this machine (app/local/embedded.py):
 
 1. disturbed: while the trainer works, a schedule drawn from ``--seed`` sends SIGTERM (a Spot
    notice: the worker drains) or SIGKILL (a lost node: the worker and its engine die at once)
@@ -41,7 +41,7 @@ from pathlib import Path
 import typer
 
 from app.config import RunConfig
-from app.embedded import EmbeddedLoop, RoleFailed
+from app.local.embedded import EmbeddedLoop, RoleFailed
 from app.ledger import Audit, append_issued, audit, pending_prompts, read_issued, read_lineage
 
 cli = typer.Typer(add_completion=False, help="Run the loop under a seeded fault schedule and audit the ledger.")
