@@ -253,7 +253,8 @@ def test_bad_version_segments_get_one_error_naming_the_field(segments, problem):
 def test_staleness_is_measured_from_the_oldest_token(redis_server):
     """A sample of versions 1 then 3 is as stale as version 1: with max_staleness 2 a trainer at
     v4 drops it (it would keep it if the newest, 3, counted), a trainer at v3 takes it."""
-    from app.trainer.loop import TrainState, usable
+    from app.trainer.intake import usable
+    from app.trainer.state import TrainState
 
     cfg = RunConfig(run_id="stale")
     cfg.buffer.redis_url = redis_server

@@ -65,7 +65,7 @@ from typing import Any
 
 import torch
 import typer
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.engine.load import LoadedModel, load_checkpoint
@@ -301,7 +301,17 @@ def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> Fa
 
     app = FastAPI(lifespan=lifespan, title="moerl built-in engine (SGLang API subset)")
 
-    @app.api_route("/generate", methods=["POST", "PUT"])
+    app.include_router(generation_routes(engine))
+    app.include_router(weight_routes(engine))
+    app.include_router(control_routes(engine, health_timeout_s, health_generates))
+    return app
+
+
+def generation_routes(engine: Engine) -> APIRouter:
+    """/generate and /abort_request, as SGLang's http_server serves them."""
+    router = APIRouter()
+
+    @router.api_route("/generate", methods=["POST", "PUT"])
     async def generate_route(request: Request):
         try:
             body = await request.json()
@@ -329,7 +339,27 @@ def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> Fa
         ]
         return items[0] if req.single and req.n[0] == 1 else items
 
-    @app.post("/update_weights_from_disk")
+    @router.post("/abort_request")
+    async def abort_request(request: Request):
+        # SGLang's AbortReq body (rid, abort_all; its other fields are the scheduler's own) and
+        # answer: 200 with no body once the abort is queued; the aborted requests answer their
+        # callers with what they generated so far (`Engine.abort`).
+        body = await control_body(request)
+        problem = body_problem(body, ("rid", str, False), ("abort_all", bool, False))
+        if problem:
+            return _error(problem)
+        engine.abort(body.get("rid") or "", body.get("abort_all", False))
+        return Response(status_code=200)
+
+    return router
+
+
+def weight_routes(engine: Engine) -> APIRouter:
+    """The weight-update routes: from disk, and the update group's (init, destroy, begin, end,
+    update_weights_from_distributed); SGLang's request bodies and answers."""
+    router = APIRouter()
+
+    @router.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
         def refuse(message: str) -> JSONResponse:
             return JSONResponse({"success": False, "message": message, "num_paused_requests": 0}, status_code=400)
@@ -355,33 +385,7 @@ def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> Fa
             {"success": ok, "message": message, "num_paused_requests": 0}, status_code=200 if ok else 400
         )
 
-    async def control_body(request: Request) -> dict | None:
-        try:
-            body = await request.json()
-        except ValueError:
-            return None
-        return body if isinstance(body, dict) else None
-
-    def answer(ok: bool, message: str) -> JSONResponse:
-        return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
-
-    def bad_field(body: dict, name: str, kind: type | tuple, required: bool = True) -> str | None:
-        """The problem with field ``name`` of a control body, or None."""
-        if name not in body:
-            return f"{name} is required" if required else None
-        value = body[name]
-        if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
-            return f"{name} must be {getattr(kind, '__name__', kind)}, got {value!r}"
-        return None
-
-    def body_problem(body: dict | None, *fields: tuple) -> str | None:
-        """The first problem of a control body: not a JSON object, or a field as `bad_field` says
-        (each of ``fields`` is ``(name, kind[, required])``); None when it is well-formed."""
-        if body is None:
-            return "request body must be a JSON object"
-        return next((p for p in (bad_field(body, *f) for f in fields) if p), None)
-
-    @app.post("/init_weights_update_group")
+    @router.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request):
         body = await control_body(request)
         problem = body_problem(body, ("master_address", str), ("master_port", int), ("rank_offset", int),
@@ -393,25 +397,25 @@ def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> Fa
             body["world_size"], body.get("group_name", "weight_update_group"), body.get("backend", "nccl"))
         return answer(ok, message)
 
-    @app.post("/destroy_weights_update_group")
+    @router.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request):
         body = await control_body(request)
         if body is None or bad_field(body, "group_name", str, False):
             return answer(False, "group_name must be a string")
         return answer(*engine.weight_groups.destroy_group(body.get("group_name", "weight_update_group")))
 
-    @app.post("/begin_weight_update")
+    @router.post("/begin_weight_update")
     async def begin_weight_update(request: Request):
         body = await control_body(request)
         if body is None or body.get("selector", "all") not in ("all", "target"):
             return answer(False, "selector must be 'all' or 'target' (the built-in engine has no draft model)")
         return answer(*engine.weight_groups.begin())
 
-    @app.post("/end_weight_update")
+    @router.post("/end_weight_update")
     async def end_weight_update(request: Request):
         return answer(*engine.weight_groups.end())
 
-    @app.post("/update_weights_from_distributed")
+    @router.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
         body = await control_body(request)
         problem = body_problem(body, ("names", list), ("dtypes", list), ("shapes", list), ("group_name", str, False),
@@ -430,31 +434,26 @@ def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> Fa
             body.get("load_format"), version, body.get("flush_cache", True))
         return answer(ok, message)
 
-    @app.post("/abort_request")
-    async def abort_request(request: Request):
-        # SGLang's AbortReq body (rid, abort_all; its other fields are the scheduler's own) and
-        # answer: 200 with no body once the abort is queued; the aborted requests answer their
-        # callers with what they generated so far (`Engine.abort`).
-        body = await control_body(request)
-        problem = body_problem(body, ("rid", str, False), ("abort_all", bool, False))
-        if problem:
-            return _error(problem)
-        engine.abort(body.get("rid") or "", body.get("abort_all", False))
-        return Response(status_code=200)
+    return router
 
-    @app.get("/health")
+
+def control_routes(engine: Engine, health_timeout_s: float, health_generates: bool) -> APIRouter:
+    """Health, flush, pause and continue, and the info routes (model, weight version, server)."""
+    router = APIRouter()
+
+    @router.get("/health")
     async def health():
         if not health_generates:
             return Response(status_code=200)
         return await health_generate()
 
-    @app.get("/health_generate")
+    @router.get("/health_generate")
     async def health_generate():
         # As SGLang: generation waits while paused, so a paused engine answers 503 after the wait.
         ok = await engine.health(health_timeout_s)
         return Response(status_code=200 if ok else 503)
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(timeout: float = 0.0):
         # SGLang's SchedulerFlushWrapper: timeout 0 flushes (or refuses) at once; > 0 waits up
         # to that long for the engine to be idle, the waiting line included, then flushes.
@@ -465,7 +464,7 @@ def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> Fa
             return Response(content="Cache flushed.\n", status_code=200)
         return Response(content="Flush cache failed.\n", status_code=400)
 
-    @app.post("/pause_generation")
+    @router.post("/pause_generation")
     async def pause_generation(request: Request):
         try:
             body = await request.json()
@@ -477,7 +476,7 @@ def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> Fa
         await engine.pause(mode)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
-    @app.post("/continue_generation")
+    @router.post("/continue_generation")
     async def continue_generation():
         engine.resume()
         return {"message": "Generation continued successfully.", "status": "ok"}
@@ -492,22 +491,22 @@ def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> Fa
             "load_format": "auto",
         }
 
-    @app.get("/model_info")
+    @router.get("/model_info")
     async def model_info():
         return model_info_body()
 
-    @app.get("/get_model_info")
+    @router.get("/get_model_info")
     async def get_model_info():
         log.warning("Endpoint '/get_model_info' is deprecated (as in SGLang); use '/model_info'")
         return model_info_body()
 
-    @app.get("/get_weight_version")
-    @app.get("/weight_version")
+    @router.get("/get_weight_version")
+    @router.get("/weight_version")
     async def weight_version():
         return {"weight_version": engine.weight_version}
 
-    @app.get("/get_server_info")
-    @app.get("/server_info")
+    @router.get("/get_server_info")
+    @router.get("/server_info")
     async def server_info():
         s = engine.stats
         return {
@@ -535,7 +534,36 @@ def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> Fa
             "weight_version": engine.weight_version,
         }
 
-    return app
+    return router
+
+
+async def control_body(request: Request) -> dict | None:
+    """A control route's JSON object body, or None (not JSON, or not an object)."""
+    try:
+        body = await request.json()
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+def answer(ok: bool, message: str) -> JSONResponse:
+    """SGLang's answer of a weight-update route: ``{success, message}``, 200 or 400."""
+    return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
+
+def bad_field(body: dict, name: str, kind: type | tuple, required: bool = True) -> str | None:
+    """The problem with field ``name`` of a control body, or None."""
+    if name not in body:
+        return f"{name} is required" if required else None
+    value = body[name]
+    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+        return f"{name} must be {getattr(kind, '__name__', kind)}, got {value!r}"
+    return None
+
+def body_problem(body: dict | None, *fields: tuple) -> str | None:
+    """The first problem of a control body: not a JSON object, or a field as `bad_field` says
+    (each of ``fields`` is ``(name, kind[, required])``); None when it is well-formed."""
+    if body is None:
+        return "request body must be a JSON object"
+    return next((p for p in (bad_field(body, *f) for f in fields) if p), None)
 
 
 cli = typer.Typer(add_completion=False, help="Serve the built-in engine (SGLang HTTP API subset).")
