@@ -35,7 +35,6 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -89,29 +88,12 @@ def write_file(path: str | os.PathLike, nbytes: int, seed: int = 0) -> None:
 
 
 def engine_loader():
-    """The engine's checkpoint loader and its name.
+    """The engine's checkpoint loader and its name: `app.engine.load.load_checkpoint`, what
+    ``/update_weights_from_disk`` runs. It needs torch and transformers only, not the server's
+    FastAPI, so the GPU image runs the engine's own load."""
+    from app.engine.load import load_checkpoint
 
-    `app.engine.load.load_checkpoint` (it imports torch, transformers and the policy checks);
-    where one of those is missing the same calls are made here: ``AutoModelForCausalLM.from_pretrained(
-    path, dtype=...).to(device).eval()``, pad id from the config, EOS ids from the generation config.
-    """
-    try:
-        from app.engine.load import load_checkpoint
-
-        return load_checkpoint, "app.engine.load.load_checkpoint"
-    except ImportError as e:
-        return _load_like_engine, f"AutoModelForCausalLM.from_pretrained + .to(device) ({e.name} missing, so not via app.engine.load)"
-
-
-def _load_like_engine(path, device: str = "cpu", dtype: str = "float32"):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).to(device).eval()
-    cfg = model.config
-    eos = getattr(model.generation_config, "eos_token_id", None) if model.generation_config else None
-    eos = cfg.eos_token_id if eos is None else eos
-    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    return SimpleNamespace(model=model, pad_id=int(cfg.pad_token_id or 0), eos_ids=eos_ids)
+    return load_checkpoint, "app.engine.load.load_checkpoint"
 
 
 @dataclass
