@@ -261,7 +261,7 @@ def _count_worker(rank: int, world: int, port: int, out: str) -> None:
     from app.trainer.step import train_step
 
     counts = {}
-    real_a2a, real_forward = a2a._AllToAll.apply, MoEBlock.forward
+    real_a2a, real_forward = a2a.fc.all_to_all_single_autograd, MoEBlock.forward
     for mode in ("none", "full", "selective"):
         calls = {"a2a": 0, "moe": 0}
 
@@ -273,14 +273,14 @@ def _count_worker(rank: int, world: int, port: int, out: str) -> None:
             calls["moe"] += 1
             return real_forward(self, *a, **k)
 
-        a2a._AllToAll.apply, MoEBlock.forward = counted_a2a, counted_forward
+        a2a.fc.all_to_all_single_autograd, MoEBlock.forward = counted_a2a, counted_forward
         cfg = RunConfig.model_validate({**BASE, "trainer": {**BASE["trainer"], "parallel": {"ep": 2},
                                                             "activation_checkpointing": mode}})
         model, _, _ = sharded_trainer(cfg)
         batch = collate_groups(split_groups(fake_groups(2), world)[rank])
         train_step(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0), batch, pad_id=0)
         counts[mode] = dict(calls)
-    a2a._AllToAll.apply, MoEBlock.forward = real_a2a, real_forward
+    a2a.fc.all_to_all_single_autograd, MoEBlock.forward = real_a2a, real_forward
     if rank == 0:
         torch.save(counts, out)
     dist.barrier()

@@ -65,7 +65,7 @@ from typing import Any
 
 import torch
 import typer
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.engine.load import LoadedModel, load_checkpoint
@@ -301,17 +301,15 @@ def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> Fa
 
     app = FastAPI(lifespan=lifespan, title="moerl built-in engine (SGLang API subset)")
 
-    app.include_router(generation_routes(engine))
-    app.include_router(weight_routes(engine))
-    app.include_router(control_routes(engine, health_timeout_s, health_generates))
+    add_generation_routes(app, engine)
+    add_weight_routes(app, engine)
+    add_control_routes(app, engine, health_timeout_s, health_generates)
     return app
 
 
-def generation_routes(engine: Engine) -> APIRouter:
+def add_generation_routes(app: FastAPI, engine: Engine) -> None:
     """/generate and /abort_request, as SGLang's http_server serves them."""
-    router = APIRouter()
-
-    @router.api_route("/generate", methods=["POST", "PUT"])
+    @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate_route(request: Request):
         try:
             body = await request.json()
@@ -339,7 +337,7 @@ def generation_routes(engine: Engine) -> APIRouter:
         ]
         return items[0] if req.single and req.n[0] == 1 else items
 
-    @router.post("/abort_request")
+    @app.post("/abort_request")
     async def abort_request(request: Request):
         # SGLang's AbortReq body (rid, abort_all; its other fields are the scheduler's own) and
         # answer: 200 with no body once the abort is queued; the aborted requests answer their
@@ -351,15 +349,12 @@ def generation_routes(engine: Engine) -> APIRouter:
         engine.abort(body.get("rid") or "", body.get("abort_all", False))
         return Response(status_code=200)
 
-    return router
 
 
-def weight_routes(engine: Engine) -> APIRouter:
+def add_weight_routes(app: FastAPI, engine: Engine) -> None:
     """The weight-update routes: from disk, and the update group's (init, destroy, begin, end,
     update_weights_from_distributed); SGLang's request bodies and answers."""
-    router = APIRouter()
-
-    @router.post("/update_weights_from_disk")
+    @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
         def refuse(message: str) -> JSONResponse:
             return JSONResponse({"success": False, "message": message, "num_paused_requests": 0}, status_code=400)
@@ -385,7 +380,7 @@ def weight_routes(engine: Engine) -> APIRouter:
             {"success": ok, "message": message, "num_paused_requests": 0}, status_code=200 if ok else 400
         )
 
-    @router.post("/init_weights_update_group")
+    @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request):
         body = await control_body(request)
         problem = body_problem(body, ("master_address", str), ("master_port", int), ("rank_offset", int),
@@ -397,25 +392,25 @@ def weight_routes(engine: Engine) -> APIRouter:
             body["world_size"], body.get("group_name", "weight_update_group"), body.get("backend", "nccl"))
         return answer(ok, message)
 
-    @router.post("/destroy_weights_update_group")
+    @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request):
         body = await control_body(request)
         if body is None or bad_field(body, "group_name", str, False):
             return answer(False, "group_name must be a string")
         return answer(*engine.weight_groups.destroy_group(body.get("group_name", "weight_update_group")))
 
-    @router.post("/begin_weight_update")
+    @app.post("/begin_weight_update")
     async def begin_weight_update(request: Request):
         body = await control_body(request)
         if body is None or body.get("selector", "all") not in ("all", "target"):
             return answer(False, "selector must be 'all' or 'target' (the built-in engine has no draft model)")
         return answer(*engine.weight_groups.begin())
 
-    @router.post("/end_weight_update")
+    @app.post("/end_weight_update")
     async def end_weight_update(request: Request):
         return answer(*engine.weight_groups.end())
 
-    @router.post("/update_weights_from_distributed")
+    @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
         body = await control_body(request)
         problem = body_problem(body, ("names", list), ("dtypes", list), ("shapes", list), ("group_name", str, False),
@@ -434,26 +429,23 @@ def weight_routes(engine: Engine) -> APIRouter:
             body.get("load_format"), version, body.get("flush_cache", True))
         return answer(ok, message)
 
-    return router
 
 
-def control_routes(engine: Engine, health_timeout_s: float, health_generates: bool) -> APIRouter:
+def add_control_routes(app: FastAPI, engine: Engine, health_timeout_s: float, health_generates: bool) -> None:
     """Health, flush, pause and continue, and the info routes (model, weight version, server)."""
-    router = APIRouter()
-
-    @router.get("/health")
+    @app.get("/health")
     async def health():
         if not health_generates:
             return Response(status_code=200)
         return await health_generate()
 
-    @router.get("/health_generate")
+    @app.get("/health_generate")
     async def health_generate():
         # As SGLang: generation waits while paused, so a paused engine answers 503 after the wait.
         ok = await engine.health(health_timeout_s)
         return Response(status_code=200 if ok else 503)
 
-    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(timeout: float = 0.0):
         # SGLang's SchedulerFlushWrapper: timeout 0 flushes (or refuses) at once; > 0 waits up
         # to that long for the engine to be idle, the waiting line included, then flushes.
@@ -464,7 +456,7 @@ def control_routes(engine: Engine, health_timeout_s: float, health_generates: bo
             return Response(content="Cache flushed.\n", status_code=200)
         return Response(content="Flush cache failed.\n", status_code=400)
 
-    @router.post("/pause_generation")
+    @app.post("/pause_generation")
     async def pause_generation(request: Request):
         try:
             body = await request.json()
@@ -476,7 +468,7 @@ def control_routes(engine: Engine, health_timeout_s: float, health_generates: bo
         await engine.pause(mode)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
-    @router.post("/continue_generation")
+    @app.post("/continue_generation")
     async def continue_generation():
         engine.resume()
         return {"message": "Generation continued successfully.", "status": "ok"}
@@ -491,22 +483,22 @@ def control_routes(engine: Engine, health_timeout_s: float, health_generates: bo
             "load_format": "auto",
         }
 
-    @router.get("/model_info")
+    @app.get("/model_info")
     async def model_info():
         return model_info_body()
 
-    @router.get("/get_model_info")
+    @app.get("/get_model_info")
     async def get_model_info():
         log.warning("Endpoint '/get_model_info' is deprecated (as in SGLang); use '/model_info'")
         return model_info_body()
 
-    @router.get("/get_weight_version")
-    @router.get("/weight_version")
+    @app.get("/get_weight_version")
+    @app.get("/weight_version")
     async def weight_version():
         return {"weight_version": engine.weight_version}
 
-    @router.get("/get_server_info")
-    @router.get("/server_info")
+    @app.get("/get_server_info")
+    @app.get("/server_info")
     async def server_info():
         s = engine.stats
         return {
@@ -534,7 +526,6 @@ def control_routes(engine: Engine, health_timeout_s: float, health_generates: bo
             "weight_version": engine.weight_version,
         }
 
-    return router
 
 
 async def control_body(request: Request) -> dict | None:

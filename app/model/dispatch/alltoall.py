@@ -38,28 +38,9 @@ def all_to_all(x: Tensor, output_splits: list[int], input_splits: list[int], gro
             return fc.wait_tensor(fc.all_to_all_single(grad, input_splits, output_splits, group))
 
         return exchange_cache.ReplayedAllToAll.apply(x, [exchange_cache.take("rows")], backward)
-    out = _AllToAll.apply(x.contiguous(), output_splits, input_splits, group)
+    out = fc.wait_tensor(fc.all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group))
     exchange_cache.keep("rows", out)
     return out
-
-
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with its backward (the exchange with the splits swapped) waited for inside
-    the backward: the gradient's exchange is complete, and its input free, before the next op
-    allocates, so a backward's peak bytes do not depend on when the collective finished (with
-    torch's all_to_all_single_autograd the wait was deferred to the next use, and the backward's
-    measured peak held one more [N, H] buffer in about one run of five: tests/test_plan.py)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, output_splits: list[int], input_splits: list[int], group) -> Tensor:
-        ctx.splits, ctx.group = (output_splits, input_splits), group
-        return fc.wait_tensor(fc.all_to_all_single(x, output_splits, input_splits, group))
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        output_splits, input_splits = ctx.splits
-        return fc.wait_tensor(fc.all_to_all_single(grad.contiguous(), input_splits, output_splits, ctx.group)), \
-            None, None, None
 
 
 def _exchange_counts(send_counts: Tensor, group) -> Tensor:
