@@ -338,6 +338,9 @@ def _check_ports(plan: Plan) -> None:
     if group == wl.trainer.rdzv_port:
         raise WorkloadError(f"run config weight_sync.master_port={group} is trainer.rdzv_port: the engines must "
                             "never reach torchrun's rendezvous")
+    if wl.rollout.router_port == wl.rollout.router_metrics_port:  # one container serves both
+        raise WorkloadError(f"rollout.router_port and rollout.router_metrics_port are both {wl.rollout.router_port}: "
+                            "the router serves requests and metrics on two ports")
 
 
 def check(plan: Plan) -> Plan:

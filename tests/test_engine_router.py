@@ -219,3 +219,15 @@ def test_moerl_run_refuses_the_router_without_its_package(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang_router" else real(name, *a))
     with pytest.raises(ValueError, match="rollout.router is on but sglang-router is not installed"):
         check_inputs(cfg)
+
+
+def test_the_partial_rollout_ab_refuses_a_router(tmp_path):
+    from typer.testing import CliRunner
+
+    from app.bench.cli import cli
+    from test_bench_rollout import run_config
+
+    r = CliRunner().invoke(cli, ["rollout", "--partial-ab", "--router-url", "http://127.0.0.1:1",
+                                 "--config", run_config(tmp_path), "--out-dir", str(tmp_path / "out")])
+    assert r.exit_code == 2 and "--router-url" in r.output, r.output
+    assert not (tmp_path / "out").exists()

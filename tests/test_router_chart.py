@@ -126,3 +126,15 @@ def test_without_the_router_nothing_changes(tmp_path):
     assert {d["kind"] for d in r.docs if d["metadata"]["name"] == "moerl-rollout"} >= {"Deployment"}
     engine = _container(r, "Deployment", "moerl-rollout", "engine")
     assert engine["command"][engine["command"].index("--host") + 1] == "127.0.0.1"
+
+
+def test_the_routers_two_ports_must_differ(tmp_path):
+    from charts8s.workloads import WorkloadError
+
+    os.chdir(ROOT)
+    wl = yaml.safe_load((EXAMPLES / "qwen3-30b-a3b-1node-ep.workloads.yaml").read_text())
+    wl.pop("run_config")
+    wl["rollout"]["router_port"] = wl["rollout"]["router_metrics_port"] = 28000
+    with pytest.raises(WorkloadError, match="rollout.router_port and rollout.router_metrics_port are both 28000"):
+        _render(tmp_path, load_config("prod", EXAMPLES / "p5en-rollout.deploy.yaml"),
+                _routed_run("qwen3-30b-a3b-1node-ep.run.yaml"), yaml.safe_dump(wl))

@@ -210,8 +210,8 @@ def rollout(
         from app.bench.partial import run as run_partial
 
         try:
-            if url:
-                raise ValueError("--partial-ab starts its own engine: give no --url")
+            if url or router_url:
+                raise ValueError("--partial-ab starts its own engine: give no --url or --router-url")
             run_partial(PartialBench(seconds=seconds, config=config, update_every_s=update_every_s, rounds=rounds,
                                      max_new_tokens=max_new_tokens, max_batch=max_batch), out_dir=out_dir)
         except ValueError as e:
