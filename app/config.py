@@ -244,8 +244,10 @@ class RolloutConfig(Section):
         # would resume them on the new weights (two versions in one sequence); abort ends them and
         # their workers send them again (app/rollout/router.py).
         if self.router and self.pause_mode != "abort":
-            raise ValueError(f"rollout.pause_mode must be abort with rollout.router on (got {self.pause_mode!r}): "
-                             "a paused engine would resume requests other workers routed to it on the new weights")
+            given = "pause_mode" in self.model_fields_set
+            raise ValueError(f"rollout.pause_mode must be abort with rollout.router on (got {self.pause_mode!r}"
+                             f"{'' if given else ', the default: set rollout.pause_mode: abort'}): a paused "
+                             "engine would resume requests other workers routed to it on the new weights")
         return self
 
     def inflight_tasks(self) -> int:

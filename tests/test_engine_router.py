@@ -49,6 +49,10 @@ def test_router_version_is_the_rollout_images():
 def test_router_needs_the_abort_pause():
     with pytest.raises(ValueError, match="rollout.pause_mode must be abort with rollout.router"):
         RolloutConfig(router=True)
+    with pytest.raises(ValueError, match="'retract', the default: set rollout.pause_mode: abort"):
+        RolloutConfig(router=True)  # the user wrote no pause_mode: the message says where retract came from
+    with pytest.raises(ValueError, match=r"\(got 'in_place'\): a paused"):
+        RolloutConfig(router=True, pause_mode="in_place")
     assert RolloutConfig(router=True, pause_mode="abort").router
 
 
