@@ -334,33 +334,31 @@ class ClusterStack(Stack):
         The buffer's StorageClass (charts8s/buffer.py) uses gp3 encrypted with the account's
         default EBS key, which this policy covers.
         """
-        self.ebs_csi_role = iam.Role(
-            self, "EbsCsiRole",
-            assumed_by=self._pod_principal("kube-system", EBS_CSI_SERVICE_ACCOUNT),
-            description="EBS CSI controller: create, attach and delete EBS volumes",
-            managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name("service-role/AmazonEBSCSIDriverPolicy")],
-        )
-        addon = self.addons["aws-ebs-csi-driver"]
-        # The L2 Addon has no Pod Identity prop; the L1 property lets EKS manage the association.
-        cfn: eks.CfnAddon = addon.node.default_child  # type: ignore[assignment]
-        cfn.pod_identity_associations = [eks.CfnAddon.PodIdentityAssociationProperty(
-            service_account=EBS_CSI_SERVICE_ACCOUNT, role_arn=self.ebs_csi_role.role_arn)]
-        addon.node.add_dependency(self.addons["eks-pod-identity-agent"])
+        self.ebs_csi_role = self._addon_identity(
+            "aws-ebs-csi-driver", "EbsCsiRole", EBS_CSI_SERVICE_ACCOUNT, "service-role/AmazonEBSCSIDriverPolicy",
+            "EBS CSI controller: create, attach and delete EBS volumes")
 
     def _vpc_cni_identity(self) -> None:
         """Pod Identity for the VPC CNI (aws-node in kube-system): AmazonEKS_CNI_Policy, associated by
         the add-on, instead of on the node role, where every process on a node could use it."""
-        self.vpc_cni_role = iam.Role(
-            self, "VpcCniRole",
-            assumed_by=self._pod_principal("kube-system", VPC_CNI_SERVICE_ACCOUNT),
-            description="VPC CNI (aws-node): attach ENIs and assign pod IP addresses",
-            managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name("AmazonEKS_CNI_Policy")],
-        )
-        addon = self.addons["vpc-cni"]
+        self.vpc_cni_role = self._addon_identity(
+            "vpc-cni", "VpcCniRole", VPC_CNI_SERVICE_ACCOUNT, "AmazonEKS_CNI_Policy",
+            "VPC CNI (aws-node): attach ENIs and assign pod IP addresses")
+
+    def _addon_identity(self, addon_name: str, role_id: str, service_account: str, policy: str,
+                        description: str) -> iam.Role:
+        """A role for an EKS add-on's service account in kube-system (the AWS managed ``policy``),
+        associated by the add-on through Pod Identity: the L2 Addon has no Pod Identity prop, the
+        L1 property lets EKS manage the association."""
+        role = iam.Role(self, role_id, assumed_by=self._pod_principal("kube-system", service_account),
+                        description=description,
+                        managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name(policy)])
+        addon = self.addons[addon_name]
         cfn: eks.CfnAddon = addon.node.default_child  # type: ignore[assignment]
         cfn.pod_identity_associations = [eks.CfnAddon.PodIdentityAssociationProperty(
-            service_account=VPC_CNI_SERVICE_ACCOUNT, role_arn=self.vpc_cni_role.role_arn)]
+            service_account=service_account, role_arn=role.role_arn)]
         addon.node.add_dependency(self.addons["eks-pod-identity-agent"])
+        return role
 
     def _system_network_policies(self) -> None:
         """One allow-all NetworkPolicy (ingress and egress, every pod) in each of SYSTEM_NAMESPACES,
