@@ -24,24 +24,25 @@ def _routed_run(example: str) -> str:
     return text.replace("rollout:\n", "rollout:" + ROUTED, 1)
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
+def _routed_render(tmp, name: str):
+    """The example ``name`` (its run config and workloads file) rendered with the router on and
+    two engines, on the p5en rollout deployment."""
     os.chdir(ROOT)
-    wl = yaml.safe_load((EXAMPLES / "qwen3-30b-a3b-1node-ep.workloads.yaml").read_text())
+    wl = yaml.safe_load((EXAMPLES / f"{name}.workloads.yaml").read_text())
     wl.pop("run_config")
     wl["rollout"]["replicas"] = 2
-    return _render(tmp_path_factory.mktemp("qwen"), load_config("prod", EXAMPLES / "p5en-rollout.deploy.yaml"),
-                   _routed_run("qwen3-30b-a3b-1node-ep.run.yaml"), yaml.safe_dump(wl))
+    return _render(tmp, load_config("prod", EXAMPLES / "p5en-rollout.deploy.yaml"), _routed_run(f"{name}.run.yaml"),
+                   yaml.safe_dump(wl))
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    return _routed_render(tmp_path_factory.mktemp("qwen"), "qwen3-30b-a3b-1node-ep")
 
 
 @pytest.fixture(scope="module")
 def dsv3(tmp_path_factory):
-    os.chdir(ROOT)
-    wl = yaml.safe_load((EXAMPLES / "dsv3-2node-deepep.workloads.yaml").read_text())
-    wl.pop("run_config")
-    wl["rollout"]["replicas"] = 2
-    return _render(tmp_path_factory.mktemp("dsv3"), load_config("prod", EXAMPLES / "p5en-rollout.deploy.yaml"),
-                   _routed_run("dsv3-2node-deepep.run.yaml"), yaml.safe_dump(wl))
+    return _routed_render(tmp_path_factory.mktemp("dsv3"), "dsv3-2node-deepep")
 
 
 def _container(r, kind: str, name: str, container: str) -> dict:
