@@ -10,6 +10,7 @@ overwrote ``env.url`` with its own server, and spoke only ``{"text"}`` / ``conte
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -262,6 +263,63 @@ def test_moerl_run_refuses_an_external_server_whose_reset_drops_spec(tmp_path):
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "drops 'spec'" in lines[0], proc.stderr
     assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _unreachable_env_config(tmp_path) -> Path:
+    cfg = yaml.safe_load((ROOT / "examples/guess_number/run.yaml").read_text())
+    cfg["env"] = {**cfg["env"], "name": "guess-number", "url": f"http://127.0.0.1:{_closed_port()}"}
+    cfg["env"].pop("demos_path")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    return tmp_path / "run.yaml"
+
+
+def test_moerl_run_with_an_unreachable_env_url_is_one_line_and_exit_2(tmp_path):
+    """A typo in env.url waited 120 s and ended as a failed role (exit 1, a traceback-like
+    tail); it is bad input: one line naming env.url, exit 2, within the short wait, and no run
+    directory or warm-up left."""
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "run", "--config", str(_unreachable_env_config(tmp_path)),
+                           "--out", str(out), "--cache", str(tmp_path / "cache")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    took = time.monotonic() - t0
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].count("env.url http://127.0.0.1:") == 1, proc.stderr
+    assert "did not answer /health" in lines[0]
+    assert took < 100, took  # 120 s of waiting before; what remains is start-up and the short wait
+    assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+def test_sigterm_while_moerl_run_waits_for_env_url_leaves_no_run_directory(tmp_path):
+    """SIGTERM during the start (here: the wait for the user's server) stopped the processes but
+    left ``redis/`` and ``run.yaml``: a start that never reached a step leaves nothing."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "run", "--config", str(_unreachable_env_config(tmp_path)),
+                             "--out", str(out), "--cache", str(tmp_path / "cache")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "run.yaml").exists():  # the run directory exists: Redis is up, the wait begins
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
+            time.sleep(0.1)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        text, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, text[-3000:]
+    assert "interrupted" in text
+    assert not out.exists(), sorted(p.name for p in out.iterdir())
 
 
 def test_warm_up_demonstrations_from_the_environments_own_episodes():

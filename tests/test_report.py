@@ -39,3 +39,19 @@ def test_the_plot_and_the_summary_show_greedy_beside_sampled(tmp_path, monkeypat
     print_summary(s)
     text = capsys.readouterr().out
     assert "sampled 0.400 -> 0.600 (+20.0 points)" in text and "greedy 0.700 -> 0.750 (+5.0 points)" in text
+
+
+def test_a_one_step_run_writes_valid_json_without_a_rate(tmp_path, capsys):
+    """One metrics record measures no rate: summary.json said ``NaN`` (not JSON, `json.loads`
+    of strict parsers and `jq` refuse it); now null, and the printed summary says n/a."""
+    now = time.time()
+    records = [{"time": now, "step": 1, "reward_mean": 0.5, "samples_total": 64, "policy_version": 0, "buffer": {}}]
+    loop = SimpleNamespace(run_dir=tmp_path, cfg=embedded_default(), metrics=lambda: records)
+    s = summarize(loop, {"n": 200, "mean_reward": 0.40, "greedy": 0.70},
+                  {"n": 200, "mean_reward": 0.45, "greedy": 0.70}, now)
+    text = (tmp_path / "summary.json").read_text()
+    assert "NaN" not in text
+    on_disk = json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+    assert on_disk["samples_per_s"] is None and on_disk["steps"] == 1
+    print_summary(s)
+    assert "n/a samples/s" in capsys.readouterr().out

@@ -32,6 +32,9 @@ from app.rollout.probe import healthy
 
 # Each role process uses one thread: the 2-core machine runs engines, workers and trainer ranks
 # at once, and oversubscribed OpenMP threads make all of them slower.
+# How long `moerl run` waits for a user's environment server (``env.url``) to answer: it is
+# expected up before the run starts, so this only covers a server still binding its port.
+USER_ENV_WAIT_S = 15.0
 ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -138,21 +141,30 @@ class EmbeddedLoop:
         /health.
 
         Raises:
-            RoleFailed: it exited or did not become healthy within `timeout_s`.
+            RoleFailed: moerl's server exited or did not become healthy within `timeout_s`.
+            ConnectionError: the user's server at ``env.url`` did not answer within
+                `USER_ENV_WAIT_S` (bad input, not a failed role: exit 2, nothing started).
         """
         proc = self.sup.procs.get("env-0")
+        if proc is None:  # the user's server: it should be up already; a typo must not wait 2 minutes
+            timeout_s = min(timeout_s, USER_ENV_WAIT_S)
         deadline = time.monotonic() + timeout_s
+        last = "no answer"
         while time.monotonic() < deadline:
             if proc is not None and not proc.alive():
                 raise RoleFailed(f"env-0 exited with {proc.returncode()}:\n{proc.tail()}")
             try:
-                if httpx.get(self.env_url.rstrip("/") + "/health", timeout=5).status_code == 200:
+                r = httpx.get(self.env_url.rstrip("/") + "/health", timeout=5)
+                if r.status_code == 200:
                     return
-            except httpx.HTTPError:
-                pass
+                last = f"/health answered {r.status_code}"
+            except httpx.HTTPError as e:
+                last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             time.sleep(0.3)
-        tail = f":\n{proc.tail()}" if proc is not None else ""
-        raise RoleFailed(f"environment server {self.env_url} not healthy after {timeout_s:.0f}s{tail}")
+        if proc is None:
+            raise ConnectionError(f"env.url {self.env_url}: the environment server did not answer /health within "
+                                  f"{timeout_s:.0f}s ({last}); start it first, or leave env.url empty for moerl's own")
+        raise RoleFailed(f"environment server {self.env_url} not healthy after {timeout_s:.0f}s:\n{proc.tail()}")
 
     def ensure_env(self) -> None:
         """With ``env.name``: start `moerl env` unless it runs or ``env.url`` names the user's

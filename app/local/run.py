@@ -373,7 +373,7 @@ def run(
     except KeyboardInterrupt:
         # `_interrupt` has set both signals to be ignored: the clean-up runs to its end.
         console.print("[yellow]interrupted: stopping every process[/]")
-        loop.close()
+        close_failed(loop)  # before the first step: no run directory left behind
         raise typer.Exit(130)
     except RoleFailed as e:
         console.print(f"[red]run failed:[/] {e}")
@@ -460,7 +460,8 @@ def summarize(loop: EmbeddedLoop, before: dict, after: dict, started: float) -> 
     plot = write_plot(records, loop.run_dir / "plot.png", evals)
     write_tensorboard(records, loop.run_dir / "tensorboard")
     last = records[-1] if records else {}
-    elapsed = max(records[-1]["time"] - records[0]["time"], 1e-9) if len(records) > 1 else float("nan")
+    # Fewer than two steps measure no rate: null in summary.json (NaN is not JSON).
+    elapsed = max(records[-1]["time"] - records[0]["time"], 1e-9) if len(records) > 1 else None
     summary = {
         "run_dir": str(loop.run_dir),
         "task": (loop.cfg.task.name if loop.cfg.task.source != "env" else "its own episodes")
@@ -476,19 +477,20 @@ def summarize(loop: EmbeddedLoop, before: dict, after: dict, started: float) -> 
         "policy_version": last.get("policy_version", 0),
         "samples_trained": last.get("samples_total", 0),
         "samples_per_s": (last.get("samples_total", 0) - records[0].get("samples_total", 0)) / elapsed
-        if len(records) > 1 else float("nan"),
+        if elapsed else None,
         "train_s": elapsed,
         "buffer": last.get("buffer", {}),
         "wall_s": time.time() - started,
         "plot": str(plot),
     }
     tmp = loop.run_dir / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
+    tmp.write_text(json.dumps(summary, indent=2, allow_nan=False))
     os.replace(tmp, loop.run_dir / "summary.json")
     return summary
 
 
 def print_summary(s: dict) -> None:
+    rate = "n/a samples/s" if s["samples_per_s"] is None else f"{s['samples_per_s']:.1f} samples/s"
     console.rule("moerl run: summary")
     console.print(f"task {s['task']}: held-out mean reward over {s['held_out_prompts']} prompts, before RL -> after RL")
     console.print(
@@ -498,7 +500,7 @@ def print_summary(s: dict) -> None:
     )
     console.print(
         f"  {s['steps']} trainer steps, policy v{s['policy_version']}, {s['samples_trained']} samples "
-        f"trained, {s['samples_per_s']:.1f} samples/s over {s['train_s'] / 60:.1f} min of training; "
+        f"trained, {rate} over {(s['train_s'] or 0) / 60:.1f} min of training; "
         f"{s['wall_s'] / 60:.1f} min in all (warm-up and evaluations included)", soft_wrap=True
     )
     console.print(f"  run directory {s['run_dir']}  (run.yaml, metrics.jsonl, tensorboard/, plot.png, "
