@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-import types
-import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,28 +19,21 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from app.rollout.router import ROUTER_POLICIES
-from infra.config import error_line  # the one config-error format (also charts8s/workloads.py)
-
-
-def _numeric_not_bool(annotation: Any) -> bool:
-    """Whether a field of this type takes an int or a float and not a bool."""
-    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
-        else (annotation,)
-    return bool({int, float} & set(args)) and bool not in args
+# The one config-error format and scalar rule (also the deployment config and charts8s/workloads.py).
+from infra.config import error_line, strict_scalar, yaml_error_line
 
 
 class Section(BaseModel):
     """Base of every config section: unknown keys are rejected, and so is a bool where a number
-    is wanted (pydantic would read ``publish_every: true`` as 1)."""
+    is wanted (pydantic would read ``publish_every: true`` as 1) and anything but true or false
+    where a bool is (pydantic would read ``"yes"``, ``"off"`` or ``1`` as one)."""
 
     model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_bool_for_number(cls, v: Any, info) -> Any:
-        if isinstance(v, bool) and _numeric_not_bool(cls.model_fields[info.field_name].annotation):
-            raise ValueError(f"{str(v).lower()} is a bool, not a number")
-        return v
+    def _no_lax_scalars(cls, v: Any, info) -> Any:
+        return strict_scalar(cls, v, info)
 
 
 class ParallelConfig(Section):
@@ -625,7 +616,7 @@ class RunConfig(Section):
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not valid YAML: {e}") from None
+            raise ValueError(f"{path}: not valid YAML: {yaml_error_line(e)}") from None
         try:
             return cls.model_validate(data)
         except ValidationError as e:

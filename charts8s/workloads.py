@@ -11,15 +11,15 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from app.config import EngineProfile, RunConfig, error_line
+from app.config import EngineProfile, RunConfig, error_line, yaml_error_line
 from app.layout import resolve_layout
 from app.rollout.engine_args import EngineLayout
-from infra.config import DeploymentConfig, NodePool
+from infra.config import DeploymentConfig, NodePool, strict_scalar
 
 Role = Literal["trainer", "rollout", "env"]
 # The run config synthesized when a workloads file names none (README, "Recipes").
@@ -32,6 +32,11 @@ class WorkloadError(ValueError):
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_lax_scalars(cls, v: Any, info) -> Any:
+        return strict_scalar(cls, v, info)
 
 
 class TrainerSpec(_Model):
@@ -373,9 +378,6 @@ def check(plan: Plan) -> Plan:
         if not _DNS1123.fullmatch(name) or len(name) > 253:
             raise WorkloadError(f"{field}: {name!r} is not a valid Secret name (lower-case DNS-1123 subdomain)")
     _check_ports(plan)
-    if cfg.fsx.enabled and not (cfg.fsx.file_system_id and cfg.fsx.mount_name):
-        raise WorkloadError("fsx.file_system_id and fsx.mount_name: fsx.enabled needs both in the deployment config, "
-                            "from the storage stack's outputs FsxFileSystemId and FsxMountName (after its deploy)")
     if plan.trainer_nodes > train.max_size:
         raise WorkloadError(
             f"trainer.nodes={plan.trainer_nodes} exceeds pools.train-gpu.max_size={train.max_size}"
@@ -487,8 +489,10 @@ def load_workloads(cfg: DeploymentConfig, path: str | Path | None = None) -> Pla
         source = str(path)
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
+        except OSError as e:
             raise WorkloadError(f"{path}: cannot read workloads: {e}") from None
+        except yaml.YAMLError as e:
+            raise WorkloadError(f"{path}: not valid YAML: {yaml_error_line(e)}") from None
     try:
         wl = Workloads.model_validate(data)
     except ValidationError as e:
@@ -497,6 +501,10 @@ def load_workloads(cfg: DeploymentConfig, path: str | Path | None = None) -> Pla
         run = RunConfig.load(wl.run_config) if wl.run_config else RunConfig()
     except (OSError, ValueError) as e:
         raise WorkloadError(f"{source}: run_config: {e}") from None
+    if cfg.fsx.enabled and not (cfg.fsx.file_system_id and cfg.fsx.mount_name):  # the deployment config's, not this file's
+        raise WorkloadError(f"deployment config (env {cfg.env}): fsx.file_system_id and fsx.mount_name: fsx.enabled "
+                            "needs both, from the storage stack's outputs FsxFileSystemId and FsxMountName (after its "
+                            "deploy)")
     try:
         return check(Plan(cfg, wl, run))
     except WorkloadError as e:

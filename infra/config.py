@@ -15,6 +15,8 @@ import argparse
 import ipaddress
 import re
 import sys
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -101,8 +103,35 @@ def check_bucket_name(name: str) -> str:
     return name
 
 
+def _args(annotation: Any) -> tuple:
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    return typing.get_args(annotation) if union else (annotation,)
+
+
+def strict_scalar(cls: type[BaseModel], v: Any, info) -> Any:
+    """A field validator (mode "before") of every config model: a bool is refused where a
+    number is wanted (pydantic would read ``publish_every: true`` as 1), and anything but true
+    or false where a bool is (pydantic would read ``"yes"``, ``"off"`` or ``1`` as one). The
+    deployment config, the run config (app/config.py) and the workloads file use it.
+
+    Raises:
+        ValueError: naming the value; pydantic adds the field path.
+    """
+    args = _args(cls.model_fields[info.field_name].annotation)
+    if isinstance(v, bool) and {int, float} & set(args) and bool not in args:
+        raise ValueError(f"{str(v).lower()} is a bool, not a number")
+    if v is not None and not isinstance(v, bool) and bool in args and set(args) <= {bool, type(None)}:
+        raise ValueError(f"{v!r} is not a bool: write true or false")
+    return v
+
+
 class Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_lax_scalars(cls, v: Any, info) -> Any:
+        return strict_scalar(cls, v, info)
 
 
 class Taint(Model):
@@ -277,6 +306,15 @@ FSX_CAPACITY_STEP_GIB = 2400
 FSX_MIN_CAPACITY_GIB = 1200
 
 
+def fsx_capacity_error(gib: float) -> str | None:
+    """Why `gib` GiB is not a PERSISTENT_2 capacity, or None when it is. (FSx's documentation
+    writes 1200 GiB as "1.2 TiB": `moerl plan --fsx-tib` converts at 1000 GiB per TiB.)"""
+    if gib == FSX_MIN_CAPACITY_GIB or (gib > 0 and gib == int(gib) and int(gib) % FSX_CAPACITY_STEP_GIB == 0):
+        return None
+    return (f"{gib:g} GiB is not a PERSISTENT_2 capacity: {FSX_MIN_CAPACITY_GIB} GiB or a multiple of "
+            f"{FSX_CAPACITY_STEP_GIB} GiB")
+
+
 class FsxConfig(Model):
     """The shared FSx for Lustre file system (infra/storage.py), linked to the checkpoint bucket's
     models_prefix/ and mounted read-only at /fsx by trainer and rollout pods (charts8s/fsx.py).
@@ -299,9 +337,8 @@ class FsxConfig(Model):
     @field_validator("storage_gib")
     @classmethod
     def _capacity(cls, v: int) -> int:
-        if v != FSX_MIN_CAPACITY_GIB and v % FSX_CAPACITY_STEP_GIB:
-            raise ValueError(f"{v} GiB is not a PERSISTENT_2 capacity: {FSX_MIN_CAPACITY_GIB} GiB or a multiple "
-                             f"of {FSX_CAPACITY_STEP_GIB} GiB")
+        if why := fsx_capacity_error(v):
+            raise ValueError(why)
         return v
 
     @field_validator("mbps_per_tib")
@@ -310,6 +347,14 @@ class FsxConfig(Model):
         if v not in FSX_PER_UNIT_MBPS:
             raise ValueError(f"{v} MB/s/TiB is not a PERSISTENT_2 throughput: one of {list(FSX_PER_UNIT_MBPS)}")
         return v
+
+    @model_validator(mode="after")
+    def _both_outputs(self) -> "FsxConfig":
+        if (self.file_system_id is None) != (self.mount_name is None):
+            given, missing = ("file_system_id", "mount_name") if self.mount_name is None else ("mount_name", "file_system_id")
+            raise ValueError(f"fsx.{given} is set but fsx.{missing} is not: the PersistentVolume needs both "
+                             "(the storage stack's outputs FsxFileSystemId and FsxMountName)")
+        return self
 
 
 class PipelineConfig(Model):
@@ -650,6 +695,17 @@ def error_line(e: ValidationError, whole: str | None = None) -> str:
     return "; ".join(parts)
 
 
+def yaml_error_line(e: yaml.YAMLError) -> str:
+    """A PyYAML error as one line, ``line L, column C: <problem> (<context>)``: PyYAML's own
+    text spans five lines (the context, a quoted source line, a caret) and the CLIs print one.
+    Used for the deployment config, the run config and the workloads file."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    context = getattr(e, "context", None)
+    return f"{where}{problem}" + (f" ({context})" if context else "")
+
+
 def load_config(env: str, overrides: str | Path | None = None) -> DeploymentConfig:
     """Build and validate the config of `env` ("dev" | "staging" | "prod").
 
@@ -683,8 +739,10 @@ def config_of_args(args: argparse.Namespace, prog: str) -> DeploymentConfig | No
 def _read_mapping(path: Path) -> dict:
     try:
         over = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
+    except OSError as e:
         raise ConfigError(f"{path}: cannot read overrides: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {yaml_error_line(e)}") from None
     if not isinstance(over, dict):
         raise ConfigError(f"{path}: overrides must be a YAML mapping")
     return over

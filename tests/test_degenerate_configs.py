@@ -72,6 +72,43 @@ def test_an_int_field_takes_ints_and_a_bool_field_bools():
         RunConfig.model_validate({"trainer": {"critic_lr": True}})  # float | None takes no bool either
 
 
+@pytest.mark.parametrize("value", ["yes", "true", 1, "off"])
+def test_a_bool_field_takes_only_true_or_false(tmp_path, value):
+    """``demos_from_env: "yes"`` (and ``1``, ``"off"``) was read as a bool by pydantic's lax
+    mode; the deployment config and the workloads file share the rule."""
+    from charts8s.workloads import Workloads
+    from infra.config import ConfigError, config_from_mapping
+
+    for section, field in (("env", "demos_from_env"), ("rollout", "partial_rollout")):
+        (tmp_path / "run.yaml").write_text(yaml.safe_dump({section: {field: value}}))
+        with pytest.raises(ValueError, match=rf"{section}.{field}: .* is not a bool: write true or false"):
+            RunConfig.load(tmp_path / "run.yaml")
+    with pytest.raises(ConfigError, match=r"fsx.enabled: .* is not a bool"):
+        config_from_mapping("dev", {"fsx": {"enabled": value}}, "deploy.yaml")
+    with pytest.raises(ValueError, match=r"router_port\n.*true is a bool, not a number"):
+        Workloads.model_validate({"rollout": {"router_port": True}})
+
+
+def test_a_yaml_syntax_error_is_one_line_naming_the_line(tmp_path):
+    """PyYAML's own text is five lines (context, the quoted source line, a caret); the run
+    config, the deployment config and the workloads file each say one."""
+    from charts8s.workloads import WorkloadError, load_workloads
+    from infra.config import ConfigError, load_config
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  lr: [1, 2\nrollout: {a: 1\n")
+    line = one_line(moerl("run", "--config", str(bad)))
+    assert f"{bad}: not valid YAML: line 3, column 8: expected ',' or ']'" in line, line
+    bad.write_text("a: b: c\n")
+    why = "not valid YAML: line 1, column 5: mapping values are not allowed here"
+    with pytest.raises(ConfigError) as e:
+        load_config("dev", bad)
+    assert str(e.value) == f"{bad}: {why}"
+    with pytest.raises(WorkloadError) as e:
+        load_workloads(load_config("dev"), bad)
+    assert str(e.value) == f"{bad}: {why}"
+
+
 def test_a_late_bad_input_leaves_no_run_directory_and_nothing_running(tmp_path):
     """A config that validates but fails once the run has started (here: task.warmup_done with
     no model.path, found after Redis started): one line, exit 2, no redis-server left behind,

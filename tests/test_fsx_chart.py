@@ -18,8 +18,10 @@ from charts8s.fsx import CLAIM, DRIVER, MOUNT
 from charts8s.main import build
 from charts8s.workloads import WorkloadError, load_workloads
 from infra.cluster import FSX_POOLS
-from infra.config import POOL_LABEL, config_from_mapping, load_config
+from infra.config import POOL_LABEL, ConfigError, config_from_mapping, load_config
 from test_charts import _checkov
+
+ROOT = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION", "1")
 FS_ID, MOUNT_NAME = "fs-0123456789abcdef0", "abcdefgh"
@@ -102,9 +104,18 @@ def test_a_model_outside_the_linked_prefix_is_still_copied_from_s3(tmp_path):
 
 
 def test_fsx_on_needs_the_stack_outputs(tmp_path):
+    """The error names the deployment config, where the fields live, not the workloads file
+    (it read ``recipes/...workloads.yaml: fsx.file_system_id``); one output without the other
+    is refused by the deployment config itself."""
     cfg = config_from_mapping("prod", {"fsx": {"enabled": True}}, "test")
-    with pytest.raises(WorkloadError, match="fsx.file_system_id and fsx.mount_name.*FsxFileSystemId"):
-        load_workloads(cfg)
+    with pytest.raises(WorkloadError) as e:
+        load_workloads(cfg, ROOT / "recipes/qwen3-30b-a3b-grpo.workloads.yaml")
+    assert str(e.value).startswith("deployment config (env prod): fsx.file_system_id and fsx.mount_name:"), e.value
+    assert "FsxFileSystemId" in str(e.value) and "workloads.yaml" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"fsx.file_system_id is set but fsx.mount_name is not"):
+        config_from_mapping("prod", {"fsx": {"enabled": True, "file_system_id": FS_ID}}, "test")
+    with pytest.raises(ConfigError, match=r"fsx.mount_name is set but fsx.file_system_id is not"):
+        config_from_mapping("prod", {"fsx": {"mount_name": MOUNT_NAME}}, "test")
 
 
 def test_fsx_off_renders_no_volume(tmp_path):

@@ -51,11 +51,20 @@ def test_fsx_wins_only_where_its_throughput_beats_one_s3_prefix(dsv3):
         traffic.startup(dsv3, 16, 32, fsx_tib=96, fsx_mbps_per_tib=300)
 
 
-@pytest.mark.parametrize("args,message", [(("--fsx-tib", "inf"), "--fsx-tib"), (("--fsx-tib", "-1"), "--fsx-tib"),
-                                          (("--fsx-tib", "96", "--fsx-mbps-per-tib", "200"), "--fsx-mbps-per-tib")])
+@pytest.mark.parametrize("args,message", [
+    (("--fsx-tib", "inf"), "--fsx-tib"), (("--fsx-tib", "-1"), "--fsx-tib"),
+    (("--fsx-tib", "96", "--fsx-mbps-per-tib", "200"), "--fsx-mbps-per-tib"),
+    # A file system FSx cannot create (0.001 TiB was planned, at 1 GB/s for the whole fleet).
+    (("--fsx-tib", "0.001"), "--fsx-tib 0.001: 1 GiB is not a PERSISTENT_2 capacity"),
+    (("--fsx-tib", "3.6"), "--fsx-tib 3.6: 3600 GiB is not a PERSISTENT_2 capacity"),
+    # Alone, the throughput was ignored without a word.
+    (("--fsx-mbps-per-tib", "250"), "--fsx-mbps-per-tib needs --fsx-tib"),
+])
 def test_cli_startup_rows_and_bad_input(args, message):
     runner = CliRunner()
     base = ["--model", "deepseek-v3", "--nodes", "16", "--ep", "32", "--traffic", "--rollout-nodes", "32"]
+    for allowed in ("1.2", "2.4", "480"):
+        assert runner.invoke(cli, [*base, "--fsx-tib", allowed, "--json"]).exit_code in (0, 1)
     ok = runner.invoke(cli, [*base, "--fsx-tib", "480", "--json"])
     assert ok.exit_code in (0, 1), ok.output  # 1: the network path's staleness, not the start-up table
     rows = {r["role"]: r for r in json.loads(ok.output)["startup"]}

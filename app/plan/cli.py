@@ -130,7 +130,8 @@ def plan(
                                        "to the buffer (default --step-s)."),
     load_s: float = typer.Option(0.0, "--load-s", help="--traffic: engine load time per version, seconds."),
     fsx_tib: float = typer.Option(0.0, "--fsx-tib", help="--traffic: FSx for Lustre capacity, TiB (0: none)."),
-    fsx_mbps_per_tib: int = typer.Option(1000, "--fsx-mbps-per-tib", help="--traffic: FSx throughput per TiB."),
+    fsx_mbps_per_tib: int = typer.Option(None, "--fsx-mbps-per-tib", help="--traffic: FSx throughput per TiB "
+                                         "(with --fsx-tib; default 1000)."),
 ) -> None:
     """Print the per-GPU memory budget (exit 0 fits, 1 does not, 2 bad input)."""
     from pydantic import ValidationError
@@ -140,6 +141,9 @@ def plan(
     from app.model.config import num_routed_experts
 
     try:
+        if fsx_mbps_per_tib is not None and not fsx_tib:
+            raise ValueError("--fsx-mbps-per-tib needs --fsx-tib (the file system's capacity): alone it changes nothing")
+        fsx_mbps_per_tib = 1000 if fsx_mbps_per_tib is None else fsx_mbps_per_tib
         run = RunConfig.load(config_path) if config_path else RunConfig()
         if dtype is not None or not config_path:
             if (dtype or "bfloat16") not in ("bfloat16", "float32"):

@@ -44,7 +44,7 @@ from transformers import PretrainedConfig
 
 from app.model.config import DEEPSEEK_V3_FP8_BLOCK, moe_layer_ids, num_routed_experts
 from app.plan.params import param_shapes
-from infra.config import FSX_PER_UNIT_MBPS  # the file system's allowed values, declared once
+from infra.config import FSX_PER_UNIT_MBPS, fsx_capacity_error  # the file system's allowed values, declared once
 
 BUCKET_BYTES = 1024**3  # broadcast pipeline bucket (assumption; Miles/slime bucket sizes are of this order)
 # p5en.48xlarge: 3200 Gbps of EFA per node (Amazon EC2 P5en instance page; infra/instances.py
@@ -237,6 +237,8 @@ def fsx_rate(nodes: int, fsx_tib: float, per_unit_mbps: int = 1000, client_gbps:
     """
     if not 0 < fsx_tib < math.inf:
         raise ValueError(f"--fsx-tib must be finite and > 0, got {fsx_tib}")
+    if why := fsx_capacity_error(round(fsx_tib * 1000, 6)):
+        raise ValueError(f"--fsx-tib {fsx_tib:g}: {why} (1.2 TiB, or a multiple of 2.4 TiB)")
     if per_unit_mbps not in FSX_PER_UNIT_MBPS:
         raise ValueError(f"--fsx-mbps-per-tib must be one of {list(FSX_PER_UNIT_MBPS)} (PERSISTENT_2), got {per_unit_mbps}")
     return min(client_gbps * 1e9 / 8, fsx_tib * per_unit_mbps * 1e6 / nodes)
