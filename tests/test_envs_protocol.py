@@ -257,3 +257,33 @@ def test_config_refuses_what_episodes_do_not_support():
         RunConfig.model_validate({"env": {"name": "calculator"}, "rollout": {"routing_replay": True}})
     with pytest.raises(ValueError, match="env.name"):
         RunConfig.model_validate({"env": {"name": "chess"}})
+
+
+def test_calculator_demonstrations_call_the_tool_on_a_share_only():
+    """The warm-up's scripted calculator episodes call the tool with probability CALC_TOOL_DEMOS
+    and otherwise answer at once, each rewarded by the environment as played: when every
+    demonstration called the tool, greedy decoding after the warm-up was already as good as RL
+    could make it (BENCHMARKS.md), so a greedy gain meant nothing new. The loss covers the
+    policy's turns, never the tool's value in the observation."""
+    import random
+
+    from app.envs.episodes_local import CALC_TOOL_DEMOS, demonstration
+    from app.model.tokenizer import build_tokenizer
+
+    cfg = env_config("calculator", max_turns=2)
+    cfg.task.train_size = 400
+    train = make_splits(cfg.task)[0]
+    tok = build_tokenizer()
+    rng = random.Random(0)
+    calls = 0
+    for p in train:
+        ids, mask = demonstration(cfg.env, p, tok, rng)
+        taught = tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=True)
+        expr = p.text.rstrip("=")
+        if taught.startswith(f"[{expr}]"):
+            calls += 1
+            assert taught == f"[{expr}]{p.answer}", taught  # the call, then the tool's value copied
+        else:
+            assert taught == p.answer, taught  # the answer at once
+    share = calls / len(train)
+    assert 0 < share < 1 and abs(share - CALC_TOOL_DEMOS) < 0.08, share
