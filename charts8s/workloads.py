@@ -16,10 +16,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from app.config import EngineProfile, RunConfig, error_line, yaml_error_line
+from app.config import EngineProfile, RunConfig
 from app.layout import resolve_layout
 from app.rollout.engine_args import EngineLayout
-from infra.config import DeploymentConfig, NodePool, strict_scalar
+from infra.config import DeploymentConfig, NodePool, error_line, strict_scalar, yaml_error_line
 
 Role = Literal["trainer", "rollout", "env"]
 # The run config synthesized when a workloads file names none (README, "Recipes").

@@ -24,6 +24,7 @@ from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
 
+from app.buffer.redis_server import free_port
 from app.config import RunConfig
 from app.envs.environments import TextAction, TextObservation
 from app.envs.wire import WireError, wire_format
@@ -265,17 +266,9 @@ def test_moerl_run_refuses_an_external_server_whose_reset_drops_spec(tmp_path):
     assert not out.exists() and not (tmp_path / "cache").exists()
 
 
-def _closed_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _unreachable_env_config(tmp_path) -> Path:
     cfg = yaml.safe_load((ROOT / "examples/guess_number/run.yaml").read_text())
-    cfg["env"] = {**cfg["env"], "name": "guess-number", "url": f"http://127.0.0.1:{_closed_port()}"}
+    cfg["env"] = {**cfg["env"], "name": "guess-number", "url": f"http://127.0.0.1:{free_port()}"}
     cfg["env"].pop("demos_path")
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
     return tmp_path / "run.yaml"

@@ -30,11 +30,11 @@ from app.layout import default_world
 from app.local.procs import Proc, Supervisor, moerl_argv
 from app.rollout.probe import healthy
 
-# Each role process uses one thread: the 2-core machine runs engines, workers and trainer ranks
-# at once, and oversubscribed OpenMP threads make all of them slower.
 # How long `moerl run` waits for a user's environment server (``env.url``) to answer: it is
 # expected up before the run starts, so this only covers a server still binding its port.
 USER_ENV_WAIT_S = 15.0
+# Each role process uses one thread: the 2-core machine runs engines, workers and trainer ranks
+# at once, and oversubscribed OpenMP threads make all of them slower.
 ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -142,12 +142,10 @@ class EmbeddedLoop:
 
         Raises:
             RoleFailed: moerl's server exited or did not become healthy within `timeout_s`.
-            ConnectionError: the user's server at ``env.url`` did not answer within
-                `USER_ENV_WAIT_S` (bad input, not a failed role: exit 2, nothing started).
+            ConnectionError: the user's server at ``env.url`` did not answer within `timeout_s`
+                (bad input, not a failed role: exit 2, nothing started).
         """
         proc = self.sup.procs.get("env-0")
-        if proc is None:  # the user's server: it should be up already; a typo must not wait 2 minutes
-            timeout_s = min(timeout_s, USER_ENV_WAIT_S)
         deadline = time.monotonic() + timeout_s
         last = "no answer"
         while time.monotonic() < deadline:
@@ -171,7 +169,10 @@ class EmbeddedLoop:
         server, and wait until the server answers."""
         if not self.cfg.env.name:
             return
-        if self.cfg.env.served_by_moerl() and "env-0" not in self.sup.procs:
+        if not self.cfg.env.served_by_moerl():  # the user's: up already; a typo must not wait 2 minutes
+            self.wait_env(USER_ENV_WAIT_S)
+            return
+        if "env-0" not in self.sup.procs:
             self.start_env()
         self.wait_env()
 

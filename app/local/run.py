@@ -114,9 +114,9 @@ def task_preset(name: str) -> RunConfig:
         # A warm-up whose greedy decoding calls the tool on only some prompts: its demonstrations
         # call it 40 % of the time (app/envs/episodes_local.py CALC_TOOL_DEMOS), so RL has a
         # skill to add that greedy decoding shows. Greedy 0.430 -> 0.665 (seed 0) and 0.495 ->
-        # 0.690 (seed 1), sampled +51.5 points in both. With every demonstration calling the tool (125 steps), greedy started
-        # at 0.685, its failures the tiny policy's copying, and RL moved it -5.0, -2.0 (lr 1e-4)
-        # and -1.0 (T 0.7) points on seed 0 (BENCHMARKS.md).
+        # 0.690 (seed 1), sampled +51.5 points in both. With every demonstration calling the tool
+        # (125 steps), greedy started at 0.685, its failures the tiny policy's copying, and RL
+        # moved it -5.0, -2.0 (lr 1e-4) and -1.0 (T 0.7) points on seed 0 (BENCHMARKS.md).
         cfg.task.warmup_steps = 250
     if cfg.env.name:
         cfg.trainer.steps = 300 if name == "calculator" else 150  # minutes of this machine per run
