@@ -23,9 +23,9 @@ from app.trainer.grpo import (
 def test_group_advantages_by_hand():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 2.0])
     groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 2])
-    # Group 0: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735 -> +-0.866025.
+    # Group 0: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735 -> +-0.5 / (0.57735 + 1e-4).
     adv = group_advantages(rewards, groups, scale_by_std=True)
-    a = 0.5 / math.sqrt(1.0 / 3.0)
+    a = 0.5 / (math.sqrt(1.0 / 3.0) + 1e-4)
     expected = torch.tensor([a, -a, -a, a, 0.0, 0.0, 0.0, 0.0])
     torch.testing.assert_close(adv, expected, atol=1e-5, rtol=0)
     # Dr. GRPO: no std division.
