@@ -21,11 +21,12 @@ the engine's logprobs (app/trainer/grpo.py): with the trainer's old logprobs tha
 decoupled PPO (the clip against the proximal policy, the weight for the behaviour policy).
 
 Normalisation (a step equals the one-shot full-mini-batch step for any micro-batch split and any
-layout): every micro-batch's loss is its token sum divided by the GLOBAL count of its mini-batch
-(completion tokens for token-mean, sequences for seq-mean and for Dr. GRPO's constant normaliser,
-summed over every rank), so the sum of all micro-batch gradients over all ranks is the
-full-mini-batch gradient; FSDP's reduce-scatter SUMs (app/trainer/parallel.py turns its division
-off) and accumulates the sharded fp32 gradient over micro-batches.
+layout): every micro-batch's loss is its token sum divided by the GLOBAL count of its mini-batch,
+summed over every rank (completion tokens for token-mean, sequences with completion tokens for
+seq-mean, every sequence, times the constant, for Dr. GRPO's ``seq-mean-token-sum-norm``), so the
+sum of all micro-batch gradients over all ranks is the full-mini-batch gradient; FSDP's
+reduce-scatter SUMs (app/trainer/parallel.py turns its division off) and accumulates the sharded
+fp32 gradient over micro-batches.
 
 Every rank runs the same number of micro-batches (the group's maximum; a rank with fewer runs
 one-row dummy micro-batches whose loss is 0 but whose forward and backward take part in the
@@ -216,7 +217,7 @@ def train_step(
         batch = dataclasses.replace(batch, old_logprobs=batch.rollout_logprobs)
     elif recompute:
         batch = dataclasses.replace(batch, old_logprobs=_old_logprobs(model, batch, micro, kw))
-    del micro
+    del micro  # its device copies of the rows
 
     applied = True
     done: list[tuple[int, int, dict]] = []
@@ -409,6 +410,7 @@ def _micro_step(cfg: RunConfig, model: nn.Module, mb: TrainBatch, rows, denomina
         return False, sums, maxima, load
     loss.backward()
     return True, sums, maxima, load
+
 
 @torch.no_grad()
 def _old_logprobs(model: nn.Module, batch: TrainBatch, micro: list[tuple], kw: dict) -> Tensor:
