@@ -173,6 +173,34 @@ def test_the_old_logprobs_take_one_pass_and_only_when_needed(trainer, passes):
     assert applied and (calls.count(False), calls.count(True)) == passes
 
 
+def test_with_routing_replay_the_old_logprobs_route_as_the_steps_do():
+    """The old-logprob pass replays the engine's experts as the training forwards do: at lr 0 every
+    step's ratio is 1. Replayed experts are drawn at random, so the model's own routing would give
+    other logprobs (the replay is counted as a mismatch)."""
+    import numpy as np
+
+    from app.model.config import moe_layer_ids, tiny_config
+
+    cfg = _cfg(ppo_mini_batch_size=1, ppo_epochs=2)
+    cfg.rollout.routing_replay = True
+    model = _policy()
+    config = tiny_config(cfg.model.preset)
+    layers, E, K = moe_layer_ids(config), config.num_experts, config.num_experts_per_tok
+    rng = np.random.default_rng(0)
+    groups = fake_groups(3)
+    for g in groups:
+        for smp in g.samples:
+            fed = len(smp.prompt_ids) + len(smp.completion_ids) - 1
+            smp.routed_experts = np.stack([rng.permutation(E)[:K] for _ in range(fed * len(layers))]).reshape(
+                fed, len(layers), K).astype(np.uint8)
+    parts, minis = split_mini_batches(groups, 1, 1)
+    batch = collate_groups(parts[0], moe_layers=layers, mini_batches=minis[0])
+    applied, stats = train_step(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0), batch, pad_id=0)
+    assert applied and stats["routing_replay_mismatch"] > 0.3
+    for s in stats["mini_batch_stats"]:
+        assert s["approx_kl"] == pytest.approx(0.0, abs=1e-9) and s["ratio_max"] == pytest.approx(1.0, abs=1e-5), s
+
+
 # ------------------------------------------------------------------------------------------
 # Two gloo ranks (FSDP2 x EP 2) against one process
 
