@@ -280,7 +280,8 @@ def contract_policies(scope, k8s, plan: Plan, parties: list[str]) -> None:
     the rows' connections out of and into them; for a row tied to one peer, a policy per engine
     (``same-group``: the group's pods to each other; ``own-engine``: worker i out to engine i's
     leader, and that leader in from worker i only). Rows from outside the namespace are the ops
-    manifests' and infra/'s."""
+    manifests' and infra/'s. A party of a narrower selector than its component's (``trainer-0``,
+    ``engine-http`` of multi-node engines) gets a policy only where rows name it."""
     ns, table = plan.namespace, rows(plan)
     by_selector: dict[tuple, list[str]] = {}
     for party in parties:
@@ -295,7 +296,10 @@ def contract_policies(scope, k8s, plan: Plan, parties: list[str]) -> None:
                 egress.append(_rule("to", peers(plan, r.dst), ports(plan, r.ports)))
             if r.dst in mine and r.src not in OUTSIDE:
                 ingress.append(_rule("from", peers(plan, r.src), ports(plan, r.ports)))
-        policy(scope, k8s, policy_name(sel), ns, sel, ingress=_unique(ingress), egress=_unique(egress))
+        # A component's policy isolates its pods both ways even with no rule; a narrower selector
+        # (trainer-0, a group's leaders) only adds what its rows allow.
+        if ingress or egress or sel == labels(sel[APP_LABEL]):
+            policy(scope, k8s, policy_name(sel), ns, sel, ingress=_unique(ingress), egress=_unique(egress))
     for r in table:
         if r.pair == "same-group" and r.src in parties:
             sel = selector(plan, r.src)

@@ -126,7 +126,8 @@ def model_init_container(plan: Plan) -> dict | None:
     res = {"cpu": "8", "memory": "16Gi"}
     return {
         "name": "model", "image": plan.images["rollout"], "imagePullPolicy": "IfNotPresent",
-        "command": ["python3", "-m", "app.model.source", model, "--cache-dir", BASE_MODEL_DIR],
+        # --unquantized: a copy whose config.json keeps a quantization_config stops here (workloads.served_config)
+        "command": ["python3", "-m", "app.model.source", model, "--cache-dir", BASE_MODEL_DIR, "--unquantized"],
         "resources": {"requests": res, "limits": res},
         "securityContext": container_security(),
         "volumeMounts": [{"name": "models", "mountPath": "/models"}, {"name": "tmp", "mountPath": "/tmp"}],

@@ -17,6 +17,7 @@ import re
 import sys
 import types
 import typing
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Literal
 
@@ -572,6 +573,12 @@ class DeploymentConfig(Model):
         """Stack and resource name prefix, e.g. 'moerl-dev'."""
         return f"moerl-{self.env}"
 
+    def trainer_writes(self, run_id: str) -> bool:
+        """Whether the trainer role may write the areas of run `run_id`: an entry of trainer_runs
+        names it, or is a family ('grpo-*', '*') whose prefix it starts with, as the role's
+        resources match it (infra/cluster.py trainer_write_resources: IAM's '*')."""
+        return any(fnmatchcase(run_id, run) for run in self.trainer_runs)
+
     def pod_role_name(self, role: Literal["trainer", "rollout"]) -> str:
         """IAM role name of a Pod Identity role (infra/cluster.py), e.g. 'moerl-prod-trainer'; named so
         that the bucket policies (infra/storage.py) can refer to it without a cross-stack cycle."""
@@ -634,6 +641,9 @@ _SIZES = {
     "prod": {"train-gpu": (16, 16, 16), "rollout-gpu": (8, 32, 48), "env-cpu": (2, 8, 32), "buffer-mem": (1, 1, 2), "system": (2, 3, 6)},
 }
 _ACCOUNTS = {"dev": "111111111111", "staging": "222222222222", "prod": "333333333333"}
+# dev's trainer_runs: RunConfig's default run id and the recipes written for dev (recipes/*.yaml
+# run_id; charts8s refuses a run whose id trainer_runs does not cover).
+DEV_RUNS = ["dev", "dev-tiny-grpo", "qwen3-30b-a3b-grpo"]
 
 
 def default_config(env: str, account: str | None = None) -> dict:
@@ -670,6 +680,7 @@ def default_config(env: str, account: str | None = None) -> dict:
         artifacts_bucket=f"moerl-{env}-artifacts-{account}",
         logs_bucket=f"moerl-{env}-access-logs-{account}",
         admin_role_arns=[] if env == "dev" else [f"arn:aws:iam::{account}:role/moerl-{env}-admin"],
+        **({"trainer_runs": DEV_RUNS} if env == "dev" else {}),
         retain_data=env != "dev",
     )
 
