@@ -181,20 +181,29 @@ def applies(plan: Plan, when: str, profile: str | None = None) -> bool:
     raise KeyError(when)
 
 
-def ports(plan: Plan, key: str) -> list[dict] | None:
-    """The NetworkPolicy ports of port key ``key`` for ``plan`` (None: every port)."""
+def _tcp(port: int) -> list[dict]:
+    return [{"protocol": "TCP", "port": port}]
+
+
+NCCL = [{"protocol": "TCP", "port": NCCL_PORTS[0], "endPort": NCCL_PORTS[1]}]
+FIXED_PORTS = {  # the port keys that no setting moves
+    "dns": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}], "redis": _tcp(REDIS_PORT),
+    "https": _tcp(443), "pod-identity": _tcp(80), "metrics": _tcp(METRICS_PORT), "exporter": _tcp(REDIS_EXPORTER_PORT),
+    "dcgm": _tcp(DCGM_HOSTENGINE_PORT), "nccl": NCCL,
+}
+
+
+def ports(plan: Plan | None, key: str) -> list[dict] | None:
+    """The NetworkPolicy ports of port key ``key`` (None: every port); ``plan`` may be None for
+    the keys of `FIXED_PORTS`."""
+    if key == "all":
+        return None
+    if key in FIXED_PORTS:
+        return FIXED_PORTS[key]
     wl = plan.wl
-    one = lambda p: [{"protocol": "TCP", "port": p}]  # noqa: E731
-    nccl = [{"protocol": "TCP", "port": NCCL_PORTS[0], "endPort": NCCL_PORTS[1]}]
-    table = {
-        "dns": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
-        "redis": one(REDIS_PORT), "https": one(443), "pod-identity": one(80), "env": one(wl.env.port),
-        "reward": one(wl.reward_model.port), "engine": one(wl.rollout.engine_port), "router": one(wl.rollout.router_port),
-        "router-metrics": one(wl.rollout.router_metrics_port), "metrics": one(METRICS_PORT),
-        "exporter": one(REDIS_EXPORTER_PORT), "dcgm": one(DCGM_HOSTENGINE_PORT), "nccl": nccl,
-        "weight-group": one(weight_group_port(plan.run)) + nccl,
-    }
-    return None if key == "all" else table[key]
+    return {"env": _tcp(wl.env.port), "reward": _tcp(wl.reward_model.port), "engine": _tcp(wl.rollout.engine_port),
+            "router": _tcp(wl.rollout.router_port), "router-metrics": _tcp(wl.rollout.router_metrics_port),
+            "weight-group": _tcp(weight_group_port(plan.run)) + NCCL}[key]
 
 
 def rows(plan: Plan) -> list[Row]:

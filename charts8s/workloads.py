@@ -337,6 +337,27 @@ def engine_quantization(plan: "Plan") -> tuple[str, str] | None:
     return None
 
 
+# Where the deployment keeps what pods read (infra.config, declared once there): a recipe names a
+# base model or dataset as s3://{checkpoint_bucket}/{models_prefix}/<name>, filled in at render.
+STORE_FIELDS = ("checkpoint_bucket", "models_prefix", "data_prefix")
+
+
+def fill_store_path(cfg: DeploymentConfig, value: str | None, field: str) -> str | None:
+    """``value`` with the deployment config's `STORE_FIELDS` put in for ``{checkpoint_bucket}``,
+    ``{models_prefix}`` and ``{data_prefix}`` (None and values without braces as they are).
+
+    Raises:
+        WorkloadError: another placeholder, or braces that do not parse, naming ``field``.
+    """
+    if value is None or "{" not in value:
+        return value
+    try:
+        return value.format_map({k: getattr(cfg, k) for k in STORE_FIELDS})
+    except (KeyError, ValueError, IndexError) as e:
+        raise WorkloadError(f"{field}: {value!r}: {type(e).__name__} {e}; only "
+                            f"{', '.join('{' + k + '}' for k in STORE_FIELDS)} are filled in (deployment config)") from None
+
+
 def _check_store_reads(plan: Plan) -> None:
     """Raise WorkloadError unless the run's trainer may write its run's areas (trainer_runs) and
     every s3:// path the pods read at start lies where the storage layout keeps it, in the
@@ -563,6 +584,12 @@ def load_workloads(cfg: DeploymentConfig, path: str | Path | None = None, read_s
         run = RunConfig.load(wl.run_config) if wl.run_config else RunConfig()
     except (OSError, ValueError) as e:
         raise WorkloadError(f"{source}: run_config: {e}") from None
+    try:
+        run.model.path = fill_store_path(cfg, run.model.path, "run config model.path")
+        run.task.jsonl_path = fill_store_path(cfg, run.task.jsonl_path, "run config task.jsonl_path")
+        wl.rollout.model_path = fill_store_path(cfg, wl.rollout.model_path, "rollout.model_path")
+    except WorkloadError as e:
+        raise WorkloadError(f"{source}: {e}") from None
     if cfg.fsx.enabled and not (cfg.fsx.file_system_id and cfg.fsx.mount_name):  # the deployment config's, not this file's
         raise WorkloadError(f"deployment config (env {cfg.env}): fsx.file_system_id and fsx.mount_name: fsx.enabled "
                             "needs both, from the storage stack's outputs FsxFileSystemId and FsxMountName (after its "

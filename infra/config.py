@@ -641,9 +641,6 @@ _SIZES = {
     "prod": {"train-gpu": (16, 16, 16), "rollout-gpu": (8, 32, 48), "env-cpu": (2, 8, 32), "buffer-mem": (1, 1, 2), "system": (2, 3, 6)},
 }
 _ACCOUNTS = {"dev": "111111111111", "staging": "222222222222", "prod": "333333333333"}
-# dev's trainer_runs: RunConfig's default run id and the recipes written for dev (recipes/*.yaml
-# run_id; charts8s refuses a run whose id trainer_runs does not cover).
-DEV_RUNS = ["dev", "dev-tiny-grpo", "qwen3-30b-a3b-grpo"]
 
 
 def default_config(env: str, account: str | None = None) -> dict:
@@ -680,7 +677,6 @@ def default_config(env: str, account: str | None = None) -> dict:
         artifacts_bucket=f"moerl-{env}-artifacts-{account}",
         logs_bucket=f"moerl-{env}-access-logs-{account}",
         admin_role_arns=[] if env == "dev" else [f"arn:aws:iam::{account}:role/moerl-{env}-admin"],
-        **({"trainer_runs": DEV_RUNS} if env == "dev" else {}),
         retain_data=env != "dev",
     )
 
