@@ -615,3 +615,19 @@ def _types_default_ingress_only(policy: dict) -> bool:
     from netpolicy import _types
 
     return _types(policy["spec"]) == ["Ingress"] and _types({**policy["spec"], "egress": []}) == ["Ingress", "Egress"]
+
+
+@pytest.mark.parametrize("base", ["qwen3-1node-ep", "dsv3-2node"])
+def test_the_routers_metrics_port_has_a_podmonitor(renders, base):
+    """Issue 37 item 9: with rollout.router the router's figures are scraped, on the named port its
+    container declares (rollout.router_metrics_port); without the router there is no such target."""
+    r = renders(base, ("router",))
+    (pm,) = [d for d in r.docs if d["kind"] == "PodMonitor" and d["metadata"]["name"] == "moerl-router"]
+    (router,) = [d for d in r.docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "moerl-router"]
+    assert pm["spec"]["selector"] == {"matchLabels": router["spec"]["template"]["metadata"]["labels"]}
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    (c,) = router["spec"]["template"]["spec"]["containers"]
+    (port,) = [p for p in c["ports"] if p["name"] == endpoint["port"]]
+    assert port["containerPort"] == r.plan.wl.rollout.router_metrics_port
+    assert Reach(r.policies).allowed(PROMETHEUS_POD, [p for p in r.pods if "moerl-router" in p.name][0], port["containerPort"])
+    assert not [d for d in renders(base, ()).docs if d["kind"] == "PodMonitor" and d["metadata"]["name"] == "moerl-router"]
