@@ -361,9 +361,9 @@ def fill_store_path(cfg: DeploymentConfig, value: str | None, field: str) -> str
 def _check_store_reads(plan: Plan) -> None:
     """Raise WorkloadError unless the run's trainer may write its run's areas (trainer_runs) and
     every s3:// path the pods read at start lies where the storage layout keeps it, in the
-    checkpoint bucket: the base model under models_prefix/ (which FSx links), a JSONL dataset
-    under data_prefix/ (both Pod Identity roles read those prefixes and neither writes them;
-    infra/cluster.py)."""
+    checkpoint bucket, where both Pod Identity roles read (infra/cluster.py): the base model under
+    models_prefix/ (read-only, and linked by FSx), a JSONL dataset under data_prefix/ (read-only),
+    or either under run_prefix/ (a run's published version, say)."""
     cfg, run = plan.cfg, plan.run
     if not cfg.trainer_writes(run.run_id):
         raise WorkloadError(
@@ -375,9 +375,10 @@ def _check_store_reads(plan: Plan) -> None:
              ("run config task.jsonl_path", run.task.jsonl_path, cfg.data_prefix, "datasets"))
     for field, url, prefix, kind in reads:
         want = f"s3://{cfg.checkpoint_bucket}/{prefix}/"
-        if url and url.startswith("s3://") and not url.startswith(want):
+        if url and url.startswith("s3://") and not url.startswith((want, f"s3://{cfg.checkpoint_bucket}/{cfg.run_prefix}/")):
             raise WorkloadError(f"{field}: {url} is not under {want}, where the pods' roles read {kind} (read-only; "
-                                "FSx links models_prefix/): upload it there (deployment config models_prefix, data_prefix)")
+                                "FSx links models_prefix/), nor under the run prefix: upload it there (deployment config "
+                                "models_prefix, data_prefix)")
 
 
 # OCI distribution-spec reference: lower-case repository path components, then a tag

@@ -325,8 +325,9 @@ def test_a_run_the_trainer_may_not_publish_is_refused_at_render(tmp_path):
 
 
 @pytest.mark.parametrize("field,value,says", [
-    ("model", "{path: s3://moerl-dev-checkpoints-111111111111/runs/models/tiny}", "run config model.path: s3://moerl-dev-"),
-    ("task", "{source: jsonl, jsonl_path: 's3://{checkpoint_bucket}/runs/d.jsonl'}", "run config task.jsonl_path"),
+    ("model", "{path: s3://moerl-dev-checkpoints-111111111111/elsewhere/tiny}", "run config model.path: s3://moerl-dev-"),
+    ("model", "{path: s3://another-bucket/models/tiny}", "run config model.path: s3://another-bucket/models/tiny is not"),
+    ("task", "{source: jsonl, jsonl_path: 's3://{checkpoint_bucket}/elsewhere/d.jsonl'}", "run config task.jsonl_path"),
     ("model", "{path: 's3://{bucket}/models/tiny'}", "only {checkpoint_bucket}, {models_prefix}, {data_prefix}"),
 ])
 def test_store_paths_outside_the_storage_layout_are_refused(tmp_path, field, value, says):
