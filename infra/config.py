@@ -12,6 +12,7 @@ with one message that names the field: `ConfigError`.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import ipaddress
 import re
 import sys
@@ -69,6 +70,9 @@ PLACEHOLDER_ACCOUNTS = ("111111111111", "222222222222", "333333333333")
 
 # A run id as RunConfig.run_id accepts it (app/config.py), optionally a family prefix ending in '*'.
 _RUN_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}\*?$")
+# The principal tag that lets a principal of the account assume the created admin role when
+# admin_principals names none (IAM trust policy condition aws:PrincipalTag/<key> = moerl-<env>).
+ADMIN_PRINCIPAL_TAG = "moerl-cluster-admin"
 # S3 general-purpose bucket naming rules (S3 user guide, "Bucket naming rules").
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _BUCKET_BAD_PREFIXES = ("xn--", "sthree-", "amzn-s3-demo-")
@@ -399,6 +403,11 @@ class DeploymentConfig(Model):
         so its access entry never names a missing principal (EKS rejects one). Every other role
         in admin_role_arns must already exist: `python -m infra.preflight` checks them before a
         deploy. Turn it off when the account already has a role of that name.
+    admin_principals: the IAM roles or users that may assume the created admin role. Empty: any
+        principal of this account that carries the tag moerl-cluster-admin = moerl-<env>
+        (ADMIN_PRINCIPAL_TAG) and whose own policy allows sts:AssumeRole on it; never the whole
+        account. Each must exist before the deploy (IAM refuses a trust policy naming a missing
+        principal; `python -m infra.preflight` checks them).
     node_groups_exist: set true once the first deploy has created the node groups. The template
         then leaves DesiredSize out of every pool that `infra.scale` sizes (GPU pools), so a later
         change to a node group's scaling config never resets a running gang to the created size
@@ -411,12 +420,15 @@ class DeploymentConfig(Model):
         datasets: both Pod Identity roles read them and neither may write there (operators
         upload). They must lie outside run_prefix, where the trainer writes.
     fsx: the shared FSx for Lustre file system (FsxConfig; off by default).
-    trainer_runs: the runs whose areas the trainer role may write: run ids (RunConfig.run_id:
-        the trainer writes runs/<run_id>/{policy,train,trainer,metrics,tensorboard}/ only for
-        these), or a family ending in '*' ('grpo-*'); a bare '*' (every run) only in dev. A run
-        whose id is missing gets AccessDenied on its first write: add it and deploy the cluster
-        stack (an IAM policy update; no node changes), so one run's credentials cannot
-        overwrite another run's versions or training state.
+    trainer_runs: the runs whose areas a trainer may write: run ids (RunConfig.run_id: the
+        trainer writes runs/<run_id>/{policy,train,trainer,metrics,tensorboard}/), or a family
+        ending in '*' ('grpo-*'); a bare '*' (every run) only in dev. Each entry gets a Pod
+        Identity role and service account of its own (trainer_identities) that writes that
+        entry's runs only, and the trainer of a run uses the entry that names it
+        (trainer_service_account_of), so one run's credentials cannot overwrite another run's
+        versions or training state; the runs of one family share theirs. A run no entry names has
+        no AWS credentials (its service account has no association): add it and deploy the
+        cluster stack (IAM and Pod Identity only; no node changes).
     public_endpoint_cidrs: empty keeps the API endpoint private (reach it from inside the VPC);
         otherwise the endpoint is also public, open only to these CIDR blocks.
     retain_data: keep buckets and repositories when the stack is deleted (required in prod).
@@ -445,6 +457,7 @@ class DeploymentConfig(Model):
     image_tag: str = Field("0.1.0", pattern=r"^[\w][\w.-]{0,127}$")
     admin_role_arns: list[str] = []
     create_admin_role: bool = True
+    admin_principals: list[str] = []
     pull_through_secrets: dict[Literal["registry-1.docker.io", "ghcr.io"], str] = {}
     node_groups_exist: bool = False
     models_prefix: str = Field("models", pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*$")
@@ -469,6 +482,14 @@ class DeploymentConfig(Model):
         for arn in v:
             if not re.match(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+$", arn):
                 raise ValueError(f"{arn!r} is not an IAM role ARN")
+        return v
+
+    @field_validator("admin_principals")
+    @classmethod
+    def _principals(cls, v: list[str]) -> list[str]:
+        for arn in v:
+            if not re.match(r"^arn:aws[a-z-]*:iam::\d{12}:(role|user)/[\w+=,.@/-]+$", arn):
+                raise ValueError(f"{arn!r} is not the ARN of an IAM role or user")
         return v
 
     @field_validator("pull_through_secrets")
@@ -573,9 +594,44 @@ class DeploymentConfig(Model):
         return f"moerl-{self.env}"
 
     def pod_role_name(self, role: Literal["trainer", "rollout"]) -> str:
-        """IAM role name of a Pod Identity role (infra/cluster.py), e.g. 'moerl-prod-trainer'; named so
-        that the bucket policies (infra/storage.py) can refer to it without a cross-stack cycle."""
+        """IAM role name of a Pod Identity role (infra/cluster.py), e.g. 'moerl-prod-rollout'; named so
+        that the bucket policies (infra/storage.py) can refer to it without a cross-stack cycle.
+        The trainer's roles are per trainer_runs entry: this is their common prefix."""
         return f"{self.name_prefix}-{role}"
+
+    def trainer_identity(self, entry: str) -> tuple[str, str]:
+        """(IAM role name, service account name) of the trainer of trainer_runs entry `entry`:
+        moerl-<env>-trainer-<h> and <trainer_service_account>-<h>, <h> the first 8 hex digits of the
+        entry's SHA-256 (valid as a role name, at most 64 characters, and as a service account name
+        for any entry; a '*' can be in neither)."""
+        h = hashlib.sha256(entry.encode()).hexdigest()[:8]
+        return f"{self.pod_role_name('trainer')}-{h}", f"{self.trainer_service_account}-{h}"
+
+    @property
+    def trainer_identities(self) -> dict[str, tuple[str, str]]:
+        """trainer_runs entry -> trainer_identity(entry): the roles and associations the cluster stack makes."""
+        return {entry: self.trainer_identity(entry) for entry in self.trainer_runs}
+
+    def trainer_entry(self, run_id: str) -> str | None:
+        """The trainer_runs entry that names `run_id`: the run id itself, else the longest family
+        prefix ('grpo-*'), else '*'; None when no entry does."""
+        if run_id in self.trainer_runs:
+            return run_id
+        families = [e for e in self.trainer_runs if e.endswith("*") and run_id.startswith(e[:-1])]
+        return max(families, key=len) if families else None
+
+    def trainer_service_account_of(self, run_id: str) -> str:
+        """The service account of run `run_id`'s trainer: its trainer_runs entry's. A run no entry
+        names gets the one it would have as an entry of its own, which has no Pod Identity
+        association (and so no AWS credentials) until the run is added to trainer_runs and the
+        cluster stack deployed."""
+        return self.trainer_identity(self.trainer_entry(run_id) or run_id)[1]
+
+    @property
+    def boundary_arn(self) -> str:
+        """The permissions boundary every role of the stacks carries (moerl-<env>-boundary; its
+        document: infra/execution_policy.py boundary_policy, created with the execution policy)."""
+        return f"arn:aws:iam::{self.account}:policy/{self.name_prefix}-boundary"
 
     @property
     def cache_prefixes(self) -> dict[str, str]:
