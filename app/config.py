@@ -198,7 +198,7 @@ class RolloutConfig(Section):
     router: bool = Field(False, description="Send /generate through SGLang's router (app/rollout/router.py) "
                          "to any engine instead of the worker's own; control calls still go to the own engine. "
                          "Needs pause_mode abort. Off by default: on the 2-core VM it did not reliably pay "
-                         "(BENCHMARKS.md); engines that own a GPU each are where it should.")
+                         "(bench/results/rollout-router.md); engines that own a GPU each are where it should.")
     router_url: str = Field("", description="The router's base URL (the cluster's router Service; `moerl run` "
                             "starts one and passes it); used when router is on.")
     router_policy: Literal[ROUTER_POLICIES] = Field(
@@ -292,7 +292,7 @@ class TrainerConfig(Section):
         "token sums over sequences x the most policy tokens a completion may have).")
     tis_cap: float | None = Field(2.0, gt=0.0, description="Truncated IS cap (C_max of rollout_is); None "
                                   "disables the importance weights against the engine.")
-    # Objectives (app/trainer/grpo.py; the README's table names each one's paper and TRL/verl option).
+    # Objectives (app/trainer/grpo.py; docs/trainer.md's table names each one's paper and TRL/verl option).
     ratio_level: Literal["token", "sequence"] = Field(
         "token", description="sequence: GSPO's ratio, the geometric mean of the token ratios, clipped per sequence.")
     rollout_is: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
@@ -437,11 +437,11 @@ class EnvConfig(Section):
                             "cluster: the env pool's Service).")
     demos_path: str | None = Field(None, description="JSONL of warm-up demonstrations for an environment "
                                    'of your own: {"spec": ..., "actions": ["turn", ...]} per line, played '
-                                   "against it (README); None: the built-in environments' scripted ones.")
+                                   "against it (docs/environments.md); None: the built-in environments' scripted ones.")
     demos_from_env: bool = Field(False, description="Warm-up demonstrations from the environment's own "
                                  "training episodes: each one's reset observation carries the turns that solve "
                                  'it in OpenEnv\'s metadata, {"demonstration": ["turn", ...]}, played against it '
-                                 "as a demos_path row is (README); instead of demos_path.")
+                                 "as a demos_path row is (docs/environments.md); instead of demos_path.")
     max_turns: int = Field(3, ge=1, description="Policy turns per episode at most.")
     step_timeout_s: float = Field(10.0, gt=0.0, description="Wait for one reset/step answer, seconds.")
     episode_timeout_s: float = Field(120.0, gt=0.0, description="The server closes an episode's session "

@@ -22,7 +22,7 @@ from app.rollout.engine_args import EngineLayout
 from infra.config import DeploymentConfig, NodePool, error_line, strict_scalar, yaml_error_line
 
 Role = Literal["trainer", "rollout", "env"]
-# The run config synthesized when a workloads file names none (README, "Recipes").
+# The run config synthesized when a workloads file names none (docs/cluster.md, "Recipes").
 DEV_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "dev-tiny-grpo.yaml"
 
 
@@ -91,7 +91,7 @@ class RolloutSpec(_Model):
     boot_s: int = Field(1200, ge=0, description="Kernel JIT, CUDA-graph capture and the rest of a start, seconds.")
     api_key_secret: str = Field("moerl-rollout-api-key", description="Secret with the SGLang keys (``api-key``, "
                                 "``admin-api-key``) of engines over several nodes, which serve on the pod network; "
-                                "made outside dist/ (README).")
+                                "made outside dist/ (docs/cluster.md).")
     # SGLang's router (run config rollout.router; charts8s/router.py).
     router_port: int = Field(30100, ge=1024, le=65535, description="The router's Service and container port.")
     router_metrics_port: int = Field(29000, ge=1024, le=65535, description="The router's Prometheus port.")
@@ -133,7 +133,7 @@ class BenchRolloutSpec(_Model):
     seconds: float = Field(600.0, gt=0)
     concurrency: int | None = Field(None, ge=1)
     api_key_secret: str = Field("moerl-bench-api-key", description="Secret with the engines' SGLang keys "
-                                "(``api-key``, ``admin-api-key``), made outside dist/ (README).")
+                                "(``api-key``, ``admin-api-key``), made outside dist/ (docs/cluster.md).")
 
 
 class FeedSpec(_Model):

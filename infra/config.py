@@ -542,7 +542,7 @@ class DeploymentConfig(Model):
             raise ValueError("public_endpoint_cidrs: an open API endpoint (/0) is allowed in dev only")
         if self.env != "dev" and not self.admin_role_arns:
             raise ValueError(f"admin_role_arns: {self.env} needs at least one IAM role with cluster-admin access "
-                             "(the API endpoint is private; see README 'Reaching the cluster')")
+                             "(the API endpoint is private; see docs/deploy-aws.md, 'Reaching the cluster')")
         if self.fsx.enabled:
             no_efa = [p for p in ("train-gpu", "rollout-gpu") if not self.pools[p].efa]
             if no_efa:
@@ -766,7 +766,7 @@ def load_pipeline_config(path: str | Path | None) -> tuple[PipelineConfig, list[
     """
     if path is None:
         raise ConfigError("-c env=pipeline needs -c config=<pipeline.yaml> with pipeline.account, "
-                          "pipeline.connection_arn and environments.<env>.account (see README)")
+                          "pipeline.connection_arn and environments.<env>.account (see docs/deploy-aws.md)")
     path = Path(path)
     data = _read_mapping(path)
     unknown = set(data) - {"pipeline", "environments"}
