@@ -11,7 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # Markdown inline links, [text](target): the target up to a space or the closing parenthesis.
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-EXTERNAL = ("http://", "https://", "mailto:", "#")
+EXTERNAL = ("http://", "https://", "mailto:")
+HEADING = re.compile(r"^#{1,6} (.+)$", re.M)
 
 
 def documents() -> list[Path]:
@@ -20,14 +21,31 @@ def documents() -> list[Path]:
     return [p for p in pages if p.is_file()]
 
 
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings (outside code blocks): lower case, punctuation
+    but - and _ dropped, spaces as -, a repeated heading suffixed -1, -2, ..."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+    out, count = set(), {}
+    for heading in HEADING.findall(text):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        n = count.get(slug, 0)
+        count[slug] = n + 1
+        out.add(f"{slug}-{n}" if n else slug)
+    return out
+
+
 def broken_links(page: Path, root: Path = ROOT) -> list[str]:
-    """The relative links of `page` that name no file or folder inside `root`."""
+    """The relative links of `page` that name no file or folder inside `root`, or no heading of
+    the Markdown page they name."""
     bad = []
     for target in LINK.findall(page.read_text()):
         if target.startswith(EXTERNAL):
             continue
-        path = (page.parent / target.split("#", 1)[0]).resolve()
+        name, _, anchor = target.partition("#")
+        path = (page.parent / name).resolve() if name else page
         if not path.is_relative_to(root) or not path.exists():
+            bad.append(target)
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path):
             bad.append(target)
     return bad
 
@@ -43,9 +61,11 @@ def test_a_broken_link_is_found(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "there.md").write_text("x")
     page = tmp_path / "docs" / "page.md"
-    page.write_text("[ok](there.md) [anchor](there.md#a) [web](https://x.org) [gone](missing.md) "
-                    "[outside](../../etc/passwd) [self](#top)")
-    assert broken_links(page, tmp_path) == ["missing.md", "../../etc/passwd"]
+    (tmp_path / "docs" / "there.md").write_text("# Top\n\n## `moerl bench rollout --partial-ab`\n\n## Top\n")
+    page.write_text("# Page\n[ok](there.md) [anchor](there.md#moerl-bench-rollout---partial-ab) [again](there.md#top-1) "
+                    "[web](https://x.org) [gone](missing.md) [outside](../../etc/passwd) [self](#page) "
+                    "[no heading](there.md#nowhere) [no self](#nothing)")
+    assert broken_links(page, tmp_path) == ["missing.md", "../../etc/passwd", "there.md#nowhere", "#nothing"]
 
 
 def test_readme_is_short_and_one_click_from_each_task():
