@@ -85,3 +85,10 @@ def test_nothing_points_at_benchmarks_md():
     hits = [f for f in files if f != "tests/test_docs.py" and (ROOT / f).is_file()
             and "BENCHMARKS" in (ROOT / f).read_text(errors="replace")]
     assert not hits, hits
+
+
+def test_every_raw_result_file_is_linked():
+    results = ROOT / "bench" / "results"
+    linked = {t for page in results.glob("*.md") for t in LINK.findall(page.read_text())}
+    raw = [p.name for p in results.iterdir() if p.suffix in (".json", ".txt")]
+    assert raw and not [name for name in raw if name not in linked]
