@@ -45,6 +45,7 @@ $(STAMP): pyproject.toml Makefile $(IAM_SIMULATE)/package-lock.json
 	$(MAKE) system-deps
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(MAKE) $(NODE_BIN)/node
+	ln -sf ../node/bin/node $(BIN)/node  # `source .venv/bin/activate` finds it too
 	npm ci --prefix $(IAM_SIMULATE) --ignore-scripts --no-audit --no-fund
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch first, so nothing later pulls a CUDA build.
