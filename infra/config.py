@@ -485,20 +485,15 @@ class DeploymentConfig(Model):
                                  "nor such a prefix followed by '*'")
         return v
 
-    @field_validator("admin_role_arns")
+    @field_validator("admin_role_arns", "admin_principals")
     @classmethod
-    def _arns(cls, v: list[str]) -> list[str]:
+    def _arns(cls, v: list[str], info) -> list[str]:
+        # access entries name roles; the admin role's trust policy may also name users
+        kinds, what = ("role", "an IAM role ARN") if info.field_name == "admin_role_arns" else \
+            ("role|user", "the ARN of an IAM role or user")
         for arn in v:
-            if not re.match(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+$", arn):
-                raise ValueError(f"{arn!r} is not an IAM role ARN")
-        return v
-
-    @field_validator("admin_principals")
-    @classmethod
-    def _principals(cls, v: list[str]) -> list[str]:
-        for arn in v:
-            if not re.match(r"^arn:aws[a-z-]*:iam::\d{12}:(role|user)/[\w+=,.@/-]+$", arn):
-                raise ValueError(f"{arn!r} is not the ARN of an IAM role or user")
+            if not re.match(rf"^arn:aws[a-z-]*:iam::\d{{12}}:({kinds})/[\w+=,.@/-]+$", arn):
+                raise ValueError(f"{arn!r} is not {what}")
         return v
 
     @field_validator("pull_through_secrets")
