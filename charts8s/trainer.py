@@ -60,7 +60,7 @@ def render_job(plan: Plan) -> dict:
     with warnings.catch_warnings():
         # TorchX warns about task-level retries of Volcano < 1.4; the gang restarts by job policy.
         warnings.simplefilter("ignore", UserWarning)
-        job = app_to_resource(trainer_appdef(plan), QUEUE, plan.cfg.trainer_service_account,
+        job = app_to_resource(trainer_appdef(plan), QUEUE, plan.cfg.trainer_service_account_of(plan.run.run_id),
                               priority_class=TRAINER)
     res = sanitize_for_serialization(job)
     unique = res["metadata"]["name"]
