@@ -453,7 +453,7 @@ def _synth(r: Render, tmp: Path) -> dict:
     (manifest,) = [res for k, res in resources(t["cluster"], "Custom::AWSCDK-EKS-KubernetesResource").items()
                    if "SystemNetworkPolicies" in k]
     _SYNTH[key] = {
-        "roles": {role: role_policy(t["cluster"], cfg, roles[cfg.pod_role_name(role)]) for role in ("trainer", "rollout")},
+        "roles": {name: role_policy(t["cluster"], cfg, logical) for name, logical in roles.items()},
         "bucket": bucket_policy, "endpoint": [plain(s) for s in endpoint["PolicyDocument"]["Statement"]],
         "system": [d for d in json.loads(_resolve(manifest["Properties"]["Manifest"], cfg)) if d["kind"] == "NetworkPolicy"],
     }
@@ -529,6 +529,9 @@ def test_every_key_the_code_uses_is_allowed_by_the_rendered_identity(renders, ba
     tmp = tmp_path_factory.mktemp("keys")
     s = _synth(r, tmp_path_factory.getbasetemp())
     cfg, run = r.cfg, r.plan.run
+    # the run's trainer role (one per trainer_runs entry) and the rollout pods' role
+    names = {"trainer": cfg.trainer_identity(cfg.trainer_entry(run.run_id))[0], "rollout": cfg.pod_role_name("rollout")}
+    policy = {role: IAMPolicy(json.dumps(s["roles"][name])) for role, name in names.items()}
     obj = f"arn:aws:s3:::{cfg.checkpoint_bucket}/"
     written = [f"{cfg.run_prefix}/{k}" for k in _written_keys(run.run_id, tmp)]
     reads = {"trainer": list(written), "rollout": [k for k in written if "/policy/" in k or "/trainer/" in k]}
@@ -543,8 +546,8 @@ def test_every_key_the_code_uses_is_allowed_by_the_rendered_identity(renders, ba
     requests += [(role, "s3:GetObject", k) for role, keys in reads.items() for k in keys]
     ok = PermissionResult.PERMITTED
     for role, action, key in requests:
-        assert IAMPolicy(json.dumps(s["roles"][role])).is_action_permitted(action, obj + key) == ok, (role, action, key)
-        context = {"aws:PrincipalArn": f"arn:aws:iam::{cfg.account}:role/{cfg.pod_role_name(role)}",
+        assert policy[role].is_action_permitted(action, obj + key) == ok, (role, action, key)
+        context = {"aws:PrincipalArn": f"arn:aws:iam::{cfg.account}:role/{names[role]}",
                    "aws:SourceVpce": "the-gateway-endpoint", "aws:SecureTransport": "true",
                    "aws:ResourceAccount": cfg.account}
         # the bucket's deny fences compare aws:SourceVpce with the endpoint's id: from the endpoint, they hold false
@@ -554,7 +557,7 @@ def test_every_key_the_code_uses_is_allowed_by_the_rendered_identity(renders, ba
         assert _statements_allow(s["endpoint"], action, obj + key, context) == (True, False), ("endpoint", role, action, key)
     # and a run the deployment does not name stays unwritable
     other = f"{cfg.run_prefix}/not-{run.run_id}/policy/v1/model.safetensors"
-    assert IAMPolicy(json.dumps(s["roles"]["trainer"])).is_action_permitted("s3:PutObject", obj + other) != ok
+    assert policy["trainer"].is_action_permitted("s3:PutObject", obj + other) != ok
 
 
 @pytest.mark.parametrize("base", ["dev-tiny-grpo", "deepseek-v3-grpo"])
