@@ -28,6 +28,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from app.config import RunConfig
 from app.local.embedded import EmbeddedLoop, RoleFailed
+from app.local.machine import plan_run
 from app.feed import TaskFeeder, make_feeder
 from app.local.procs import moerl_argv
 
@@ -340,7 +341,8 @@ def progress_loop(loop: EmbeddedLoop, feeder: TaskFeeder, steps: int) -> None:
 def run(
     config: Path = typer.Option(None, "--config", exists=True, dir_okay=False, help="Run config YAML."),
     out: Path = typer.Option(None, "--out", help="Run directory (default runs/<task>-<time>)."),
-    workers: int = typer.Option(2, "--workers", min=1, help="Rollout workers (one engine each)."),
+    workers: int = typer.Option(None, "--workers", min=1, help="Rollout workers (one engine each); default: "
+                                "sized from this machine's cores and GPUs (app/local/machine.py)."),
     steps: int = typer.Option(None, "--steps", min=1, help="Trainer steps (overrides the config)."),
     cache: Path = typer.Option(Path("runs/cache"), "--cache", help="Warm-up checkpoint cache."),
     algorithm: str = typer.Option(None, "--algorithm", help="grpo | ppo (overrides trainer.algorithm)."),
@@ -354,6 +356,8 @@ def run(
     """
     cfg = load_run_config(config, task, steps, algorithm)
     check_inputs(cfg)
+    # Which roles run where on this machine's cores and GPUs; a layout that cannot work is one line now.
+    cfg, layout = plan_run(cfg, preset=config is None, workers=workers)
     run_dir = new_run_dir(cfg, out)
     cfg.store_url = f"file://{run_dir / 'store'}"
     cfg.rollout.policy_cache_dir = str(run_dir / "policy-cache")
@@ -361,9 +365,10 @@ def run(
 
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
-    loop = EmbeddedLoop(cfg, run_dir, workers=workers)
+    loop = EmbeddedLoop(cfg, run_dir, layout=layout)
     try:
         console.print(f"run directory: {run_dir}")
+        console.print(f"layout: {layout.describe(loop.cfg)}", soft_wrap=True)
         base, before, feeder = start_from_base(loop, cache.resolve(), "before RL")
         loop.start_trainer()
         loop.start_rollout(base)
