@@ -366,3 +366,54 @@ def test_the_loop_pushes_every_version_and_stores_every_nth(tmp_path, redis_serv
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["pushed_engines"], r["push_left_out"]) for r in lines] == [(0, 1)] * 5
     assert board.push()["state"] == "cancelled" and board.push()["version"] == 5
+
+
+def test_a_stopped_loop_stores_the_version_it_only_pushed(tmp_path, redis_server, monkeypatch):
+    """SIGTERM between two stored versions (``store_every`` 10): the trainer finishes its step and
+    stores that step's version before it exits, so the store's newest version (what `moerl bench
+    loop` evaluates, and an engine that restarts loads) is the policy trained last."""
+    import signal
+    import threading
+
+    import torch.distributed as dist
+
+    from app.storage import open_store, policy_versions
+    from app.storage.policy import latest_policy_version
+    from app.trainer.loop import run_training
+    from helpers import fake_producer, single_rank_env
+
+    cfg = RunConfig.model_validate({
+        # The stand-in producer stamps the announced (stored) version: staleness may pass 1 here.
+        "run_id": "loop-stop", "store_url": f"file://{tmp_path}/store",
+        "buffer": {"redis_url": redis_server, "max_staleness": 20},
+        "rollout": {"group_size": 2},
+        "trainer": {"steps": 100, "groups_per_step": 1, "keep_versions": 10, "batch_timeout_s": 60},
+        "weight_sync": {"mode": "network", "store_every": 10, "ready_timeout_s": 0.5, "master_address": "127.0.0.1"},
+    })
+    stop = threading.Event()
+    metrics = tmp_path / "run" / "metrics.jsonl"
+
+    def stop_after_three_steps() -> None:
+        while not stop.is_set():
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                os.kill(os.getpid(), signal.SIGTERM)  # the trainer's handler: finish the step, then stop
+                return
+            time.sleep(0.05)
+
+    single_rank_env(monkeypatch)
+    threads = [threading.Thread(target=fake_producer, args=(redis_server, cfg.run_id, stop, 2), daemon=True),
+               threading.Thread(target=stop_after_three_steps, daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        state = run_training(cfg, tmp_path / "run")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    store = open_store(cfg.store_url)
+    assert 3 <= state.step < 10 and state.version == state.step
+    assert policy_versions(store, cfg.run_id) == [0, state.version]  # v1.. were pushed only; the last stored
+    assert latest_policy_version(store, cfg.run_id) == state.version
