@@ -35,8 +35,11 @@ def test_the_preset_is_gpu_sized():
     assert config.model_type == "qwen3_moe" and config.num_experts == 64 and config.num_experts_per_tok == 8
     counts = param_counts(build_policy(config, RouterConfig(), EPContext.local(), device="meta"))
     assert 300e6 < counts["total"] < 600e6 and 50e6 < counts["active"] < 100e6  # hundreds of millions
-    out, layout = plan_local(cfg, Machine(cores=16, gpus=1), num_routed_experts(config), preset=True, sglang=False)
+    out, layout = plan_local(cfg, Machine(cores=16, gpus=1), num_routed_experts(config), preset=True, sglang=False,
+                             params=counts["total"])
     assert layout.trainer_ranks == 1 and out.model.dtype == "bfloat16" and out.weight_sync.mode == "network"
+    # Two engine copies of 424 M parameters beside the trainer (each version is pushed once per engine).
+    assert layout.engine_devices == ("cuda:0", "cuda:0")
     assert out.trainer.groups_per_step * out.rollout.group_size == 512  # samples per trainer step
 
 

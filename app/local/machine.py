@@ -27,9 +27,10 @@ and weight_sync section, and only its processes and threads are sized):
   2..8 engines (one per 4 cores); the step's batch grows with the engines (2 engines: the
   preset's batch), so the per-step fixed costs (publish, save, collectives) are paid per more
   samples;
-* GPU: engines per engine GPU from the cores left (two per engine and its worker, at most
-  `MAX_ENGINES_PER_GPU`), each decoding up to `GPU_RUNNING_REQUESTS` sequences; the step's batch
-  at least `GPU_GROUPS_PER_RANK` groups per trainer rank, bf16 compute (fp32 master weights).
+* GPU: engines per engine GPU from the cores left (two per engine and its worker) and the model's
+  size (`ENGINE_PARAMS_PER_GPU`), at most `MAX_ENGINES_PER_GPU`, each decoding up to
+  `GPU_RUNNING_REQUESTS` sequences; the step's batch at least `GPU_GROUPS_PER_RANK` groups per
+  trainer rank, bf16 compute (fp32 master weights).
 
 Nothing here imports torch but `detect_machine`.
 """
@@ -46,6 +47,10 @@ from app.layout import default_world, resolve_layout
 
 # Engines per GPU at most: each is one process with its own CUDA context and model copy.
 MAX_ENGINES_PER_GPU = 4
+# Model parameters the engine copies on one GPU may hold together: every version is pushed once per
+# engine, and copies of a large model split the GPU's decode between processes (the GPU-sized
+# preset's 424 M: two engines per GPU; the tiny ones: `MAX_ENGINES_PER_GPU`).
+ENGINE_PARAMS_PER_GPU = 1_000_000_000
 # Sequences one engine on a GPU decodes together (its --max-running-requests).
 GPU_RUNNING_REQUESTS = 256
 # GRPO groups per trainer rank and step on a GPU, at least: fewer leave a GPU step to launch overhead.
@@ -180,11 +185,12 @@ def cpu_engines(cores: int) -> int:
     return min(8, max(2, cores // 4))
 
 
-def gpu_engines_per_gpu(cores: int, trainer_ranks: int, engine_gpus: int) -> int:
+def gpu_engines_per_gpu(cores: int, trainer_ranks: int, engine_gpus: int, params: int) -> int:
     """Engines on each engine GPU: two cores per engine and its worker, out of what the trainer's
-    ranks and the rest (redis-server, the supervisor) leave; 1 to `MAX_ENGINES_PER_GPU`."""
+    ranks and the rest (redis-server, the supervisor) leave, and `ENGINE_PARAMS_PER_GPU` over the
+    model's ``params``; 1 to `MAX_ENGINES_PER_GPU`."""
     spare = max(0, cores - trainer_ranks - 2)
-    return min(MAX_ENGINES_PER_GPU, max(1, spare // 2 // engine_gpus))
+    return max(1, min(MAX_ENGINES_PER_GPU, spare // 2 // engine_gpus, ENGINE_PARAMS_PER_GPU // max(params, 1)))
 
 
 def expert_parallel(world: int, num_experts: int) -> int:
@@ -194,7 +200,7 @@ def expert_parallel(world: int, num_experts: int) -> int:
 
 
 def plan_local(cfg: RunConfig, machine: Machine, num_experts: int, *, preset: bool, workers: int | None = None,
-               shared: bool = False, sglang: bool | None = None) -> tuple[RunConfig, LocalLayout]:
+               shared: bool = False, sglang: bool | None = None, params: int = 0) -> tuple[RunConfig, LocalLayout]:
     """Lay the roles of ``cfg`` over ``machine``.
 
     Args:
@@ -207,6 +213,7 @@ def plan_local(cfg: RunConfig, machine: Machine, num_experts: int, *, preset: bo
         shared: ``MOERL_SHARED_GPU=1``.
         sglang: start SGLang servers (None: where the ``sglang`` package is installed and there
             is a GPU).
+        params: the policy's parameters (0: unknown; engines per GPU from the cores alone).
 
     Returns:
         ``(config, layout)``.
@@ -240,7 +247,7 @@ def plan_local(cfg: RunConfig, machine: Machine, num_experts: int, *, preset: bo
     _check_world(par, world, num_experts, split, machine, shared)
     if sglang is None:
         sglang = importlib.util.find_spec("sglang") is not None
-    per_gpu = gpu_engines_per_gpu(machine.cores, world, len(engine_gpus))
+    per_gpu = gpu_engines_per_gpu(machine.cores, world, len(engine_gpus), params)
     count = workers or per_gpu * len(engine_gpus)
     devices = tuple(f"cuda:{engine_gpus[i % len(engine_gpus)]}" for i in range(count))
     layout = LocalLayout(machine=machine, trainer_ranks=world, trainer_gpus=trainer_gpus, shared_gpu=shared,
@@ -314,10 +321,12 @@ def plan_run(cfg: RunConfig, *, preset: bool, workers: int | None = None,
     """
     from app.model.config import num_routed_experts
     from app.model.source import resolve_model_path
+    from app.plan.params import count_params
     from app.trainer.models import policy_config
     from app.trainer.parallel import shared_gpu
 
     path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir)) if cfg.model.path else None
-    experts = num_routed_experts(policy_config(cfg, path))
+    config = policy_config(cfg, path)
     machine = machine or detect_machine()
-    return plan_local(cfg, machine, experts, preset=preset, workers=workers, shared=machine.gpus > 0 and shared_gpu())
+    return plan_local(cfg, machine, num_routed_experts(config), preset=preset, workers=workers,
+                      shared=machine.gpus > 0 and shared_gpu(), params=count_params(config).total)
