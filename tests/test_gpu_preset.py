@@ -40,6 +40,7 @@ def test_the_preset_is_gpu_sized():
     assert layout.trainer_ranks == 1 and out.model.dtype == "bfloat16" and out.weight_sync.mode == "network"
     # Two engine copies of 424 M parameters beside the trainer (each version is pushed once per engine).
     assert layout.engine_devices == ("cuda:0", "cuda:0")
+    assert out.rollout.inflight_sequences == 512 == out.rollout.engine.max_running_requests  # a step's batch each
     assert out.trainer.groups_per_step * out.rollout.group_size == 512  # samples per trainer step
 
 

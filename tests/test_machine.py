@@ -61,7 +61,11 @@ def test_default_layout_per_gpu_count(gpus, cores, ranks, ep, engines, backend):
     ws = cfg.weight_sync
     assert (ws.mode, ws.backend, ws.store_every, ws.master_address) == ("network", backend, 10, "127.0.0.1")
     assert cfg.model.dtype == "bfloat16"  # compute; master weights stay fp32 in the trainer
-    assert cfg.trainer.groups_per_step >= 32 * ranks and cfg.rollout.engine.max_running_requests == 256
+    assert cfg.trainer.groups_per_step >= 32 * ranks and cfg.rollout.engine.max_running_requests >= 256
+    # Two steps' groups in flight over the workers (whole groups).
+    r = cfg.rollout
+    assert r.inflight_tasks() * layout.workers <= 2 * cfg.trainer.groups_per_step
+    assert r.inflight_tasks() * layout.workers > cfg.trainer.groups_per_step
     env = layout.trainer_env()
     # The trainer's ranks see only their GPUs (LOCAL_RANK picks among them); on one GPU, all of it.
     assert env.get("CUDA_VISIBLE_DEVICES") == (None if gpus == 1 else ",".join(map(str, range(ranks))))
@@ -158,7 +162,7 @@ def test_sglang_command_is_the_charts_one_and_sglang_parses_it():
             argv, env = sglang_argv(cfg, layout, i, "/ckpt/v0", 30000 + i)
             ns = parse_launch_server(["python3", *argv[1:]])
             assert (ns.model_path, ns.port, ns.tp_size, ns.weight_version) == ("/ckpt/v0", 30000 + i, 1, "0")
-            assert ns.max_running_requests == 256
+            assert ns.max_running_requests == cfg.rollout.engine.max_running_requests >= 256
             assert env["CUDA_VISIBLE_DEVICES"] == device.split(":")[1]
             share = float(argv[argv.index("--mem-fraction-static") + 1])
             assert 0 < share * layout.engines_on(device) <= 0.85  # the servers on one GPU fit it together

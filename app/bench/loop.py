@@ -650,6 +650,8 @@ def run_trl(cfg, base: Path, out_dir: Path, seconds: float, before: dict, device
     train, _ = make_splits(cfg.task)
     dataset = Dataset.from_list([{"prompt": p.text, "spec": p.spec} for p in train])
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)  # fp32 master weights
+    if device == "cuda":  # before the optimizer is made over its parameters
+        model = model.to("cuda")
     tokenizer = load_tokenizer(base)
     # The trainer's optimizer and lr schedule exactly (app/trainer/train.py: AdamW, step_lr).
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)

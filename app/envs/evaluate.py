@@ -166,10 +166,16 @@ def evaluate_checkpoint(path: str | os.PathLike, prompts: list[Prompt], temperat
         raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    if torch.cuda.is_available():  # a GPU-sized policy's generations take minutes on a CPU
+    cuda = torch.cuda.is_available()
+    if cuda:  # a GPU-sized policy's generations take minutes on a CPU
         model = model.to("cuda")
-    return evaluate(model, tokenizer, prompts, temperature, max_new_tokens, greedy, seed, samples, env,
-                    overlong_reward, env_url)
+    try:
+        return evaluate(model, tokenizer, prompts, temperature, max_new_tokens, greedy, seed, samples, env,
+                        overlong_reward, env_url)
+    finally:
+        del model
+        if cuda:  # give the GPU memory back: the caller goes on beside the run's trainer and engines
+            torch.cuda.empty_cache()
 
 
 cli = typer.Typer(add_completion=False, help="Held-out mean reward of a checkpoint.")

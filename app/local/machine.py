@@ -30,7 +30,7 @@ and weight_sync section, and only its processes and threads are sized):
 * GPU: engines per engine GPU from the cores left (two per engine and its worker) and the model's
   size (`ENGINE_PARAMS_PER_GPU`), at most `MAX_ENGINES_PER_GPU`, each decoding up to
   `GPU_RUNNING_REQUESTS` sequences; the step's batch at least `GPU_GROUPS_PER_RANK` groups per
-  trainer rank, bf16 compute (fp32 master weights).
+  trainer rank, two steps' groups in flight over the workers, bf16 compute (fp32 master weights).
 
 Nothing here imports torch but `detect_machine`.
 """
@@ -256,8 +256,12 @@ def plan_local(cfg: RunConfig, machine: Machine, num_experts: int, *, preset: bo
     if preset:
         cfg.model.dtype = "bfloat16"  # compute; master weights and optimizer state stay fp32
         _scale_batch(cfg, max(cfg.trainer.groups_per_step, GPU_GROUPS_PER_RANK * world))
-        engine = cfg.rollout.engine
-        engine.max_running_requests = max(engine.max_running_requests or 0, GPU_RUNNING_REQUESTS)
+        # Two steps' groups in flight over the workers: enough to keep the trainer fed, not so many
+        # that finished groups wait for versions to pass them (max_staleness).
+        r = cfg.rollout
+        r.inflight_sequences = max(1, 2 * cfg.trainer.groups_per_step // layout.workers) * r.group_size
+        r.engine.max_running_requests = max(r.engine.max_running_requests or 0, GPU_RUNNING_REQUESTS,
+                                            r.inflight_sequences)
         # SGLang's update from a distributed group is NCCL's, and NCCL refuses engines that share
         # the trainer's GPU: those SGLang servers load each version from the store.
         cfg.weight_sync.mode = "store" if sglang and layout.colocated else "network"
