@@ -78,8 +78,8 @@ EOF
 fi
 
 OUT="${OUT:-runs/gpu-onegpu}"
-BUDGET_S="${BUDGET_S:-530}"
-BENCH_SECONDS="${BENCH_SECONDS:-60}"
+BUDGET_S="${BUDGET_S:-540}"
+BENCH_SECONDS="${BENCH_SECONDS:-45}"
 STEPS="${STEPS:-run bench}"
 SCRATCH="${SCRATCH:-runs/gpu-onegpu-scratch}"
 RESULTS="$SCRATCH/results"
@@ -109,7 +109,7 @@ transformers.__version__, 'trl', trl.__version__, torch.cuda.get_device_name())"
 fi
 
 if want run; then
-    run_step 280 "moerl run (no flags)" "$PY" -m app.cli run
+    run_step 330 "moerl run (no flags)" "$PY" -m app.cli run
     if [[ "$DRY_RUN" != 1 ]]; then
         # The run directory `moerl run` chose (runs/<task>-<time>), newest first.
         dir=$(ls -td runs/spell-backward-*/ 2>/dev/null | head -1)

@@ -39,7 +39,7 @@ def test_the_run_is_moerl_run_with_no_flags_and_the_bench_is_on_the_gpu(tmp_path
     assert run == ["python3", "-m", "app.cli", "run"]  # as a user starts it
     assert params(run)["config"] is None and params(run)["workers"] is None
     p = params(bench)
-    assert (p["device"], p["task"], p["rounds"], p["seconds"]) == ("cuda", "gpu", 1, 60.0)
+    assert (p["device"], p["task"], p["rounds"], p["seconds"]) == ("cuda", "gpu", 1, 45.0)
     (default,) = dry_run(tmp_path, STEPS="bench-default", BENCH_SECONDS="90")
     p = params(default)
     assert (p["device"], p["task"], p["seconds"]) == ("cuda", "", 90.0)
