@@ -28,9 +28,9 @@ and weight_sync section, and only its processes and threads are sized):
   preset's batch), so the per-step fixed costs (publish, save, collectives) are paid per more
   samples;
 * GPU: engines per engine GPU from the cores left (two per engine and its worker) and the model's
-  size (`ENGINE_PARAMS_PER_GPU`), at most `MAX_ENGINES_PER_GPU`, each decoding up to
-  `GPU_RUNNING_REQUESTS` sequences; the step's batch at least `GPU_GROUPS_PER_RANK` groups per
-  trainer rank, two steps' groups in flight over the workers, bf16 compute (fp32 master weights).
+  size (`ENGINE_PARAMS_PER_GPU`), at most `MAX_ENGINES_PER_GPU`, each decoding at least
+  `GPU_RUNNING_REQUESTS` sequences together; the step's batch at least `GPU_GROUPS_PER_RANK` groups
+  per trainer rank, two steps' groups in flight over the workers, bf16 compute (fp32 master weights).
 
 Nothing here imports torch but `detect_machine`.
 """
@@ -40,10 +40,12 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import sys
 from dataclasses import dataclass
 
 from app.config import RunConfig
 from app.layout import default_world, resolve_layout
+from app.rollout.engine_args import EngineLayout, sglang_command
 
 # Engines per GPU at most: each is one process with its own CUDA context and model copy.
 MAX_ENGINES_PER_GPU = 4
@@ -153,10 +155,6 @@ def sglang_argv(cfg: RunConfig, layout: LocalLayout, i: int, model_path: str, po
     Raises:
         ValueError: the profile does not fit one GPU (`EngineLayout.check`).
     """
-    import sys
-
-    from app.rollout.engine_args import EngineLayout, sglang_command
-
     device = layout.engine_devices[i]
     gpu = int(device.split(":")[1])
     profile = cfg.rollout.engine
