@@ -800,7 +800,7 @@ def run(bench: LoopBench, out_dir: str | os.PathLike = "runs/bench") -> Path:
     check_out_dir(out_dir)  # the result is written after the last leg: refuse a bad one now
     cfg, layout = plan_legs(bench, load_config(bench))
     hf_logging.disable_progress_bar()  # weight-loading bars of every evaluation
-    grpo_args(cfg, Path(out_dir) / "unused", 1)  # refuse a recipe TRL cannot mirror, before any work
+    grpo_args(cfg, Path(out_dir) / "unused", 1, bench.device)  # refuse what TRL cannot mirror, before any work
     if bench.profile:
         from app.bench.loop_profile import LoopProfiler
 
