@@ -131,13 +131,14 @@ class LocalLayout:
             "cuda:gloo" if self.trainer_gpus else "gloo")
         devices = sorted(set(self.engine_devices))
         engines = f"{self.workers} {'SGLang' if self.engine == 'sglang' else 'built-in'} engine" + (
-            "s" if self.workers > 1 else "") + f" on {', '.join(d.replace('cuda:', 'GPU ') for d in devices)}"
+            "s" if self.workers > 1 else "") + " on " + ", ".join(
+            d.replace("cuda:", "GPU ") if d != "cpu" else "the CPU" for d in devices)
         ws = cfg.weight_sync
         sync = (f"versions pushed over {ws.backend}, stored every {ws.store_every}" if ws.mode == "network"
                 else "versions loaded from the store")
         return (f"{m.gpus} GPU{'s' if m.gpus != 1 else ''}, {m.cores} cores: trainer {self.trainer_ranks} "
                 f"rank{'s' if self.trainer_ranks > 1 else ''} on {where} ({backend}, {self.trainer_threads} "
-                f"threads each), {engines}, {self.workers} rollout worker{'s' if self.workers > 1 else ''}; {sync}")
+                f"thread{'s' if self.trainer_threads > 1 else ''} each), {engines}, {self.workers} rollout worker{'s' if self.workers > 1 else ''}; {sync}")
 
 
 # Share of a GPU's memory SGLang's servers take together (--mem-fraction-static, split between
