@@ -1,9 +1,11 @@
 """The embedded default: every role of a moerl job as a separate process on this machine.
 
 The same roles run on EKS (charts8s/): a Redis experience buffer, W rollout workers each with
-its own engine (SGLang in the cluster, the built-in `moerl engine` here), and a trainer gang
-started by torchrun (EP over gloo here, NCCL/DeepEP there). Only the engine and the object
-store (file:// instead of s3://) differ.
+its own engine (SGLang in the cluster, the built-in `moerl engine` here, or SGLang where it is
+installed and there is a GPU), and a trainer gang started by torchrun (EP over gloo on the CPU,
+one rank per GPU over NCCL where there are GPUs; NCCL/DeepEP in the cluster). Where each role
+runs on this machine's cores and GPUs is app/local/machine.py's `LocalLayout`. Only the engine
+and the object store (file:// instead of s3://) differ.
 
 `EmbeddedLoop` owns those processes; `moerl run` (app/local/run.py) and `moerl chaos` (app/local/chaos.py)
 drive it. Its Redis, as the cluster's, has a password for the ``default`` user (this process: the
@@ -34,8 +36,9 @@ from app.rollout.probe import healthy
 # How long `moerl run` waits for a user's environment server (``env.url``) to answer: it is
 # expected up before the run starts, so this only covers a server still binding its port.
 USER_ENV_WAIT_S = 15.0
-# Each role process uses one thread: the 2-core machine runs engines, workers and trainer ranks
-# at once, and oversubscribed OpenMP threads make all of them slower.
+# Each role process uses one thread unless the layout gives the trainer and engines more (their
+# share of the cores): the 2-core machine runs engines, workers and trainer ranks at once, and
+# oversubscribed OpenMP threads make all of them slower.
 ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
