@@ -4,8 +4,8 @@
 2. make the tiny base policy with a short supervised warm-up (`moerl warmup`), cached by recipe;
 3. measure the held-out mean reward of that base policy (where RL starts);
 4. queue the training prompts as tasks (app/feed.py's `TaskFeeder`, the cluster's prompt
-   source), start W engines + W rollout workers and the trainer
-   (torchrun, EP over gloo), show live progress;
+   source), start W engines + W rollout workers and the trainer (torchrun), laid out over this
+   machine's cores and GPUs (app/local/machine.py), show live progress;
 5. when the trainer has made its steps: drain the workers, measure the held-out mean reward of
    the last published policy, write metrics.jsonl, TensorBoard events, plot.png, summary.json.
 
