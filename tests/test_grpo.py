@@ -181,7 +181,7 @@ def test_collate_pads_and_aligns():
     # Rollout logprob of completion token j sits at len(prompt) + j.
     assert b.rollout_logprobs[1].tolist() == [0.0, 0.0, -0.5, -1.5, -2.5]
     assert b.rollout_logprobs.dtype == torch.float32
-    a = 0.5 / math.sqrt(0.5)  # group of two, unbiased std sqrt(0.5)
+    a = 0.5 / (math.sqrt(0.5) + 1e-4)  # group of two, unbiased std sqrt(0.5), TRL's eps
     torch.testing.assert_close(b.advantages, torch.tensor([a, -a, 0.0, 0.0]), atol=1e-5, rtol=0)
     assert b.group_ids.tolist() == [0, 0, 1, 1]
     assert b.policy_versions.tolist() == [0, 0, 2, 2]
