@@ -202,7 +202,14 @@ def test_with_routing_replay_the_old_logprobs_route_as_the_steps_do():
 
 
 # ------------------------------------------------------------------------------------------
-# Two gloo ranks (FSDP2 x EP 2) against one process
+# Two gloo ranks (FSDP2 x EP 2) against one process; on a CUDA machine both share its GPU over a
+# device-strict cuda:gloo group (MOERL_SHARED_GPU=1, as tests/test_ranks.py; scripts/gpu_ranks.sh)
+
+CUDA = torch.cuda.is_available()
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if CUDA else torch.device("cpu")
 
 
 BASE = {"rollout": {"temperature": T}, "trainer": {"grad_clip": 1e9, "tis_cap": 2.0, "lr_warmup_steps": 0,
@@ -226,20 +233,23 @@ def _rank_step(cfg, model, critic, rank: int, world: int) -> dict:
     if critic is not None:
         critic.optimizer = torch.optim.SGD(critic.module.parameters(), lr=0.1)
     applied, stats = train_step(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1), batch, pad_id=0,
-                                critic=critic)
+                                device=_device(), critic=critic)
     after = full_params(model) | ({f"critic.{k}": v for k, v in full_params(critic.module).items()} if critic else {})
-    return {"applied": applied, "stats": stats, "after": after}
+    return {"applied": applied, "stats": stats, "after": {k: v.float().cpu() for k, v in after.items()}}
 
 
 def _ranks_worker(rank: int, world: int, port: int, out: str) -> None:
+    import os
+
+    os.environ["MOERL_SHARED_GPU"] = "1"  # without CUDA: plain gloo
     join_world(rank, world, port)
     from app.trainer.models import build_critic_parts
 
     results = {}
     for name in RANK_MODES:
         cfg = _rank_cfg(name, 2)
-        model, mesh, ep = sharded_trainer(cfg)
-        critic = build_critic_parts(cfg, None, ep, mesh, torch.device("cpu")) if name == "ppo" else None
+        model, mesh, ep = sharded_trainer(cfg, _device())
+        critic = build_critic_parts(cfg, None, ep, mesh, _device()) if name == "ppo" else None
         results[name] = _rank_step(cfg, model, critic, rank, world)
     if rank == 0:
         torch.save(results, out)
@@ -255,11 +265,11 @@ def _one_process(name: str) -> dict:
 
     cfg = _rank_cfg(name, 1)
     config = tiny_config(cfg.model.preset)
-    model = build_policy(config, cfg.router, EPContext.local(), seed=cfg.task.seed)
+    model = build_policy(config, cfg.router, EPContext.local(), seed=cfg.task.seed).to(_device())
     critic = None
     if name == "ppo":
         trunk = build_policy(config, cfg.router, EPContext.local(), seed=cfg.task.seed).model
-        critic = CriticParts(Critic(trunk, config.hidden_size), optimizer=None)
+        critic = CriticParts(Critic(trunk, config.hidden_size).to(_device()), optimizer=None)
     return _rank_step(cfg, model, critic, 0, 1)
 
 
