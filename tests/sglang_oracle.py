@@ -10,6 +10,7 @@ orjson, zmq, ... (its ``__init__``), so
 - `http_routes`: every route of ``srt/entrypoints/http_server.py`` with its methods and the
   ``io_struct`` type of its JSON body (``obj: Annotated[X, Body()]``);
 - `function_strings`: the string constants of one function or method (the messages SGLang answers);
+- `function_calls`: the names one function or method calls;
 - `wheel_function` / `wheel_module`: one function's source, or one dependency-free module, from
   the wheel, compiled here (SGLang's own ``init_custom_process_group`` and
   ``FlattenedTensorBucket`` run in the weight-sync tests);
@@ -141,6 +142,14 @@ def function_strings(relpath: str, qualname: str) -> set[str]:
     ``sglang/<relpath>``; adjacent literals are one constant, as Python joins them."""
     node = _function_node(relpath, qualname)
     return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+
+def function_calls(relpath: str, qualname: str) -> set[str]:
+    """The names every call in function ``qualname`` of ``sglang/<relpath>`` calls (``f(...)``
+    and ``x.f(...)`` both give ``f``)."""
+    node = _function_node(relpath, qualname)
+    return {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+            for n in ast.walk(node) if isinstance(n, ast.Call)}
 
 
 def wheel_function(relpath: str, qualname: str, namespace: dict):

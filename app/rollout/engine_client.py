@@ -251,8 +251,9 @@ class EngineClient:
             return_routed_experts: ask for ``meta_info.routed_experts`` (see the module doc).
             routed_experts_start_len: the first position they cover (SGLang ``GenerateReqInput``:
                 rows ``[start, prompt + completion - 1)``, start in ``[0, prompt tokens]``).
-            rid: the request id (SGLang ``GenerateReqInput.rid``; with several sequences each
-                gets ``rid_<i>``), what `abort_request` matches by prefix; None: the engine's own.
+            rid: the request id (SGLang ``GenerateReqInput.rid``), what `abort_request` names:
+                kept only for one input with ``n == 1`` (a batch gets ``rid_<i>``; with ``n > 1``
+                SGLang 0.5.23 gives every sample a fresh id); None: the engine's own.
 
         Returns:
             ``len(prompts) * n`` outputs, input-major (prompt i, sample j at ``i * n + j``).
@@ -395,8 +396,9 @@ class EngineClient:
         await self._request("POST", "/pause_generation", json={"mode": mode})
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        """POST /abort_request {rid, abort_all} (SGLang ``AbortReq``): end the requests whose id
-        starts with ``rid`` (every one with ``abort_all``). Their /generate calls answer HTTP 200
+        """POST /abort_request {rid, abort_all} (SGLang ``AbortReq``): end the request whose id is
+        ``rid`` exactly (SGLang 0.5.23 then ends every one whose id starts with it), or every one
+        with ``abort_all``; a rid not in flight ends nothing. Their /generate calls answer HTTP 200
         with the tokens generated so far, their logprobs and finish_reason ``abort``. Sent once,
         never retried (an abort that comes late ends nothing it should not)."""
         if not abort_all and not rid:

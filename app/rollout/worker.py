@@ -40,8 +40,8 @@ experience buffer (`app.buffer.ExperienceBuffer`). One asyncio loop:
    way before the worker leases again. The engine's weights (lock, admission, marker, version,
    the update's state machine) are one `app.rollout.weights.EngineWeights`, which the network
    push (app/rollout/weight_sync.py) drives as well. With ``rollout.partial_rollout`` an update
-   aborts the in-flight requests instead of waiting for them (SGLang /abort_request by this
-   worker's rid prefix); each aborted completion keeps its tokens and logprobs and is resumed on
+   aborts the in-flight requests instead of waiting for them (SGLang /abort_request with
+   abort_all, on the worker's own engine); each aborted completion keeps its tokens and logprobs and is resumed on
    the new weights (`RolloutWorker._resume`), its sample then carrying ``version_segments`` and
    the oldest version as ``policy_version``.
 
@@ -299,7 +299,6 @@ class RolloutWorker:
                 task.prompt_ids, n=task.group_size, max_new_tokens=self.r.max_new_tokens,
                 temperature=self.r.temperature, top_p=self.r.top_p, return_routed_experts=self.r.routing_replay,
                 routed_experts_start_len=len(task.prompt_ids) if self.r.routing_replay else 0,
-                rid=self.weights.new_rid() if self.r.partial_rollout else None,
             )
         if self.r.partial_rollout:
             outs = await self._resume(task.prompt_ids, outs, epoch)
@@ -354,7 +353,7 @@ class RolloutWorker:
                 epoch = self.weights.abort_epoch
                 more = await asyncio.gather(*(self.client.generate(
                     prompt + [t for p in pieces[j] for t in p.token_ids], n=1, max_new_tokens=budget[j],
-                    temperature=self.r.temperature, top_p=self.r.top_p, rid=self.weights.new_rid()) for j in todo))
+                    temperature=self.r.temperature, top_p=self.r.top_p) for j in todo))
             for j, (o,) in zip(todo, more):
                 pieces[j].append(o)
         return [ps[0] if len(ps) == 1 else self._joined(ps) for ps in pieces]
