@@ -70,6 +70,7 @@ import typer
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from app.engine import auth
 from app.engine.load import LoadedModel, load_checkpoint
 from app.engine.sampler import Completion, SamplingParams
 from app.engine.scheduler import ABORT_RUNNING, ABORT_WAITING, PAUSE_MODES, DuplicateRid, Engine
@@ -306,11 +307,14 @@ def _env_flag(name: str, default: bool) -> bool:
     raise ValueError(f"{name}={value!r} is not a valid boolean value")
 
 
-def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> FastAPI:
+def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S, *, api_key: str | None = None,
+               admin_api_key: str | None = None) -> FastAPI:
     """The FastAPI application serving `engine` (the loop starts with the app's lifespan).
 
     health_timeout_s: how long /health_generate waits for progress before answering 503
         (SGLang's ``SGLANG_HEALTH_CHECK_TIMEOUT``, 20 s).
+    api_key, admin_api_key: SGLang's ``--api-key`` and ``--admin-api-key``, asked of callers as
+        SGLang asks for them (app/engine/auth.py); None: not asked.
     ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false`` makes ``/health`` answer 200 without
     generating, as in SGLang (default true: ``/health`` is ``/health_generate``).
     """
@@ -330,7 +334,26 @@ def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> Fa
     add_generation_routes(app, engine)
     add_weight_routes(app, engine)
     add_control_routes(app, engine, health_timeout_s, health_generates)
+    if api_key or admin_api_key:
+        app.add_middleware(KeyCheck, api_key=api_key, admin_api_key=admin_api_key)
     return app
+
+
+class KeyCheck:
+    """ASGI middleware: SGLang's key check (app/engine/auth.py) in front of every route."""
+
+    def __init__(self, app, *, api_key: str | None, admin_api_key: str | None):
+        self.app, self.api_key, self.admin_api_key = app, api_key, admin_api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope.get("headers") or [])
+            authorization = headers.get(b"authorization")
+            if not auth.allowed(scope["method"], scope["path"], authorization.decode("latin-1") if authorization else None,
+                                self.api_key, self.admin_api_key):
+                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def add_generation_routes(app: FastAPI, engine: Engine) -> None:
@@ -608,6 +631,13 @@ def serve(
                                               "(not an SGLang flag: SGLang uses torch's 30 min default)."),
     health_timeout: float = typer.Option(HEALTH_TIMEOUT_S, "--health-check-timeout", min=0.1,
                                          help="Seconds /health_generate waits (SGLANG_HEALTH_CHECK_TIMEOUT)."),
+    api_key: str = typer.Option(None, "--api-key", help="Ask callers for this key (as SGLang: every route but "
+                                "/health*; the admin routes too unless --admin-api-key is set)."),
+    admin_api_key: str = typer.Option(None, "--admin-api-key", help="Ask for this key on the weight-update, pause, "
+                                      "flush and abort routes (as SGLang)."),
+    config: Path = typer.Option(None, "--config", help="SGLang's --config YAML holding api-key and/or "
+                                "admin-api-key (app/rollout/keys.py writes one); flags given on the command "
+                                "line win, as in SGLang."),
 ) -> None:
     """Load MODEL_PATH and serve /generate, /update_weights_from_disk and friends on HOST:PORT."""
     import uvicorn
@@ -632,9 +662,16 @@ def serve(
         loaded = load_checkpoint(model_path, device, dtype)
     except FileNotFoundError as e:
         raise typer.BadParameter(str(e), param_hint="--model-path") from None
+    if config is not None:
+        try:
+            file_api, file_admin = auth.read_config_keys(config)
+        except (OSError, ValueError) as e:
+            raise typer.BadParameter(str(e), param_hint="--config") from None
+        api_key, admin_api_key = api_key or file_api, admin_api_key or file_admin
     engine = Engine(loaded, weight_version=weight_version, max_batch=max_batch, device=device, dtype=dtype,
                     seed=seed, capture_routing=routed_experts, weight_sync_timeout_s=weight_sync_timeout)
     log.info("serving %s (weight_version %s) on %s:%d, max_batch %d", model_path, weight_version, host, port, max_batch)
     t0 = time.monotonic()
-    uvicorn.run(create_app(engine, health_timeout), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(engine, health_timeout, api_key=api_key, admin_api_key=admin_api_key), host=host,
+                port=port, log_level="warning")
     log.info("engine stopped after %.0f s", time.monotonic() - t0)

@@ -43,17 +43,11 @@ import base64
 import httpx
 import numpy as np
 
+# The routes SGLang 0.5.23 marks ADMIN_OPTIONAL (with --admin-api-key set they take that key, and
+# only it): one list for this client and the built-in engine.
+from app.engine.auth import ADMIN_ROUTES
 # The engine keys' variables; app/rollout/worker.py still imports them from here.
 from app.names import ADMIN_API_KEY_ENV, API_KEY_ENV  # noqa: F401
-
-# The routes this client calls that SGLang 0.5.23 marks ``@auth_level(AuthLevel.ADMIN_OPTIONAL)``
-# (sglang/srt/entrypoints/http_server.py): with --admin-api-key set they take that key, and only it.
-ADMIN_ROUTES = frozenset({
-    "/update_weights_from_disk", "/init_weights_update_group", "/destroy_weights_update_group",
-    "/begin_weight_update", "/end_weight_update", "/update_weights_from_distributed",
-    "/pause_generation", "/continue_generation", "/flush_cache", "/abort_request",
-})
-
 
 class EngineError(RuntimeError):
     """The engine answered with an error, or did not answer within the retries; names the URL.
