@@ -325,12 +325,16 @@ def deprecated_flags() -> set[str]:
     return out
 
 
-def parse_launch_server(argv: list[str], env: dict[str, str] | None = None) -> argparse.Namespace:
+def parse_launch_server(argv: list[str], env: dict[str, str] | None = None,
+                        files: dict[str, Path] | None = None) -> argparse.Namespace:
     """Parse ``python3 -m sglang.launch_server ...`` as SGLang would, after the kubelet's
-    ``$(VAR)`` expansion with ``env``.
+    ``$(VAR)`` expansion with ``env``; a ``--config FILE`` is merged as SGLang's own
+    ``ConfigArgumentMerger`` (``srt/utils/server_args_config_parser.py``, from the wheel) merges
+    it, reading ``files[FILE]`` for a path inside the pod.
 
     Raises:
-        ArgumentRejected: an unknown flag, a missing or bad value, a value not among the choices.
+        ArgumentRejected: an unknown flag, a missing or bad value, a value not among the choices,
+            a config file that is not there.
     """
     prefix = ["python3", "-m", "sglang.launch_server"]
     if argv[:3] != prefix:
@@ -341,7 +345,13 @@ def parse_launch_server(argv: list[str], env: dict[str, str] | None = None) -> a
             a = a.replace(f"$({k})", v)
         if "$(" in a:
             raise ArgumentRejected(f"unexpanded variable in {a!r}")
-        args.append(a)
+        args.append(str((files or {}).get(a, a)))
+    if "--config" in args:
+        merger = wheel_module("srt/utils/server_args_config_parser.py").ConfigArgumentMerger(server_argument_parser())
+        try:
+            args = merger.merge_config_with_args(args)
+        except ValueError as e:
+            raise ArgumentRejected(str(e)) from None
     ns, extra = server_argument_parser().parse_known_args(args)
     if extra:
         raise ArgumentRejected(f"unrecognized arguments: {extra}")
