@@ -57,7 +57,8 @@ from app.names import (CLUSTER_CONFIG, ENGINE_KEYS_FILE_ENV, METRICS_PORT, ROUTE
                        ROUTER_CONTROL_KEY_ENV)
 from app.rollout.keys import ADMIN_MASTER_ENV, API_KEY_SOURCE_ENV
 from app.rollout.engine_args import LWS_GROUP_SIZE, LWS_LEADER_ADDRESS, LWS_WORKER_INDEX, EngineLayout, sglang_command
-from app.torchx_component import EFA_ENV, EFA_RESOURCE, HUGEPAGES_RESOURCE, NVSHMEM_EFA_ENV, worker_command
+from app.torchx_component import (EFA_ENV, EFA_RESOURCE, ENGINE_NCCL_ENV, HUGEPAGES_RESOURCE, NVSHMEM_EFA_ENV,
+                                  worker_command)
 from charts8s.buffer import redis_credentials
 from charts8s.fsx import fsx_model_path, mount_fsx
 from charts8s.cluster import (BUFFER_SERVICE, ENV_SERVICE, REDIS_PORT, REWARD_MODEL_SERVICE, ROLLOUT, ROLLOUT_WORKER, TRAINER,
@@ -161,7 +162,7 @@ def engine_container(plan: Plan, layout: EngineLayout, *, leader: bool, host: st
         res[EFA_RESOURCE] = str(plan.efa_per_rollout)
     if pool.hugepages_2mi:
         res[HUGEPAGES_RESOURCE] = f"{pool.hugepages_2mi}Mi"
-    env = {"HF_HOME": "/models/hf"}  # the base model goes to the large model volume
+    env = {"HF_HOME": "/models/hf", **ENGINE_NCCL_ENV}  # the base model goes to the large model volume
     if plan.efa_per_rollout:
         env.update(EFA_ENV)
         if layout.profile.kind == "ep-deepep":

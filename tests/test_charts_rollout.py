@@ -363,3 +363,21 @@ def test_the_worker_serves_the_port_its_podmonitor_scrapes(example):
         if d["metadata"]["name"] == "moerl-rollout-worker":
             assert labels("moerl-rollout-worker").items() <= d["spec"]["template"]["metadata"]["labels"].items()
 
+
+def test_engines_outlive_a_weight_group_error_and_trainers_end_on_a_hang(example):
+    """Issue 37 item 7 as rendered: every engine container runs under CleanUpOnly NCCL error
+    handling (a failed weight-update group answers a failure, the worker reloads from the store;
+    torch's default would tear the scheduler down), every trainer container under TearDown (a hung
+    training collective ends the process and Volcano restarts the gang); the weight-update group
+    itself is made with its own handling either way (app/weight_group.py)."""
+    engines = [engine_of(pod) for _, _, pod in engine_pods(example)]
+    assert engines
+    for c in engines:
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2", c["name"]
+    trainers = [c for d in example.docs if d["kind"] == "Job" and d["apiVersion"].startswith("batch.volcano.sh/")
+                for t in d["spec"]["tasks"] for c in t["template"]["spec"]["containers"]]
+    assert trainers
+    for c in trainers:
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
