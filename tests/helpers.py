@@ -247,6 +247,7 @@ def keys_files(pod: dict, pod_env: dict[str, str], secret_values: dict[str, str]
     ``secret_values[key]``; returns {the keys file's path in the pod: where it was written here},
     or {} for a pod without one."""
     import os
+    from unittest.mock import patch
 
     from app.rollout import keys
 
@@ -264,14 +265,6 @@ def keys_files(pod: dict, pod_env: dict[str, str], secret_values: dict[str, str]
     in_pod = argv[argv.index("--out") + 1]
     here = out_dir / f"{len(list(out_dir.glob('*')))}-{Path(in_pod).name}"
     argv[argv.index("--out") + 1] = str(here)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with patch.dict(os.environ, env):
         assert keys.main(argv) == 0
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return {in_pod: here}

@@ -8,7 +8,8 @@ orjson, zmq, ... (its ``__init__``), so
 - `io_struct_fields` / `io_struct_required`: the request dataclasses of ``srt/managers/io_struct.py``,
   read with ``ast``;
 - `http_routes`: every route of ``srt/entrypoints/http_server.py`` with its methods and the
-  ``io_struct`` type of its JSON body (``obj: Annotated[X, Body()]``);
+  ``io_struct`` type of its JSON body (``obj: Annotated[X, Body()]``); `route_auth_levels`: each
+  route's ``@auth_level``;
 - `function_strings`: the string constants of one function or method (the messages SGLang answers);
 - `function_calls`: the names one function or method calls;
 - `wheel_function` / `wheel_module`: one function's source, or one dependency-free module, from
@@ -126,6 +127,22 @@ def http_routes() -> dict[str, dict]:
             entry = routes.setdefault(path, {"methods": [], "body": body})
             entry["methods"] = sorted(set(entry["methods"]) | set(methods))
     return routes
+
+
+@cache
+def route_auth_levels() -> dict[str, str]:
+    """Path -> the auth level (``NORMAL``, ``ADMIN_OPTIONAL``, ``ADMIN_FORCE``) of every route
+    ``http_server.py`` declares, from its ``@auth_level(...)`` (none: ``NORMAL``)."""
+    levels = {}
+    for node in ast.parse((sglang_dir() / "srt" / "entrypoints" / "http_server.py").read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            level = next((d.args[0].attr for d in node.decorator_list if isinstance(d, ast.Call)
+                          and getattr(d.func, "id", "") == "auth_level"), "NORMAL")
+            for d in node.decorator_list:
+                if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.args \
+                        and isinstance(d.args[0], ast.Constant) and isinstance(d.args[0].value, str):
+                    levels[d.args[0].value] = level
+    return levels
 
 
 def _function_node(relpath: str, qualname: str) -> ast.AST:

@@ -21,28 +21,14 @@ import pytest
 from app.engine import auth
 from app.engine.auth import ADMIN_ROUTES, read_config_keys
 from app.rollout import keys
-from sglang_oracle import function_calls, sglang_dir, wheel_function, wheel_module
+from sglang_oracle import function_calls, route_auth_levels, sglang_dir, wheel_function, wheel_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def route_levels() -> dict[str, str]:
-    """Path -> SGLang's auth level of every route http_server.py declares."""
-    levels = {}
-    for node in ast.parse((sglang_dir() / "srt" / "entrypoints" / "http_server.py").read_text()).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            level = next((d.args[0].attr for d in node.decorator_list if isinstance(d, ast.Call)
-                          and getattr(d.func, "id", "") == "auth_level"), "NORMAL")
-            for d in node.decorator_list:
-                if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.args \
-                        and isinstance(d.args[0], ast.Constant) and isinstance(d.args[0].value, str):
-                    levels[d.args[0].value] = level
-    return levels
-
-
 def test_the_built_in_engine_decides_keys_as_sglang():
     sgl = wheel_module("srt/utils/auth.py")
-    levels = route_levels()
+    levels = route_auth_levels()
     assert ADMIN_ROUTES == {p for p in ADMIN_ROUTES if levels[p] == "ADMIN_OPTIONAL"}  # all of them admin in SGLang
     paths = [*sorted(ADMIN_ROUTES), "/generate", "/model_info", "/server_info", "/get_server_info", "/health",
              "/health_generate", "/weight_version"]

@@ -346,23 +346,14 @@ def test_the_worker_client_passes_sglangs_own_auth_on_every_route_it_calls():
     worker makes is allowed; one holding the API key only is refused the weight-update routes,
     and `ADMIN_ROUTES` is exactly the ADMIN_OPTIONAL routes among those it calls."""
     import asyncio
-    import ast
 
     import httpx
 
     from app.rollout.engine_client import ADMIN_ROUTES, EngineClient
-    from sglang_oracle import sglang_dir, wheel_module
+    from sglang_oracle import route_auth_levels, wheel_module
 
     auth = wheel_module("srt/utils/auth.py")
-    level_of = {}  # path -> level, as http_server.py declares them
-    for node in ast.walk(ast.parse((sglang_dir() / "srt" / "entrypoints" / "http_server.py").read_text())):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            level = next((d.args[0].attr for d in node.decorator_list if isinstance(d, ast.Call)
-                          and getattr(d.func, "id", "") == "auth_level"), "NORMAL")
-            for d in node.decorator_list:
-                if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.args \
-                        and isinstance(d.args[0], ast.Constant) and isinstance(d.args[0].value, str):
-                    level_of[d.args[0].value] = level
+    level_of = route_auth_levels()  # path -> level, as http_server.py declares them
     seen: dict[str, bool] = {}
 
     def handler(request: httpx.Request) -> httpx.Response:

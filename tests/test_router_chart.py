@@ -224,3 +224,17 @@ def test_the_routers_two_ports_must_differ(tmp_path):
     with pytest.raises(WorkloadError, match="rollout.router_port and rollout.router_metrics_port are both 28000"):
         _render(tmp_path, load_config("prod", EXAMPLES / "p5en-rollout.deploy.yaml"),
                 _routed_run("qwen3-30b-a3b-1node-ep.run.yaml"), yaml.safe_dump(wl))
+
+
+def test_routing_replay_behind_the_router_is_refused_at_synth(tmp_path):
+    """sglang-router 0.3.2 drops return_routed_experts (tests/test_engine_router.py measures it on
+    the binary): the combination is one line at synth, naming both fields, before any manifest."""
+    from charts8s.workloads import WorkloadError
+
+    os.chdir(ROOT)
+    wl = yaml.safe_load((EXAMPLES / "qwen3-30b-a3b-1node-ep.workloads.yaml").read_text())
+    wl.pop("run_config")
+    run = _routed_run("qwen3-30b-a3b-1node-ep.run.yaml").replace(ROUTED, ROUTED + "  routing_replay: true\n", 1)
+    with pytest.raises(WorkloadError, match="rollout.routing_replay: not supported with rollout.router") as e:
+        _render(tmp_path, load_config("prod", EXAMPLES / "p5en-rollout.deploy.yaml"), run, yaml.safe_dump(wl))
+    assert "\n" not in str(e.value) and not (tmp_path / "dist").exists()

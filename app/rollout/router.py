@@ -167,7 +167,8 @@ class RouterRegistration:
                 r = await self._http.post("/workers", json={"url": self.engine_url})
                 r.raise_for_status()
                 self.worker_id = r.json().get("worker_id")
-                log.info("registered engine %s with the router %s", self.engine_url, self.router_url)
+                # The router adds it in the background once it answers there: listed at the next call.
+                log.info("asked the router %s to add engine %s", self.router_url, self.engine_url)
             return True
         except (httpx.HTTPError, ValueError) as e:
             log.warning("could not register engine %s with the router %s: %s", self.engine_url, self.router_url, e)
