@@ -71,12 +71,14 @@ class WeightChange:
         t0 = time.monotonic()
         try:
             if self.w.r.partial_rollout:
-                await self.w.abort_in_flight()
+                await self.w.abort_in_flight(within_s)
             if within_s is None:
                 await self.w.idle.wait()
                 return True
+            if self.w.idle.is_set():
+                return True
             try:
-                await asyncio.wait_for(self.w.idle.wait(), within_s)
+                await asyncio.wait_for(self.w.idle.wait(), max(0.0, t0 + within_s - time.monotonic()))
                 return True
             except asyncio.TimeoutError:
                 return False
@@ -164,7 +166,7 @@ class EngineWeights:
             if self.in_flight == 0:
                 self.idle.set()
 
-    async def abort_in_flight(self, every_s: float = 1.0) -> None:
+    async def abort_in_flight(self, within_s: float | None = None, every_s: float = 1.0) -> None:
         """Abort this worker's requests on its engine: /abort_request ``abort_all`` (slime and
         Miles do the same), sent again every ``every_s`` seconds while any is still in flight
         (one that was between SGLang's tokenizer and scheduler, e.g. an ``n > 1`` request's
@@ -172,12 +174,14 @@ class EngineWeights:
         request answers with the tokens and logprobs it has (finish_reason abort). Not by rid:
         SGLang 0.5.23 matches a rid exactly and gives each sample of an ``n > 1`` request a
         fresh one. The engine serves this worker alone (`app.config` refuses partial rollout
-        behind the router). An engine that does not answer is waited for instead."""
+        behind the router). An engine that does not answer is waited for instead; the aborts
+        stop after ``within_s`` (None: none) and the caller's wait decides."""
         if not self.in_flight:
             return
         self.abort_epoch += 1
         self.stats.partial_aborts += 1
-        while self.in_flight:
+        deadline = None if within_s is None else time.monotonic() + within_s
+        while self.in_flight and (deadline is None or time.monotonic() < deadline):
             try:
                 await self.client.abort_request(abort_all=True)
             except EngineError as e:
