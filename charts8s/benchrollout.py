@@ -15,8 +15,8 @@ A/B (e.g. all-to-all vs DeepEP) is applied, read and deleted on its own.
 The engines serve on the pod network, so SGLang asks for a key on every route but its health
 checks (``--api-key``: generation; ``--admin-api-key``: weight updates, profiling, cache control),
 read from each leader's keys file (charts8s/rollout.py `keyed_engine`): the API key from the
-Secret ``bench_rollout.api_key_secret`` made outside dist/ (README), the admin key derived per
-engine from its ``admin-api-key`` (app/rollout/keys.py); the Job holds the API key only.
+Secret ``bench_rollout.api_key_secret`` made outside dist/ (docs/cluster.md), the admin key
+derived per engine from its ``admin-api-key`` (app/rollout/keys.py); the Job holds the API key only.
 """
 
 from __future__ import annotations

@@ -93,7 +93,9 @@ class ClusterChart(cdk8s.Chart):
             # Pod Security Admission: reject anything beyond the "restricted" profile.
             "pod-security.kubernetes.io/enforce": "restricted",
         })
-        for sa in sorted({cfg.trainer_service_account, cfg.rollout_service_account, BUFFER_SERVICE, ENV_SERVICE}):
+        # The trainer's account is its run's (one per trainer_runs entry, infra/config.py).
+        trainer_sa = cfg.trainer_service_account_of(plan.run.run_id)
+        for sa in sorted({trainer_sa, cfg.rollout_service_account, BUFFER_SERVICE, ENV_SERVICE}):
             # No pod calls the Kubernetes API: no API token anywhere. Pod Identity does not need it:
             # its webhook adds a projected token of its own (audience pods.eks.amazonaws.com) to
             # pods of an associated service account (aws/amazon-eks-pod-identity-webhook, handler.go).

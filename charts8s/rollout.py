@@ -77,8 +77,8 @@ BASE_MODEL_DIR = "/models/base"  # an s3:// base model's copy on each engine nod
 STATE_DIR = "/run/moerl"  # shared by engine and worker: the worker's pause marker
 PAUSE_MARKER = f"{STATE_DIR}/engine-paused"
 PROBE_TIMEOUT_S = 25  # longer than SGLang's own 20 s /health_generate wait
-# The Secret's keys (README: kubectl create secret): the router's API key (workers -> router), the
-# master of the engines' admin keys, the router's control-plane key (workers register engines).
+# The Secret's keys (docs/cluster.md: kubectl create secret): the router's API key (workers ->
+# router), the master of the engines' admin keys, the router's control-plane key (workers register engines).
 API_KEY, ADMIN_API_KEY, CONTROL_KEY = "api-key", "admin-api-key", "control-plane-api-key"
 # One engine's keys file, on an in-memory volume of its pod (module doc).
 KEYS_VOLUME, KEYS_DIR = "keys", "/run/moerl/keys"

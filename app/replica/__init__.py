@@ -195,7 +195,7 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
         raise ManifestError(f"the mounted run config's store_url is {run.store_url!r}; the cluster's is s3://")
     from app.replica.manifests import secret_keys
 
-    # What `kubectl create secret` makes (README): a random value for every key the pods read.
+    # What `kubectl create secret` makes (docs/cluster.md): a random value for every key the pods read.
     secret_values = {name: {key: pysecrets.token_hex(16) for key in keys or {"password"}}
                      for name, keys in secret_keys(m).items()}
     out.mkdir(parents=True, exist_ok=True)
@@ -203,7 +203,7 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
                       dict(bin_dir=str(Path(sys.executable).parent), repo=str(image_repo), procs_per_gpu_node=procs_per_node),
                       # the bucket the mounted run config names (store_url: s3://bucket/prefix)
                       bucket=run.store_url.removeprefix("s3://").split("/")[0], region=cfg.region,
-                      associations={cfg.trainer_service_account, cfg.rollout_service_account})
+                      associations={cfg.trainer_service_account_of(run.run_id), cfg.rollout_service_account})
     from charts8s.feed import NAME as FEED
     from charts8s.rollout import NAME as ROLLOUT
 
