@@ -1,6 +1,6 @@
 """`moerl replica dist/`: every pod of the synthesized manifests, run as local processes.
 
-    moerl replica dist/ [--out runs/replica-<time>] [--steps 250] [--chaos/--no-chaos]
+    moerl replica dist/ [--out runs/replica-<time>] [--steps 250] [--chaos/--no-chaos] [--router]
 
 1. synthesizes (charts8s) the manifests of a small workload into ``dist/``: one trainer node
    running 2 processes (EP 2), 2 rollout pods, the env pool, the Redis buffer and the feed pod
