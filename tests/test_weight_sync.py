@@ -467,7 +467,7 @@ def test_an_nccl_weight_group_failure_spares_the_trainer(tmp_path, fault):
     and trains (exit 0), where a group made under the pods' own setting took it down (exit 134)."""
     port = free_port()
     flag = tmp_path / "peer-gone"
-    env = {**os.environ, **NCCL_ENV, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **NCCL_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     source = subprocess.Popen([sys.executable, "-c", _SOURCE, str(port), str(flag)], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     peer = subprocess.Popen([sys.executable, "-c", _PEER, str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
