@@ -18,6 +18,7 @@ RUN_CONFIG_KEY = "run.yaml"
 TRAINER = "moerl-trainer"  # the trainer's Volcano Job, its pods' component label (charts8s/trainer.py)
 ROLLOUT = "moerl-rollout"  # the engines' Deployment or LeaderWorkerSet (charts8s/rollout.py)
 ROLLOUT_WORKER = "moerl-rollout-worker"  # the workers of multi-node engines, a StatefulSet (charts8s/rollout.py)
+ROUTER = "moerl-router"  # SGLang's router in front of the engines, a Deployment (charts8s/router.py)
 FEED = "moerl-feed"  # the prompt source's Deployment (charts8s/feed.py)
 BUFFER_SERVICE = "moerl-buffer"
 REWARD_MODEL_SERVICE = "moerl-reward-model"  # charts8s/rewardmodel.py, when task.reward_model is set

@@ -42,6 +42,9 @@ FSX_CSI_DRIVER = ("https://kubernetes-sigs.github.io/aws-fsx-csi-driver", "aws-f
 HELM_CHARTS = (NVIDIA_DEVICE_PLUGIN, EFA_DEVICE_PLUGIN, VOLCANO, LWS, KUBE_PROMETHEUS_STACK, DCGM_EXPORTER,
                FSX_CSI_DRIVER)
 MONITORING_NAMESPACE = "monitoring"
+# The health checks' and node-health agents' namespace (charts8s/healthcheck.py, charts8s/nodehealth.py):
+# DCGM clients besides the exporter (the DCGM host engine's policy, infra/cluster.py).
+HEALTH_NAMESPACE = "moerl-health"
 # The label kube-prometheus-stack's Grafana sidecar loads dashboard ConfigMaps by (grafana chart
 # values sidecar.dashboards.label / labelValue; set explicitly in infra/cluster.py, used by
 # charts8s/dashboards.py).

@@ -29,8 +29,8 @@ from constructs import Construct
 
 from infra.addons import DCGM_HOSTENGINE_PORT, EKS_ADDONS, addon_versions  # noqa: F401  (re-exported)
 from infra.charts import (DCGM_EXPORTER, EFA_DEVICE_PLUGIN, FSX_CSI_DRIVER, GRAFANA_DASHBOARD_LABEL,  # noqa: F401
-                          KUBE_PROMETHEUS_STACK, LWS, MONITORING_NAMESPACE, NVIDIA_DEVICE_PLUGIN, VOLCANO,
-                          cached_image_values)
+                          HEALTH_NAMESPACE, KUBE_PROMETHEUS_STACK, LWS, MONITORING_NAMESPACE, NVIDIA_DEVICE_PLUGIN,
+                          VOLCANO, cached_image_values)
 from infra.config import (ACCELERATOR_LABEL, ADMIN_PRINCIPAL_TAG, EFA_LABEL, GPU_TAINT_KEY, POOL_LABEL, POOL_TAINT_KEY,
                           DeploymentConfig)
 from infra.instances import INSTANCE_TABLE
@@ -76,6 +76,9 @@ FSX_POOLS = ("train-gpu", "rollout-gpu")
 # CNI's strict mode each gets one allow-all NetworkPolicy before any node exists, so these pods
 # keep standard mode's behaviour. moerl's own namespaces carry per-role policies (charts8s).
 SYSTEM_NAMESPACES = ("kube-system", "volcano-system", "lws-system", MONITORING_NAMESPACE)
+# The pods of the node monitoring agent's DCGM host engine in kube-system (its dcgm-server
+# DaemonSet's labels, aws/eks-node-monitoring-agent charts/.../templates/dcgm-daemonset.yaml).
+DCGM_SERVER = {"k8s-app": "dcgm-server"}
 
 
 def with_cached_images(cfg: DeploymentConfig, chart: str, values: dict | None = None) -> dict:
@@ -372,16 +375,29 @@ class ClusterStack(Stack):
         return role
 
     def _system_network_policies(self) -> None:
-        """One allow-all NetworkPolicy (ingress and egress, every pod) in each of SYSTEM_NAMESPACES,
-        with the namespace itself, applied by the kubectl handler before any node group exists."""
+        """One allow-all NetworkPolicy (ingress and egress) in each of SYSTEM_NAMESPACES, with the
+        namespace itself, applied by the kubectl handler before any node group exists; in
+        kube-system every pod but the DCGM host engine's, which takes connections on
+        DCGM_HOSTENGINE_PORT from the DCGM exporter (monitoring) and the health checks (moerl-health)
+        only (charts8s/contract.py TABLE). Any pod reaches it at its node's address (its hostPort;
+        the VPC CNI's policy agent never blocks a pod's traffic to its own node), so only its own
+        ingress can keep moerl's pods out of an unauthenticated API that runs GPU diagnostics."""
         docs: list[dict] = []
         for ns in SYSTEM_NAMESPACES:
             if ns != "kube-system":
                 docs.append({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+            pods = {"matchExpressions": [{"key": "k8s-app", "operator": "NotIn", "values": [DCGM_SERVER["k8s-app"]]}]}
             docs.append({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
                          "metadata": {"name": "allow-all", "namespace": ns},
-                         "spec": {"podSelector": {}, "policyTypes": ["Ingress", "Egress"],
+                         "spec": {"podSelector": pods if ns == "kube-system" else {}, "policyTypes": ["Ingress", "Egress"],
                                   "ingress": [{}], "egress": [{}]}})
+        clients = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
+                   for ns in (MONITORING_NAMESPACE, HEALTH_NAMESPACE)]
+        docs.append({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                     "metadata": {"name": "dcgm-server", "namespace": "kube-system"},
+                     "spec": {"podSelector": {"matchLabels": DCGM_SERVER}, "policyTypes": ["Ingress", "Egress"],
+                              "ingress": [{"from": clients, "ports": [{"protocol": "TCP", "port": DCGM_HOSTENGINE_PORT}]}],
+                              "egress": [{}]}})
         self.system_policies = eks.KubernetesManifest(self, "SystemNetworkPolicies", cluster=self.cluster,
                                                       manifest=docs, overwrite=True)
 

@@ -466,9 +466,9 @@ class DeploymentConfig(Model):
                                     "of its own (trainer_identities) that writes that entry's runs only, and the "
                                     "trainer of a run uses the entry that names it (trainer_service_account_of), so "
                                     "one run's credentials cannot overwrite another run's versions or training state; "
-                                    "the runs of one family share theirs. A run no entry names has no AWS credentials "
-                                    "(its service account has no association): add it and deploy the cluster stack "
-                                    "(IAM and Pod Identity only; no node changes).")
+                                    "the runs of one family share theirs. A run no entry names is refused when its "
+                                    "manifests are rendered: add it and deploy the cluster stack (IAM and Pod "
+                                    "Identity only; no node changes).")
     fsx: FsxConfig = Field(FsxConfig(), description="The shared FSx for Lustre file system (off by default).")
     public_endpoint_cidrs: list[str] = Field([], description="Empty keeps the API endpoint private (reach it from "
                                              "inside the VPC); otherwise the endpoint is also public, open only to "

@@ -94,15 +94,16 @@ def small_run_config(steps: int, base: Path, router: bool = False):
 
 def write_workload(out: Path, steps: int, base: Path, router: bool = False) -> tuple[Path, Path]:
     """Write the small workload: run config, workloads file and deployment overrides (one more
-    rollout-gpu node than dev's 2, for the feed pod's evaluation engine). Returns (workloads,
-    overrides)."""
+    rollout-gpu node than dev's 2, for the feed pod's evaluation engine; the run among
+    trainer_runs, as charts8s requires). Returns (workloads, overrides)."""
     out.mkdir(parents=True, exist_ok=True)
-    small_run_config(steps, base, router).save(out / "run.yaml")
+    run = small_run_config(steps, base, router)
+    run.save(out / "run.yaml")
     wl = {"run_config": str(out / "run.yaml"), "trainer": {"nodes": 1},
           "rollout": {"replicas": 2, "model_path": str(base), "drain_margin_s": 2},
           "env": {"replicas": 2}}
     (out / "workloads.yaml").write_text(yaml.safe_dump(wl, sort_keys=False))
-    (out / "deploy.yaml").write_text(yaml.safe_dump({"pools": {"rollout-gpu": {"max_size": 3}}}))
+    (out / "deploy.yaml").write_text(yaml.safe_dump({"pools": {"rollout-gpu": {"max_size": 3}}, "trainer_runs": [run.run_id]}))
     return out / "workloads.yaml", out / "deploy.yaml"
 
 
