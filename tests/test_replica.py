@@ -110,7 +110,10 @@ def test_replica_ran_what_dist_holds(replica):
                           f" --router-engine-url http://{rollout0['ip']}:30000")
     assert worker["command"][:2] == ["moerl", "rollout"]
     # S3 only through Pod Identity credentials, for the two associated service accounts
-    assert set(s["pod_identity_calls"]) == {"moerl-trainer", "moerl-rollout"}
+    from infra.config import load_config
+
+    trainer = load_config("dev", out / "workload" / "deploy.yaml").trainer_service_account_of("replica")
+    assert set(s["pod_identity_calls"]) == {trainer, "moerl-rollout"}  # the run's own trainer account
 
 
 def test_replica_routes_through_the_real_router(replica):
