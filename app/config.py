@@ -623,6 +623,11 @@ class RunConfig(Section):
             # may be on any engine, and the router's resend would restart them from the prompt.
             raise ValueError("rollout.partial_rollout: not supported with rollout.router (a worker's requests "
                              "may be on any engine)")
+        if self.rollout.routing_replay and self.rollout.router:
+            # Sending these requests around the router would route every request of the run around it.
+            raise ValueError("rollout.routing_replay: not supported with rollout.router (sglang-router 0.3.2 "
+                             "re-serialises /generate and drops return_routed_experts and "
+                             "routed_experts_start_len); turn one of them off")
         if self.env.name and self.feed.eval_every:
             raise ValueError("feed.eval_every: the feed's held-out evaluation scores single completions; with "
                              "env.name it is not supported yet (moerl run evaluates episodes in process)")
