@@ -115,7 +115,7 @@ class Substitutions:
         if argv[:3] == ["python3", "-m", "sglang.launch_server"] or argv[:2] == ["sglang", "serve"]:
             keep = {"--model-path": None, "--host": "127.0.0.1", "--port": "30000"}
             # The SGLang flags the built-in engine shares (app/engine/server.py `serve`); --config
-            # holds the engine's keys (charts8s/rollout.py `keyed_engine`).
+            # holds the engine's keys (charts8s/keys.py `keyed_engine`).
             shared = {"--weight-version", "--max-running-requests", "--enable-return-routed-experts", "--config",
                       "--api-key", "--admin-api-key"}
             carried: list[str] = []
