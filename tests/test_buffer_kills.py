@@ -37,6 +37,7 @@ import redis
 
 from app.buffer import ExperienceBuffer, Sample, Task
 from app.buffer.encoding import GroupHeader
+from app.buffer.experience import stale_share
 from app.config import RunConfig
 from app.ledger import append_issued, audit, pending_prompts, read_issued, read_lineage
 from app.rollout.engine_client import EngineClient, GenOutput
@@ -431,19 +432,31 @@ def test_a_stale_group_whose_next_attempt_was_queued_before_is_counted_dropped(r
     s = buf.stats()
     assert (s["requeued"], s["dropped_stale"], s["queued"], s["ready"]) == (0, 1, 1, 0)
     assert s["finished"] == s["requeued"] + s["dropped_stale"] + s["consumed"] + s["ready"]
+    assert stale_share(s) == 1.0
 
 
 def test_staleness_admission_leases_only_groups_that_can_be_trained_fresh(redis_server):
-    """capacity 20, 2 groups a version, max_staleness 1, the trainer taking at v5: a group leased
-    by an engine at v3 is trained at v5 at the soonest (staleness 2): none; at v4, while fewer
-    than 2 are ahead of it (trained at v5); at v5, fewer than 4 (v5 and v6); at v6, fewer than 6;
-    without the engine's version only the capacity counts."""
+    """capacity 20, 2 groups a step and a version a step, max_staleness 1. The trainer waits at
+    v5 for 2 groups: a group leased by an engine at v3 is trained at v5 at the soonest (staleness
+    2): none; at v4, only the 2 the take lacks; at v5, 2 more (trained at v6); at v6, 2 more (v7).
+    Without the engine's version only the capacity counts. Once the take at v6 has its groups,
+    the next group goes to the take after it (v7): an engine at v5 gets none, one at v6 two."""
     cfg = run_config(redis_server, "admit", capacity_groups=20, lease_ms=60_000)
     buf = ExperienceBuffer.from_config(cfg, autocommit=False)
     buf.put_tasks([make_task(i) for i in range(40)])
-    assert buf.take_headers(1, trainer_version=5, timeout_s=0) == []  # the trainer takes at v5
+    assert buf.take_headers(2, trainer_version=5, timeout_s=0) == []  # the trainer waits at v5
     assert len(buf.lease("a", count=10, block_ms=0, engine_version=3)) == 0
-    assert len(buf.lease("a", count=10, block_ms=0, engine_version=4)) == 2
-    assert len(buf.lease("a", count=10, block_ms=0, engine_version=5)) == 2
+    at4 = buf.lease("a", count=10, block_ms=0, engine_version=4)
+    at5 = buf.lease("a", count=10, block_ms=0, engine_version=5)
+    at6 = buf.lease("a", count=10, block_ms=0, engine_version=6)
+    unknown = buf.lease("a", count=20, block_ms=0)
+    assert [len(x) for x in (at4, at5, at6, unknown)] == [2, 2, 2, 14]
+    for t in at6:
+        assert buf.publish(t, samples_for(t, "admit", 6))
+    buf.release(at4 + at5 + unknown)
+    assert len(buf.take_headers(2, trainer_version=6, timeout_s=1.0)) == 2  # the take at v6 is complete
+    assert len(buf.lease("a", count=10, block_ms=0, engine_version=5)) == 0
     assert len(buf.lease("a", count=10, block_ms=0, engine_version=6)) == 2
-    assert len(buf.lease("a", count=20, block_ms=0)) == 14
+    # a version every 3 steps of up to 2 + 3 groups (dynamic sampling skips at most 3 a step)
+    cfg.trainer.publish_every, cfg.trainer.dynamic_sampling, cfg.trainer.dynamic_sampling_max_skipped = 3, True, 3
+    assert ExperienceBuffer.from_config(cfg).groups_per_version == 15

@@ -28,8 +28,9 @@ Layout (every key under ``{prefix}:{run_id}:``):
     issued    set of "task_id/attempt" already queued (put_tasks and requeue are idempotent).
     seen      set of published sample ids: a replayed task's group is not added twice.
     dropped   set of "task_id/attempt" dropped after ``max_failures`` failed rollouts (`fail`).
-    stats     hash of counters, and ``take_version``: the policy version the trainer's newest
-              take will train at (staleness admission, below).
+    stats     hash of counters, and the trainer's newest take: ``take_version``, the policy
+              version it trains at, and ``take_room``, the groups it still lacks (staleness
+              admission, below).
     policy    hash {version, uri} of the newest announced policy.
 
 Back-pressure counts what exists, never sequence numbers: untaken groups are the samples
@@ -43,10 +44,10 @@ checks the room and leases in one script (`_LEASE`), so N workers cannot oversho
 lost holding every lease cannot close the gate for good.
 
 Staleness admission: a group leased now is trained after the groups ahead of it (untaken and
-leased), about ``groups_per_version`` of them per policy version, at ``take_version`` or later.
-`lease` admits no more than those that engine (its version given) can still make within
-``max_staleness`` of that version; a group certain to be thrown away at the take is not
-generated.
+leased): at ``take_version`` if they are fewer than ``take_room``, else in a later take, one
+policy version per ``groups_per_version`` groups. `lease` admits no more groups than that
+engine (its version given) can still make within ``max_staleness`` of the version they will be
+trained at: a group certain to be thrown away at the take is not generated.
 
 The PEL, the streams and the sets are plain Redis data, so with append-only persistence a
 restarted redis-server still holds the leases (reclaimed after `lease_ms` as usual), the
@@ -197,10 +198,14 @@ for _ = 1, 8 do
 end
 local untaken, leased = backlog()
 local room = tonumber(ARGV[6]) - untaken - leased
-local take_version = redis.call('HGET', KEYS[3], 'take_version')
-if ARGV[7] ~= '' and take_version then
-  local lag = tonumber(take_version) - tonumber(ARGV[7])
-  room = math.min(room, (tonumber(ARGV[8]) - lag + 1) * tonumber(ARGV[9]) - untaken - leased)
+local take = redis.call('HMGET', KEYS[3], 'take_version', 'take_room')
+if ARGV[7] ~= '' and take[1] then
+  local lag = tonumber(take[1]) - tonumber(ARGV[7])
+  local fresh = 0
+  if lag <= tonumber(ARGV[8]) then
+    fresh = tonumber(take[2] or '0') + (tonumber(ARGV[8]) - lag) * tonumber(ARGV[9]) - untaken - leased
+  end
+  room = math.min(room, fresh)
 end
 local want = math.min(count - #out, room)
 if want > 0 then
@@ -427,10 +432,13 @@ class ExperienceBuffer:
         the role from MOERL_REDIS_USER (app/buffer/acl.py), else the URL's, else "default".
         """
         b, t = cfg.buffer, cfg.trainer
+        # The most groups a step may take (dynamic sampling skips some): staleness admission
+        # errs towards generating.
+        per_step = t.groups_per_step + (t.dynamic_sampling_max_skipped if t.dynamic_sampling else 0)
         kwargs = dict(
             prefix=b.run_prefix, capacity_groups=b.capacity_groups, lease_ms=b.lease_ms,
             max_staleness=b.max_staleness, stale_policy=b.stale_policy, max_failures=b.max_failures,
-            groups_per_version=t.groups_per_step * t.publish_every,
+            groups_per_version=per_step * t.publish_every,
             password=os.environ.get(PASSWORD_ENV) or None, username=os.environ.get(USER_ENV) or None,
         )
         kwargs.update(overrides)
@@ -747,8 +755,8 @@ class ExperienceBuffer:
             raise ValueError(f"timeout_s must be >= 0, got {timeout_s}")
         if self.autocommit:
             self.commit()
-        # Where the trainer takes now: what staleness admission counts from (`lease`).
-        self.r.hset(self.keys["stats"], "take_version", trainer_version)
+        # Where the trainer takes now and how much: what staleness admission counts from (`lease`).
+        self.r.hset(self.keys["stats"], mapping={"take_version": trainer_version, "take_room": n_groups})
         deadline = time.monotonic() + timeout_s
         headers: list[GroupHeader] = []
         while len(headers) < n_groups:
@@ -775,8 +783,10 @@ class ExperienceBuffer:
                         self._taken.append((entry_id, h.blob))
             if block is None:
                 break
-        if headers:
-            self.r.hincrby(self.keys["stats"], "taken", len(headers))
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(self.keys["stats"], "take_room", n_groups - len(headers))
+        pipe.hincrby(self.keys["stats"], "taken", len(headers))
+        pipe.execute()
         return headers
 
     def _read(self, count: int, block: int | None) -> list | None:
@@ -948,6 +958,13 @@ class ExperienceBuffer:
         out = {"queued": n_tasks - leased, "leased": leased, "ready": ready, "untaken": untaken}
         out.update({n: int(counters.get(n, 0)) for n in STAT_NAMES})
         return out
+
+
+def stale_share(stats: dict) -> float | None:
+    """Of the finished groups in ``stats`` (`ExperienceBuffer.stats`), the share thrown away at
+    the take as too stale (requeued or dropped); None before any finished."""
+    finished = int(stats.get("finished", 0))
+    return (int(stats.get("requeued", 0)) + int(stats.get("dropped_stale", 0))) / finished if finished else None
 
 
 def _entry_order(entry_id: str) -> tuple[int, int]:
