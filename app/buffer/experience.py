@@ -180,11 +180,13 @@ return {untaken, leased}
 # lease: take over expired leases (whatever the room: they are counted already), then lease new
 # tasks up to the room left under capacity and, given the engine's version, under staleness
 # admission (module docstring), all in one step. A task entry deleted while pending (Redis 6.2
-# returns it without fields) is acked and skipped.
+# returns it without fields) is acked and skipped. The counts come first: taking over changes
+# neither, and a missing group fails the script before it wrote anything.
 # KEYS: tasks, samples, stats; ARGV: rollout group, trainer group, consumer, count, lease_ms,
 # capacity, engine version ('' unknown), max_staleness, groups per version.
-# Returns {room before the new leases, entries claimed or read ({id, {field, value, ...}})}.
+# Returns the entries taken over or read: {{id, {field, value, ...}}, ...}.
 _LEASE = _BACKLOG + """
+local untaken, leased = backlog()
 local count = tonumber(ARGV[4])
 local out = {}
 local start = '0-0'
@@ -196,7 +198,6 @@ for _ = 1, 8 do
   end
   if #out >= count or start == '0-0' then break end
 end
-local untaken, leased = backlog()
 local room = tonumber(ARGV[6]) - untaken - leased
 local take = redis.call('HMGET', KEYS[3], 'take_version', 'take_room')
 if ARGV[7] ~= '' and take[1] then
@@ -214,7 +215,7 @@ if want > 0 then
     for _, e in ipairs(r[1][2]) do table.insert(out, e) end
   end
 end
-return {room, out}
+return out
 """
 
 # release / extend: act only on leases this consumer still holds (another worker may have
@@ -538,8 +539,8 @@ class ExperienceBuffer:
         deadline = time.monotonic() + block_ms / 1000
         pause = 0.02
         while True:
-            _, entries = self._with_groups(lambda: self._lease_script(keys=self._k("tasks", "samples", "stats"),
-                                                                      args=args))
+            entries = self._with_groups(lambda: self._lease_script(keys=self._k("tasks", "samples", "stats"),
+                                                                   args=args))
             tasks = self._tasks(entries, consumer)
             left = deadline - time.monotonic()
             if tasks or left <= 0:
