@@ -52,7 +52,7 @@ COMMANDS = {
     "rollout": CONNECT + SCRIPTS + TRANSACTIONS + [
         "+xgroup|create", "+xautoclaim", "+xreadgroup", "+xack", "+xclaim", "+xdel", "+xlen", "+xpending",
         "+xadd", "+xread", "+xrevrange", "+hincrby", "+hgetall", "+hset", "+expire", "+sadd", "+srem",
-        "+sismember", "+get", "+set", "+del", "+mget", "+hget", "+hmget", "+exists", "+persist", "+unlink"],
+        "+sismember", "+get", "+set", "+del", "+mget", "+hmget", "+exists", "+persist", "+pttl", "+unlink"],
     "feed": CONNECT + SCRIPTS + [
         "+xgroup|create", "+xlen", "+xpending", "+xadd", "+xdel", "+hincrby", "+hgetall", "+sadd"],
 }
