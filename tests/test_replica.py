@@ -3,8 +3,10 @@ and runs every container of every pod as a local process, with the manifest's ow
 args and environment (app/replica/).
 
 Substituted, and nothing else: the image (this venv and repository), the engine (`moerl engine`
-for SGLang), GPU counts (torchrun's processes per node: 2 for the node's 8 GPUs) and the S3
-endpoint (moto, with credentials from the Pod Identity stand-in). The model is the warm-up
+for SGLang), GPU counts (torchrun's processes per node: 2 for the node's 8 GPUs), torchrun's
+rendezvous port (one free on the host: its c10d store listens on every address, so another
+torchrun on port 29500 can take the gang into its own rendezvous) and the S3 endpoint (moto, with
+credentials from the Pod Identity stand-in). The model is the warm-up
 checkpoint as a local directory, standing for one baked into the image.
 
 The short version (100 steps, ~2-3 min on 2 cores) with both faults: a rollout pod deleted
@@ -93,7 +95,8 @@ def test_replica_ran_what_dist_holds(replica):
     metrics_at = "network: --metrics-addr {} (its pod's address)".format
     assert set(s["substitutions"]) == {
         "engine: engine: SGLang -> moerl engine (dropped --tp-size)",
-        *(f"trainer-0: {metrics_at(p['ip'])}; GPUs: 8 per pod -> torchrun --nproc-per-node 2"
+        *(f"trainer-0: {metrics_at(p['ip'])}; GPUs: 8 per pod -> torchrun --nproc-per-node 2; network: rendezvous "
+          "port 29500 -> one free on the host (torchrun's c10d store listens on every address)"
           for p in s["pods"] if p["name"] == "moerl-trainer-trainer-0-0"),
         *(f"worker: {metrics_at(p['ip'])}" for p in s["pods"] if p["name"].startswith("moerl-rollout-")),
         f"redis: network: redis-server --bind {next(p['ip'] for p in s['pods'] if p['name'] == 'moerl-buffer-0')} (its pod's address)",

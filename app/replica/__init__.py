@@ -22,7 +22,8 @@
    the substitutions made, the events.
 
 Substituted, and nothing else: the image (this venv and repository), the engine (the built-in
-`moerl engine` for SGLang), GPU counts (torchrun processes per node), the S3 endpoint (moto).
+`moerl engine` for SGLang), GPU counts (torchrun processes per node), torchrun's rendezvous port
+(one free on the host), the S3 endpoint (moto).
 The model is the warm-up checkpoint as a local directory, standing for one baked into the image.
 """
 
