@@ -8,21 +8,24 @@ they share, and the images. `load_workloads` applies every rule of issue 6 part 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from app.config import EngineProfile, RunConfig
 from app.layout import resolve_layout
 from app.rollout.engine_args import EngineLayout
+from app.storage import open_store
 from infra.config import DeploymentConfig, NodePool, error_line, strict_scalar, yaml_error_line
 
 Role = Literal["trainer", "rollout", "env"]
-# The run config synthesized when a workloads file names none (README, "Recipes").
+# The run config synthesized when a workloads file names none (docs/cluster.md, "Recipes").
 DEV_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "dev-tiny-grpo.yaml"
 
 
@@ -40,16 +43,14 @@ class _Model(BaseModel):
 
 
 class TrainerSpec(_Model):
-    """The gang of trainer pods: one pod per train-gpu node, every GPU of the node.
+    """The gang of trainer pods: one pod per train-gpu node, every GPU of the node. Each pod requests
+    every 2 MiB hugepage its node reserves: pools.train-gpu.hugepages_2mi (infra.config)."""
 
-    nodes: pods in the gang (None: the pool's max_size).
-    Each pod requests every 2 MiB hugepage its node reserves: pools.train-gpu.hugepages_2mi (infra.config).
-    max_retries: whole-gang restarts (each with --resume) before the job is marked failed.
-    """
-
-    nodes: int | None = Field(None, ge=1)
-    max_retries: int = Field(10, ge=0)
-    rdzv_port: int = Field(29500, ge=1024, le=65535)
+    nodes: int | None = Field(None, ge=1, description="Pods in the gang (None: the pool's max_size).")
+    max_retries: int = Field(10, ge=0, description="Whole-gang restarts (each with --resume) before the job is "
+                             "marked failed.")
+    rdzv_port: int = Field(29500, ge=1024, le=65535, description="torchrun's c10d rendezvous port on trainer "
+                           "replica 0.")
 
 
 # Copies of the model on a rollout node's model volume: the base model (Hugging Face cache) and
@@ -61,25 +62,22 @@ TMP_GI, CACHE_GI = 16, 32  # the engine's /tmp and JIT-cache (triton, flashinfer
 
 class RolloutSpec(_Model):
     """Rollout engines: SGLang and the moerl rollout worker; the engine layout (TP/EP/DeepEP,
-    nodes per engine) is the run config's ``rollout.engine`` profile.
+    nodes per engine) is the run config's ``rollout.engine`` profile."""
 
-    replicas: engines (None: the pool's desired_size // nodes_per_engine, at least 1). An engine
-        of one node is one pod of a Deployment; one over several nodes is one LeaderWorkerSet group.
-    model_path: the base policy SGLang loads at start and the trainer starts from (HF id, s3://
-        prefix or local path; also written to the mounted run config's model.path); None: the run
-        config's model.path.
-    model_gib: size of one checkpoint of that model, GiB (Qwen3-30B-A3B in bf16: 57; DeepSeek-V3
-        in FP8: 642). The model volume holds `MODEL_COPIES` of it and must fit the node's local
-        disk (instance-store NVMe where the type has it, else the root volume).
-    """
-
-    replicas: int | None = Field(None, ge=1)
-    model_path: str | None = None
-    model_gib: float = Field(57.0, gt=0)
+    replicas: int | None = Field(None, ge=1, description="Engines (None: the pool's desired_size // "
+                                 "nodes_per_engine, at least 1). An engine of one node is one pod of a Deployment; "
+                                 "one over several nodes is one LeaderWorkerSet group.")
+    model_path: str | None = Field(None, description="The base policy SGLang loads at start and the trainer "
+                                   "starts from (HF id, s3:// prefix or local path; also written to the mounted run "
+                                   "config's model.path); None: the run config's model.path.")
+    model_gib: float = Field(57.0, gt=0, description="Size of one checkpoint of that model, GiB (Qwen3-30B-A3B "
+                             "in bf16: 57; DeepSeek-V3 in FP8: 642). The model volume holds `MODEL_COPIES` (4) of it "
+                             "and must fit the node's local disk (instance-store NVMe where the type has it, else "
+                             "the root volume).")
     model_quantization: Literal["fp8"] | None = Field(
         None, description="The served checkpoint's quantization_config.quant_method (None: bf16/fp32 weights). "
         "Policy versions carry unquantized weights, so an fp8 engine is refused (see `check`).")
-    engine_port: int = Field(30000, ge=1024, le=65535)
+    engine_port: int = Field(30000, ge=1024, le=65535, description="SGLang's HTTP port.")
     drain_margin_s: int = Field(15, ge=0, description="Added to rollout.drain_grace_s for the kubelet.")
     shm_gi: int = Field(64, ge=1, description="/dev/shm size limit, GiB (NCCL and CUDA IPC).")
     # The engine's startup probe budget (charts8s/rollout.py `startup_budget_s`): SGLang reads
@@ -91,7 +89,7 @@ class RolloutSpec(_Model):
     boot_s: int = Field(1200, ge=0, description="Kernel JIT, CUDA-graph capture and the rest of a start, seconds.")
     api_key_secret: str = Field("moerl-rollout-api-key", description="Secret with the SGLang keys (``api-key``, "
                                 "``admin-api-key``) of engines over several nodes, which serve on the pod network; "
-                                "made outside dist/ (README).")
+                                "made outside dist/ (docs/cluster.md).")
     # SGLang's router (run config rollout.router; charts8s/router.py).
     router_port: int = Field(30100, ge=1024, le=65535, description="The router's Service and container port.")
     router_metrics_port: int = Field(29000, ge=1024, le=65535, description="The router's Prometheus port.")
@@ -101,19 +99,19 @@ class EnvSpec(_Model):
     """The env pool's CPU pods: the run's environment over OpenEnv (`moerl env`) when the run
     config sets ``env.name``, else the task's verifier (`moerl reward --mode verifier`)."""
 
-    replicas: int = Field(2, ge=1)
+    replicas: int = Field(2, ge=1, description="Env pool pods.")
     cpu: int = Field(4, ge=1, description="vCPU per pod.")
-    memory_gi: int = Field(8, ge=1)
-    port: int = Field(8080, ge=1024, le=65535)
+    memory_gi: int = Field(8, ge=1, description="Memory per pod, GiB.")
+    port: int = Field(8080, ge=1024, le=65535, description="The pods' and their Service's port.")
 
 
 class RewardModelSpec(_Model):
     """GPU pods serving the learned reward model (`moerl reward`), deployed only when the run
     config names ``task.reward_model``. They run on the rollout-gpu pool, on nodes of their own."""
 
-    replicas: int = Field(1, ge=1)
+    replicas: int = Field(1, ge=1, description="Reward-model pods.")
     gpus: int = Field(1, ge=1, description="GPUs per pod.")
-    port: int = Field(8080, ge=1024, le=65535)
+    port: int = Field(8080, ge=1024, le=65535, description="The pods' and their Service's port.")
     max_batch: int = Field(64, ge=1, description="Most sequences in one forward (`moerl reward --max-batch`).")
     models_gi: int = Field(200, ge=1, description="Scratch volume for a downloaded model, GiB.")
 
@@ -122,18 +120,16 @@ class BenchRolloutSpec(_Model):
     """`moerl bench rollout` in the cluster: per named profile, a fleet of ``engines`` SGLang
     engines (LeaderWorkerSet groups, serving on the pod network) and a Job that drives them with
     the run's prompts for ``seconds``. Two profiles (e.g. ``a2a``: kind ep, ``deepep``: kind
-    ep-deepep) are the all-to-all vs DeepEP comparison; each renders to its own file.
+    ep-deepep) are the all-to-all vs DeepEP comparison; each renders to its own file."""
 
-    concurrency: in-flight requests (prompt groups) per engine; None: the profile's in-flight
-        sequences over rollout.group_size.
-    """
-
-    profiles: dict[str, EngineProfile]
-    engines: int = Field(2, ge=1)
-    seconds: float = Field(600.0, gt=0)
-    concurrency: int | None = Field(None, ge=1)
+    profiles: dict[str, EngineProfile] = Field(description="Name -> engine profile (the run config's "
+                                               "rollout.engine fields) of each fleet.")
+    engines: int = Field(2, ge=1, description="Engines of each fleet.")
+    seconds: float = Field(600.0, gt=0, description="How long the Job drives each fleet.")
+    concurrency: int | None = Field(None, ge=1, description="In-flight requests (prompt groups) per engine; None: "
+                                    "the profile's in-flight sequences over rollout.group_size.")
     api_key_secret: str = Field("moerl-bench-api-key", description="Secret with the engines' SGLang keys "
-                                "(``api-key``, ``admin-api-key``), made outside dist/ (README).")
+                                "(``api-key``, ``admin-api-key``), made outside dist/ (docs/cluster.md).")
 
 
 class FeedSpec(_Model):
@@ -143,7 +139,7 @@ class FeedSpec(_Model):
 
     eval_gpus: int | None = Field(None, ge=1, description="GPUs of the evaluation engine (its TP "
                                   "size); None: every GPU of a rollout node, as the rollout engines.")
-    engine_port: int = Field(30000, ge=1024, le=65535)
+    engine_port: int = Field(30000, ge=1024, le=65535, description="Port of the evaluation engine.")
     cpu: int = Field(2, ge=1, description="vCPU of the feed container.")
     memory_gi: int = Field(8, ge=1, description="Memory of the feed container (dataset, tokenizer).")
 
@@ -151,42 +147,45 @@ class FeedSpec(_Model):
 class BufferSpec(_Model):
     """The Redis experience buffer (one StatefulSet pod with an append-only file on a volume)."""
 
-    storage_gi: int = Field(100, ge=1)
-    memory_gi: int = Field(64, ge=1)
-    cpu: int = Field(4, ge=1)
+    storage_gi: int = Field(100, ge=1, description="The append-only file's volume, GiB.")
+    memory_gi: int = Field(64, ge=1, description="Memory of the Redis container, GiB.")
+    cpu: int = Field(4, ge=1, description="vCPU of the Redis container.")
     # 7.4.11: the 7.4 release that fixes the CVEs published since 7.4.2 (7.4.3: CVE-2025-21605;
     # 7.4.4/7.4.5: CVE-2025-27151; 7.4.6: CVE-2025-49844, -46817, -46818, -46819, Lua; 7.4.8: error
     # reply injection; 7.4.9: CVE-2026-23479, -25243, -23631; 7.4.10: stream RESTORE use-after-free;
     # 7.4.11: TLS pending-data use-after-free), pinned by the digest of its multi-arch index: a
     # role that may run Lua scripts (app/buffer/acl.py) must meet a patched server.
-    image: str = ("public.ecr.aws/docker/library/redis:7.4.11-alpine"
-                  "@sha256:858f009f9709ce576febc734aa78b8f6d624b82571f9ddb6bda4377c833b3499")
+    image: str = Field("public.ecr.aws/docker/library/redis:7.4.11-alpine"
+                       "@sha256:858f009f9709ce576febc734aa78b8f6d624b82571f9ddb6bda4377c833b3499",
+                       description="The Redis image, by digest.")
     # The Prometheus exporter beside redis-server (charts8s/buffer.py). oliver006/redis_exporter's
     # release workflow pushes each tag to Docker Hub, ghcr.io and quay.io alike; ghcr.io has no
     # anonymous pull limit shared behind the cluster's NAT. Its scratch image holds the binary only.
-    exporter_image: str = "ghcr.io/oliver006/redis_exporter:v1.88.0"
-    password_secret: str = "moerl-redis-auth"
+    exporter_image: str = Field("ghcr.io/oliver006/redis_exporter:v1.88.0", description="The Redis exporter "
+                                "sidecar's image.")
+    password_secret: str = Field("moerl-redis-auth", description="Secret with the Redis passwords (``password`` "
+                                 "of the default user, one per role's ACL user), made outside dist/ "
+                                 "(docs/cluster.md).")
 
 
 class Workloads(_Model):
-    """Everything the charts add to the deployment config.
+    """Everything the charts add to the deployment config."""
 
-    run_config: path of a RunConfig YAML (default: recipes/dev-tiny-grpo.yaml, the tiny recipe of
-        `make run` on the cluster); the charts put the cluster addresses (buffer URL, engine URL,
-        store URL) into it and mount it from one ConfigMap. Other recipes: recipes/*.yaml.
-    images: full image reference per role, overriding the ECR repository of the deployment config
-        (each must carry a tag or a digest).
-    """
-
-    run_config: str | None = str(DEV_RECIPE)
-    images: dict[Role, str] = {}
-    trainer: TrainerSpec = TrainerSpec()
-    rollout: RolloutSpec = RolloutSpec()
-    env: EnvSpec = EnvSpec()
-    reward_model: RewardModelSpec = RewardModelSpec()
-    feed: FeedSpec = FeedSpec()
-    buffer: BufferSpec = BufferSpec()
-    bench_rollout: BenchRolloutSpec | None = None
+    run_config: str | None = Field(str(DEV_RECIPE), description="Path of a RunConfig YAML (default: "
+                                   "recipes/dev-tiny-grpo.yaml, the tiny recipe of `make run` on the cluster); the "
+                                   "charts put the cluster addresses (buffer URL, engine URL, store URL) into it and "
+                                   "mount it from one ConfigMap. Other recipes: recipes/*.yaml.")
+    images: dict[Role, str] = Field({}, description="Full image reference per role, overriding the ECR repository "
+                                    "of the deployment config (each must carry a tag or a digest).")
+    trainer: TrainerSpec = Field(TrainerSpec(), description="The trainer gang.")
+    rollout: RolloutSpec = Field(RolloutSpec(), description="The rollout engines and their workers.")
+    env: EnvSpec = Field(EnvSpec(), description="The env pool.")
+    reward_model: RewardModelSpec = Field(RewardModelSpec(), description="The reward-model pods (only with "
+                                          "task.reward_model).")
+    feed: FeedSpec = Field(FeedSpec(), description="The prompt source.")
+    buffer: BufferSpec = Field(BufferSpec(), description="The Redis experience buffer.")
+    bench_rollout: BenchRolloutSpec | None = Field(None, description="`moerl bench rollout` fleets and Jobs "
+                                                   "(docs/engines.md, the A/B); None: none.")
 
 
 class Plan:
@@ -199,8 +198,9 @@ class Plan:
     node), efa_per_rollout.
     """
 
-    def __init__(self, cfg: DeploymentConfig, wl: Workloads, run: RunConfig):
+    def __init__(self, cfg: DeploymentConfig, wl: Workloads, run: RunConfig, read_store: bool = False):
         self.cfg, self.wl, self.run = cfg, wl, run
+        self.read_store = read_store  # synth may read the served model's config.json from the store
         train, roll = cfg.pools["train-gpu"], cfg.pools["rollout-gpu"]
         self.gpus_per_trainer = _node_gpus(train)
         self.efa_per_trainer = train.efa_interfaces
@@ -283,10 +283,40 @@ FP8_CHECKPOINTS = frozenset({"deepseek-ai/DeepSeek-V3", "deepseek-ai/DeepSeek-V3
                              "deepseek-ai/DeepSeek-R1", "deepseek-ai/DeepSeek-R1-0528", "deepseek-ai/DeepSeek-V3.1"})
 
 
+def served_config(plan: "Plan") -> tuple[str, dict] | None:
+    """(where, config.json) of the checkpoint the engines serve, read at synth where it can be:
+    a local directory of this machine, or an s3:// prefix through the store with this machine's
+    AWS credentials when ``plan.read_store`` (``charts8s.main --read-model-config``); None
+    otherwise: synth calls neither the Hub nor, unasked, the store. What is checked instead: the
+    Hub releases known to be FP8 by name (`FP8_CHECKPOINTS`), and at start the engine pods' copy
+    of an s3:// model (``app.model.source --unquantized``) refuses a quantized config.json
+    before SGLang starts.
+
+    Raises:
+        WorkloadError: the store was asked and refused, or config.json does not parse.
+    """
+    model = plan.wl.rollout.model_path or plan.run.model.path
+    where = f"{model.rstrip('/')}/config.json"
+    try:
+        if model.startswith("s3://"):
+            if not plan.read_store:
+                return None
+            text = open_store(model.rstrip("/")).get_bytes("config.json")
+        elif Path(model).is_dir():
+            text = (Path(model) / "config.json").read_bytes()
+        else:
+            return None
+        return where, json.loads(text)
+    except (OSError, ValueError, BotoCoreError, ClientError) as e:
+        raise WorkloadError(f"{where}: cannot read the served model's config: {type(e).__name__}: {e}") from None
+
+
 def engine_quantization(plan: "Plan") -> tuple[str, str] | None:
     """(field, method) when the rollout engines serve quantized weights: declared
     (rollout.model_quantization), asked of SGLang (--quantization in the profile's extra_args),
-    or a Hub checkpoint known to be FP8; None for unquantized engines."""
+    carried by the served checkpoint's config.json (`served_config`: its quantization_config, as
+    in a bf16 copy made by DeepSeek's fp8_cast_bf16.py, which keeps it), or a Hub checkpoint known
+    to be FP8; None for unquantized engines."""
     wl = plan.wl.rollout
     if wl.model_quantization:
         return "rollout.model_quantization", wl.model_quantization
@@ -294,9 +324,57 @@ def engine_quantization(plan: "Plan") -> tuple[str, str] | None:
     if "--quantization" in extra[:-1]:
         return "run config rollout.engine.extra_args", extra[extra.index("--quantization") + 1]
     model = wl.model_path or plan.run.model.path
+    found = served_config(plan)
+    if found and found[1].get("quantization_config"):
+        where, config = found
+        return f"{where} quantization_config", str(config["quantization_config"].get("quant_method", "quantized"))
     if model in FP8_CHECKPOINTS:
         return "rollout.model_path", "fp8"
     return None
+
+
+# Where the deployment keeps what pods read (infra.config, declared once there): a recipe names a
+# base model or dataset as s3://{checkpoint_bucket}/{models_prefix}/<name>, filled in at render.
+STORE_FIELDS = ("checkpoint_bucket", "models_prefix", "data_prefix")
+
+
+def fill_store_path(cfg: DeploymentConfig, value: str | None, field: str) -> str | None:
+    """``value`` with the deployment config's `STORE_FIELDS` put in for ``{checkpoint_bucket}``,
+    ``{models_prefix}`` and ``{data_prefix}`` (None and values without braces as they are).
+
+    Raises:
+        WorkloadError: another placeholder, or braces that do not parse, naming ``field``.
+    """
+    if value is None or "{" not in value:
+        return value
+    try:
+        return value.format_map({k: getattr(cfg, k) for k in STORE_FIELDS})
+    except (KeyError, ValueError, IndexError) as e:
+        raise WorkloadError(f"{field}: {value!r}: {type(e).__name__} {e}; only "
+                            f"{', '.join('{' + k + '}' for k in STORE_FIELDS)} are filled in (deployment config)") from None
+
+
+def _check_store_reads(plan: Plan) -> None:
+    """Raise WorkloadError unless the run's trainer may write its run's areas (trainer_runs) and
+    every s3:// path the pods read at start lies where the storage layout keeps it, in the
+    checkpoint bucket, where both Pod Identity roles read (infra/cluster.py): the base model under
+    models_prefix/ (read-only, and linked by FSx), a JSONL dataset under data_prefix/ (read-only),
+    or either under run_prefix/ (a run's published version, say)."""
+    cfg, run = plan.cfg, plan.run
+    if cfg.trainer_entry(run.run_id) is None:
+        raise WorkloadError(
+            f"run config run_id {run.run_id!r} is not covered by the deployment config's trainer_runs "
+            f"{cfg.trainer_runs}: the trainer's first publish would be AccessDenied; add it (or a family such as "
+            f"'{run.run_id.split('-')[0]}-*') to trainer_runs and deploy the cluster stack")
+    model_field = "rollout.model_path" if plan.wl.rollout.model_path else "run config model.path"
+    reads = ((model_field, plan.wl.rollout.model_path or run.model.path, cfg.models_prefix, "base models"),
+             ("run config task.jsonl_path", run.task.jsonl_path, cfg.data_prefix, "datasets"))
+    for field, url, prefix, kind in reads:
+        want = f"s3://{cfg.checkpoint_bucket}/{prefix}/"
+        if url and url.startswith("s3://") and not url.startswith((want, f"s3://{cfg.checkpoint_bucket}/{cfg.run_prefix}/")):
+            raise WorkloadError(f"{field}: {url} is not under {want}, where the pods' roles read {kind} (read-only; "
+                                "FSx links models_prefix/), nor under the run prefix: upload it there (deployment config "
+                                "models_prefix, data_prefix)")
 
 
 # OCI distribution-spec reference: lower-case repository path components, then a tag
@@ -378,6 +456,7 @@ def check(plan: Plan) -> Plan:
         if not _DNS1123.fullmatch(name) or len(name) > 253:
             raise WorkloadError(f"{field}: {name!r} is not a valid Secret name (lower-case DNS-1123 subdomain)")
     _check_ports(plan)
+    _check_store_reads(plan)
     if plan.trainer_nodes > train.max_size:
         raise WorkloadError(
             f"trainer.nodes={plan.trainer_nodes} exceeds pools.train-gpu.max_size={train.max_size}"
@@ -476,8 +555,9 @@ def check(plan: Plan) -> Plan:
     return plan
 
 
-def load_workloads(cfg: DeploymentConfig, path: str | Path | None = None) -> Plan:
+def load_workloads(cfg: DeploymentConfig, path: str | Path | None = None, read_store: bool = False) -> Plan:
     """Read the workload YAML (None: built-in defaults) and the run config it names; check both.
+    ``read_store``: read the served model's config.json from the store (`served_config`).
 
     Raises:
         WorkloadError: unreadable file, unknown or invalid field, or a broken rule (see `check`);
@@ -501,11 +581,17 @@ def load_workloads(cfg: DeploymentConfig, path: str | Path | None = None) -> Pla
         run = RunConfig.load(wl.run_config) if wl.run_config else RunConfig()
     except (OSError, ValueError) as e:
         raise WorkloadError(f"{source}: run_config: {e}") from None
+    try:
+        run.model.path = fill_store_path(cfg, run.model.path, "run config model.path")
+        run.task.jsonl_path = fill_store_path(cfg, run.task.jsonl_path, "run config task.jsonl_path")
+        wl.rollout.model_path = fill_store_path(cfg, wl.rollout.model_path, "rollout.model_path")
+    except WorkloadError as e:
+        raise WorkloadError(f"{source}: {e}") from None
     if cfg.fsx.enabled and not (cfg.fsx.file_system_id and cfg.fsx.mount_name):  # the deployment config's, not this file's
         raise WorkloadError(f"deployment config (env {cfg.env}): fsx.file_system_id and fsx.mount_name: fsx.enabled "
                             "needs both, from the storage stack's outputs FsxFileSystemId and FsxMountName (after its "
                             "deploy)")
     try:
-        return check(Plan(cfg, wl, run))
+        return check(Plan(cfg, wl, run, read_store))
     except WorkloadError as e:
         raise WorkloadError(f"{source}: {e}") from None

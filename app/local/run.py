@@ -4,8 +4,8 @@
 2. make the tiny base policy with a short supervised warm-up (`moerl warmup`), cached by recipe;
 3. measure the held-out mean reward of that base policy (where RL starts);
 4. queue the training prompts as tasks (app/feed.py's `TaskFeeder`, the cluster's prompt
-   source), start W engines + W rollout workers and the trainer
-   (torchrun, EP over gloo), show live progress;
+   source), start W engines + W rollout workers and the trainer (torchrun), laid out over this
+   machine's cores and GPUs (app/local/machine.py), show live progress;
 5. when the trainer has made its steps: drain the workers, measure the held-out mean reward of
    the last published policy, write metrics.jsonl, TensorBoard events, plot.png, summary.json.
 
@@ -29,6 +29,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from app.buffer.experience import stale_share
 from app.config import RunConfig
 from app.local.embedded import EmbeddedLoop, RoleFailed
+from app.local.machine import plan_run
 from app.feed import TaskFeeder, make_feeder
 from app.local.procs import moerl_argv
 
@@ -40,7 +41,7 @@ def embedded_default() -> RunConfig:
     """The run config of `make run`: the tiny recipe of app/envs/__init__.py on 2 CPU cores.
 
     EP=2 over gloo (two trainer ranks, each holding half of the experts), two rollout workers,
-    GRPO groups of 8, short answers. The rest is tuned for 2 cores (BENCHMARKS.md, `moerl bench
+    GRPO groups of 8, short answers. The rest is tuned for 2 cores (bench/results/loop.md, `moerl bench
     loop --profile`: where each step's CPU went):
 
     * a new policy version every 2 steps: publishing (per-tensor gathers over gloo, files,
@@ -75,7 +76,7 @@ def embedded_default() -> RunConfig:
 
 # `moerl run --task NAME`: the embedded default, or one of the environments moerl ships
 # (app/envs/environments.py), each set up so the tiny policy learns it on this machine.
-TASKS = ("spell_backward", "spell-retry", "calculator")
+TASKS = ("spell_backward", "spell-retry", "calculator", "gpu")
 
 
 def task_preset(name: str) -> RunConfig:
@@ -86,17 +87,20 @@ def task_preset(name: str) -> RunConfig:
       when it is wrong, one retry (``env.attempts`` 2, ``env.max_turns`` 2);
     * ``calculator``: reasoning-gym ``basic_arithmetic`` products of two 3-digit numbers
       (``378*937=``) with the calculator tool: a call ``[378*937]``, the answer ``=354186``,
-      then the final answer (``env.max_turns`` 2, at most one call).
+      then the final answer (``env.max_turns`` 2, at most one call);
+    * ``gpu``: the GPU-sized preset, `gpu_preset`.
 
     Both environments run at ``trainer.lr`` 2e-4, half the single-turn lr: spell-retry 150
     steps, calculator 300 after a 250-step warm-up whose demonstrations call the tool 40 % of the
-    time (greedy decoding starts near 0.43; BENCHMARKS.md).
+    time (greedy decoding starts near 0.43; bench/results/run-task.md).
 
     Raises:
         ValueError: unknown ``name``.
     """
     if name not in TASKS:
         raise ValueError(f"--task: {name!r} is not one of {', '.join(TASKS)}")
+    if name == "gpu":
+        return gpu_preset()
     cfg = embedded_default()
     if name == "spell-retry":
         cfg.env.name = "spell-retry"
@@ -117,14 +121,44 @@ def task_preset(name: str) -> RunConfig:
         # skill to add that greedy decoding shows. Greedy 0.430 -> 0.665 (seed 0) and 0.495 ->
         # 0.690 (seed 1), sampled +51.5 points in both. With every demonstration calling the tool
         # (125 steps), greedy started at 0.685, its failures the tiny policy's copying, and RL
-        # moved it -5.0, -2.0 (lr 1e-4) and -1.0 (T 0.7) points on seed 0 (BENCHMARKS.md).
+        # moved it -5.0, -2.0 (lr 1e-4) and -1.0 (T 0.7) points on seed 0 (bench/results/run-task.md).
         cfg.task.warmup_steps = 250
     if cfg.env.name:
         cfg.trainer.steps = 300 if name == "calculator" else 150  # minutes of this machine per run
         # Half the single-turn lr: at 4e-4 the calculator's greedy reward fell from 0.98 to
         # 0.47-0.58 in 150 steps (the policy mis-copies the tool's value) and its sampled gain
-        # halved; at 2e-4 greedy held (0.98 -> 0.97) with a +40-point sampled gain (BENCHMARKS.md).
+        # halved; at 2e-4 greedy held (0.98 -> 0.97) with a +40-point sampled gain (bench/results/run-task.md).
         cfg.trainer.lr = 2e-4
+    return cfg
+
+
+def gpu_preset() -> RunConfig:
+    """``moerl run --task gpu``: the ``gpu-qwen3-moe`` policy (424 M parameters, Qwen3-MoE's
+    shape, the character tokenizer; app/model/config.py) on spell_backward words of 5-10 letters,
+    sized so that a trainer step on one H200 is matrix work rather than launch overhead.
+
+    On a GPU machine app/local/machine.py adds bf16 compute (fp32 master weights), one trainer
+    rank per trainer GPU, engines batching 256 sequences and the weight push. The lr are the
+    tiny recipe's scaled by its width over this one's (64 / 1024, as muP scales Adam's lr of hidden
+    matrices): the warm-up's 3e-3 -> 2e-4 and RL's 4e-4 -> 3e-5; the warm-up is short (100 steps)
+    and the words are longer than the tiny recipe's, so the held-out reward starts well below 1.
+    The training state is saved every 50 steps (a DCP save of 424 M fp32 parameters and their
+    AdamW state is ~7 GB).
+    """
+    cfg = embedded_default()
+    cfg.model.preset = "gpu-qwen3-moe"
+    cfg.task.params = {"min_word_len": 5, "max_word_len": 10}
+    cfg.task.train_size = 4000
+    cfg.task.warmup_steps = 100
+    cfg.task.warmup_lr = 2e-4
+    cfg.rollout.max_new_tokens = 12  # a 10-letter word reversed + <eos>
+    cfg.rollout.group_size = 16
+    cfg.trainer.parallel.ep = 1
+    cfg.trainer.groups_per_step = 32
+    cfg.trainer.lr = 3e-5
+    cfg.trainer.steps = 200
+    cfg.trainer.save_every = 50
+    cfg.buffer.capacity_groups = 4 * cfg.trainer.groups_per_step
     return cfg
 
 
@@ -341,12 +375,13 @@ def progress_loop(loop: EmbeddedLoop, feeder: TaskFeeder, steps: int) -> None:
 def run(
     config: Path = typer.Option(None, "--config", exists=True, dir_okay=False, help="Run config YAML."),
     out: Path = typer.Option(None, "--out", help="Run directory (default runs/<task>-<time>)."),
-    workers: int = typer.Option(2, "--workers", min=1, help="Rollout workers (one engine each)."),
+    workers: int = typer.Option(None, "--workers", min=1, help="Rollout workers (one engine each); default: "
+                                "sized from this machine's cores and GPUs (app/local/machine.py)."),
     steps: int = typer.Option(None, "--steps", min=1, help="Trainer steps (overrides the config)."),
     cache: Path = typer.Option(Path("runs/cache"), "--cache", help="Warm-up checkpoint cache."),
     algorithm: str = typer.Option(None, "--algorithm", help="grpo | ppo (overrides trainer.algorithm)."),
-    task: str = typer.Option(None, "--task", help=f"One of {', '.join(TASKS)}: the embedded default or a "
-                             "multi-turn environment (instead of --config)."),
+    task: str = typer.Option(None, "--task", help=f"One of {', '.join(TASKS)}: the embedded default, a "
+                             "multi-turn environment or the GPU-sized preset (instead of --config)."),
 ) -> None:
     """Run the embedded loop end to end and print a summary; exit code 0 on success.
 
@@ -355,6 +390,8 @@ def run(
     """
     cfg = load_run_config(config, task, steps, algorithm)
     check_inputs(cfg)
+    # Which roles run where on this machine's cores and GPUs; a layout that cannot work is one line now.
+    cfg, layout = plan_run(cfg, preset=config is None, workers=workers)
     run_dir = new_run_dir(cfg, out)
     cfg.store_url = f"file://{run_dir / 'store'}"
     cfg.rollout.policy_cache_dir = str(run_dir / "policy-cache")
@@ -362,9 +399,10 @@ def run(
 
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
-    loop = EmbeddedLoop(cfg, run_dir, workers=workers)
+    loop = EmbeddedLoop(cfg, run_dir, layout=layout)
     try:
         console.print(f"run directory: {run_dir}")
+        console.print(f"layout: {layout.describe(loop.cfg)}", soft_wrap=True)
         base, before, feeder = start_from_base(loop, cache.resolve(), "before RL")
         loop.start_trainer()
         loop.start_rollout(base)
