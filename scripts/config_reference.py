@@ -83,6 +83,8 @@ def default_text(field) -> str:
         value = field.default
     if isinstance(value, BaseModel):
         return "(section)"
+    if isinstance(value, str) and value.startswith(f"{ROOT}/"):  # a file of the checkout: the same from any clone
+        value = Path(value).relative_to(ROOT).as_posix()
     text = json.dumps(value, default=str)
     return "`" + text.replace("|", "\\|") + "`"
 
