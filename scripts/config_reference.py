@@ -83,9 +83,10 @@ def default_text(field) -> str:
         value = field.default
     if isinstance(value, BaseModel):
         return "(section)"
-    if isinstance(value, str) and value.startswith(f"{ROOT}/"):  # a file of the checkout: the same from any clone
-        value = Path(value).relative_to(ROOT).as_posix()
     text = json.dumps(value, default=str)
+    # A default built from this checkout's location (a recipe's path) is shown relative to it,
+    # so the file is the same in every checkout.
+    text = text.replace(str(ROOT) + "/", "")
     return "`" + text.replace("|", "\\|") + "`"
 
 
