@@ -47,7 +47,8 @@ Staleness admission: a group leased now is trained after the groups ahead of it 
 leased): at ``take_version`` if they are fewer than ``take_room``, else in a later take, one
 policy version per ``groups_per_version`` groups. `lease` admits no more groups than that
 engine (its version given) can still make within ``max_staleness`` of the version they will be
-trained at: a group certain to be thrown away at the take is not generated.
+trained at, if groups finish in the order they were leased: a group that the take would throw
+away is not generated. The estimate errs towards generating (the most groups a step may take).
 
 The PEL, the streams and the sets are plain Redis data, so with append-only persistence a
 restarted redis-server still holds the leases (reclaimed after `lease_ms` as usual), the
