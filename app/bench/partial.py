@@ -59,13 +59,7 @@ class MemoryBuffer:
     def current_policy(self):
         return (self.version, f"memory://policy/v{self.version}")
 
-    def has_capacity(self) -> bool:
-        return True
-
-    def wait_for_capacity(self, timeout_s: float) -> None:
-        time.sleep(min(timeout_s, 0.05))
-
-    def lease(self, worker_id: str, count: int = 1, block_ms: int = 0) -> list[Task]:
+    def lease(self, worker_id: str, count: int = 1, block_ms: int = 0, engine_version: int | None = None) -> list[Task]:
         out = []
         for _ in range(count):
             t = self.tasks[self.next % len(self.tasks)]

@@ -26,6 +26,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from app.buffer.experience import stale_share
 from app.config import RunConfig
 from app.local.embedded import EmbeddedLoop, RoleFailed
 from app.local.machine import plan_run
@@ -522,6 +523,7 @@ def summarize(loop: EmbeddedLoop, before: dict, after: dict, started: float) -> 
         if elapsed else None,
         "train_s": elapsed,
         "buffer": last.get("buffer", {}),
+        "stale_share": stale_share(last.get("buffer", {})),  # finished groups thrown away as too stale
         "wall_s": time.time() - started,
         "plot": str(plot),
     }

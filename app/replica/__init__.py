@@ -22,7 +22,8 @@
    the substitutions made, the events.
 
 Substituted, and nothing else: the image (this venv and repository), the engine (the built-in
-`moerl engine` for SGLang), GPU counts (torchrun processes per node), the S3 endpoint (moto).
+`moerl engine` for SGLang), GPU counts (torchrun processes per node), torchrun's rendezvous port
+(one free on the host), the S3 endpoint (moto).
 The model is the warm-up checkpoint as a local directory, standing for one baked into the image.
 """
 
@@ -41,6 +42,7 @@ import typer
 import yaml
 
 from app.buffer import ExperienceBuffer
+from app.buffer.experience import stale_share
 from app.config import RunConfig
 from app.ledger import audit, pending_prompts, read_issued, read_lineage
 from app.local.procs import sigterm_as_interrupt
@@ -95,6 +97,9 @@ def small_run_config(steps: int, base: Path, router: bool = False):
     cfg.rollout.drain_grace_s = 5.0
     cfg.rollout.request_timeout_s = 30.0
     cfg.rollout.weight_update_timeout_s = 60.0
+    # A trainer that gets no groups says so (its TimeoutError names what it waited for) long
+    # before the replica's --timeout-s stops the run (the test's is 600 s).
+    cfg.trainer.batch_timeout_s = 120.0
     cfg.feed.eval_every = steps  # v0 and the final version
     cfg.feed.eval_samples = 8  # 1600 completions per measurement: ~1 point of standard error
     cfg.feed.poll_s = 0.5
@@ -268,6 +273,7 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
         password = next(v[ADMIN_KEY] for v in secret_values.values() if ADMIN_KEY in v)  # the default user's
         with ExperienceBuffer(f"redis://:{password}@{buffer_pod.ip}:6379/0", run.run_id, prefix=run.buffer.run_prefix) as buf:
             pending = pending_prompts(buf)
+            counters = buf.stats()
     finally:
         cluster.stop()
     trainers = [p for p in cluster.history if cluster.owner[p.name].kind == "Job"]
@@ -287,6 +293,8 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
         "heldout_greedy_before": heldout[0]["greedy"] if heldout else None,
         "heldout_greedy_after": final_eval["greedy"] if final_eval else None,
         "ledger": a.to_dict(), "ok": a.ok(),
+        # the buffer's counters once the workers drained; stale_share: finished groups thrown away as too stale
+        "buffer": counters, "stale_share": stale_share(counters),
         "job_restarts": cluster.job_state.get(job, {}).get("retries", 0),
         "pods": [{"name": p.name, "ip": p.ip, "phase": p.phase, "dir": str(p.root),
                   "restarts": {c.name: c.restarts for c in p.containers}} for p in cluster.history],
@@ -326,6 +334,8 @@ def format_summary(s: dict) -> str:
              f"ledger: issued {a['issued']}, completed {a['completed']}, pending {a['pending']}, lost {a['lost']}, "
              f"trained twice {a['duplicated']}, over-stale {a['overstale']}; {a['samples_trained']} samples over "
              f"{a['steps']} steps ({a['rolled_back_steps']} rolled back by {a['resumes']} resumes)",
+             f"buffer: {s['buffer']['finished']} groups finished, {100 * (s['stale_share'] or 0):.1f} % of them "
+             "thrown away as too stale",
              "substituted: " + "; ".join(s["substitutions"]),
              "OK: nothing lost, trained twice or over-stale" if s["ok"] else "FAIL"]
     return "\n".join(lines)

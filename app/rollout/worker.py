@@ -5,7 +5,8 @@ engine (our built-in engine or SGLang, through `app.rollout.engine_client.Engine
 experience buffer (`app.buffer.ExperienceBuffer`). One asyncio loop:
 
 1. back-pressure: lease nothing while finished groups the trainer has not taken plus leased tasks
-   reach ``buffer.capacity_groups``;
+   reach ``buffer.capacity_groups``, nor groups the engine's version cannot make fresh enough
+   to be trained (`ExperienceBuffer.lease`, one script);
 2. lease prompt groups up to ``rollout.inflight_tasks()`` (the engine profile's in-flight
    sequences in whole groups); each becomes one batched /generate of G = ``task.group_size``
    completions (``n = G``) on one shared HTTP connection pool, so the engine batches across
@@ -637,10 +638,11 @@ class RolloutWorker:
                         await asyncio.sleep(0.05)
                     continue
                 try:
-                    if not await self._buf("has_capacity"):
-                        await self._buf("wait_for_capacity", 0.5)
-                        continue
-                    tasks = await self._buf("lease", self.worker_id, count=free, block_ms=200 if inflight else 500)
+                    # One script checks back-pressure and leases (nothing while the gate is shut:
+                    # it polls within block_ms); the engine's version lets it admit only groups
+                    # that can still be trained within buffer.max_staleness.
+                    tasks = await self._buf("lease", self.worker_id, count=free, block_ms=200 if inflight else 500,
+                                            engine_version=self.engine_version)
                 except Exception as e:  # noqa: BLE001 - Redis restart or hiccup: back off
                     self.stats.buffer_errors += 1
                     log.warning("%s: buffer error while leasing: %s", self.worker_id, e)
