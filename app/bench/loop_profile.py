@@ -132,6 +132,7 @@ def parse_raw(path: Path, kind: str) -> dict[int, tuple[str, collections.Counter
 
 def thread_cpu_s(pid: int) -> tuple[float, dict[int, float]]:
     """(process CPU seconds, {thread id: CPU seconds}) now; (0, {}) if the process is gone."""
+    # psutil: the bench extra (pyproject.toml)
     import psutil
 
     try:

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Callable
 
 from app.local.procs import descendants
+from app.replica.aws import TOKEN_PATH
 from app.replica.network import Rewriter
 
 BACKOFF_S, BACKOFF_MAX_S = 10.0, 300.0
@@ -120,7 +121,7 @@ class Substitutions:
         if argv[:3] == ["python3", "-m", "sglang.launch_server"] or argv[:2] == ["sglang", "serve"]:
             keep = {"--model-path": None, "--host": "127.0.0.1", "--port": "30000"}
             # The SGLang flags the built-in engine shares (app/engine/server.py `serve`); --config
-            # holds the engine's keys (charts8s/rollout.py `keyed_engine`).
+            # holds the engine's keys (charts8s/keys.py `keyed_engine`).
             shared = {"--weight-version", "--max-running-requests", "--enable-return-routed-experts", "--config",
                       "--api-key", "--admin-api-key"}
             carried: list[str] = []
@@ -331,7 +332,6 @@ class Pod:
             d = self.root / "volumes" / "eks-pod-identity-token"
             d.mkdir(parents=True, exist_ok=True)
             (d / "eks-pod-identity-token").write_text(token)
-            from app.replica.aws import TOKEN_PATH
 
             mounts[str(Path(TOKEN_PATH).parent)] = str(d)
         self.pod_identity = token is not None
@@ -363,8 +363,6 @@ class Pod:
                # The replica's S3 is moto; the node's instance metadata is out of a pod's reach on EKS.
                "AWS_ENDPOINT_URL_S3": s.s3_endpoint, "AWS_EC2_METADATA_DISABLED": "true"}
         if self.pod_identity:
-            from app.replica.aws import TOKEN_PATH
-
             env["AWS_CONTAINER_CREDENTIALS_FULL_URI"] = self.cluster.agent.url
             env["AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"] = self.rewrite(TOKEN_PATH)  # the mounted token
         env.update(self.cluster.service_links())

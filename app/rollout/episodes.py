@@ -37,11 +37,13 @@ import asyncio
 import math
 from typing import Awaitable, Callable
 
+import httpx
+
 from app.buffer.records import Sample, Task
 from app.config import RunConfig
 from app.envs.chat import ChatTemplateError
 from app.envs.env_client import EnvError, EnvSession, StepResult
-from app.envs.wire import WireError, WireFormat
+from app.envs.wire import WireError, WireFormat, fetch_wire_format, http_base
 from app.rollout.engine_client import EngineError, GenOutput
 
 
@@ -163,10 +165,6 @@ class EpisodeRunner:
 
     async def healthy(self, timeout_s: float = 5.0) -> bool:
         """True when the environment server answers ``GET /health`` with 200."""
-        import httpx
-
-        from app.envs.wire import http_base
-
         try:
             async with httpx.AsyncClient(timeout=timeout_s) as http:
                 return (await http.get(http_base(self.url) + "/health")).status_code == 200
@@ -180,7 +178,5 @@ class EpisodeRunner:
         Raises:
             WireError: the schema has no usable text field (named); ConnectionError: no schema.
         """
-        from app.envs.wire import fetch_wire_format
-
         self.wire = await asyncio.to_thread(fetch_wire_format, self.url, timeout_s)
         return self.wire

@@ -70,16 +70,27 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import typer
 
-from app.buffer.records import Sample, Task
+from app.buffer import ExperienceBuffer
+from app.buffer.records import Sample, Task, routed_experts_of_moe_layers
 from app.config import RunConfig
+from app.engine.auth import read_config_keys
+from app.envs.chat import renderer_for
+from app.envs.contract import check_reset_async
+from app.logs import setup_logging
+from app.metrics import RunMetrics, serve
+from app.model.source import config_source
 from app.names import ENGINE_KEYS_FILE_ENV, ROUTER_API_KEY_ENV, ROUTER_CONTROL_KEY_ENV
 from app.rollout.engine_client import ADMIN_API_KEY_ENV, API_KEY_ENV, EngineClient, EngineError, GenOutput
-from app.rollout.episodes import GroupFailed
-from app.rollout.router import REGISTER_EVERY_S
+from app.rollout.episodes import EpisodeRunner, GroupFailed
+from app.rollout.group import EngineGroup
+from app.rollout.router import REGISTER_EVERY_S, RouterRegistration
 from app.rollout.scoring import RewardPool, ScoreFn, score_fn_for
+from app.rollout.weight_sync import PushMember
 from app.rollout.weights import EngineWeights
+from app.storage import open_store
 
 log = logging.getLogger("moerl.rollout")
 
@@ -186,9 +197,8 @@ class RolloutWorker:
 
     # -- multi-turn episodes and reward warm-up (issue 16) ---------------------------------
     def _episode_runner(self):
-        from app.envs.chat import renderer_for
+        # transformers: only for a tokenizer; the worker module loads without it
         from app.model.tokenizer import build_tokenizer, load_tokenizer
-        from app.rollout.episodes import EpisodeRunner
 
         path = self.cfg.model.path
         tokenizer = load_tokenizer(path) if path and (Path(path) / "tokenizer.json").is_file() else build_tokenizer()
@@ -216,8 +226,6 @@ class RolloutWorker:
                 await self._sleep_or_stop(0.5)
             wire = await self.episodes.read_wire()  # a schema without text fields ends the worker here
             if not self.cfg.env.served_by_moerl():  # a user's server: reset must take spec (app/envs/contract.py)
-                from app.envs.contract import check_reset_async
-
                 await check_reset_async(self.episodes.url, wire)
             return
         warm = getattr(self.score_fn, "warm", None)
@@ -323,8 +331,6 @@ class RolloutWorker:
             raise EngineError(f"task {task.task_id}: the prompt's routing came from v{head.weight_version}, the "
                               f"group from v{outs[0].weight_version}; the task is leased again")
         if prompt_routing is not None:
-            import numpy as np
-
             for o in outs:  # the prompt's rows, then the sample's own: every token fed, P + C - 1 rows
                 o.routed_experts = np.concatenate([prompt_routing, o.routed_experts])
         return outs
@@ -391,6 +397,7 @@ class RolloutWorker:
         engine decodes one completion (``skip_special_tokens``); the pieces' texts joined when
         there is no tokenizer here (a character split across an abort may then differ)."""
         if self._tokenizer is None:
+            # transformers: only for a tokenizer; the worker module loads without it
             from app.model.tokenizer import build_tokenizer, load_tokenizer
 
             path = self.cfg.model.path
@@ -412,8 +419,6 @@ class RolloutWorker:
         Raises:
             EngineMisconfigured: the id count does not fit the model's layers and top_k.
         """
-        from app.buffer.records import routed_experts_of_moe_layers
-
         layers, top_k, moe_layers = self._routing_shape or self._model_routing_shape()
         tokens = len(task.prompt_ids) + len(out.token_ids) - 1
         ids = out.routed_experts[: max(tokens, 0) * layers * top_k]  # a 0-token completion: P - 1 rows
@@ -426,18 +431,15 @@ class RolloutWorker:
     def _model_routing_shape(self) -> tuple[int, int, list[int]]:
         """(num_hidden_layers, num_experts_per_tok, MoE layer indices) of the run's model (its
         config.json, or the preset)."""
+        # transformers: only for the model's routing shape (routing replay)
+        from transformers import AutoConfig
+
+        from app.model.config import moe_layer_ids, tiny_config
+
         if self.cfg.model.path:
-            from transformers import AutoConfig
-
-            from app.model.source import config_source
-
             config = AutoConfig.from_pretrained(config_source(self.cfg.model.path, self.cfg.model.cache_dir))
         else:
-            from app.model.config import tiny_config
-
             config = tiny_config(self.cfg.model.preset)
-        from app.model.config import moe_layer_ids
-
         self._routing_shape = (int(config.num_hidden_layers), int(config.num_experts_per_tok), moe_layer_ids(config))
         return self._routing_shape
 
@@ -580,8 +582,6 @@ class RolloutWorker:
         next_extend = time.monotonic() + self.cfg.buffer.lease_ms / 3000
         pushes = None
         if self.cfg.weight_sync.mode == "network":
-            from app.rollout.weight_sync import PushMember
-
             pushes = asyncio.create_task(PushMember(self.weights, buffer=self.buffer).run())
         next_register = 0.0
         try:
@@ -693,8 +693,6 @@ def router_clients(cfg: RunConfig, router_url: str, engine_url: str) -> tuple[En
     Raises:
         ValueError: no control-plane key.
     """
-    from app.rollout.router import RouterRegistration
-
     control_key = os.environ.get(ROUTER_CONTROL_KEY_ENV)
     if not control_key:
         raise ValueError(f"rollout.router is on but ${ROUTER_CONTROL_KEY_ENV} is empty: the worker registers its "
@@ -732,10 +730,6 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
         ConnectionError (or the buffer's own error): Redis unreachable; names the URL.
         TimeoutError: the engine is not healthy within ``rollout.request_timeout_s``.
     """
-    from app.buffer import ExperienceBuffer
-    from app.engine.auth import read_config_keys
-    from app.storage import open_store
-
     score_fn = score_fn_for(cfg)
     # Open the store now: a bad store_url must fail at start, not at the first policy version.
     store = open_store(cfg.store_url)
@@ -758,14 +752,10 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
     )
     metrics = server = reporter = None
     if metrics_port:
-        from app.metrics import RunMetrics, serve
-
         metrics = RunMetrics(cfg.run_id)
         server = serve(metrics, metrics_port, metrics_addr)  # OSError (port taken) before any task is leased
     group = None
     if engine_group:
-        from app.rollout.group import EngineGroup
-
         group = EngineGroup.of(buffer, engine_group, group_size or 1)
     worker = RolloutWorker(cfg, buffer, client, worker_id, score_fn=score_fn, store=store, max_groups=max_groups,
                            pause_marker=pause_marker, metrics=metrics, group=group, gen_client=gen_client,
@@ -834,8 +824,6 @@ def rollout(
                                 "passes the `moerl env` it started)."),
 ) -> None:
     """Lease prompt groups, generate through the engine, score, publish; drain on SIGTERM."""
-    from app.logs import setup_logging
-
     setup_logging()
     try:
         cfg = RunConfig.load(config)
