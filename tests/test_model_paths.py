@@ -31,7 +31,7 @@ from app.engine.server import create_app
 from charts8s.main import build
 from charts8s.rollout import BASE_MODEL_DIR
 from charts8s.workloads import load_workloads
-from helpers import Recorder, tiny_moe_checkpoint
+from helpers import Recorder, keys_files, tiny_moe_checkpoint
 from infra.config import load_config
 from sglang_oracle import _function_node, function_strings, parse_launch_server, sglang_dir, wheel_function, wheel_module
 
@@ -97,7 +97,7 @@ def test_the_hook_maps_an_s3_path_to_runai_streamer():
     assert sglang_load_format(ns) == "runai_streamer"
 
 
-def test_every_engine_loads_a_local_copy_its_pod_fetched_first(dsv3):
+def test_every_engine_loads_a_local_copy_its_pod_fetched_first(dsv3, tmp_path):
     plan, docs = dsv3
     base = plan.wl.rollout.model_path
     assert base.startswith("s3://")
@@ -105,10 +105,12 @@ def test_every_engine_loads_a_local_copy_its_pod_fetched_first(dsv3):
     assert len(pods) >= 2  # the LeaderWorkerSet's leader and worker templates
     for pod in pods:
         (engine,) = [c for c in pod["containers"] if c["name"] == "engine"]
-        ns = parse_launch_server(engine["command"], LWS_ENV)
+        # the leader's admin key comes from its "keys" init container's file (charts8s/keys.py)
+        files = keys_files(pod, {"POD_NAME": "moerl-rollout-0"}, {"admin-api-key": "k-admin"}, tmp_path)
+        ns = parse_launch_server(engine["command"], LWS_ENV, files)
         assert sglang_load_format(ns) == "auto", ns.model_path
         assert ns.model_path == str(store_copy_dir(base, BASE_MODEL_DIR))
-        (init,) = pod["initContainers"]
+        (init,) = [c for c in pod["initContainers"] if c["name"] == "model"]
         assert init["command"] == ["python3", "-m", "app.model.source", base, "--cache-dir", BASE_MODEL_DIR, "--unquantized"]
         mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
         assert mounts["models"] == {m["name"]: m["mountPath"] for m in engine["volumeMounts"]}["models"]
