@@ -152,11 +152,9 @@ class CountingServer:
     ``env_cls`` another environment of the same action and observation) on a free loopback port
     in this process, counting the environments its sessions made."""
 
-    def __init__(self, env_cls=GuessNumberEnv):
+    def __init__(self, env_cls=GuessNumberEnv, openenv_defaults: bool = False):
         import uvicorn
         from openenv.core.env_server import create_fastapi_app
-
-        from app.buffer.redis_server import free_port
 
         self.made = 0
 
@@ -164,8 +162,11 @@ class CountingServer:
             self.made += 1
             return env_cls()
 
-        app = create_fastapi_app(factory, GuessAction, GuessObservation, max_concurrent_envs=512,
-                                 env_name="guess-number", mode="production")
+        if openenv_defaults:  # OpenEnv's quick start: create_fastapi_app(Env, Action, Observation)
+            app = create_fastapi_app(factory, GuessAction, GuessObservation)
+        else:
+            app = create_fastapi_app(factory, GuessAction, GuessObservation, max_concurrent_envs=512,
+                                     env_name="guess-number", mode="production")
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -263,6 +264,62 @@ def test_moerl_run_refuses_an_external_server_whose_reset_drops_spec(tmp_path):
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "drops 'spec'" in lines[0], proc.stderr
+    assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+class OneSessionEnv(GuessNumberEnv):
+    """An environment as OpenEnv's template writes it: ``SUPPORTS_CONCURRENT_SESSIONS`` left at
+    OpenEnv's default, False (its server then holds one session)."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = False
+
+
+def test_the_probe_finds_a_server_that_holds_one_session_and_says_what_to_set():
+    """OpenEnv's own quick-start server (create_fastapi_app with its defaults) answers a second
+    session CAPACITY_REACHED and closes it; `moerl run` failed later with a 120-line traceback
+    ("session closed during reset (code 1000): no reason"). The probe opens two sessions and
+    says in one line what to set."""
+    from app.envs.contract import check_reset
+    from app.envs.wire import fetch_wire_format
+
+    server = CountingServer(OneSessionEnv, openenv_defaults=True)
+    try:
+        with pytest.raises(WireError) as e:
+            check_reset(server.url, fetch_wire_format(server.url), spec=heldout_spec(), max_sessions=64)
+        with pytest.raises(WireError, match="SUPPORTS_CONCURRENT_SESSIONS"):  # the workers' start (no spec)
+            check_reset(server.url, fetch_wire_format(server.url))
+    finally:
+        server.stop()
+    msg = str(e.value)
+    assert "\n" not in msg
+    for part in ("refused a second concurrent session", "CAPACITY_REACHED", "SUPPORTS_CONCURRENT_SESSIONS = True",
+                 "max_concurrent_envs=N) with N >= 64", "env.max_sessions=64"):
+        assert part in msg, msg
+
+
+def test_moerl_env_refuses_a_class_that_does_not_support_concurrent_sessions():
+    from app.envs.openenv_server import user_environment
+
+    with pytest.raises(ValueError, match=r"OneSessionEnv\.SUPPORTS_CONCURRENT_SESSIONS is False"):
+        user_environment(f"{__name__}:OneSessionEnv")
+
+
+def test_moerl_run_against_openenvs_one_session_server_is_one_line_and_exit_2(tmp_path):
+    server = CountingServer(OneSessionEnv, openenv_defaults=True)
+    cfg = yaml.safe_load((ROOT / "examples/guess_number/run.yaml").read_text())
+    cfg["env"] = {**cfg["env"], "name": "guess-number", "url": server.url}
+    cfg["env"].pop("demos_path")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "run"
+    try:
+        proc = subprocess.run([sys.executable, "-m", "app.cli", "run", "--config", str(tmp_path / "run.yaml"),
+                               "--out", str(out), "--cache", str(tmp_path / "cache")],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+    finally:
+        server.stop()
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "SUPPORTS_CONCURRENT_SESSIONS = True" in lines[0], proc.stderr
     assert not out.exists() and not (tmp_path / "cache").exists()
 
 

@@ -210,7 +210,7 @@ class RolloutWorker:
             if not self.cfg.env.served_by_moerl():  # a user's server: reset must take spec (app/envs/contract.py)
                 from app.envs.contract import check_reset_async
 
-                await check_reset_async(self.episodes.url, wire)
+                await check_reset_async(self.episodes.url, wire, max_sessions=self.cfg.env.max_sessions)
             return
         warm = getattr(self.score_fn, "warm", None)
         if callable(warm):
