@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from app.config import EngineProfile, RunConfig
 from app.layout import resolve_layout
 from app.rollout.engine_args import EngineLayout
-from infra.config import DeploymentConfig, NodePool, error_line, strict_scalar, yaml_error_line
+from infra.config import DeploymentConfig, NodePool, error_line, load_yaml, strict_scalar, yaml_error_line
 
 Role = Literal["trainer", "rollout", "env"]
 # The run config synthesized when a workloads file names none (README, "Recipes").
@@ -488,7 +488,7 @@ def load_workloads(cfg: DeploymentConfig, path: str | Path | None = None) -> Pla
     if path is not None:
         source = str(path)
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
+            data = load_yaml(Path(path).read_text()) or {}
         except OSError as e:
             raise WorkloadError(f"{path}: cannot read workloads: {e}") from None
         except yaml.YAMLError as e:

@@ -185,10 +185,11 @@ def assert_params_match(got: dict, ref: dict, atol: float, rtol: float) -> None:
 
 
 class EnvServer:
-    """`moerl env`'s app (app/envs/openenv_server.py ``build_app(cfg)``) served by uvicorn on a
-    free loopback port in a daemon thread; ``url`` is its base URL."""
+    """`moerl env`'s app (app/envs/openenv_server.py ``build_app(cfg)``), or another ASGI ``app``
+    (an OpenEnv server of a test's own), served by uvicorn on a free loopback port in a daemon
+    thread; ``url`` is its base URL."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg=None, app=None):
         import time
 
         import uvicorn
@@ -196,7 +197,7 @@ class EnvServer:
         from app.envs.openenv_server import build_app
 
         self.port = free_port()
-        self.app = build_app(cfg)
+        self.app = app if app is not None else build_app(cfg)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

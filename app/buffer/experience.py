@@ -29,6 +29,7 @@ Layout (every key under ``{prefix}:{run_id}:``):
               when it was published) of the newest samples entry the trainer has read, so that
               back-pressure counts finished groups not yet taken (``finished - taken_seq``).
     policy    hash {version, uri} of the newest announced policy.
+    health    hash: failed groups per reason and which worker waits on what (app/buffer/health.py).
 
 The PEL, the streams and the sets are plain Redis data, so with append-only persistence a
 restarted redis-server still holds the leases (reclaimed after `lease_ms` as usual) and every
@@ -53,6 +54,7 @@ import os
 import threading
 import time
 import uuid
+from collections import Counter
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
@@ -61,6 +63,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from app.buffer.encoding import GroupHeader, decode_group, encode_group
+from app.buffer.health import FAIL_PREFIX, WAIT_PREFIX, RolloutHealth
 from app.buffer.keys import blob_key_prefix, buffer_keys
 from app.buffer.records import FINISH_REASONS, Group, Sample, Task, check_version_segments, sample_id
 from app.names import PASSWORD_ENV, USER_ENV
@@ -822,6 +825,25 @@ class ExperienceBuffer:
                "untaken": _untaken(counters.get("finished"), counters.get("taken_seq"))}
         out.update({n: int(counters.get(n, 0)) for n in STAT_NAMES})
         return out
+
+    # ---- rollout health (app/buffer/health.py) ----------------------------------------------
+
+    def note_failures(self, reasons: list[str]) -> None:
+        """Count failed groups by reason (`app.buffer.health.failure_reason`)."""
+        pipe = self.r.pipeline(transaction=False)
+        for reason, n in Counter(reasons).items():
+            pipe.hincrby(self.keys["health"], FAIL_PREFIX + reason, n)
+        pipe.execute()
+
+    def note_waiting(self, worker_id: str, on: str | None, what: str = "", why: str = "") -> None:
+        """Say that ``worker_id`` leases nothing because ``on`` ("environment", "engine") at
+        ``what`` does not answer (``why``: its error); ``on=None``: it answers again."""
+        value = json.dumps({"on": on, "what": what, "why": why, "since": time.time()}) if on else ""
+        self.r.hset(self.keys["health"], WAIT_PREFIX + worker_id, value)
+
+    def health(self) -> RolloutHealth:
+        """The workers' failure reasons and waits (`app.buffer.health.RolloutHealth`)."""
+        return RolloutHealth.from_hash(self.r.hgetall(self.keys["health"]))
 
 
 def _seq(fields: dict) -> int:

@@ -25,6 +25,9 @@ app/envs/env_client.py):
 Every failure is one `WireError` (a ValueError: `moerl run` prints it in one line, exit 2)
 naming the URL and the field. `moerl env` checks its own classes in process instead
 (app/envs/openenv_server.py), so only servers given by ``env.url`` are probed.
+
+The reward an episode ends with follows the rule of every reward (`episode_reward`): a finite
+number within ``rollout.reward_range``, else the episode fails and is never trained.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import asyncio
 import uuid
 from typing import Any
 
-from app.envs.env_client import CAPACITY_REACHED, EnvError, EnvSession
+from app.envs.env_client import CAPACITY_REACHED, EnvError, EnvSession, StepResult
 from app.envs.wire import WireError, WireFormat, http_base
 
 # Not JSON and not a number: no environment that reads its spec can take it as a problem.
@@ -120,3 +123,26 @@ def check_reset(url: str, wire: WireFormat, spec: Any = None, timeout_s: float =
         ConnectionError: no session could be opened or a call got no answer.
     """
     asyncio.run(check_reset_async(url, wire, spec, timeout_s, max_sessions))
+
+
+def episode_reward(result: StepResult, rollout) -> float:
+    """The reward of the observation that ended an episode: a finite number within
+    ``rollout.reward_range`` (a `RolloutConfig`), the rule of single-turn rewards too.
+
+    Raises:
+        EnvError: no reward (OpenEnv sends a NaN reward as null), or one outside the range.
+    """
+    if result.reward is None:
+        raise EnvError("the episode ended with reward null: no reward, or NaN (OpenEnv sends NaN as null)")
+    if not rollout.reward_in_range(result.reward):
+        raise RewardOutOfRange(f"reward {result.reward:g} outside {rollout.reward_range_text()} (declare a wider "
+                               "range there to train on it)", reason=f"reward outside {rollout.reward_range_text()}")
+    return float(result.reward)
+
+
+class RewardOutOfRange(EnvError):
+    """An environment's reward outside ``rollout.reward_range``; ``reason`` names no value."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason

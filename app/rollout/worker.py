@@ -62,6 +62,7 @@ import logging
 import os
 import signal
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -69,6 +70,7 @@ from typing import Any
 
 import typer
 
+from app.buffer.health import MAX_REASONS_PER_WORKER, OTHER, failure_reason
 from app.buffer.records import Sample, Task
 from app.config import RunConfig
 from app.rollout.engine_client import ADMIN_API_KEY_ENV, API_KEY_ENV, EngineClient, EngineError, GenOutput
@@ -159,6 +161,9 @@ class RolloutWorker:
         self._stop = asyncio.Event()
         self._finished: list[tuple[Task, list[Sample]]] = []
         self._to_fail: list[Task] = []  # tasks whose group failed (reward / environment), to requeue
+        self._fail_reasons: list[str] = []  # ... and why, for the run's health hash (app/buffer/health.py)
+        self._reasons_seen: set[str] = set()
+        self._waiting_on: tuple[str, str, str] | None = None  # (on, what, why) said to the health hash
         self._env_suspect = False
         # The engine's weights: the lock, admission, pause marker, version, loads (app/rollout/weights.py).
         self.weights = EngineWeights(cfg, client, worker_id, stats=self.stats, stop=self._stop,
@@ -202,10 +207,15 @@ class RolloutWorker:
         limit = self.r.reward_warmup_timeout_s
         if self.episodes is not None:
             deadline = time.monotonic() + limit
-            while not await self.episodes.healthy():
+            while (problem := await self.episodes.health_problem()) is not None:
+                await self._say_waiting("environment", self.episodes.url, problem)
+                if self._stop.is_set():  # SIGTERM while waiting: nothing leased, nothing to drain
+                    return
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"environment server {self.episodes.url} not healthy after {limit:.0f} s")
+                    raise TimeoutError(f"environment server {self.episodes.url} not healthy after {limit:.0f} s: "
+                                       f"{problem}")
                 await self._sleep_or_stop(0.5)
+            await self._say_waiting(None)
             wire = await self.episodes.read_wire()  # a schema without text fields ends the worker here
             if not self.cfg.env.served_by_moerl():  # a user's server: reset must take spec (app/envs/contract.py)
                 from app.envs.contract import check_reset_async
@@ -219,10 +229,16 @@ class RolloutWorker:
             log.info("%s: reward function warmed in %.1f s", self.worker_id, time.monotonic() - t0)
 
     async def _fail_tasks(self) -> None:
-        """Requeue (or drop) the tasks whose group failed; nothing of them was published."""
+        """Requeue (or drop) the tasks whose group failed; nothing of them was published. Their
+        reasons are counted in the run's health hash."""
         tasks, self._to_fail = self._to_fail, []
         if not tasks:
             return
+        reasons, self._fail_reasons = self._fail_reasons, []
+        try:
+            await self._buf("note_failures", reasons)
+        except Exception as e:  # noqa: BLE001 - the figures are for people; the tasks matter
+            log.warning("%s: could not count failure reasons (%s)", self.worker_id, e)
         try:
             dropped = await self._buf("fail", tasks)
         except Exception as e:  # noqa: BLE001 - their leases expire and they return anyway
@@ -234,6 +250,24 @@ class RolloutWorker:
         for t in dropped:
             log.error("%s: task %s/%s dropped after %d failed rollouts", self.worker_id, t.task_id, t.attempt,
                       t.failures + 1)
+
+    def _reason_key(self, reason: str) -> str:
+        """``reason``, or "other" once this worker has counted `MAX_REASONS_PER_WORKER` others."""
+        if reason not in self._reasons_seen and len(self._reasons_seen) >= MAX_REASONS_PER_WORKER:
+            return OTHER
+        self._reasons_seen.add(reason)
+        return reason
+
+    async def _say_waiting(self, on: str | None, what: str = "", why: str = "") -> None:
+        """Tell the run's health hash what this worker waits on (None: nothing), once per change."""
+        cause = (on, what, why) if on else None
+        if cause == self._waiting_on:
+            return
+        try:
+            await self._buf("note_waiting", self.worker_id, on, what, why)
+            self._waiting_on = cause
+        except Exception as e:  # noqa: BLE001 - the figures are for people; retried at the next change
+            log.warning("%s: could not say what it waits on (%s)", self.worker_id, e)
 
     # -- helpers ---------------------------------------------------------------------------
     async def _buf(self, method: str, *args, **kwargs):
@@ -468,8 +502,12 @@ class RolloutWorker:
         rewards = await asyncio.gather(
             *(self.rewards.score(self.score_fn, task, o.text, self.r.reward_timeout_s) for o in outs)
         )
-        samples = []
+        samples, failed = [], []
         for j, (o, (reward, problem), ids) in enumerate(zip(outs, rewards, routed)):
+            if problem is None and not self.r.reward_in_range(reward):
+                problem = "range"  # the rule of environment rewards too (app/rollout/episodes.py)
+            if problem is not None and not (o.finish_reason == "length" and self.r.overlong_reward is not None):
+                failed.append(problem)
             if problem == "timeout":
                 self.stats.reward_timeouts += 1
             elif problem == "error":
@@ -488,10 +526,12 @@ class RolloutWorker:
                 finish_reason=o.finish_reason if o.finish_reason in ("stop", "length") else "error",
                 routed_experts=ids, version_segments=o.version_segments,
             ))
-        failed = [problem for (o, (_, problem)) in zip(outs, rewards) if problem is not None
-                  and not (o.finish_reason == "length" and self.r.overlong_reward is not None)]
         if failed:
-            raise GroupFailed(f"task {task.task_id}: {len(failed)} reward call(s) failed ({', '.join(sorted(set(failed)))})")
+            worst = Counter(failed).most_common(1)[0][0]
+            reason = (f"reward outside {self.r.reward_range_text()}" if worst == "range"
+                      else f"reward function: {'timed out' if worst == 'timeout' else 'raised or gave a non-number'}")
+            raise GroupFailed(f"task {task.task_id}: {len(failed)} reward call(s) failed "
+                              f"({', '.join(sorted(set(failed)))})", failure_reason(reason, ""))
         return samples
 
     # -- publishing ------------------------------------------------------------------------
@@ -551,6 +591,7 @@ class RolloutWorker:
                 self.stats.groups_failed += 1
                 log.warning("%s: group of %s failed: %s", self.worker_id, task.task_id, err)
                 self._to_fail.append(task)
+                self._fail_reasons.append(self._reason_key(err.reason))
                 if self.episodes is not None:
                     self._env_suspect = True
             elif isinstance(err, EngineMisconfigured):
@@ -587,17 +628,23 @@ class RolloutWorker:
                             break
                     if sick is not None:
                         log.warning("%s: engine %s unhealthy; not leasing", self.worker_id, sick.url)
+                        await self._say_waiting("engine", sick.url, "/health_generate failed")
                         await self._sleep_or_stop(self.r.retry_backoff_s * 4)
                         continue
+                    await self._say_waiting(None)
                     self.weights.suspect = False
                     next_poll = 0.0  # a restarted engine must load the current version first
                     # It generates again, so no load holds it: its version now says what to do.
                     self.weights.unanswered = None
                 if self._env_suspect:
-                    if not await self.episodes.healthy():
-                        log.warning("%s: environment %s unhealthy; not leasing", self.worker_id, self.episodes.url)
+                    problem = await self.episodes.health_problem()
+                    if problem is not None:
+                        log.warning("%s: environment %s unhealthy (%s); not leasing", self.worker_id,
+                                    self.episodes.url, problem)
+                        await self._say_waiting("environment", self.episodes.url, problem)
                         await self._sleep_or_stop(self.r.retry_backoff_s * 4)
                         continue
+                    await self._say_waiting(None)
                     self._env_suspect = False
                 if time.monotonic() >= next_poll:
                     await self.sync_policy()
