@@ -41,7 +41,7 @@ HELP = {
     "chaos": "Run the loop under a seeded fault schedule and audit the ledger.",
     "feed": "Queue the run's prompts until the trainer is done; held-out evaluation.",
     "replica": "Run every pod of synthesized manifests (dist/) as local processes.",
-    "bench": "Benchmarks (MoE layer, loop).",
+    "bench": "Benchmarks: figures against a baseline of the same run (bench/README.md).",
     "plan": "Per-GPU trainer memory and weight-sync traffic for a model and layout.",
 }
 

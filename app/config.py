@@ -60,21 +60,19 @@ class ParallelConfig(Section):
 
 
 class RouterConfig(Section):
-    """Router settings used in MoE RL (see app/model/router.py).
-
-    routing_replay: deprecated alias of ``rollout.routing_replay`` (where the engine is asked for
-    the routed experts); a run config that sets it here turns that on.
-    """
+    """Router settings used in MoE RL (see app/model/router.py)."""
 
     aux_loss_coef: float = Field(0.0, ge=0.0, description="Load-balancing loss weight; 0 for RL.")
     bias_update_rate: float = Field(0.0, ge=0.0, description="Aux-loss-free bias update; off.")
-    routing_replay: bool = False
+    routing_replay: bool = Field(False, description="Deprecated alias of rollout.routing_replay (where the engine "
+                                 "is asked for the routed experts); a run config that sets it here turns that on.")
 
 
 class ModelConfig(Section):
     """The policy: a preset built in code or a Hugging Face checkpoint directory."""
 
-    preset: Literal["tiny-qwen3-moe", "tiny-deepseek-v3"] = "tiny-qwen3-moe"
+    preset: Literal["tiny-qwen3-moe", "tiny-deepseek-v3"] = Field("tiny-qwen3-moe", description="The model "
+                                                                   "built in code when path is None.")
     path: str | None = Field(None, description="Base checkpoint: a local HF directory, an s3:// "
                              "prefix or a Hugging Face Hub id (owner/name); overrides preset.")
     cache_dir: str = Field("runs/model-cache", description="Node-local directory where an s3:// or "
@@ -87,10 +85,14 @@ class ModelConfig(Section):
 class BufferConfig(Section):
     """Experience buffer and task queue (Redis Streams)."""
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    run_prefix: str = "moerl"
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="The buffer's Redis (charts8s sets the "
+                           "buffer Service's).")
+    run_prefix: str = Field("moerl", description="First part of every Redis key of the run, "
+                            "{run_prefix}:{run_id}:... (app/buffer/keys.py).")
     max_staleness: int = Field(1, ge=0, description="Policy versions a sample may lag.")
-    stale_policy: Literal["drop", "requeue"] = "drop"
+    stale_policy: Literal["drop", "requeue"] = Field("drop", description="A group older than max_staleness: "
+                                                     "drop (count and discard it) or requeue (discard it and queue "
+                                                     "its task again).")
     capacity_groups: int = Field(64, ge=1, description="Back-pressure: finished groups the trainer has not "
                                  "taken yet plus leased tasks (taken groups wait in Redis for the next save "
                                  "without counting). At least trainer.groups_per_step.")
@@ -121,7 +123,8 @@ class EngineProfile(Section):
     argument definitions in the tests).
     """
 
-    kind: Literal["tp", "ep", "ep-deepep"] = "tp"
+    kind: Literal["tp", "ep", "ep-deepep"] = Field("tp", description="tp, ep (SGLang's all-to-all) or ep-deepep "
+                                                  "(DeepEP), as above.")
     nodes_per_engine: int = Field(1, ge=1, description="Nodes one engine spans (LeaderWorkerSet group size).")
     tp_size: int | None = Field(None, ge=1, description="--tp-size; None: every GPU of the engine.")
     ep_size: int | None = Field(None, ge=1, description="--ep-size of the ep profiles; None: tp_size.")
@@ -169,16 +172,18 @@ MIN_TEMPERATURE = 1e-6
 class RolloutConfig(Section):
     """Rollout workers and their engine."""
 
-    engine_url: str = "http://127.0.0.1:30000"
-    engine: EngineProfile = EngineProfile()
+    engine_url: str = Field("http://127.0.0.1:30000", description="The worker's own engine (charts8s sets it).")
+    engine: EngineProfile = Field(EngineProfile(), description="The engine's layout (docs/engines.md).")
     group_size: int = Field(8, ge=1, description="G completions per prompt (GRPO group).")
-    max_new_tokens: int = Field(32, ge=1)
+    max_new_tokens: int = Field(32, ge=1, description="Most tokens of a completion (of each turn in an episode).")
     temperature: float = Field(1.0, ge=MIN_TEMPERATURE, description="Sampling temperature; at least "
                                "MIN_TEMPERATURE, below which logits / temperature overflow.")
     publish_every_groups: int = Field(1, ge=1, description="Groups per published portion.")
     drain_grace_s: float = Field(30.0, gt=0.0, description="SIGTERM drain budget, seconds.")
-    request_timeout_s: float = Field(60.0, gt=0.0)
-    reward_timeout_s: float = Field(5.0, gt=0.0)
+    request_timeout_s: float = Field(60.0, gt=0.0, description="Deadline of one HTTP request to the engine, "
+                                     "seconds.")
+    reward_timeout_s: float = Field(5.0, gt=0.0, description="Deadline of one reward call, seconds; a timeout "
+                                    "fails the group (never a training signal).")
     reward_threads: int = Field(8, ge=1, description="Threads running reward functions (shared pool).")
     reward_warmup_timeout_s: float = Field(
         300.0, gt=0.0, description="The reward function's (or environment's) warm-up before the first "
@@ -200,7 +205,7 @@ class RolloutConfig(Section):
     router: bool = Field(False, description="Send /generate through SGLang's router (app/rollout/router.py) "
                          "to any engine instead of the worker's own; control calls still go to the own engine. "
                          "Needs pause_mode abort. Off by default: on the 2-core VM it did not reliably pay "
-                         "(BENCHMARKS.md); engines that own a GPU each are where it should.")
+                         "(bench/results/rollout-router.md); engines that own a GPU each are where it should.")
     router_url: str = Field("", description="The router's base URL (the cluster's router Service; `moerl run` "
                             "starts one and passes it); used when router is on.")
     router_policy: Literal[ROUTER_POLICIES] = Field(
@@ -270,8 +275,10 @@ class RolloutConfig(Section):
 class TrainerConfig(Section):
     """GRPO or PPO trainer (app/trainer/)."""
 
-    algorithm: Literal["grpo", "ppo"] = "grpo"
-    parallel: ParallelConfig = ParallelConfig()
+    algorithm: Literal["grpo", "ppo"] = Field("grpo", description="grpo (group advantages) or ppo (a critic "
+                                              "and GAE).")
+    parallel: ParallelConfig = Field(ParallelConfig(), description="The trainer's layout: EP, FSDP shard, HSDP "
+                                     "replicas (app/layout.py).")
     micro_batch_tokens: int | None = Field(
         None, ge=1, description="Padded tokens per micro-batch (whole sequences, packed by length; "
         "gradient accumulation). None: one micro-batch per rank and step.")
@@ -289,11 +296,11 @@ class TrainerConfig(Section):
     critic_path: str | None = Field(None, description="HF checkpoint of the critic trunk; None: a copy "
                                     "of the policy's trunk.")
     critic_lr: float | None = Field(None, gt=0.0, description="Critic AdamW lr; None: trainer.lr.")
-    steps: int = Field(60, ge=1)
-    groups_per_step: int = Field(8, ge=1)
-    lr: float = Field(1e-5, gt=0.0)
+    steps: int = Field(60, ge=1, description="Optimizer steps of the run.")
+    groups_per_step: int = Field(8, ge=1, description="GRPO groups trained per step (the batch).")
+    lr: float = Field(1e-5, gt=0.0, description="AdamW learning rate.")
     lr_warmup_steps: int = Field(10, ge=0, description="Linear lr warm-up; early Adam steps are noisy.")
-    adam_betas: tuple[float, float] = (0.9, 0.99)
+    adam_betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas, each in [0, 1).")
 
     @field_validator("adam_betas")
     @classmethod
@@ -301,18 +308,20 @@ class TrainerConfig(Section):
         if not all(0.0 <= b < 1.0 for b in v):
             raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
         return v
-    weight_decay: float = Field(0.0, ge=0.0)
-    grad_clip: float = Field(1.0, gt=0.0)
-    clip_eps_low: float = Field(0.2, ge=0.0)
-    clip_eps_high: float = Field(0.28, ge=0.0)
-    kl_coef: float = Field(0.0, ge=0.0)
-    scale_by_std: bool = True
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0.0, description="Gradients clipped to this global norm.")
+    clip_eps_low: float = Field(0.2, ge=0.0, description="Clipped surrogate: ratios below 1 - this are clipped.")
+    clip_eps_high: float = Field(0.28, ge=0.0, description="Clipped surrogate: ratios above 1 + this are clipped "
+                                 "(DAPO's clip-higher).")
+    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the k3 KL penalty against a frozen reference "
+                           "policy; 0: no reference policy.")
+    scale_by_std: bool = Field(True, description="Divide advantages by the group's reward std (false: Dr. GRPO).")
     loss_agg: Literal["token-mean", "seq-mean", "seq-mean-token-sum-norm"] = Field(
         "token-mean", description="token-mean (DAPO), seq-mean (GRPO) or seq-mean-token-sum-norm (Dr. GRPO: "
         "token sums over sequences x the most policy tokens a completion may have).")
     tis_cap: float | None = Field(2.0, gt=0.0, description="Truncated IS cap (C_max of rollout_is); None "
                                   "disables the importance weights against the engine.")
-    # Objectives (app/trainer/grpo.py; the README's table names each one's paper and TRL/verl option).
+    # Objectives (app/trainer/grpo.py; docs/trainer.md's table names each one's paper and TRL/verl option).
     ratio_level: Literal["token", "sequence"] = Field(
         "token", description="sequence: GSPO's ratio, the geometric mean of the token ratios, clipped per sequence.")
     rollout_is: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
@@ -335,7 +344,8 @@ class TrainerConfig(Section):
                                                "-overlong_penalty_factor, added to the reward. None: off.")
     overlong_penalty_factor: float = Field(1.0, gt=0.0, description="The soft overlong penalty at max_new_tokens.")
     publish_every: int = Field(1, ge=1, description="Steps between policy versions.")
-    keep_versions: int = Field(3, ge=1)
+    keep_versions: int = Field(3, ge=1, description="Published policy versions kept in the store; older ones "
+                               "are pruned.")
     batch_timeout_s: float = Field(600.0, gt=0.0, description="Max wait for one step's groups.")
     max_bad_steps: int = Field(3, ge=1, description="Non-finite steps in a row before stopping.")
     log_entropy: bool = Field(True, description="Token entropy metric; one extra [B,L,V] pass.")
@@ -373,7 +383,8 @@ class WeightSyncConfig(Section):
     rollout workers both read this section, so their timeouts agree.
     """
 
-    mode: Literal["store", "network"] = "store"
+    mode: Literal["store", "network"] = Field("store", description="store or network, as above "
+                                              "(docs/weight-sync.md).")
     store_every: int = Field(1, ge=1, description="network: versions between store copies (1: every one).")
     bucket_bytes: int = Field(512 * 1024**2, ge=1, description="Most bytes one broadcast carries (a bucket); "
                               "a single larger tensor travels alone. Miles' default is 512 MiB.")
@@ -417,12 +428,12 @@ class TaskConfig(Section):
         description="Config fields of the reasoning-gym dataset (difficulty).",
     )
     jsonl_path: str | None = Field(None, description='JSONL of {"prompt","answer"} rows (source jsonl).')
-    seed: int = 0
-    train_size: int = Field(2000, ge=1)
+    seed: int = Field(0, description="Seed of the task's problems (dataset, JSONL shuffle, env episodes).")
+    train_size: int = Field(2000, ge=1, description="Training prompts.")
     eval_size: int = Field(200, ge=1, description="Held-out prompts for evaluation.")
     warmup_steps: int = Field(150, ge=1, description="Supervised warm-up steps (moerl warmup).")
     warmup_lr: float = Field(3e-3, gt=0.0, description="Peak AdamW lr of the warm-up (cosine to 10%).")
-    warmup_batch_size: int = Field(64, ge=1)
+    warmup_batch_size: int = Field(64, ge=1, description="Examples per step of the supervised warm-up.")
     warmup_done: bool = Field(False, description="model.path is already this task's warm-up checkpoint "
                               "(moerl run records it in run.yaml): re-used as --config, no second warm-up.")
     reward_model: str | None = Field(None, description="HF sequence-classification checkpoint that scores "
@@ -457,11 +468,11 @@ class EnvConfig(Section):
                             "cluster: the env pool's Service).")
     demos_path: str | None = Field(None, description="JSONL of warm-up demonstrations for an environment "
                                    'of your own: {"spec": ..., "actions": ["turn", ...]} per line, played '
-                                   "against it (README); None: the built-in environments' scripted ones.")
+                                   "against it (docs/environments.md); None: the built-in environments' scripted ones.")
     demos_from_env: bool = Field(False, description="Warm-up demonstrations from the environment's own "
                                  "training episodes: each one's reset observation carries the turns that solve "
                                  'it in OpenEnv\'s metadata, {"demonstration": ["turn", ...]}, played against it '
-                                 "as a demos_path row is (README); instead of demos_path.")
+                                 "as a demos_path row is (docs/environments.md); instead of demos_path.")
     max_turns: int = Field(3, ge=1, description="Policy turns per episode at most.")
     step_timeout_s: float = Field(10.0, gt=0.0, description="Wait for one reset/step answer, seconds.")
     episode_timeout_s: float = Field(120.0, gt=0.0, description="The server closes an episode's session "
@@ -517,17 +528,18 @@ def _describe(e: ValidationError) -> str:
 class RunConfig(Section):
     """Everything one run needs, shared by the trainer, rollout workers and the buffer."""
 
-    run_id: str = Field("dev", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    run_id: str = Field("dev", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$", description="The run's name: its prefix in "
+                        "the store and in Redis (and in the deployment config's trainer_runs).")
     store_url: str = Field("file://runs/store", description="file:// or s3:// root of artifacts.")
-    router: RouterConfig = RouterConfig()
-    model: ModelConfig = ModelConfig()
-    buffer: BufferConfig = BufferConfig()
-    rollout: RolloutConfig = RolloutConfig()
-    trainer: TrainerConfig = TrainerConfig()
-    task: TaskConfig = TaskConfig()
-    env: EnvConfig = EnvConfig()
-    feed: FeedConfig = FeedConfig()
-    weight_sync: WeightSyncConfig = WeightSyncConfig()
+    router: RouterConfig = Field(RouterConfig(), description="The MoE routers' training settings.")
+    model: ModelConfig = Field(ModelConfig(), description="The policy.")
+    buffer: BufferConfig = Field(BufferConfig(), description="The experience buffer and task queue.")
+    rollout: RolloutConfig = Field(RolloutConfig(), description="Rollout workers and their engines.")
+    trainer: TrainerConfig = Field(TrainerConfig(), description="The trainer and its objective.")
+    task: TaskConfig = Field(TaskConfig(), description="Prompts, rewards and the warm-up.")
+    env: EnvConfig = Field(EnvConfig(), description="Multi-turn environments (docs/environments.md).")
+    feed: FeedConfig = Field(FeedConfig(), description="The prompt source and its held-out evaluation.")
+    weight_sync: WeightSyncConfig = Field(WeightSyncConfig(), description="How policy versions reach the engines.")
 
     @model_validator(mode="before")
     @classmethod

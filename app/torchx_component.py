@@ -127,7 +127,7 @@ NCCL_ENV = {
 }
 # The CUDA caching allocator with expandable segments: its reserve (app/plan/memory.py
 # FRAGMENTATION_EXPANDABLE 1.16, against 1.33 with the default allocator) is what lets DeepSeek-V3 fit
-# 16 x 8 H200 at EP 32 with 8K-token micro-batches (README, "Planning a layout").
+# 16 x 8 H200 at EP 32 with 8K-token micro-batches (docs/plan.md).
 GPU_ALLOC_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 # EFA through libfabric and the aws-ofi-nccl plugin (EC2 user guide, "Get started with EFA and
 # NCCL"); NCCL_NET makes NCCL fail instead of silently falling back to TCP sockets.
@@ -327,7 +327,7 @@ def job(
 ) -> specs.AppDef:
     """The trainer, the rollout workers and the prompt source in one AppDef, for `torchx run -s
     local_cwd` on one machine (CPU, built-in engine). The buffer is not a role: start
-    redis-server first and put its URL in the config's ``buffer.redis_url`` (README).
+    redis-server first and put its URL in the config's ``buffer.redis_url`` (docs/local-run.md).
 
     python: the interpreter every role runs (default: the one running torchx, so
     `.venv/bin/torchx` works without the venv on PATH).

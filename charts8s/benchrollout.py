@@ -14,7 +14,7 @@ A/B (e.g. all-to-all vs DeepEP) is applied, read and deleted on its own.
 
 The engines serve on the pod network, so SGLang asks for a key on every route but its health
 checks (``--api-key``: generation; ``--admin-api-key``: weight updates, profiling, cache control),
-both from the Secret ``bench_rollout.api_key_secret`` made outside dist/ (README); the Job holds
+both from the Secret ``bench_rollout.api_key_secret`` made outside dist/ (docs/cluster.md); the Job holds
 the API key only.
 """
 

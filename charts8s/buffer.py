@@ -1,7 +1,7 @@
 """The experience buffer: Redis with append-only persistence on an EBS volume, passwords from a Secret.
 
 One StatefulSet pod on the buffer-mem pool (on-demand). The Secret is created outside dist/
-(README: `kubectl create secret`) so no credential is ever written to the manifests. It holds one
+(docs/cluster.md: `kubectl create secret`) so no credential is ever written to the manifests. It holds one
 password per Redis user: ``password`` for ``default`` (the administrator: this pod's probe and
 exporter, an operator) and one per role, ``trainer``, ``rollout`` and ``feed``, each an ACL user
 allowed its own commands on the run's keys only (app/buffer/acl.py). A pod gets its own role's

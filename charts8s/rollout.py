@@ -63,7 +63,7 @@ BASE_MODEL_DIR = "/models/base"  # an s3:// base model's copy on each engine nod
 STATE_DIR = "/run/moerl"  # shared by engine and worker: the worker's pause marker
 PAUSE_MARKER = f"{STATE_DIR}/engine-paused"
 PROBE_TIMEOUT_S = 25  # longer than SGLang's own 20 s /health_generate wait
-# The keys of an engine on the pod network: the Secret's keys (README: kubectl create secret) and
+# The keys of an engine on the pod network: the Secret's keys (docs/cluster.md: kubectl create secret) and
 # the engine container's variables, which the kubelet expands in its command.
 API_KEY, ADMIN_API_KEY = "api-key", "admin-api-key"
 KEY_ENV = {API_KEY: "SGLANG_API_KEY", ADMIN_API_KEY: "SGLANG_ADMIN_API_KEY"}

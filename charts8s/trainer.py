@@ -1,6 +1,6 @@
 """The trainer gang: a Volcano Job rendered by TorchX from app/torchx_component.py:trainer.
 
-Why Volcano (README, "Running on EKS"): it schedules the N pods as one gang (PodGroup
+Why Volcano (docs/cluster.md, "Gang scheduler: Volcano"): it schedules the N pods as one gang (PodGroup
 minMember = N: all or none, so a half-placed job never holds p5en nodes idle), restarts the whole
 gang when any pod fails or is evicted (policy RestartJob), and it is what `torchx run -s
 kubernetes` submits, so both paths create the same object from the same AppDef.

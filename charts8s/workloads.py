@@ -22,7 +22,7 @@ from app.rollout.engine_args import EngineLayout
 from infra.config import DeploymentConfig, NodePool, error_line, load_yaml, strict_scalar, yaml_error_line
 
 Role = Literal["trainer", "rollout", "env"]
-# The run config synthesized when a workloads file names none (README, "Recipes").
+# The run config synthesized when a workloads file names none (docs/cluster.md, "Recipes").
 DEV_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "dev-tiny-grpo.yaml"
 
 
@@ -40,16 +40,14 @@ class _Model(BaseModel):
 
 
 class TrainerSpec(_Model):
-    """The gang of trainer pods: one pod per train-gpu node, every GPU of the node.
+    """The gang of trainer pods: one pod per train-gpu node, every GPU of the node. Each pod requests
+    every 2 MiB hugepage its node reserves: pools.train-gpu.hugepages_2mi (infra.config)."""
 
-    nodes: pods in the gang (None: the pool's max_size).
-    Each pod requests every 2 MiB hugepage its node reserves: pools.train-gpu.hugepages_2mi (infra.config).
-    max_retries: whole-gang restarts (each with --resume) before the job is marked failed.
-    """
-
-    nodes: int | None = Field(None, ge=1)
-    max_retries: int = Field(10, ge=0)
-    rdzv_port: int = Field(29500, ge=1024, le=65535)
+    nodes: int | None = Field(None, ge=1, description="Pods in the gang (None: the pool's max_size).")
+    max_retries: int = Field(10, ge=0, description="Whole-gang restarts (each with --resume) before the job is "
+                             "marked failed.")
+    rdzv_port: int = Field(29500, ge=1024, le=65535, description="torchrun's c10d rendezvous port on trainer "
+                           "replica 0.")
 
 
 # Copies of the model on a rollout node's model volume: the base model (Hugging Face cache) and
@@ -61,25 +59,22 @@ TMP_GI, CACHE_GI = 16, 32  # the engine's /tmp and JIT-cache (triton, flashinfer
 
 class RolloutSpec(_Model):
     """Rollout engines: SGLang and the moerl rollout worker; the engine layout (TP/EP/DeepEP,
-    nodes per engine) is the run config's ``rollout.engine`` profile.
+    nodes per engine) is the run config's ``rollout.engine`` profile."""
 
-    replicas: engines (None: the pool's desired_size // nodes_per_engine, at least 1). An engine
-        of one node is one pod of a Deployment; one over several nodes is one LeaderWorkerSet group.
-    model_path: the base policy SGLang loads at start and the trainer starts from (HF id, s3://
-        prefix or local path; also written to the mounted run config's model.path); None: the run
-        config's model.path.
-    model_gib: size of one checkpoint of that model, GiB (Qwen3-30B-A3B in bf16: 57; DeepSeek-V3
-        in FP8: 642). The model volume holds `MODEL_COPIES` of it and must fit the node's local
-        disk (instance-store NVMe where the type has it, else the root volume).
-    """
-
-    replicas: int | None = Field(None, ge=1)
-    model_path: str | None = None
-    model_gib: float = Field(57.0, gt=0)
+    replicas: int | None = Field(None, ge=1, description="Engines (None: the pool's desired_size // "
+                                 "nodes_per_engine, at least 1). An engine of one node is one pod of a Deployment; "
+                                 "one over several nodes is one LeaderWorkerSet group.")
+    model_path: str | None = Field(None, description="The base policy SGLang loads at start and the trainer "
+                                   "starts from (HF id, s3:// prefix or local path; also written to the mounted run "
+                                   "config's model.path); None: the run config's model.path.")
+    model_gib: float = Field(57.0, gt=0, description="Size of one checkpoint of that model, GiB (Qwen3-30B-A3B "
+                             "in bf16: 57; DeepSeek-V3 in FP8: 642). The model volume holds `MODEL_COPIES` (4) of it "
+                             "and must fit the node's local disk (instance-store NVMe where the type has it, else "
+                             "the root volume).")
     model_quantization: Literal["fp8"] | None = Field(
         None, description="The served checkpoint's quantization_config.quant_method (None: bf16/fp32 weights). "
         "Policy versions carry unquantized weights, so an fp8 engine is refused (see `check`).")
-    engine_port: int = Field(30000, ge=1024, le=65535)
+    engine_port: int = Field(30000, ge=1024, le=65535, description="SGLang's HTTP port.")
     drain_margin_s: int = Field(15, ge=0, description="Added to rollout.drain_grace_s for the kubelet.")
     shm_gi: int = Field(64, ge=1, description="/dev/shm size limit, GiB (NCCL and CUDA IPC).")
     # The engine's startup probe budget (charts8s/rollout.py `startup_budget_s`): SGLang reads
@@ -91,7 +86,7 @@ class RolloutSpec(_Model):
     boot_s: int = Field(1200, ge=0, description="Kernel JIT, CUDA-graph capture and the rest of a start, seconds.")
     api_key_secret: str = Field("moerl-rollout-api-key", description="Secret with the SGLang keys (``api-key``, "
                                 "``admin-api-key``) of engines over several nodes, which serve on the pod network; "
-                                "made outside dist/ (README).")
+                                "made outside dist/ (docs/cluster.md).")
     # SGLang's router (run config rollout.router; charts8s/router.py).
     router_port: int = Field(30100, ge=1024, le=65535, description="The router's Service and container port.")
     router_metrics_port: int = Field(29000, ge=1024, le=65535, description="The router's Prometheus port.")
@@ -101,19 +96,19 @@ class EnvSpec(_Model):
     """The env pool's CPU pods: the run's environment over OpenEnv (`moerl env`) when the run
     config sets ``env.name``, else the task's verifier (`moerl reward --mode verifier`)."""
 
-    replicas: int = Field(2, ge=1)
+    replicas: int = Field(2, ge=1, description="Env pool pods.")
     cpu: int = Field(4, ge=1, description="vCPU per pod.")
-    memory_gi: int = Field(8, ge=1)
-    port: int = Field(8080, ge=1024, le=65535)
+    memory_gi: int = Field(8, ge=1, description="Memory per pod, GiB.")
+    port: int = Field(8080, ge=1024, le=65535, description="The pods' and their Service's port.")
 
 
 class RewardModelSpec(_Model):
     """GPU pods serving the learned reward model (`moerl reward`), deployed only when the run
     config names ``task.reward_model``. They run on the rollout-gpu pool, on nodes of their own."""
 
-    replicas: int = Field(1, ge=1)
+    replicas: int = Field(1, ge=1, description="Reward-model pods.")
     gpus: int = Field(1, ge=1, description="GPUs per pod.")
-    port: int = Field(8080, ge=1024, le=65535)
+    port: int = Field(8080, ge=1024, le=65535, description="The pods' and their Service's port.")
     max_batch: int = Field(64, ge=1, description="Most sequences in one forward (`moerl reward --max-batch`).")
     models_gi: int = Field(200, ge=1, description="Scratch volume for a downloaded model, GiB.")
 
@@ -122,18 +117,16 @@ class BenchRolloutSpec(_Model):
     """`moerl bench rollout` in the cluster: per named profile, a fleet of ``engines`` SGLang
     engines (LeaderWorkerSet groups, serving on the pod network) and a Job that drives them with
     the run's prompts for ``seconds``. Two profiles (e.g. ``a2a``: kind ep, ``deepep``: kind
-    ep-deepep) are the all-to-all vs DeepEP comparison; each renders to its own file.
+    ep-deepep) are the all-to-all vs DeepEP comparison; each renders to its own file."""
 
-    concurrency: in-flight requests (prompt groups) per engine; None: the profile's in-flight
-        sequences over rollout.group_size.
-    """
-
-    profiles: dict[str, EngineProfile]
-    engines: int = Field(2, ge=1)
-    seconds: float = Field(600.0, gt=0)
-    concurrency: int | None = Field(None, ge=1)
+    profiles: dict[str, EngineProfile] = Field(description="Name -> engine profile (the run config's "
+                                               "rollout.engine fields) of each fleet.")
+    engines: int = Field(2, ge=1, description="Engines of each fleet.")
+    seconds: float = Field(600.0, gt=0, description="How long the Job drives each fleet.")
+    concurrency: int | None = Field(None, ge=1, description="In-flight requests (prompt groups) per engine; None: "
+                                    "the profile's in-flight sequences over rollout.group_size.")
     api_key_secret: str = Field("moerl-bench-api-key", description="Secret with the engines' SGLang keys "
-                                "(``api-key``, ``admin-api-key``), made outside dist/ (README).")
+                                "(``api-key``, ``admin-api-key``), made outside dist/ (docs/cluster.md).")
 
 
 class FeedSpec(_Model):
@@ -143,7 +136,7 @@ class FeedSpec(_Model):
 
     eval_gpus: int | None = Field(None, ge=1, description="GPUs of the evaluation engine (its TP "
                                   "size); None: every GPU of a rollout node, as the rollout engines.")
-    engine_port: int = Field(30000, ge=1024, le=65535)
+    engine_port: int = Field(30000, ge=1024, le=65535, description="Port of the evaluation engine.")
     cpu: int = Field(2, ge=1, description="vCPU of the feed container.")
     memory_gi: int = Field(8, ge=1, description="Memory of the feed container (dataset, tokenizer).")
 
@@ -151,42 +144,45 @@ class FeedSpec(_Model):
 class BufferSpec(_Model):
     """The Redis experience buffer (one StatefulSet pod with an append-only file on a volume)."""
 
-    storage_gi: int = Field(100, ge=1)
-    memory_gi: int = Field(64, ge=1)
-    cpu: int = Field(4, ge=1)
+    storage_gi: int = Field(100, ge=1, description="The append-only file's volume, GiB.")
+    memory_gi: int = Field(64, ge=1, description="Memory of the Redis container, GiB.")
+    cpu: int = Field(4, ge=1, description="vCPU of the Redis container.")
     # 7.4.11: the 7.4 release that fixes the CVEs published since 7.4.2 (7.4.3: CVE-2025-21605;
     # 7.4.4/7.4.5: CVE-2025-27151; 7.4.6: CVE-2025-49844, -46817, -46818, -46819, Lua; 7.4.8: error
     # reply injection; 7.4.9: CVE-2026-23479, -25243, -23631; 7.4.10: stream RESTORE use-after-free;
     # 7.4.11: TLS pending-data use-after-free), pinned by the digest of its multi-arch index: a
     # role that may run Lua scripts (app/buffer/acl.py) must meet a patched server.
-    image: str = ("public.ecr.aws/docker/library/redis:7.4.11-alpine"
-                  "@sha256:858f009f9709ce576febc734aa78b8f6d624b82571f9ddb6bda4377c833b3499")
+    image: str = Field("public.ecr.aws/docker/library/redis:7.4.11-alpine"
+                       "@sha256:858f009f9709ce576febc734aa78b8f6d624b82571f9ddb6bda4377c833b3499",
+                       description="The Redis image, by digest.")
     # The Prometheus exporter beside redis-server (charts8s/buffer.py). oliver006/redis_exporter's
     # release workflow pushes each tag to Docker Hub, ghcr.io and quay.io alike; ghcr.io has no
     # anonymous pull limit shared behind the cluster's NAT. Its scratch image holds the binary only.
-    exporter_image: str = "ghcr.io/oliver006/redis_exporter:v1.88.0"
-    password_secret: str = "moerl-redis-auth"
+    exporter_image: str = Field("ghcr.io/oliver006/redis_exporter:v1.88.0", description="The Redis exporter "
+                                "sidecar's image.")
+    password_secret: str = Field("moerl-redis-auth", description="Secret with the Redis passwords (``password`` "
+                                 "of the default user, one per role's ACL user), made outside dist/ "
+                                 "(docs/cluster.md).")
 
 
 class Workloads(_Model):
-    """Everything the charts add to the deployment config.
+    """Everything the charts add to the deployment config."""
 
-    run_config: path of a RunConfig YAML (default: recipes/dev-tiny-grpo.yaml, the tiny recipe of
-        `make run` on the cluster); the charts put the cluster addresses (buffer URL, engine URL,
-        store URL) into it and mount it from one ConfigMap. Other recipes: recipes/*.yaml.
-    images: full image reference per role, overriding the ECR repository of the deployment config
-        (each must carry a tag or a digest).
-    """
-
-    run_config: str | None = str(DEV_RECIPE)
-    images: dict[Role, str] = {}
-    trainer: TrainerSpec = TrainerSpec()
-    rollout: RolloutSpec = RolloutSpec()
-    env: EnvSpec = EnvSpec()
-    reward_model: RewardModelSpec = RewardModelSpec()
-    feed: FeedSpec = FeedSpec()
-    buffer: BufferSpec = BufferSpec()
-    bench_rollout: BenchRolloutSpec | None = None
+    run_config: str | None = Field(str(DEV_RECIPE), description="Path of a RunConfig YAML (default: "
+                                   "recipes/dev-tiny-grpo.yaml, the tiny recipe of `make run` on the cluster); the "
+                                   "charts put the cluster addresses (buffer URL, engine URL, store URL) into it and "
+                                   "mount it from one ConfigMap. Other recipes: recipes/*.yaml.")
+    images: dict[Role, str] = Field({}, description="Full image reference per role, overriding the ECR repository "
+                                    "of the deployment config (each must carry a tag or a digest).")
+    trainer: TrainerSpec = Field(TrainerSpec(), description="The trainer gang.")
+    rollout: RolloutSpec = Field(RolloutSpec(), description="The rollout engines and their workers.")
+    env: EnvSpec = Field(EnvSpec(), description="The env pool.")
+    reward_model: RewardModelSpec = Field(RewardModelSpec(), description="The reward-model pods (only with "
+                                          "task.reward_model).")
+    feed: FeedSpec = Field(FeedSpec(), description="The prompt source.")
+    buffer: BufferSpec = Field(BufferSpec(), description="The Redis experience buffer.")
+    bench_rollout: BenchRolloutSpec | None = Field(None, description="`moerl bench rollout` fleets and Jobs "
+                                                   "(docs/engines.md, the A/B); None: none.")
 
 
 class Plan:

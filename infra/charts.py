@@ -18,7 +18,7 @@ VOLCANO = ("https://volcano-sh.github.io/helm-charts", "volcano", "1.15.0")
 VOLCANO_KUBERNETES = ("1.15", tuple(f"1.{m}" for m in range(24, 36)))
 # Kubernetes versions the config accepts although the matrix does not list them, each with the
 # decision. This is the one place that decides which cluster versions run Volcano; the config
-# refuses any other (infra.config.DeploymentConfig) and the README's "Checked only on a real
+# refuses any other (infra.config.DeploymentConfig) and docs/deploy-aws.md's "Checked only on a real
 # account" list names each entry.
 VOLCANO_UNLISTED_KUBERNETES = {
     "1.36": "kept rather than held at 1.35: 1.36 is the newest EKS standard-support version, nodeadm's "

@@ -137,38 +137,13 @@ class Model(BaseModel):
 class Taint(Model):
     """A Kubernetes node taint, applied by the node group and tolerated by the pods of the pool."""
 
-    key: str
-    value: str
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]
+    key: str = Field(description="Taint key.")
+    value: str = Field(description="Taint value.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] = Field(description="Taint effect.")
 
 
 class NodePool(Model):
     """One EKS managed node group (the rollout pool may become several; see infra/cluster.py).
-
-    disk_size_gib: gp3 root volume size in GiB (set in the launch template).
-    efa: attach EFA interfaces on every network card of the instance type (from INSTANCE_TABLE).
-    placement_group: launch into a cluster placement group (training only).
-    capacity_reservation_id: On-Demand Capacity Reservation or Capacity Block id (cr-...).
-    hugepages_2mi: MiB of 2 MiB hugepages reserved on every node at boot (launch-template user
-        data sets vm.nr_hugepages before the kubelet starts); a multiple of 2, 0 for none. The
-        trainer pod (one per train-gpu node) requests all of them as hugepages-2Mi (charts8s).
-    placement_group_name: an existing cluster placement group to launch into instead of a new
-        one (placement_group must be true). An On-Demand Capacity Reservation made in a cluster
-        placement group is used only by instances launched into that group (EC2 user guide,
-        "Capacity Reservations in cluster placement groups").
-    local_storage: nodeadm's NodeConfig `instance.localStorage.strategy` (RAID0 stripes every
-        NVMe instance-store disk into one XFS volume and bind-mounts /var/lib/kubelet,
-        /var/lib/containerd and /var/log/pods onto it, so images and emptyDir volumes such as the
-        model volumes live on local NVMe, not on the gp3 root); "none" leaves the disks unused.
-        Types without instance store are left alone by nodeadm (setup-local-disks exits 0).
-    create_size: nodes the group is created with (CloudFormation's DesiredSize; MinSize is
-        lowered to it). None: desired_size. GPU pools default to 0, so a stack completes without
-        waiting for GPU capacity; `python -m infra.scale` prints the commands that scale them to
-        min/desired/max afterwards.
-    max_unavailable_percent: nodes replaced at once by a node group update, as a percentage of
-        the group (None: one node at a time, EKS's default). 32 Spot rollout nodes one at a time
-        take hours; a percentage replaces them in a few rounds.
-    az: leave empty; every pool must run in the deployment's single AZ (validated).
 
     A Capacity Block and a placement group are refused together: EC2 places a Capacity Block's
     instances in an UltraCluster itself, and no AWS document or sample launches one into a
@@ -177,24 +152,50 @@ class NodePool(Model):
     reservation and the instance type only).
     """
 
-    name: str
-    instance_types: list[str] = Field(min_length=1)
-    capacity_type: Literal["ON_DEMAND", "SPOT", "CAPACITY_BLOCK"]
-    min_size: int = Field(ge=0)
-    max_size: int = Field(ge=1)
-    desired_size: int = Field(ge=0)
-    labels: dict[str, str]
-    taints: list[Taint] = []
-    disk_size_gib: int = Field(100, ge=20, le=16384)
-    efa: bool = False
-    placement_group: bool = False
-    capacity_reservation_id: str | None = Field(None, pattern=r"^cr-[0-9a-f]{8,17}$")
-    hugepages_2mi: int = Field(0, ge=0)
-    placement_group_name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.+=@,-]{1,255}$")
-    local_storage: Literal["RAID0", "none"] = "none"
-    create_size: int | None = Field(None, ge=0)
-    max_unavailable_percent: int | None = Field(None, ge=1, le=100)
-    az: str | None = None
+    name: str = Field(description="The pool's name: its `moerl.dev/pool` label value and the node group's name.")
+    instance_types: list[str] = Field(min_length=1, description="EC2 instance types of the group, each in "
+                                      "infra/instances.py, all with the same EFA network-card count.")
+    capacity_type: Literal["ON_DEMAND", "SPOT", "CAPACITY_BLOCK"] = Field(description="How the nodes are bought.")
+    min_size: int = Field(ge=0, description="Fewest nodes of the group.")
+    max_size: int = Field(ge=1, description="Most nodes of the group (charts8s refuses workloads that need more).")
+    desired_size: int = Field(ge=0, description="Nodes the group scales to (`python -m infra.scale` for GPU pools).")
+    labels: dict[str, str] = Field(description="Kubernetes labels of the nodes; pods select their pool by them.")
+    taints: list[Taint] = Field([], description="Taints of the nodes; only the pool's own pods tolerate them.")
+    disk_size_gib: int = Field(100, ge=20, le=16384, description="gp3 root volume size in GiB (set in the launch "
+                               "template).")
+    efa: bool = Field(False, description="Attach EFA interfaces on every network card of the instance type "
+                      "(from INSTANCE_TABLE).")
+    placement_group: bool = Field(False, description="Launch into a cluster placement group (training only).")
+    capacity_reservation_id: str | None = Field(None, pattern=r"^cr-[0-9a-f]{8,17}$", description="On-Demand "
+                                                "Capacity Reservation or Capacity Block id (cr-...).")
+    hugepages_2mi: int = Field(0, ge=0, description="MiB of 2 MiB hugepages reserved on every node at boot "
+                               "(launch-template user data sets vm.nr_hugepages before the kubelet starts); a "
+                               "multiple of 2, 0 for none. The trainer pod (one per train-gpu node) requests all "
+                               "of them as hugepages-2Mi (charts8s).")
+    placement_group_name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.+=@,-]{1,255}$", description="An "
+                                             "existing cluster placement group to launch into instead of a new one "
+                                             "(placement_group must be true). An On-Demand Capacity Reservation made "
+                                             "in a cluster placement group is used only by instances launched into "
+                                             "that group (EC2 user guide, \"Capacity Reservations in cluster "
+                                             "placement groups\").")
+    local_storage: Literal["RAID0", "none"] = Field("none", description="nodeadm's NodeConfig "
+                                                   "`instance.localStorage.strategy` (RAID0 stripes every NVMe "
+                                                   "instance-store disk into one XFS volume and bind-mounts "
+                                                   "/var/lib/kubelet, /var/lib/containerd and /var/log/pods onto it, "
+                                                   "so images and emptyDir volumes such as the model volumes live on "
+                                                   "local NVMe, not on the gp3 root); \"none\" leaves the disks unused. "
+                                                   "Types without instance store are left alone by nodeadm "
+                                                   "(setup-local-disks exits 0).")
+    create_size: int | None = Field(None, ge=0, description="Nodes the group is created with (CloudFormation's "
+                                    "DesiredSize; MinSize is lowered to it). None: desired_size. GPU pools default "
+                                    "to 0, so a stack completes without waiting for GPU capacity; `python -m "
+                                    "infra.scale` prints the commands that scale them to min/desired/max afterwards.")
+    max_unavailable_percent: int | None = Field(None, ge=1, le=100, description="Nodes replaced at once by a node "
+                                                "group update, as a percentage of the group (None: one node at a "
+                                                "time, EKS's default). 32 Spot rollout nodes one at a time take "
+                                                "hours; a percentage replaces them in a few rounds.")
+    az: str | None = Field(None, description="Leave empty; every pool must run in the deployment's single AZ "
+                           "(validated).")
 
     @field_validator("instance_types")
     @classmethod
@@ -317,22 +318,21 @@ def fsx_capacity_error(gib: float) -> str | None:
 
 class FsxConfig(Model):
     """The shared FSx for Lustre file system (infra/storage.py), linked to the checkpoint bucket's
-    models_prefix/ and mounted read-only at /fsx by trainer and rollout pods (charts8s/fsx.py).
+    models_prefix/ and mounted read-only at /fsx by trainer and rollout pods (charts8s/fsx.py)."""
 
-    enabled: off by default: it costs per provisioned GiB whether read or not, and `moerl plan
-        --traffic` shows when it beats reading S3 directly (many nodes reading the same base model).
-    storage_gib: capacity, 1200 or a multiple of 2400 (PERSISTENT_2 SSD).
-    mbps_per_tib: per-unit throughput, one of FSX_PER_UNIT_MBPS; the file system serves
-        storage_gib / 1024 x mbps_per_tib MB/s, shared by every reader.
-    file_system_id, mount_name: the storage stack's outputs FsxFileSystemId and FsxMountName,
-        set after its first deploy; charts8s needs both to render the PersistentVolume.
-    """
-
-    enabled: bool = False
-    storage_gib: int = Field(2400, ge=FSX_MIN_CAPACITY_GIB)
-    mbps_per_tib: int = 1000
-    file_system_id: str | None = Field(None, pattern=r"^fs-[0-9a-f]{8,21}$")
-    mount_name: str | None = Field(None, pattern=r"^[a-z0-9]{1,16}$")
+    enabled: bool = Field(False, description="Off by default: it costs per provisioned GiB whether read or not, "
+                          "and `moerl plan --traffic` shows when it beats reading S3 directly (many nodes reading "
+                          "the same base model).")
+    storage_gib: int = Field(2400, ge=FSX_MIN_CAPACITY_GIB, description="Capacity, 1200 or a multiple of 2400 "
+                             "(PERSISTENT_2 SSD).")
+    mbps_per_tib: int = Field(1000, description="Per-unit throughput, one of FSX_PER_UNIT_MBPS (125, 250, 500, "
+                              "1000); the file system serves storage_gib / 1024 x mbps_per_tib MB/s, shared by "
+                              "every reader.")
+    file_system_id: str | None = Field(None, pattern=r"^fs-[0-9a-f]{8,21}$", description="The storage stack's "
+                                       "output FsxFileSystemId, set after its first deploy; charts8s needs it and "
+                                       "mount_name to render the PersistentVolume.")
+    mount_name: str | None = Field(None, pattern=r"^[a-z0-9]{1,16}$", description="The storage stack's output "
+                                   "FsxMountName, set after its first deploy (with file_system_id).")
 
     @field_validator("storage_gib")
     @classmethod
@@ -359,21 +359,22 @@ class FsxConfig(Model):
 
 class PipelineConfig(Model):
     """Where the promotion pipeline runs and which repository it builds (`-c env=pipeline -c
-    config=pipeline.yaml`, see `load_pipeline_config`).
+    config=pipeline.yaml`, see `load_pipeline_config`)."""
 
-    account, connection_arn: the tooling account and its CodeConnections connection to the
-        repository; required, no defaults (a placeholder would deploy a pipeline that never runs).
-    synth_compute: CodeBuild compute type of the synth and test steps (BUILD_GENERAL1_LARGE: 15 GB,
-        8 vCPU; the default SMALL has 3 GB). The synth step installs only locked packages and
-        synthesizes; the test step runs `make test-infra` (infra and ops-chart tests), not `make test`.
-    """
-
-    account: str = Field(pattern=r"^\d{12}$")
-    region: str = Field("us-east-2", pattern=r"^[a-z]{2}(-gov)?-[a-z]+-\d$")
-    repository: str = Field("moerl-org/moerl", pattern=r"^[\w.-]+/[\w.-]+$")
-    branch: str = "main"
-    connection_arn: str = Field(pattern=r"^arn:aws[a-z-]*:(codestar-connections|codeconnections):[a-z0-9-]+:\d{12}:connection/[0-9a-f-]{36}$")
-    synth_compute: Literal["BUILD_GENERAL1_MEDIUM", "BUILD_GENERAL1_LARGE", "BUILD_GENERAL1_XLARGE"] = "BUILD_GENERAL1_LARGE"
+    account: str = Field(pattern=r"^\d{12}$", description="The tooling account; required, no default (a "
+                         "placeholder would deploy a pipeline that never runs).")
+    region: str = Field("us-east-2", pattern=r"^[a-z]{2}(-gov)?-[a-z]+-\d$", description="The tooling account's "
+                        "region.")
+    repository: str = Field("moerl-org/moerl", pattern=r"^[\w.-]+/[\w.-]+$", description="owner/name of the "
+                            "repository the pipeline builds.")
+    branch: str = Field("main", description="The branch the pipeline builds.")
+    connection_arn: str = Field(pattern=r"^arn:aws[a-z-]*:(codestar-connections|codeconnections):[a-z0-9-]+:\d{12}:connection/[0-9a-f-]{36}$",
+                                description="The tooling account's CodeConnections connection to the repository; "
+                                "required, no default.")
+    synth_compute: Literal["BUILD_GENERAL1_MEDIUM", "BUILD_GENERAL1_LARGE", "BUILD_GENERAL1_XLARGE"] = Field(
+        "BUILD_GENERAL1_LARGE", description="CodeBuild compute type of the synth and test steps "
+        "(BUILD_GENERAL1_LARGE: 15 GB, 8 vCPU; the default SMALL has 3 GB). The synth step installs only locked "
+        "packages and synthesizes; the test step runs `make test-infra` (infra and ops-chart tests), not `make test`.")
 
     @model_validator(mode="after")
     def _real(self) -> "PipelineConfig":
@@ -385,74 +386,82 @@ class PipelineConfig(Model):
 
 
 class DeploymentConfig(Model):
-    """Everything one environment's stacks and charts need.
+    """Everything one environment's stacks and charts need. `load_config(env)` starts from the
+    env's built-in defaults (`default_config`), not from the field defaults alone."""
 
-    az: the ONE availability zone of every node group.
-    control_plane_azs: subnets for the EKS control plane (two or more, including `az`).
-    run_prefix: key prefix in the checkpoint bucket under which runs live (Pod Identity scope).
-    image_repos: ECR repository name per image role (trainer, rollout, env).
-    admin_role_arns: IAM roles given cluster-admin through EKS access entries; staging and prod
-        need at least one (the API endpoint is private: without one nobody can run kubectl).
-        Default: arn:aws:iam::<account>:role/moerl-<env>-admin (`default_admin_role_arn`).
-    create_admin_role: the cluster stack creates the role of admin_role_arns named
-        moerl-<env>-admin (trusted by this account's principals that IAM allows to assume it),
-        so its access entry never names a missing principal (EKS rejects one). Every other role
-        in admin_role_arns must already exist: `python -m infra.preflight` checks them before a
-        deploy. Turn it off when the account already has a role of that name.
-    node_groups_exist: set true once the first deploy has created the node groups. The template
-        then leaves DesiredSize out of every pool that `infra.scale` sizes (GPU pools), so a later
-        change to a node group's scaling config never resets a running gang to the created size
-        (EKS API NodegroupScalingConfig: CloudFormation takes no action when DesiredSize is
-        removed from the template; creating a group needs all of min, max and desired or none).
-    pull_through_secrets: upstream (registry-1.docker.io, ghcr.io) -> ARN of the Secrets Manager
-        secret (name ecr-pullthroughcache/...) holding this account's credentials for it; each
-        gets a pull-through cache rule beside the credential-free ones (PULL_THROUGH_CACHE).
-    models_prefix, data_prefix: key prefixes of the checkpoint bucket holding base models and
-        datasets: both Pod Identity roles read them and neither may write there (operators
-        upload). They must lie outside run_prefix, where the trainer writes.
-    fsx: the shared FSx for Lustre file system (FsxConfig; off by default).
-    trainer_runs: the runs whose areas the trainer role may write: run ids (RunConfig.run_id:
-        the trainer writes runs/<run_id>/{policy,train,trainer,metrics,tensorboard}/ only for
-        these), or a family ending in '*' ('grpo-*'); a bare '*' (every run) only in dev. A run
-        whose id is missing gets AccessDenied on its first write: add it and deploy the cluster
-        stack (an IAM policy update; no node changes), so one run's credentials cannot
-        overwrite another run's versions or training state.
-    public_endpoint_cidrs: empty keeps the API endpoint private (reach it from inside the VPC);
-        otherwise the endpoint is also public, open only to these CIDR blocks.
-    retain_data: keep buckets and repositories when the stack is deleted (required in prod).
-    """
-
-    env: Env
-    account: str = Field(pattern=r"^\d{12}$")
-    region: str = Field(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-\d$")
-    az: str
-    control_plane_azs: list[str] = Field(min_length=2)
-    vpc_cidr: str = "10.0.0.0/16"
-    k8s_version: str = Field(pattern=r"^1\.\d+$")
-    pools: dict[str, NodePool]
-    checkpoint_bucket: str
-    artifacts_bucket: str
-    logs_bucket: str
-    namespace: str = Field("moerl", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-    trainer_service_account: str = "moerl-trainer"
-    rollout_service_account: str = "moerl-rollout"
-    run_prefix: str = Field("runs", pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*$")
-    image_repos: dict[Literal["trainer", "rollout", "env"], str] = {
+    env: Env = Field(description="Which environment: dev, staging or prod (the `-c env=` of cdk, `--env` of "
+                     "the other commands).")
+    account: str = Field(pattern=r"^\d{12}$", description="The AWS account; the built-in ones are placeholders, "
+                         "and bucket names and the default admin role follow it.")
+    region: str = Field(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-\d$", description="The AWS region.")
+    az: str = Field(description="The ONE availability zone of every node group.")
+    control_plane_azs: list[str] = Field(min_length=2, description="Subnets for the EKS control plane (two or "
+                                         "more, including `az`).")
+    vpc_cidr: str = Field("10.0.0.0/16", description="The VPC's address range.")
+    k8s_version: str = Field(pattern=r"^1\.\d+$", description="The cluster's Kubernetes version (1.31 at the "
+                             "least; one with add-on pins in infra/addons.py and a Volcano decision in "
+                             "infra/charts.py).")
+    pools: dict[str, NodePool] = Field(description="The node pools by name (train-gpu, rollout-gpu, env-cpu, "
+                                       "buffer-mem, system); a file's entry is merged over the built-in pool of "
+                                       "that name.")
+    checkpoint_bucket: str = Field(description="S3 bucket of runs, base models and datasets.")
+    artifacts_bucket: str = Field(description="S3 bucket of build and pipeline artifacts.")
+    logs_bucket: str = Field(description="S3 bucket of the other buckets' access logs.")
+    namespace: str = Field("moerl", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", description="Kubernetes "
+                           "namespace of the workloads.")
+    trainer_service_account: str = Field("moerl-trainer", description="Service account of the trainer pods (its "
+                                         "Pod Identity role writes the run's areas).")
+    rollout_service_account: str = Field("moerl-rollout", description="Service account of the rollout and feed "
+                                         "pods (its Pod Identity role reads).")
+    run_prefix: str = Field("runs", pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*$", description="Key "
+                            "prefix in the checkpoint bucket under which runs live (Pod Identity scope).")
+    image_repos: dict[Literal["trainer", "rollout", "env"], str] = Field({
         "trainer": "moerl/trainer",
         "rollout": "moerl/rollout",
         "env": "moerl/env",
-    }
-    image_tag: str = Field("0.1.0", pattern=r"^[\w][\w.-]{0,127}$")
-    admin_role_arns: list[str] = []
-    create_admin_role: bool = True
-    pull_through_secrets: dict[Literal["registry-1.docker.io", "ghcr.io"], str] = {}
-    node_groups_exist: bool = False
-    models_prefix: str = Field("models", pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*$")
-    data_prefix: str = Field("data", pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*$")
-    trainer_runs: list[str] = Field(["dev"], min_length=1)
-    fsx: FsxConfig = FsxConfig()
-    public_endpoint_cidrs: list[str] = []
-    retain_data: bool = True
+    }, description="ECR repository name per image role (trainer, rollout, env).")
+    image_tag: str = Field("0.1.0", pattern=r"^[\w][\w.-]{0,127}$", description="Tag of the three images the "
+                           "manifests run; a new one per build (the repositories refuse to overwrite a tag).")
+    admin_role_arns: list[str] = Field([], description="IAM roles given cluster-admin through EKS access entries; "
+                                       "staging and prod need at least one (the API endpoint is private: without "
+                                       "one nobody can run kubectl). Default: arn:aws:iam::<account>:role/"
+                                       "moerl-<env>-admin (`default_admin_role_arn`).")
+    create_admin_role: bool = Field(True, description="The cluster stack creates the role of admin_role_arns "
+                                    "named moerl-<env>-admin (trusted by this account's principals that IAM allows "
+                                    "to assume it), so its access entry never names a missing principal (EKS rejects "
+                                    "one). Every other role in admin_role_arns must already exist: `python -m "
+                                    "infra.preflight` checks them before a deploy. Turn it off when the account "
+                                    "already has a role of that name.")
+    pull_through_secrets: dict[Literal["registry-1.docker.io", "ghcr.io"], str] = Field(
+        {}, description="Upstream (registry-1.docker.io, ghcr.io) -> ARN of the Secrets Manager secret (name "
+        "ecr-pullthroughcache/...) holding this account's credentials for it; each gets a pull-through cache rule "
+        "beside the credential-free ones (PULL_THROUGH_CACHE).")
+    node_groups_exist: bool = Field(False, description="Set true once the first deploy has created the node "
+                                    "groups. The template then leaves DesiredSize out of every pool that "
+                                    "`infra.scale` sizes (GPU pools), so a later change to a node group's scaling "
+                                    "config never resets a running gang to the created size (EKS API "
+                                    "NodegroupScalingConfig: CloudFormation takes no action when DesiredSize is "
+                                    "removed from the template; creating a group needs all of min, max and desired "
+                                    "or none).")
+    models_prefix: str = Field("models", pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*$", description="Key "
+                               "prefix of the checkpoint bucket holding base models: both Pod Identity roles read "
+                               "it and neither may write there (operators upload). Outside run_prefix.")
+    data_prefix: str = Field("data", pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*$", description="Key "
+                             "prefix of the checkpoint bucket holding datasets, read-only for both roles as "
+                             "models_prefix is. Outside run_prefix.")
+    trainer_runs: list[str] = Field(["dev"], min_length=1, description="The runs whose areas the trainer role may "
+                                    "write: run ids (RunConfig.run_id: the trainer writes runs/<run_id>/{policy,"
+                                    "train,trainer,metrics,tensorboard}/ only for these), or a family ending in '*' "
+                                    "('grpo-*'); a bare '*' (every run) only in dev. A run whose id is missing gets "
+                                    "AccessDenied on its first write: add it and deploy the cluster stack (an IAM "
+                                    "policy update; no node changes), so one run's credentials cannot overwrite "
+                                    "another run's versions or training state.")
+    fsx: FsxConfig = Field(FsxConfig(), description="The shared FSx for Lustre file system (off by default).")
+    public_endpoint_cidrs: list[str] = Field([], description="Empty keeps the API endpoint private (reach it from "
+                                             "inside the VPC); otherwise the endpoint is also public, open only to "
+                                             "these CIDR blocks.")
+    retain_data: bool = Field(True, description="Keep buckets and repositories when the stack is deleted "
+                              "(required in prod).")
 
     @field_validator("trainer_runs")
     @classmethod
@@ -542,7 +551,7 @@ class DeploymentConfig(Model):
             raise ValueError("public_endpoint_cidrs: an open API endpoint (/0) is allowed in dev only")
         if self.env != "dev" and not self.admin_role_arns:
             raise ValueError(f"admin_role_arns: {self.env} needs at least one IAM role with cluster-admin access "
-                             "(the API endpoint is private; see README 'Reaching the cluster')")
+                             "(the API endpoint is private; see docs/deploy-aws.md, 'Reaching the cluster')")
         if self.fsx.enabled:
             no_efa = [p for p in ("train-gpu", "rollout-gpu") if not self.pools[p].efa]
             if no_efa:
@@ -797,7 +806,7 @@ def load_pipeline_config(path: str | Path | None) -> tuple[PipelineConfig, list[
     """
     if path is None:
         raise ConfigError("-c env=pipeline needs -c config=<pipeline.yaml> with pipeline.account, "
-                          "pipeline.connection_arn and environments.<env>.account (see README)")
+                          "pipeline.connection_arn and environments.<env>.account (see docs/deploy-aws.md)")
     path = Path(path)
     data = _read_mapping(path)
     unknown = set(data) - {"pipeline", "environments"}

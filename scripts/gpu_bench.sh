@@ -2,9 +2,9 @@
 # Issue 7 benchmarks on one H200, in one call: `moerl bench moe` for every issue-7 shape, then
 # `moerl bench train-step` and `moerl bench engine`. Target: under 8 minutes of GPU wall time.
 #
-# On the lent machine (python3 3.12 with torch and transformers, no venv, no pip index), from the
-# repository root, carrying the pydantic wheels (see BENCHMARKS.md, "Running on the GPU"):
-#     bash scripts/gpu_bench.sh                     # run(command=..., carry=[".whl"])
+# On a machine with one H200 (python3 3.12 with torch and transformers, no venv, no pip index), from the
+# repository root, carrying the pydantic wheels (see bench/README.md, "Running on a machine with one H200"):
+#     bash scripts/gpu_bench.sh                     # with .whl/ copied along
 # Here, once, to fetch those wheels into .whl/bench (git-ignored):
 #     bash scripts/gpu_bench.sh --fetch-wheels
 # DRY_RUN=1 prints the benchmark commands instead of running them (tests/test_bench.py uses it).

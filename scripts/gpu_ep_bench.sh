@@ -4,12 +4,12 @@
 # EP 8), each under torchrun --nproc-per-node 8, then the EP equivalence tests on 2, 4 and 8 GPUs
 # (alltoall; deepep where `deep_ep` can run).
 #
-# On the lent machine (python3 3.12 with torch and transformers, no venv, no pip index), from the
+# On a machine with 8 GPUs (python3 3.12 with torch and transformers, no venv, no pip index), from the
 # repository root, carrying the pydantic wheels that scripts/gpu_bench.sh --fetch-wheels puts in .whl/bench:
-#     run(command="bash scripts/gpu_ep_bench.sh", kind="nvidia-h200-x8", carry=[".whl/bench"], timeout_s=600)
+#     bash scripts/gpu_ep_bench.sh                  # with .whl/bench copied along
 # deep_ep is used only where `deepep_unavailable_reason()` is None. The lent image (torch 2.11,
 # NCCL 2.28.9) cannot load sgl-deep-ep 0.1.2.post1 (torch==2.14.1, NCCL 2.30.7 exactly): there the
-# checklist prints why and the deepep parts are skipped (BENCHMARKS.md, "What deep_ep needs").
+# checklist prints why and the deepep parts are skipped (bench/results/ep.md, "What deep_ep needs").
 # On a machine with the trainer image (images/trainer.Dockerfile) they run.
 #
 # CHECKLIST=1 runs the checklist and the equivalence tests without the two benchmarks.

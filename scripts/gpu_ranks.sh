@@ -15,7 +15,8 @@
 # Here, once, to fetch what the GPU image lacks into .whl/ (git-ignored): wheels (pydantic, a newer
 # transformers, FastAPI/uvicorn for the engine, redis-py) and Debian's redis-server with its libraries:
 #     bash scripts/gpu_ranks.sh --fetch
-# On the device:  run(command="bash scripts/gpu_ranks.sh", carry=[".whl"], timeout_s=600)
+# On a machine with one H200, from the repository root with .whl/ copied along:
+#     bash scripts/gpu_ranks.sh
 # Writes $OUT/gpu_ranks.log (the pytest output) and $OUT/junit.xml.
 set -u -o pipefail
 

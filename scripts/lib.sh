@@ -50,7 +50,7 @@ install_pydantic_wheels() {
     wheels=$(find "$dir" -type f -name '*.whl' 2>/dev/null | awk -F/ '{split($NF, a, "-"); if (!seen[tolower(a[1])]++) print}')
     if [[ -z "$wheels" ]]; then
         "$PY" -c "import pydantic" 2>/dev/null && return
-        say "ABORT: pydantic is missing and no wheels under $dir (carry $dir; see BENCHMARKS.md)"
+        say "ABORT: pydantic is missing and no wheels under $dir (copy $dir along; see bench/README.md)"
         exit 2
     fi
     # shellcheck disable=SC2086

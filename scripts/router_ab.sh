@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The router A/B of BENCHMARKS.md on an idle machine: two pinned built-in engines, SGLang's router.
+# The router A/B of bench/README.md (`moerl bench rollout --router-url`) on an idle machine: two pinned built-in engines, SGLang's router.
 set -u
 cd "$(dirname "$0")/.."
 B=.venv/bin

@@ -1,5 +1,5 @@
 """Bring your own environment: an OpenEnv environment moerl does not ship, trained through
-`moerl run` (README, "Your own environment").
+`moerl run` (docs/environments.md, "Your own environment").
 
 The environment is examples/guess_number/env.py, written as an OpenEnv author writes one: its
 own Action/Observation classes with OpenEnv's ordinary field names (``message``), served by

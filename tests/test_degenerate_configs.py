@@ -1,4 +1,4 @@
-"""Degenerate run configs are refused as the README promises: one line on stderr naming the
+"""Degenerate run configs are refused as docs/local-run.md promises: one line on stderr naming the
 field, exit code 2, before anything starts, and nothing left in the run directory.
 
 Each case ran on the old code and was accepted (a bool read as 1; group size 1 trained on zero

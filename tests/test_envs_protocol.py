@@ -263,7 +263,7 @@ def test_calculator_demonstrations_call_the_tool_on_a_share_only():
     """The warm-up's scripted calculator episodes call the tool with probability CALC_TOOL_DEMOS
     and otherwise answer at once, each rewarded by the environment as played: when every
     demonstration called the tool, greedy decoding after the warm-up was already as good as RL
-    could make it (BENCHMARKS.md), so a greedy gain meant nothing new. The loss covers the
+    could make it (bench/results/run-task.md), so a greedy gain meant nothing new. The loss covers the
     policy's turns, never the tool's value in the observation."""
     import random
 

@@ -1,14 +1,15 @@
 """Static checks of images/*.Dockerfile: hadolint, checkov (every skip with its reason), pinned
 versions, non-root final stages, what each image must carry (issue 6, part 3); and the one table of
 versions, images/versions.toml (issue 15 item 11, issue 14 item 3): the Dockerfiles' base images
-and build-arg defaults equal it, README.md's image and version tables are it rendered, the
+and build-arg defaults equal it, docs/images.md's image and version tables are it rendered, the
 packages it names pin each other as the table says (their PyPI metadata), and each image's pip
 installs resolve against what its base ships without replacing the stack.
 
 The resolution tests ask PyPI (metadata only where the index has it; see tests/pypi.py) for this
 interpreter, CPython 3.11 on x86_64 Linux here, where the images run 3.12 (pip cannot resolve sdists
-for another Python). No Docker engine runs here, so the images are not built; README "Running on
-EKS" says how. `python tests/test_images.py` rewrites README.md's tables from the versions table.
+for another Python). No Docker engine runs here, so the images are not built; docs/cluster.md ("1. Build and push
+the images") says how. `python tests/test_images.py` rewrites docs/images.md's tables from the
+versions table.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ CHECKOV = ROOT / ".venv" / "checkov" / "bin" / "checkov"
 VERSIONS = tomllib.loads((IMAGES / "versions.toml").read_text())
 ENTRIES = {k: v for k, v in VERSIONS.items() if k != "notes"}
 SGLANG_BASE = ROOT / "tests" / "data" / "sglang-0.5.23-packages.txt"
+IMAGES_DOC = ROOT / "docs" / "images.md"
 README_BEGIN = "<!-- images: rendered from images/versions.toml by `python tests/test_images.py` -->"
 README_END = "<!-- end of images/versions.toml -->"
 VERSION_ARG = re.compile(r"_(VERSION|COMMIT|SHA256|FINGERPRINT)$")
@@ -111,7 +113,7 @@ def image_of(path: Path) -> str:
 
 
 def render_readme_tables() -> str:
-    """README.md's image and version tables, from images/versions.toml."""
+    """docs/images.md's image and version tables, from images/versions.toml."""
     lines = [README_BEGIN, "", "| image | base | carries |", "| --- | --- | --- |"]
     for path in DOCKERFILES:
         name = image_of(path)
@@ -241,7 +243,7 @@ def test_dockerfile_versions_are_the_table(dockerfile):
 
 def test_base_images_are_pinned_by_digest():
     """Every base image is named by the digest of its index (a tag can be pushed again), unless its
-    entry says why no digest could be read; then README.md lists it."""
+    entry says why no digest could be read; then docs/images.md lists it."""
     for dockerfile in DOCKERFILES:
         for word, args in _instructions(dockerfile):
             if word != "FROM":
@@ -263,7 +265,7 @@ def _downloads(dockerfile: Path) -> list[str]:
 def test_every_download_is_checked():
     """Every file a build downloads is checked against a published checksum (sha256sum -c) or
     signature (the EFA installer's, against the key of the published fingerprint), or is named by
-    an entry that says why it cannot be (README.md lists it)."""
+    an entry that says why it cannot be (docs/images.md lists it)."""
     unverified = {e["arg"] for e in ENTRIES.values() if "download_unverified" in e}
     found = 0
     for dockerfile in DOCKERFILES:
@@ -328,9 +330,9 @@ def test_the_efa_signature_check_takes_only_the_published_key(tmp_path):
 
 
 def test_readme_tables_are_the_versions_table():
-    readme = (ROOT / "README.md").read_text()
+    readme = IMAGES_DOC.read_text()
     expected = render_readme_tables()
-    assert expected in readme, ("README.md's image tables differ from images/versions.toml; run "
+    assert expected in readme, ("docs/images.md's image tables differ from images/versions.toml; run "
                                 f"`python tests/test_images.py` to rewrite them. Expected:\n{expected}")
 
 
@@ -421,10 +423,10 @@ def test_a_pin_that_would_replace_torch_fails_to_resolve():
 
 
 def _rewrite_readme() -> None:
-    path = ROOT / "README.md"
+    path = IMAGES_DOC
     text = path.read_text()
     start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
-    tmp = path.with_name(".README.md.tmp")
+    tmp = path.with_name(".images.md.tmp")
     tmp.write_text(text[:start] + render_readme_tables() + text[end:])
     os.replace(tmp, path)
 

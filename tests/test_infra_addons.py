@@ -63,7 +63,7 @@ def test_unpinned_kubernetes_version_is_refused():
 
 
 def test_refresh_is_documented_and_readme_no_longer_says_unpinned():
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "deploy-aws.md").read_text()
     assert "aws eks describe-addon-versions --kubernetes-version" in readme
     assert "tests/data/eks-addon-versions.yaml" in readme and "infra/addons.py" in readme
     assert "they are not pinned" not in readme and "default version for the cluster version" not in readme

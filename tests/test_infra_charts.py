@@ -85,21 +85,21 @@ def test_the_pins_the_review_found_missing_or_stale():
 
 
 def test_refresh_is_documented():
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "deploy-aws.md").read_text()
     assert "scripts/record_helm_index.py" in readme and "tests/data/helm-index" in readme
 
 
 def test_volcano_runs_on_a_kubernetes_its_matrix_lists_or_a_recorded_decision():
     """Issue 27 item 9: one place (infra/charts.py) decides which cluster versions run Volcano: the
-    pinned line's compatibility matrix, or an entry of VOLCANO_UNLISTED_KUBERNETES that the README's
+    pinned line's compatibility matrix, or an entry of VOLCANO_UNLISTED_KUBERNETES that docs/deploy-aws.md's
     real-account list names; the config refuses every other version."""
     from infra.charts import VOLCANO, VOLCANO_KUBERNETES, VOLCANO_UNLISTED_KUBERNETES
     from infra.config import ConfigError, default_config, validate_config
 
     line, listed = VOLCANO_KUBERNETES
     assert VOLCANO[2].startswith(line + ".") and listed[0] == "1.24" and listed[-1] == "1.35"
-    readme = (ROOT / "README.md").read_text()
-    real = readme[readme.index("**Checked only on a real account**"):]
+    readme = (ROOT / "docs" / "deploy-aws.md").read_text()
+    real = readme[readme.index("## Checked only on a real account"):]
     for env in ENVS:
         k8s = load_config(env).k8s_version
         assert k8s in listed or k8s in VOLCANO_UNLISTED_KUBERNETES, (env, k8s)

@@ -827,7 +827,7 @@ def test_expert_imbalance_scales_the_expert_side_and_its_default_is_the_measured
     ("qwen3-30b-a3b", 4, None, "none", 72.4), ("qwen3-30b-a3b", 4, None, "full", 65.1),
     ("deepseek-v3", 2, 32, "full", 98.7), ("deepseek-v3", 2, 32, "selective", 98.7)])
 def test_trainer_step_on_one_h200_against_bench_train_step(model, layers, experts, ac, measured_gb):
-    """`moerl bench train-step` on the H200 (BENCHMARKS.md, 2026-12-01 12:02-12:05 UTC: the trainer's
+    """`moerl bench train-step` on the H200 (bench/results/train-step.md, 2026-12-01 12:02-12:05 UTC: the trainer's
     own step at world 1, fused AdamW, the Triton logit passes, 8 x 8192 tokens in 16K micro-batches):
     max_memory_allocated against the plan of that shape, within 2 %. At world 1 the trainer keeps
     every layer unit gathered from forward to backward, selective is full checkpointing on the

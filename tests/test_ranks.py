@@ -217,7 +217,7 @@ def test_every_layout_on_one_gpu_equals_one_rank(layout_results, world, layout, 
         total = sum(b.numel() for b in ref["bias"].values())
         # fp32: the same routing, so the same sign updates, exactly. bf16: a token whose top-k
         # is a near tie may route otherwise at another layout and move one expert's load
-        # across the mean (measured on the H200: BENCHMARKS.md).
+        # across the mean (measured on the H200: bench/results/gpu-ranks.md).
         assert same == total if variant.endswith("fp32") else same >= 0.9 * total, (same, total)
 
 

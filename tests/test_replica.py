@@ -12,7 +12,7 @@ The short version (100 steps, ~2-3 min on 2 cores) with both faults: a rollout p
 pod SIGKILLed after an unsaved step (Volcano RestartJob; the gang resumes). Stated bar for
 this length: held-out mean reward (measured by the feed pod through its own engine, 200
 prompts x 8 samples) at least +1 point over v0 (runs here: +4.9 and +6.3 points); the full
-`moerl replica` run is held to make run's +10 points (README). Ledger: nothing lost, trained
+`moerl replica` run is held to make run's +10 points (docs/local-run.md). Ledger: nothing lost, trained
 twice or over-stale.
 """
 

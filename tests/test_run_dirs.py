@@ -5,7 +5,7 @@
   checkpoint: held-out before RL 0.954 instead of 0.475, nothing left for RL to gain);
 * run directories are named after the task, and no role appends to an earlier run's records
   (metrics.jsonl, trained.jsonl, issued.jsonl);
-* the README's TorchX snippet picks the warm-up of its own task, not whichever sorts last.
+* the TorchX snippet of docs/local-run.md picks the warm-up of its own task, not whichever sorts last.
 """
 
 from __future__ import annotations
@@ -86,9 +86,9 @@ def test_a_new_feeder_refuses_an_earlier_runs_ledger(tmp_path, redis_server):
 
 
 def readme_snippet() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "local-run.md").read_text()
     m = re.search(r"\.venv/bin/python - <<'PY'[^\n]*\n(.*?)\nPY\n", text, re.S)
-    assert m, "the README's TorchX snippet is gone"
+    assert m, "docs/local-run.md's TorchX snippet is gone"
     return m.group(1)
 
 

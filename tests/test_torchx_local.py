@@ -1,4 +1,4 @@
-"""TorchX local as the README documents it: `.venv/bin/torchx run -s local_cwd
+"""TorchX local as docs/local-run.md documents it: `.venv/bin/torchx run -s local_cwd
 app/torchx_component.py:job ...` with redis-server started first and the venv NOT on PATH. The
 trainer makes its steps (so the feeder queued prompts and the rollout role generated them), the
 trainer leaves its done marker and the feeder exits on it; Ctrl-C stops the rest."""
@@ -56,7 +56,7 @@ def test_torchx_local_job_trains_with_the_feeder_and_no_venv_on_path(local_redis
     wanted = {"feeder's last line": lambda x: x.startswith("feed/0") and '"feed":' in x,
               "trainer's step 3": lambda x: f"rank0 step 3 v{version}" in x,
               "trainer's done line": lambda x: x.startswith("trainer/0") and '{"done": true' in x,
-              # each role's exit status, which `torchx run` does not show (README)
+              # each role's exit status, which `torchx run` does not show (docs/local-run.md)
               "trainer's exit status": lambda x: x.startswith("trainer/0") and "role trainer exited with status 0" in x,
               "feeder's exit status": lambda x: x.startswith("feed/0") and "role feed exited with status 0" in x}
     try:

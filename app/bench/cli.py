@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-cli = typer.Typer(help="Benchmarks (MoE layer, loop).", no_args_is_help=True)
+cli = typer.Typer(help="Benchmarks: figures against a baseline of the same run (bench/README.md).", no_args_is_help=True)
 
 
 @cli.callback()

@@ -18,7 +18,7 @@ Layout (every key under ``{prefix}:{run_id}:``):
               between the two leaves a payload that expires (`PAYLOAD_TTL_MS`). Payloads are
               deleted by UNLINK, which Redis 7 still frees on the main thread for a string (its
               free effort is 1, below the lazy-free threshold): 42 ms for a 65 MB routing-replay
-              payload on the 2-core dev VM, part of the main-thread time in BENCHMARKS.md.
+              payload on the 2-core dev VM, part of the main-thread time in bench/results/buffer.md.
     dead      stream: dead letters, one entry per samples entry the trainer could not read (a
               malformed or foreign entry): {entry, reason, fields (truncated)}; the entry itself is
               deleted from samples and counted in ``dead_lettered``, and the trainer goes on.
@@ -39,7 +39,7 @@ Why the payload is not in the stream entry: the publish must check the sample id
 lease atomically (a Lua script), and a script's arguments are copied into Lua strings: a
 group of 3.6 MB of JSON cost 40-60 plain XADDs of the same bytes in the script (106 MB with
 routing replay: 1.3-1.7 s of main thread), where a SET keeps a large argument without a copy
-(BENCHMARKS.md, `moerl bench buffer`). So the payload goes first by SET, and the script, with
+(bench/results/buffer.md, `moerl bench buffer`). So the payload goes first by SET, and the script, with
 only the header and the key as arguments, checks the ids, acks, and adds the entry.
 
 Redis commands: https://redis.io/docs/latest/develop/data-types/streams/ (XREADGROUP, XACK,

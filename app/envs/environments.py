@@ -28,7 +28,7 @@ other turn is the final answer, scored on its first line: 1 when the dataset's
 ``score_answer`` gives it full marks, else 0. (reasoning-gym's default ``score_answer`` gives
 ``len(answer) / len(text)`` to a text that merely contains the answer, e.g. ``4453`` for
 ``445``: RL on that credit taught greedy decoding to pad wrong answers, not to compute right
-ones; BENCHMARKS.md.) That ends the episode. At most ``env.max_turns - 1`` calls: a call in the last turn ends the
+ones; bench/results/run-task.md.) That ends the episode. At most ``env.max_turns - 1`` calls: a call in the last turn ends the
 episode with reward 0.
 
 Errors (a step before reset or after done, a spec that is not a reasoning-gym task) raise:

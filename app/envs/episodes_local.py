@@ -32,7 +32,7 @@ RETRY_DEMOS = 0.3  # share of spell-retry demonstrations with a wrong first answ
 # Share of calculator demonstrations that call the tool. At 0.4 (250 warm-up steps, seed 0) the
 # warm-up's greedy decoding answers 0.430 of the held-out products and RL raised it to 0.665
 # (seed 1: 0.495 -> 0.690); at 1.0 greedy started at 0.685 and RL only sharpened sampling
-# towards it (BENCHMARKS.md).
+# towards it (bench/results/run-task.md).
 CALC_TOOL_DEMOS = 0.4
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 

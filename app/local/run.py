@@ -42,7 +42,7 @@ def embedded_default() -> RunConfig:
     """The run config of `make run`: the tiny recipe of app/envs/__init__.py on 2 CPU cores.
 
     EP=2 over gloo (two trainer ranks, each holding half of the experts), two rollout workers,
-    GRPO groups of 8, short answers. The rest is tuned for 2 cores (BENCHMARKS.md, `moerl bench
+    GRPO groups of 8, short answers. The rest is tuned for 2 cores (bench/results/loop.md, `moerl bench
     loop --profile`: where each step's CPU went):
 
     * a new policy version every 2 steps: publishing (per-tensor gathers over gloo, files,
@@ -92,7 +92,7 @@ def task_preset(name: str) -> RunConfig:
 
     Both environments run at ``trainer.lr`` 2e-4, half the single-turn lr: spell-retry 150
     steps, calculator 300 after a 250-step warm-up whose demonstrations call the tool 40 % of the
-    time (greedy decoding starts near 0.43; BENCHMARKS.md).
+    time (greedy decoding starts near 0.43; bench/results/run-task.md).
 
     Raises:
         ValueError: unknown ``name``.
@@ -119,13 +119,13 @@ def task_preset(name: str) -> RunConfig:
         # skill to add that greedy decoding shows. Greedy 0.430 -> 0.665 (seed 0) and 0.495 ->
         # 0.690 (seed 1), sampled +51.5 points in both. With every demonstration calling the tool
         # (125 steps), greedy started at 0.685, its failures the tiny policy's copying, and RL
-        # moved it -5.0, -2.0 (lr 1e-4) and -1.0 (T 0.7) points on seed 0 (BENCHMARKS.md).
+        # moved it -5.0, -2.0 (lr 1e-4) and -1.0 (T 0.7) points on seed 0 (bench/results/run-task.md).
         cfg.task.warmup_steps = 250
     if cfg.env.name:
         cfg.trainer.steps = 300 if name == "calculator" else 150  # minutes of this machine per run
         # Half the single-turn lr: at 4e-4 the calculator's greedy reward fell from 0.98 to
         # 0.47-0.58 in 150 steps (the policy mis-copies the tool's value) and its sampled gain
-        # halved; at 2e-4 greedy held (0.98 -> 0.97) with a +40-point sampled gain (BENCHMARKS.md).
+        # halved; at 2e-4 greedy held (0.98 -> 0.97) with a +40-point sampled gain (bench/results/run-task.md).
         cfg.trainer.lr = 2e-4
     return cfg
 

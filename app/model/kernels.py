@@ -1,6 +1,6 @@
 """Triton kernels for the two memory-bound passes of the MoE layer (GPU only; torch fallbacks elsewhere).
 
-On an H200 these replaced the layer's largest non-GEMM costs (profile in BENCHMARKS.md):
+On an H200 these replaced the layer's largest non-GEMM costs (profile in bench/results/moe.md):
   - `gather_sum`: each token's expert rows summed into the token ([N, H] -> [T, H]), the forward of
     combine and the backward of dispatch. One program reads a token's <= K rows once and writes
     the token once, accumulating in fp32. torch's `embedding_bag(mode="sum")` does the same

@@ -5,7 +5,7 @@ part of the step: the torch path casts the GEMM's bf16 output to fp32 and then r
 that fp32 block several times per chunk in forward (log-sum-exp, exp, product, sum for the
 entropy) and again in backward (exp, one-hot, scale, cast). On an H200 at Qwen3-30B-A3B width
 (8 x 8192 tokens, V = 151936) replacing them with these kernels took about 316 ms off a 1351 ms
-step (`moerl bench train-step`, BENCHMARKS.md: the step's change less fused AdamW's share).
+step (`moerl bench train-step`, bench/results/train-step.md: the step's change less fused AdamW's share).
 Here each direction is one pass that reads the GEMM's output in its own dtype and keeps fp32 in
 registers:
 

@@ -198,7 +198,7 @@ class MoEBlock(nn.Module):
 
         d = self.dispatcher.dispatch(x, routing.topk_idx, routing.topk_weights)
         # The experts scale each row by its gate weight on the [N, I] activation, in the weights'
-        # dtype (no fp32 round trip of [N, H]; profile in BENCHMARKS.md).
+        # dtype (no fp32 round trip of [N, H]; profile in bench/results/moe.md).
         y = self.experts(d.x, d.tokens_per_expert, d.weights)
         out = self.dispatcher.combine(y.to(x.dtype), d.handle)
         self.last_tokens_per_expert = d.tokens_per_expert.detach()

@@ -177,7 +177,7 @@ def router_logits(x: Tensor, weight: Tensor) -> Tensor:
     bf16 inputs on CUDA use a bf16 tensor-core GEMM that writes fp32 (`torch.mm(..., out_dtype=
     torch.float32)`): bf16 products are exact and accumulate in fp32, so the logits are those of
     the fp32 GEMM up to summation order, without its SIMT fp32 kernels (about 7 % of the MoE
-    layer's time at Qwen3-30B-A3B shapes on an H200; BENCHMARKS.md). The backward rounds the
+    layer's time at Qwen3-30B-A3B shapes on an H200; bench/results/moe.md). The backward rounds the
     logit gradient to bf16 once before its two GEMMs, whose results are bf16 anyway. Everything
     else (CPU, fp32, float64, a torch without `out_dtype`) upcasts to fp32 as before.
     """

@@ -96,7 +96,7 @@ from app.plan.term import Term
 
 GIB = 1024**3
 
-# --- Constants: calibrate these against a measured peak (BENCHMARKS.md, `moerl plan` prints them).
+# --- Constants: calibrate these against a measured peak (bench/results/plan.md, `moerl plan` prints them).
 # Device memory not available to torch's tensors, per GPU: an H200 (nominal 141 GiB) reports
 # 150,109,880,320 B = 139.80 GiB as torch total_memory, and after CUDA initialisation and one
 # bf16 GEMM 724,369,408 B are in use of which 100,663,296 B are torch's reserved pool, so
@@ -110,7 +110,7 @@ CUDA_OVERHEAD_GIB = 1.78
 # = 1.33 (1.17 after the first step alone): `FRAGMENTATION`, the worst case with the default
 # allocator. With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which the GPU trainer pods set
 # (app/torchx_component.py GPU_ALLOC_ENV), the same case reserved 96.26 / 85.33 = 1.13 and the
-# trainer's own step 1.06-1.16 (BENCHMARKS.md, "bench train-step" rows; 114.0 / 98.7 GB the worst):
+# trainer's own step 1.06-1.16 (bench/results/plan.md, "bench train-step" rows; 114.0 / 98.7 GB the worst):
 # `FRAGMENTATION_EXPANDABLE`, the plan's default (`fragmentation_for`).
 FRAGMENTATION = 1.33
 FRAGMENTATION_EXPANDABLE = 1.16
@@ -336,7 +336,7 @@ def resolve_ep_backend(requested: str, ep: int, hidden: int, collectives: str = 
     ``ep`` 1 is always ``local``. ``auto`` takes ``deepep`` only where DeepEP builds a buffer on
     every EP rank; the plan cannot build one, and on the trainer pods it would not: the
     sgl-deep-ep wheel refuses more than one rank without NCCL GIN unless ``EP_DISABLE_GIN=1``
-    (DeepEP ``csrc/kernels/backend/nccl.cu:86-89``; BENCHMARKS.md, "What deep_ep needs"), which
+    (DeepEP ``csrc/kernels/backend/nccl.cu:86-89``; bench/results/ep.md, "What deep_ep needs"), which
     the trainer pods do not set, so ``auto`` plans ``alltoall``; ``--ep-backend deepep`` plans
     DeepEP. Gloo ranks and widths DeepEP's kernels reject are ``alltoall`` as in ``init_ep``.
 

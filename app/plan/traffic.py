@@ -288,7 +288,7 @@ def startup(config: PretrainedConfig, trainer_nodes: int, rollout_nodes: int, dt
 # (taken since the last save, and the batch prefetched for the next step); jemalloc rounds each
 # payload up to its size class (`jemalloc_size`).
 # Main thread: MAIN_THREAD_NS_PER_BYTE per payload byte, all-in (the AOF record, the reply copy,
-# freeing the payload, the stream and set commands), from `moerl bench buffer` (BENCHMARKS.md:
+# freeing the payload, the stream and set commands), from `moerl bench buffer` (bench/results/buffer.md:
 # 6.5-9.2 ns/B in both legs, 7.3-9.7 ms per 1.06 MB group and 428-438 ms per 65.7 MB routing-replay
 # group, on the 2-core dev VM at a load average of 10-19: an upper bound for a dedicated core).
 MAIN_THREAD_NS_PER_BYTE = 6.9

@@ -191,7 +191,7 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
         raise ManifestError(f"the mounted run config's store_url is {run.store_url!r}; the cluster's is s3://")
     from app.replica.manifests import secret_keys
 
-    # What `kubectl create secret` makes (README): a random value for every key the pods read.
+    # What `kubectl create secret` makes (docs/cluster.md): a random value for every key the pods read.
     secret_values = {name: {key: pysecrets.token_hex(16) for key in keys or {"password"}}
                      for name, keys in secret_keys(m).items()}
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,8 @@
-"""GRPO trainer: losses (grpo.py), batch collation (batch.py), the trainer (trainer.py, looped by
-loop.py, started by train.py) and policy publishing (publish.py). PPO (issue 9) will add its
-losses beside grpo.py."""
+"""The GRPO and PPO trainer: the policy losses (grpo.py), PPO's critic, GAE and value loss
+(ppo.py, critic.py), DAPO's dynamic sampling (sampling.py), batch intake and collation (intake.py,
+batch.py), the device mesh and sharded models (parallel.py, models.py), one optimizer step
+(step.py), the trainer (trainer.py, looped by loop.py, started by train.py), training state
+(state.py), policy publishing (publish.py) and the network weight push (weight_sync.py)."""
 
 
 class TrainingError(RuntimeError):

@@ -46,7 +46,7 @@ def build_optimizer(params, lr: float, betas: tuple[float, float], weight_decay:
 
     On CUDA the fused implementation (torch.optim.AdamW(fused=True), DTensor-aware): on the
     fp32 state at Qwen3-30B-A3B width its kernels took 37 ms a step against about 77 ms for the
-    multi-tensor "foreach" default (BENCHMARKS.md, `bench train-step --profile`). Elsewhere
+    multi-tensor "foreach" default (bench/results/train-step.md, `bench train-step --profile`). Elsewhere
     "foreach". One parameter group per device mesh: a fused step
     runs one kernel over a group, and its DTensor op refuses parameters of different meshes
     (experts live on the EP x expert-data-parallel mesh, the rest on the data-parallel mesh;

@@ -12,7 +12,7 @@ expert-grouped row order (a token appears once per selected expert, so up to K t
 Plain differentiable indexing would give the same numbers, but its backward is a scatter-add
 (`index_add_` / `index_put_` with accumulate) with atomics in the activations' dtype:
 nondeterministic, bf16 accumulation, and on an H200 the largest non-GEMM cost of the layer
-(profile in BENCHMARKS.md). Here both directions are gathers. The gather-sum reads each row
+(profile in bench/results/moe.md). Here both directions are gathers. The gather-sum reads each row
 once, accumulates in fp32 and writes [T, H] once, with no [T*K, H] intermediate: on CUDA with
 triton, `kernels.gather_sum`; elsewhere `torch.nn.functional.embedding_bag(mode="sum")` with
 one bag per token (fp32 accumulation for bf16 on CPU too).
