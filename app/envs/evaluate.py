@@ -198,8 +198,11 @@ def evaluate_run_policy(cfg, model_dir: str | os.PathLike, env_url: str | None =
     stock transformers, the task's held-out problems (episodes of ``env.name``, its server at
     ``env_url`` for a user's), sampled at ``rollout.temperature`` (4 per problem) and greedy.
     The warm-up and `moerl run` (before and after RL) measure it alike."""
+    from transformers.utils import logging as hf_logging
+
     from app.envs.tasks import make_splits
 
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar in logs and between the run's own lines
     _, heldout = make_splits(cfg.task)
     return evaluate_checkpoint(model_dir, heldout, temperature=cfg.rollout.temperature,
                                max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.task.seed,

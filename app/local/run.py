@@ -334,8 +334,6 @@ def held_out_reward(cfg: RunConfig, model_dir: Path, env_url: str | None = None,
     Raises:
         ValueError: a user's environment failed the episodes or broke the reward rule (one line).
     """
-    from transformers.utils import logging as hf_logging
-
     from app.envs.env_client import EnvError
     from app.envs.evaluate import evaluate_run_policy, evaluation_key, evaluation_size
     from app.envs.tasks import make_splits
@@ -345,7 +343,6 @@ def held_out_reward(cfg: RunConfig, model_dir: Path, env_url: str | None = None,
         w = json.loads(recorded.read_text())
         if w.get("evaluation") == evaluation_key(cfg) and w.get("heldout"):
             return {"n": w["heldout"]["n"], "mean_reward": w["heldout"]["sampled"], "greedy": w["heldout"]["greedy"]}
-    hf_logging.disable_progress_bar()  # the live bar and the summary are the run's output
     _, heldout = make_splits(cfg.task)
     try:
         if not label:
@@ -440,8 +437,8 @@ def start_environment(loop: EmbeddedLoop, out: Console) -> None:
 def start_training(loop: EmbeddedLoop, base: Path, resume: bool) -> None:
     """Start the trainer gang, the engines and the rollout workers, with a live line until every
     engine answers."""
-    n = loop.workers
-    with Stage(console, f"start-up: trainer, {n} engine{'s' if n > 1 else ''} and rollout worker{'s' if n > 1 else ''}"):
+    n, s = loop.workers, "s" if loop.workers > 1 else ""
+    with Stage(console, f"start-up: trainer, {n} engine{s} and {n} rollout worker{s}"):
         loop.start_trainer(resume=resume)
         loop.start_rollout(base)
 
@@ -600,6 +597,12 @@ def end_unfinished(loop: EmbeddedLoop, before: dict | None, started: float, resu
         typer.Exit: always, with ``code``.
     """
     if loop.metrics() and before is not None:
+        # The roles first (the trainer ends its step), Redis last: the summary counts every step
+        # and reads the workers' failure reasons.
+        loop.stop_rollout()
+        trainer = loop.sup.procs.get("trainer")
+        if trainer is not None:
+            trainer.stop(loop.cfg.rollout.drain_grace_s + 5)
         summary = summarize(loop, before, None, started)
         close_failed(loop, keep=True)
         print_summary(summary)
@@ -628,8 +631,8 @@ def load_resumed_config(run_dir: Path, steps: int | None, sets: list[str] | None
 
     done = read_steps(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
     if done and done[-1]["step"] >= cfg.trainer.steps:
-        raise ValueError(f"--resume {run_dir}: the run made its {cfg.trainer.steps} steps already; give --steps N "
-                         f"with N > {done[-1]['step']} to train further")
+        raise ValueError(f"--resume {run_dir}: the run made {done[-1]['step']} steps already (trainer.steps "
+                         f"{cfg.trainer.steps}); give --steps N with N > {done[-1]['step']} to train further")
     return cfg
 
 
