@@ -240,3 +240,34 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
         for s in family.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
+
+
+def guess_number_at(tmp_path: Path, url: str, **task) -> Path:
+    """examples/guess_number/run.yaml with ``env.url`` a server at ``url`` (a test's own) instead of
+    `moerl env`, without its demonstrations file, ``task`` fields changed; written to
+    ``tmp_path/run.yaml``, whose path is returned."""
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = yaml.safe_load((root / "examples/guess_number/run.yaml").read_text())
+    cfg["env"] = {**cfg["env"], "name": "guess-number", "url": url}
+    cfg["env"].pop("demos_path")
+    cfg["task"].update(task)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    return tmp_path / "run.yaml"
+
+
+def moerl_run_fails_in_one_line(tmp_path: Path, config: Path, timeout_s: float = 600) -> str:
+    """Run ``moerl run --config CONFIG --out tmp_path/run --cache tmp_path/cache`` and return its
+    one stderr line, after checking that it exited 2 and left no run directory and nothing in the
+    warm-up cache."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "run", "--config", str(config), "--out",
+                           str(tmp_path / "run"), "--cache", str(tmp_path / "cache")],
+                          capture_output=True, text=True, timeout=timeout_s, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stdout, proc.stdout[-3000:] + proc.stderr
+    assert not (tmp_path / "run").exists() and not list((tmp_path / "cache").glob("*"))
+    return lines[0]

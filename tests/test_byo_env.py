@@ -28,7 +28,7 @@ from app.config import RunConfig
 from app.envs.environments import TextAction, TextObservation
 from app.envs.wire import WireError, wire_format
 from examples.guess_number.env import GuessAction, GuessNumberEnv, GuessObservation, bisect, secret_of
-from helpers import EnvServer
+from helpers import EnvServer, guess_number_at, moerl_run_fails_in_one_line
 
 ROOT = Path(__file__).resolve().parents[1]
 GUESS = "examples.guess_number.env:GuessNumberEnv"
@@ -238,21 +238,11 @@ def test_a_rollout_worker_refuses_an_external_server_whose_reset_drops_spec_at_s
 def test_moerl_run_refuses_an_external_server_whose_reset_drops_spec(tmp_path):
     """One line, exit 2, naming 'spec'; no warm-up, no run directory left."""
     server = CountingServer(NoSpecEnv)
-    cfg = yaml.safe_load((ROOT / "examples/guess_number/run.yaml").read_text())
-    cfg["env"] = {**cfg["env"], "name": "guess-number", "url": server.url}
-    cfg["env"].pop("demos_path")
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    out = tmp_path / "run"
     try:
-        proc = subprocess.run([sys.executable, "-m", "app.cli", "run", "--config", str(tmp_path / "run.yaml"),
-                               "--out", str(out), "--cache", str(tmp_path / "cache")],
-                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+        line = moerl_run_fails_in_one_line(tmp_path, guess_number_at(tmp_path, server.url))
     finally:
         server.stop()
-    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [x for x in proc.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and "drops 'spec'" in lines[0], proc.stderr
-    assert not out.exists() and not (tmp_path / "cache").exists()
+    assert "drops 'spec'" in line
 
 
 class OneSessionEnv(GuessNumberEnv):
@@ -294,29 +284,15 @@ def test_moerl_env_refuses_a_class_that_does_not_support_concurrent_sessions():
 
 def test_moerl_run_against_openenvs_one_session_server_is_one_line_and_exit_2(tmp_path):
     server = CountingServer(OneSessionEnv, openenv_defaults=True)
-    cfg = yaml.safe_load((ROOT / "examples/guess_number/run.yaml").read_text())
-    cfg["env"] = {**cfg["env"], "name": "guess-number", "url": server.url}
-    cfg["env"].pop("demos_path")
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    out = tmp_path / "run"
     try:
-        proc = subprocess.run([sys.executable, "-m", "app.cli", "run", "--config", str(tmp_path / "run.yaml"),
-                               "--out", str(out), "--cache", str(tmp_path / "cache")],
-                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+        line = moerl_run_fails_in_one_line(tmp_path, guess_number_at(tmp_path, server.url))
     finally:
         server.stop()
-    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [x for x in proc.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and "SUPPORTS_CONCURRENT_SESSIONS = True" in lines[0], proc.stderr
-    assert not out.exists() and not (tmp_path / "cache").exists()
+    assert "SUPPORTS_CONCURRENT_SESSIONS = True" in line
 
 
 def _unreachable_env_config(tmp_path) -> Path:
-    cfg = yaml.safe_load((ROOT / "examples/guess_number/run.yaml").read_text())
-    cfg["env"] = {**cfg["env"], "name": "guess-number", "url": f"http://127.0.0.1:{free_port()}"}
-    cfg["env"].pop("demos_path")
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    return tmp_path / "run.yaml"
+    return guess_number_at(tmp_path, f"http://127.0.0.1:{free_port()}")
 
 
 def test_moerl_run_with_an_unreachable_env_url_is_one_line_and_exit_2(tmp_path):

@@ -66,8 +66,11 @@ async def _play_chunk(model, tokenizer, specs: list[str], env_cfg, url: str, wir
         for _ in range(env_cfg.max_turns):
             if not active:
                 break
-            turns = _generate(model, pad, tokenizer.eos_token_id, [seqs[i] for i in active], temperature,
-                              max_new_tokens)
+            # In a thread: the event loop must keep answering the sessions' keepalive pings while the
+            # model generates (a loaded CPU took longer than the server's ping timeout, which then
+            # closed every session: "keepalive ping timeout", code 1011).
+            turns = await asyncio.to_thread(_generate, model, pad, tokenizer.eos_token_id, [seqs[i] for i in active],
+                                            temperature, max_new_tokens)
             sending = []
             for i, (turn, finished) in zip(active, turns):
                 if not finished and overlong_reward is not None:

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -233,24 +235,32 @@ def run_warmup(cfg: RunConfig, out: Path, threads: int | None = 1, log=print, en
         losses = warm_up(model, tokenizer, train, t.warmup_steps, t.warmup_lr, t.warmup_batch_size, t.seed, log,
                          env_cfg=cfg.env, examples=examples)
     wall = time.monotonic() - t0
-    save_policy(model, out, EPContext.local(), overwrite=True)
-    save_tokenizer(out, tokenizer)
-    # The held-out figure as `moerl run` measures it (from the saved checkpoint), so that it can
-    # take this one as its "before RL" instead of measuring the same thing again.
-    total, done = evaluation_size(heldout), [0, 0]
+    # Written beside `out` and renamed once its evaluation is in warmup.json: a warm-up whose
+    # evaluation failed (a user environment's null rewards) leaves nothing `moerl run` would reuse.
+    staging = out.parent / f".{out.name}.staging"
+    try:
+        save_policy(model, staging, EPContext.local(), overwrite=True)
+        save_tokenizer(staging, tokenizer)
+        # The held-out figure as `moerl run` measures it (from the saved checkpoint), so that it
+        # can take this one as its "before RL" instead of measuring the same thing again.
+        total, done = evaluation_size(heldout), [0, 0]
 
-    def progress(n: int) -> None:
-        done[0] += n
-        if done[0] >= done[1] + total / 10 or done[0] == total:
-            done[1] = done[0]
-            log(f"warmup: held-out evaluation {done[0]}/{total}")
+        def progress(n: int) -> None:
+            done[0] += n
+            if done[0] >= done[1] + total / 10 or done[0] == total:
+                done[1] = done[0]
+                log(f"warmup: held-out evaluation {done[0]}/{total}")
 
-    result = evaluate_run_policy(cfg, out, env_url, progress=progress)
-    summary = dict(task=t.name, steps=t.warmup_steps if fitted else 0, first_loss=losses[0], last_loss=losses[-1],
-                   wall_s=round(wall, 2), heldout=asdict(result), evaluation=evaluation_key(cfg), checkpoint=str(out))
-    tmp = out / ".warmup.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1))
-    tmp.replace(out / "warmup.json")
+        result = evaluate_run_policy(cfg, staging, env_url, progress=progress)
+        summary = dict(task=t.name, steps=t.warmup_steps if fitted else 0, first_loss=losses[0],
+                       last_loss=losses[-1], wall_s=round(wall, 2), heldout=asdict(result),
+                       evaluation=evaluation_key(cfg), checkpoint=str(out))
+        (staging / "warmup.json").write_text(json.dumps(summary, indent=1))
+        if out.exists():  # an earlier warm-up (checked above): replaced
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     log(f"warmup done in {wall:.1f}s: loss {losses[0]:.3f} -> {losses[-1]:.3f}; held-out mean reward "
         f"sampled(T={result.temperature}) {result.sampled:.3f}, greedy {result.greedy:.3f}; saved {out}")
     return summary

@@ -468,7 +468,7 @@ def progress_loop(loop: EmbeddedLoop, feeder: TaskFeeder, steps: int) -> None:
                 verdict = every_rollout_fails(stats, health, loop.cfg.trainer.groups_per_step)
                 if verdict:
                     raise RunFailed(verdict, code=2)
-                info = training_info(records, health, stats)
+                info = training_info(records, health)
                 bar.update(task, completed=records[-1]["step"] if records else 0, info=info)
                 if not console.is_terminal and time.monotonic() - plain_at >= PLAIN_EVERY_S:
                     plain_at = time.monotonic()

@@ -86,8 +86,7 @@ class Stage:
                                f"{self._plain_progress()}", soft_wrap=True)
 
 
-def training_info(records: list[dict], health: RolloutHealth | None, stats: dict | None,
-                  now: float | None = None) -> str:
+def training_info(records: list[dict], health: RolloutHealth | None, now: float | None = None) -> str:
     """The text beside the training bar: the last step's figures, the workers' failures so far
     and, when no step came for `QUIET_STEP_S` seconds, what they wait on."""
     now = time.time() if now is None else now
