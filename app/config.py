@@ -71,8 +71,9 @@ class RouterConfig(Section):
 class ModelConfig(Section):
     """The policy: a preset built in code or a Hugging Face checkpoint directory."""
 
-    preset: Literal["tiny-qwen3-moe", "tiny-deepseek-v3"] = Field("tiny-qwen3-moe", description="The model "
-                                                                   "built in code when path is None.")
+    preset: Literal["tiny-qwen3-moe", "tiny-deepseek-v3", "gpu-qwen3-moe"] = Field(
+        "tiny-qwen3-moe", description="The model built in code when path is None (app/model/config.py): the tiny "
+        "ones for the CPU, gpu-qwen3-moe (424 M parameters) for one GPU.")
     path: str | None = Field(None, description="Base checkpoint: a local HF directory, an s3:// "
                              "prefix or a Hugging Face Hub id (owner/name); overrides preset.")
     cache_dir: str = Field("runs/model-cache", description="Node-local directory where an s3:// or "
@@ -525,6 +526,15 @@ def _describe(e: ValidationError) -> str:
     return "invalid run config: " + error_line(e, "(run config)")
 
 
+class LocalConfig(Section):
+    """`moerl run` on one machine (app/local/machine.py sizes the roles from its cores and GPUs)."""
+
+    trainer_gpus: int | None = Field(
+        None, ge=1, description="GPUs the trainer takes, one rank on each (NCCL); the built-in engines take the "
+        "others, or share the trainer's when it takes every GPU. None: the one GPU of a one-GPU machine "
+        "(shared with the engines), else half of them. Must be unset where there is no GPU.")
+
+
 class RunConfig(Section):
     """Everything one run needs, shared by the trainer, rollout workers and the buffer."""
 
@@ -540,6 +550,8 @@ class RunConfig(Section):
     env: EnvConfig = Field(EnvConfig(), description="Multi-turn environments (docs/environments.md).")
     feed: FeedConfig = Field(FeedConfig(), description="The prompt source and its held-out evaluation.")
     weight_sync: WeightSyncConfig = Field(WeightSyncConfig(), description="How policy versions reach the engines.")
+    local: LocalConfig = Field(LocalConfig(), description="`moerl run` on one machine: how the trainer and the "
+                               "engines split its GPUs (app/local/machine.py).")
 
     @model_validator(mode="before")
     @classmethod

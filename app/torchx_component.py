@@ -3,8 +3,11 @@
     torchx run -s local_cwd app/torchx_component.py:trainer --nproc_per_node 2 --config run.yaml
     torchx run -s local_cwd app/torchx_component.py:rollout --config run.yaml --model_path <hf dir>
     torchx run -s local_cwd app/torchx_component.py:job --config run.yaml --model_path <hf dir>
-    torchx run -s kubernetes -cfg queue=default,namespace=moerl,service_account=moerl-trainer \
+    torchx run -s kubernetes -cfg queue=default,namespace=moerl,service_account=<the run's, below> \
         app/torchx_component.py:trainer --image <ecr>/moerl/trainer:<tag> --nnodes 16 --nproc_per_node 8 ...
+
+(the run's service account: DeploymentConfig.trainer_service_account_of(run_id), infra/config.py;
+one per trainer_runs entry, whose Pod Identity role writes that entry's runs only)
 
 The commands below are the single source of the containers' command lines: charts8s/ builds
 its rollout Deployment from `engine_command` / `worker_command` and its trainer Volcano Job from

@@ -9,8 +9,8 @@ A/B (e.g. all-to-all vs DeepEP) is applied, read and deleted on its own.
 - the Job ``moerl-bench-<name>`` (CPU, env-cpu pool): ``moerl bench rollout`` against every
   leader's URL, which waits for them to answer, runs for ``seconds`` and prints aggregate
   tokens/s, tokens/s per GPU and request latency percentiles (``kubectl logs job/...``);
-- NetworkPolicies: the engines accept the Job's requests on the engine port, and their own
-  LeaderWorkerSet group's traffic (charts8s/rollout.py `engine_network_policies`).
+- NetworkPolicies (charts8s/contract.py): the engines accept the Job's requests on the engine
+  port, and their own LeaderWorkerSet group's traffic.
 
 The engines serve on the pod network, so SGLang asks for a key on every route but its health
 checks (``--api-key``: generation; ``--admin-api-key``: weight updates, profiling, cache control),
@@ -28,22 +28,17 @@ from app.rollout.engine_args import EngineLayout
 from charts8s.cluster import ENV_SERVICE, run_config_volume
 from charts8s.kube import api_object, k8s_module
 from charts8s.lws import leader_worker_set
-from charts8s.netpol import dns, pod_identity, pods, policy, public_https, tcp
+from charts8s.contract import BENCH_ENGINE, BENCH_JOB, bench_fleet, contract_policies
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
-from charts8s.rollout import (API_KEY, NO_PROBE_SKIPS, ROLLOUT_SKIPS, UID, engine_container, engine_network_policies,
-                              engine_pod, keyed_engine)
+from charts8s.rollout import API_KEY, NO_PROBE_SKIPS, ROLLOUT_SKIPS, UID, engine_container, engine_pod, keyed_engine
 from charts8s.workloads import Plan
 
 WAIT_S = 3600  # how long the Job waits for the engines to load the model and answer
 
 
-def fleet_name(profile: str) -> str:
-    return f"moerl-bench-{profile}"
-
-
 def engine_urls(plan: Plan, profile: str) -> list[str]:
     """The leader URL of every engine of a bench fleet (LeaderWorkerSet DNS names)."""
-    name, bench = fleet_name(profile), plan.wl.bench_rollout
+    name, bench = bench_fleet(profile), plan.wl.bench_rollout
     return [f"http://{name}-{i}.{name}.{plan.namespace}.svc.cluster.local:{plan.wl.rollout.engine_port}"
             for i in range(bench.engines)]
 
@@ -68,7 +63,7 @@ class BenchRolloutChart(cdk8s.Chart):
         super().__init__(scope, f"bench-rollout-{profile}")
         k8s, ns = k8s_module(plan.cfg.k8s_version), plan.namespace
         layout = plan.bench_layouts()[profile]
-        name = fleet_name(profile)
+        name = bench_fleet(profile)
         lab = labels(name)
         secret = plan.wl.bench_rollout.api_key_secret
         leader = engine_pod(plan, name, [keyed_engine(engine_container(plan, layout, leader=True, host="0.0.0.0"), secret)])
@@ -103,12 +98,6 @@ class BenchRolloutChart(cdk8s.Chart):
             CKV_K8S_35="the engines' API key is a bearer token read once from the environment at start",
         ), spec={"backoffLimit": 0, "ttlSecondsAfterFinished": 86400,
                  "template": {"metadata": {"labels": job_lab}, "spec": pod}})
-        port = plan.wl.rollout.engine_port
         # The engines take the Job's requests and their own group's traffic; out: the model (S3, Hub).
-        engine_network_policies(self, k8s, name, ns, lab, groups=plan.wl.bench_rollout.engines,
-                                multi_node=layout.nodes > 1,
-                                ingress=[pods(job_lab, [tcp(port)], direction="from")],
-                                egress=[pod_identity(), public_https(plan.cfg.vpc_cidr)])
         # The Job only dials out: to the engines, and HTTPS for the run's tokenizer.
-        policy(self, k8s, f"{name}-job", ns, job_lab, ingress=[], egress=[
-            dns(), pods(lab, [tcp(port)], direction="to"), public_https(plan.cfg.vpc_cidr)])
+        contract_policies(self, k8s, plan, [BENCH_ENGINE.format(p=profile), BENCH_JOB.format(p=profile)])

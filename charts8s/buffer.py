@@ -27,16 +27,15 @@ from constructs import Construct
 from app.buffer.acl import ROLES, server_args
 from app.buffer.keys import SET_KEYS, STREAM_KEYS, buffer_keys
 from app.names import PASSWORD_ENV, USER_ENV
-from charts8s.cluster import BUFFER_SERVICE, FEED, REDIS_DB, REDIS_EXPORTER_PORT, REDIS_PORT, ROLLOUT, TRAINER
+from charts8s.cluster import BUFFER_SERVICE, REDIS_DB, REDIS_EXPORTER_PORT, REDIS_PORT
+from charts8s.contract import BUFFER, contract_policies
 from charts8s.kube import api_object, k8s_module
 from charts8s.monitoring import METRICS_PORT_NAME, metrics_port
-from charts8s.netpol import policy, tcp
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 
 NAME = BUFFER_SERVICE
 STORAGE_CLASS = "moerl-gp3"
 UID = 10001  # any UID runs redis-server; fsGroup makes /data writable
-CLIENTS = (ROLLOUT, TRAINER, FEED)  # the pods with a Redis user; nothing else reaches port 6379
 ADMIN_KEY = "password"  # the Secret's key of the default user's password (one key per role besides)
 EXPORTER = "redis-exporter"
 # A few MB of Go heap for INFO and the keys below; the upstream Kubernetes example requests 100m.
@@ -143,6 +142,5 @@ class BufferChart(cdk8s.Chart):
         })
         api_object(self, k8s.KubeService, NAME, ns, labels=lab, spec={
             "selector": lab, "ports": [{"name": "redis", "port": REDIS_PORT, "targetPort": REDIS_PORT}]})
-        # In: the roles with a Redis user, on 6379. Out: nothing (the exporter reads loopback).
-        policy(self, k8s, NAME, ns, lab, egress=[], ingress=[
-            {"from": [{"podSelector": {"matchLabels": labels(c)}} for c in CLIENTS], "ports": [tcp(REDIS_PORT)]}])
+        # In: the processes with a Redis user, on 6379. Out: nothing (the exporter reads loopback).
+        contract_policies(self, k8s, plan, [BUFFER])

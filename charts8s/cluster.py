@@ -18,6 +18,7 @@ RUN_CONFIG_KEY = "run.yaml"
 TRAINER = "moerl-trainer"  # the trainer's Volcano Job, its pods' component label (charts8s/trainer.py)
 ROLLOUT = "moerl-rollout"  # the engines' Deployment or LeaderWorkerSet (charts8s/rollout.py)
 ROLLOUT_WORKER = "moerl-rollout-worker"  # the workers of multi-node engines, a StatefulSet (charts8s/rollout.py)
+ROUTER = "moerl-router"  # SGLang's router in front of the engines, a Deployment (charts8s/router.py)
 FEED = "moerl-feed"  # the prompt source's Deployment (charts8s/feed.py)
 BUFFER_SERVICE = "moerl-buffer"
 REWARD_MODEL_SERVICE = "moerl-reward-model"  # charts8s/rewardmodel.py, when task.reward_model is set
@@ -93,7 +94,9 @@ class ClusterChart(cdk8s.Chart):
             # Pod Security Admission: reject anything beyond the "restricted" profile.
             "pod-security.kubernetes.io/enforce": "restricted",
         })
-        for sa in sorted({cfg.trainer_service_account, cfg.rollout_service_account, BUFFER_SERVICE, ENV_SERVICE}):
+        # The trainer's account is its run's (one per trainer_runs entry, infra/config.py).
+        trainer_sa = cfg.trainer_service_account_of(plan.run.run_id)
+        for sa in sorted({trainer_sa, cfg.rollout_service_account, BUFFER_SERVICE, ENV_SERVICE}):
             # No pod calls the Kubernetes API: no API token anywhere. Pod Identity does not need it:
             # its webhook adds a projected token of its own (audience pods.eks.amazonaws.com) to
             # pods of an associated service account (aws/amazon-eks-pod-identity-webhook, handler.go).

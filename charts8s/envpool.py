@@ -17,6 +17,7 @@ from constructs import Construct
 
 from app.names import CLUSTER_CONFIG
 from charts8s.cluster import ENV_SERVICE, run_config_volume
+from charts8s.contract import ENV, contract_policies
 from charts8s.kube import api_object, k8s_module, rollout_facing_service
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 
@@ -70,5 +71,7 @@ class EnvPoolChart(cdk8s.Chart):
                                                "labelSelector": {"matchLabels": lab}}],
             }},
         })
-        # Out: DNS only. Environments and verifiers need nothing else, and model output runs here.
         rollout_facing_service(self, k8s, NAME, ns, lab, e.port)
+        # In: the rollout workers. Out: DNS only; environments and verifiers need nothing else,
+        # and model output runs here.
+        contract_policies(self, k8s, plan, [ENV])

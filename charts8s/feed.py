@@ -30,10 +30,10 @@ from constructs import Construct
 from app.names import CLUSTER_CONFIG
 from app.torchx_component import engine_command
 from charts8s.buffer import redis_credentials
-from charts8s.cluster import BUFFER_SERVICE, FEED, REDIS_PORT, run_config_volume
+from charts8s.cluster import FEED, run_config_volume
+from charts8s.contract import FEED_POD, contract_policies
 from charts8s.fsx import mount_fsx
 from charts8s.kube import api_object, k8s_module
-from charts8s.netpol import dns, pod_identity, pods, policy, public_https, tcp
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 from charts8s.rollout import model_init_container, served_model_path
 from charts8s.workloads import Plan
@@ -142,6 +142,4 @@ class FeedChart(cdk8s.Chart):
             "maxUnavailable": 1, "selector": {"matchLabels": lab}})
         # Nothing calls into the feed pod: the engine is on loopback, the feeder only dials out, to
         # the buffer, the Pod Identity agent and HTTPS (the task file, policy versions, the model).
-        policy(self, k8s, NAME, ns, lab, ingress=[], egress=[
-            dns(), pods(labels(BUFFER_SERVICE), [tcp(REDIS_PORT)], direction="to"), pod_identity(),
-            public_https(plan.cfg.vpc_cidr)])
+        contract_policies(self, k8s, plan, [FEED_POD])

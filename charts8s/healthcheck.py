@@ -37,8 +37,9 @@ from charts8s.kube import api_object, k8s_module
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 from charts8s.workloads import Plan
 from infra.addons import NODE_AGENT_DCGM, addon_versions
+from infra.charts import HEALTH_NAMESPACE
 
-NAMESPACE = "moerl-health"
+NAMESPACE = HEALTH_NAMESPACE
 DCGM_JOB, NCCL_JOB, NCCL_SERVICE = "gpu-dcgm-diag", "gpu-nccl-allreduce", "gpu-nccl-allreduce"
 DCGM_HOSTS = ("node", "embedded")
 

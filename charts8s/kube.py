@@ -49,18 +49,11 @@ def api_object(
     return obj
 
 
-def rollout_facing_service(scope: Construct, k8s: ModuleType, name: str, namespace: str, lab: dict, port: int,
-                           egress: list[dict] | None = None) -> None:
+def rollout_facing_service(scope: Construct, k8s: ModuleType, name: str, namespace: str, lab: dict, port: int) -> None:
     """The Service (`port`, the pods' own: the VPC CNI enforces NetworkPolicies only when a
-    Service's port is its pods'), PodDisruptionBudget (one pod down at a time) and NetworkPolicy
-    (ingress from rollout workers only; egress ``egress``, DNS included) of an HTTP server that
-    rollout workers call (the env pool, the reward model)."""
-    from charts8s.netpol import dns, pods, policy, tcp
-    from charts8s.placement import labels
-
+    Service's port is its pods') and PodDisruptionBudget (one pod down at a time) of an HTTP
+    server that rollout workers call (the env pool, the reward model)."""
     api_object(scope, k8s.KubeService, name, namespace, labels=lab, spec={
         "selector": lab, "ports": [{"name": "http", "port": port, "targetPort": port}]})
     api_object(scope, k8s.KubePodDisruptionBudget, name, namespace, labels=lab, spec={
         "maxUnavailable": 1, "selector": {"matchLabels": lab}})
-    policy(scope, k8s, name, namespace, lab, ingress=[pods(labels("moerl-rollout"), [tcp(port)], direction="from")],
-           egress=[dns(), *(egress or [])])

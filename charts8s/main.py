@@ -90,9 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=os.environ.get("MOERL_DEPLOY_CONFIG"), help="deployment overrides YAML (infra)")
     p.add_argument("--workloads", default=os.environ.get("MOERL_WORKLOADS"), help="workloads YAML (charts8s)")
     p.add_argument("--outdir", default=os.environ.get("CDK8S_OUTDIR", "dist"))
+    p.add_argument("--read-model-config", action="store_true",
+                   help="read the served model's config.json from the store with this machine's AWS credentials "
+                        "(an FP8 copy is then refused here, not at the engine pods' start)")
     args = p.parse_args(argv)
     try:
-        plan = load_workloads(load_config(args.env, args.config), args.workloads)
+        plan = load_workloads(load_config(args.env, args.config), args.workloads, read_store=args.read_model_config)
         files = build(plan, args.outdir)
     except (ConfigError, WorkloadError, RuntimeError) as e:
         print(f"charts8s: {e}", file=sys.stderr)

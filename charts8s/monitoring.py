@@ -7,7 +7,8 @@ target. Each selects one role's pods by their labels (charts8s.placement.labels)
 container port named "metrics": app.names.METRICS_PORT on trainer rank 0 and the rollout
 workers, the Redis exporter's port (charts8s.cluster.REDIS_EXPORTER_PORT) on the buffer pod,
 whose sidecar (charts8s/buffer.py) exports redis-server's figures and the length of the run's
-queue keys. A pod that declares no such port is no target, so only trainer rank 0, which serves
+queue keys, and with ``rollout.router`` the router's ``rollout.router_metrics_port``. The roles and
+ports are charts8s/contract.py's rows from Prometheus (`scraped`). A pod that declares no such port is no target, so only trainer rank 0, which serves
 the trainer's figures, is scraped. NetworkPolicies add up: the ones here only open the metrics
 port to the monitoring namespace beside the roles' own policies.
 
@@ -25,7 +26,7 @@ import cdk8s
 from constructs import Construct
 
 from app.names import METRICS_PORT
-from charts8s.cluster import BUFFER_SERVICE, REDIS_EXPORTER_PORT, ROLLOUT, ROLLOUT_WORKER, TRAINER
+from charts8s.contract import COMPONENT, PROMETHEUS, TABLE, applies, ports
 from charts8s.kube import api_object, k8s_module
 from charts8s.placement import labels
 from charts8s.workloads import Plan
@@ -35,10 +36,18 @@ API_VERSION = "monitoring.coreos.com/v1"
 KIND = "PodMonitor"
 METRICS_PORT_NAME = "metrics"
 SCRAPE_INTERVAL = "15s"
-# Roles that serve /metrics, and the number of their port named METRICS_PORT_NAME. The buffer's
-# counters (buffer.stats()) also come from trainer rank 0; its exporter adds Redis's own figures.
-SCRAPED = {TRAINER: METRICS_PORT, ROLLOUT: METRICS_PORT, ROLLOUT_WORKER: METRICS_PORT,
-           BUFFER_SERVICE: REDIS_EXPORTER_PORT}
+
+
+def scraped(plan: Plan | None = None) -> dict[str, int]:
+    """Roles that serve /metrics, and the number of their port named METRICS_PORT_NAME: the rows of
+    charts8s/contract.py TABLE from Prometheus into the namespace that hold for ``plan`` (None:
+    those of every render). The buffer's counters (buffer.stats()) also come from trainer rank 0;
+    its exporter adds Redis's own figures; the router's, with ``rollout.router``."""
+    return {r.dst.removeprefix(COMPONENT): ports(plan, r.ports)[0]["port"] for r in TABLE
+            if r.src == PROMETHEUS and r.dst.startswith(COMPONENT) and (applies(plan, r.when) if plan else r.when == "always")}
+
+
+SCRAPED = scraped()
 
 _LABEL_SELECTOR = {"$ref": "/api/_definitions.json#/$defs/io.k8s.apimachinery.pkg.apis.meta.v1.LabelSelector"}
 _OBJECT_META = {"$ref": "/api/_definitions.json#/$defs/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"}
@@ -74,12 +83,12 @@ def metrics_port(port: int = METRICS_PORT) -> dict:
 
 
 class MonitoringChart(cdk8s.Chart):
-    """One PodMonitor and one scrape NetworkPolicy per role in SCRAPED."""
+    """One PodMonitor and one scrape NetworkPolicy per role of `scraped` (the router's with ``rollout.router``)."""
 
     def __init__(self, scope: Construct, plan: Plan):
         super().__init__(scope, "monitoring")
         k8s, ns = k8s_module(plan.cfg.k8s_version), plan.namespace
-        for role, port in SCRAPED.items():
+        for role, port in scraped(plan).items():
             lab = labels(role)
             obj = cdk8s.ApiObject(self, f"{KIND}-{role}", api_version=API_VERSION, kind=KIND,
                                   metadata=cdk8s.ApiObjectMetadata(name=role, namespace=ns, labels=lab))

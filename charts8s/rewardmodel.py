@@ -16,7 +16,7 @@ from constructs import Construct
 from app.names import CLUSTER_CONFIG
 from charts8s.cluster import ENV_SERVICE, REWARD_MODEL_SERVICE, run_config_volume
 from charts8s.kube import api_object, k8s_module, rollout_facing_service
-from charts8s.netpol import public_https
+from charts8s.contract import REWARD, contract_policies
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 from charts8s.workloads import Plan
 
@@ -72,5 +72,6 @@ class RewardModelChart(cdk8s.Chart):
                             {"name": "tmp", "emptyDir": {"sizeLimit": "4Gi"}}],
             }},
         })
-        # Out: DNS and HTTPS only (the model from the Hub; no AWS credentials in this pod).
-        rollout_facing_service(self, k8s, NAME, ns, lab, rm.port, egress=[public_https(plan.cfg.vpc_cidr)])
+        rollout_facing_service(self, k8s, NAME, ns, lab, rm.port)
+        # In: the rollout workers. Out: DNS, and HTTPS for a Hub model (no AWS credentials here).
+        contract_policies(self, k8s, plan, [REWARD])

@@ -47,14 +47,14 @@ from app.rollout.engine_args import LWS_GROUP_SIZE, LWS_LEADER_ADDRESS, LWS_WORK
 from app.torchx_component import EFA_ENV, EFA_RESOURCE, HUGEPAGES_RESOURCE, NVSHMEM_EFA_ENV, worker_command
 from charts8s.buffer import redis_credentials
 from charts8s.fsx import fsx_model_path, mount_fsx
-from charts8s.cluster import (BUFFER_SERVICE, ENV_SERVICE, REDIS_PORT, REWARD_MODEL_SERVICE, ROLLOUT, ROLLOUT_WORKER, TRAINER,
-                              WEIGHT_SOURCE_LABEL, run_config_volume, weight_group_port)
+from charts8s.cluster import ROLLOUT, ROLLOUT_WORKER, run_config_volume
+from charts8s.contract import ENGINE, ENGINE_HTTP, FETCHER, WORKER, contract_policies
 from charts8s.kube import api_object, k8s_module
 from charts8s.lws import ROLE_LABEL, leader_worker_set
 from charts8s.monitoring import metrics_port
-from charts8s.netpol import dns, nccl_ports, pod_identity, pods, policy, port_range_sysctl, public_https, tcp
+from charts8s.netpol import port_range_sysctl
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
-from charts8s.router import NAME as ROUTER, router_url
+from charts8s.router import router_url
 from charts8s.workloads import CACHE_GI, TMP_GI, Plan
 
 NAME = ROLLOUT
@@ -126,7 +126,8 @@ def model_init_container(plan: Plan) -> dict | None:
     res = {"cpu": "8", "memory": "16Gi"}
     return {
         "name": "model", "image": plan.images["rollout"], "imagePullPolicy": "IfNotPresent",
-        "command": ["python3", "-m", "app.model.source", model, "--cache-dir", BASE_MODEL_DIR],
+        # --unquantized: a copy whose config.json keeps a quantization_config stops here (workloads.served_config)
+        "command": ["python3", "-m", "app.model.source", model, "--cache-dir", BASE_MODEL_DIR, "--unquantized"],
         "resources": {"requests": res, "limits": res},
         "securityContext": container_security(),
         "volumeMounts": [{"name": "models", "mountPath": "/models"}, {"name": "tmp", "mountPath": "/tmp"}],
@@ -329,61 +330,6 @@ def worker_set_pod(plan: Plan) -> dict:
     })
 
 
-LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"  # set on every pod of a group by the LWS controller
-LWS_GROUP_LABEL = "leaderworkerset.sigs.k8s.io/group-index"  # (kubernetes-sigs/lws api/leaderworkerset/v1)
-
-
-def engine_network_policies(scope: Construct, k8s, name: str, namespace: str, lab: dict, *, groups: int,
-                            multi_node: bool, ingress: list[dict], egress: list[dict]) -> None:
-    """The NetworkPolicies of a fleet of engines ``name`` (pods labelled ``lab``): ``ingress`` and
-    ``egress`` (DNS added) for every pod; for multi-node engines, one policy per LeaderWorkerSet
-    group ``<name>-group-<g>`` letting the pods of group g, and only them, talk to each other on
-    every port (SGLang's torch.distributed rendezvous and NCCL bootstrap go over the pod network;
-    EFA traffic does not). A group beyond ``groups`` (scaled by hand) has no such policy: its pods
-    cannot reach each other, so its engine fails to start rather than reach another group."""
-    policy(scope, k8s, name, namespace, lab, ingress=ingress, egress=[dns(), *egress])
-    if multi_node:
-        for g in range(groups):
-            group = {**lab, LWS_NAME_LABEL: name, LWS_GROUP_LABEL: str(g)}
-            policy(scope, k8s, f"{name}-group-{g}", namespace, group, labels=lab,
-                   ingress=[pods(group, direction="from")], egress=[pods(group, direction="to")])
-
-
-def rollout_network_policies(scope: Construct, k8s, plan: Plan) -> None:
-    """Rollout pods take nothing in (the engine is on loopback, the worker only dials out) but,
-    with ``weight_sync.mode: network``, the trainer's source rank on NCCL's range, and, for
-    multi-node engines, their workers' pods on the engine port; out they reach the buffer, the env
-    pool, the reward model, the Pod Identity agent and HTTPS (S3, the Hub), and the source rank on
-    the group's rendezvous port and NCCL's range (charts8s/trainer.py). The workers of multi-node
-    engines (their own StatefulSet) take nothing in and reach what a worker needs: the buffer, the
-    env pool, the reward model, Pod Identity, HTTPS and their engines' port."""
-    services = [pods(labels(BUFFER_SERVICE), [tcp(REDIS_PORT)], direction="to"),
-                pods(labels(ENV_SERVICE), [tcp(plan.wl.env.port)], direction="to"),
-                pod_identity(), public_https(plan.cfg.vpc_cidr)]
-    if plan.run.task.reward_model:
-        services.append(pods(labels(REWARD_MODEL_SERVICE), [tcp(plan.wl.reward_model.port)], direction="to"))
-    ingress: list[dict] = []
-    egress = list(services)
-    if plan.run.weight_sync.mode == "network":
-        source = {**labels(TRAINER), WEIGHT_SOURCE_LABEL: "true"}
-        ingress.append(pods(source, nccl_ports(), direction="from"))
-        egress.append(pods(source, [tcp(weight_group_port(plan.run)), *nccl_ports()], direction="to"))
-    multi = plan.engine.nodes > 1
-    engine_port = [tcp(plan.wl.rollout.engine_port)]
-    worker_services = list(services)
-    if plan.run.rollout.router:  # workers -> router -> engines (charts8s/router.py)
-        worker_services.append(pods(labels(ROUTER), [tcp(plan.wl.rollout.router_port)], direction="to"))
-        ingress.append(pods(labels(ROUTER), engine_port, direction="from"))
-        if not multi:
-            egress.append(worker_services[-1])
-    if multi:
-        ingress.append(pods(labels(ROLLOUT_WORKER), engine_port, direction="from"))
-        policy(scope, k8s, ROLLOUT_WORKER, plan.namespace, labels(ROLLOUT_WORKER), ingress=[],
-               egress=[dns(), *worker_services, pods(labels(NAME), engine_port, direction="to")])
-    engine_network_policies(scope, k8s, NAME, plan.namespace, labels(NAME), groups=plan.rollout_replicas,
-                            multi_node=multi, ingress=ingress, egress=egress)
-
-
 ROLLOUT_SKIPS = dict(
     CKV_K8S_43="ECR repositories have immutable tags (infra/): a tag names exactly one digest",
     CKV_K8S_15="immutable tags never change; IfNotPresent avoids pulling a 30 GB image again on restart",
@@ -438,4 +384,7 @@ class RolloutChart(cdk8s.Chart):
             })
         api_object(self, k8s.KubePodDisruptionBudget, NAME, ns, labels=lab, spec={
             "maxUnavailable": "25%", "selector": {"matchLabels": lab}})
-        rollout_network_policies(self, k8s, plan)
+        # The engines, their workers and (multi-node) fetchers: what charts8s/contract.py TABLE
+        # names, each worker of a multi-node engine to its own engine only.
+        parties = [ENGINE, ENGINE_HTTP, WORKER] + ([FETCHER] if multi else [])
+        contract_policies(self, k8s, plan, parties)

@@ -14,7 +14,8 @@
 - Keys: the engines serve on the pod network with SGLang's API and admin keys (Secret
   ``rollout.api_key_secret``); the router holds the API key only (its ``--api-key``, sent to the
   engines with every request) and takes no key itself: its NetworkPolicy admits the workers alone.
-- NetworkPolicy: in, the rollout workers on the router port; out, DNS and the engines' port.
+- NetworkPolicy (charts8s/contract.py): in, the rollout workers on the router port; out, DNS and
+  the engines' port.
 """
 
 from __future__ import annotations
@@ -23,14 +24,13 @@ import cdk8s
 from constructs import Construct
 
 from app.rollout.router import rollout_router_command
-from charts8s.cluster import ROLLOUT, ROLLOUT_WORKER
+from charts8s.cluster import ROLLOUT, ROUTER
 from charts8s.kube import api_object, k8s_module
-from charts8s.lws import ROLE_LABEL
-from charts8s.netpol import dns, pods, policy, tcp
+from charts8s.contract import ROUTER_POD, contract_policies
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 from charts8s.workloads import Plan
 
-NAME = "moerl-router"
+NAME = ROUTER
 UID = 10001  # the moerl user of images/*.Dockerfile
 ROUTER_API_KEY_ENV = "SGLANG_API_KEY"  # the engines' API key, expanded by the kubelet into --api-key
 
@@ -38,18 +38,6 @@ ROUTER_API_KEY_ENV = "SGLANG_API_KEY"  # the engines' API key, expanded by the k
 def router_url(plan: Plan) -> str:
     """Where the workers send /generate: the router's Service."""
     return f"http://{NAME}.{plan.namespace}:{plan.wl.rollout.router_port}"
-
-
-def engine_selector(plan: Plan) -> dict[str, str]:
-    """The labels of the engine pods that serve HTTP: every engine pod, or a group's leader."""
-    sel = labels(ROLLOUT)
-    return {**sel, ROLE_LABEL: "leader"} if plan.engine.nodes > 1 else sel
-
-
-def worker_labels(plan: Plan) -> dict[str, str]:
-    """The pods of the rollout workers: the engine pods (one-node engines: the worker is a container
-    beside SGLang) or the workers' StatefulSet (multi-node engines)."""
-    return labels(ROLLOUT_WORKER if plan.engine.nodes > 1 else ROLLOUT)
 
 
 def engine_urls(plan: Plan) -> list[str]:
@@ -116,6 +104,5 @@ class RouterChart(cdk8s.Chart):
         })
         api_object(self, k8s.KubeService, NAME, ns, labels=lab, spec={
             "selector": lab, "ports": [{"name": "http", "port": wl.router_port, "targetPort": wl.router_port}]})
-        policy(self, k8s, NAME, ns, lab,
-               ingress=[pods(worker_labels(plan), [tcp(wl.router_port)], direction="from")],
-               egress=[dns(), pods(engine_selector(plan), [tcp(wl.engine_port)], direction="to")])
+        # In: the rollout workers on the router port. Out: DNS and the engines' port.
+        contract_policies(self, k8s, plan, [ROUTER_POD])

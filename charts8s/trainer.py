@@ -21,12 +21,12 @@ from torchx.schedulers.kubernetes_scheduler import app_to_resource, sanitize_for
 from app.names import CLUSTER_CONFIG, METRICS_PORT
 from app.torchx_component import trainer
 from charts8s.buffer import redis_credentials
-from charts8s.cluster import (BUFFER_SERVICE, REDIS_PORT, ROLLOUT, TRAINER, WEIGHT_SOURCE_LABEL, run_config_volume,
-                              trainer_source_host, weight_group_port)
+from charts8s.cluster import TRAINER, WEIGHT_SOURCE_LABEL, run_config_volume, trainer_source_host
+from charts8s.contract import SOURCE, TRAINER_RANKS, contract_policies
 from charts8s.fsx import mount_fsx
 from charts8s.kube import api_object, k8s_module
 from charts8s.monitoring import metrics_port
-from charts8s.netpol import dns, nccl_ports, pod_identity, pods, policy, port_range_sysctl, public_https, tcp
+from charts8s.netpol import port_range_sysctl
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
 from charts8s.volcano import VolcanoJob
 from charts8s.workloads import Plan
@@ -60,7 +60,7 @@ def render_job(plan: Plan) -> dict:
     with warnings.catch_warnings():
         # TorchX warns about task-level retries of Volcano < 1.4; the gang restarts by job policy.
         warnings.simplefilter("ignore", UserWarning)
-        job = app_to_resource(trainer_appdef(plan), QUEUE, plan.cfg.trainer_service_account,
+        job = app_to_resource(trainer_appdef(plan), QUEUE, plan.cfg.trainer_service_account_of(plan.run.run_id),
                               priority_class=TRAINER)
     res = sanitize_for_serialization(job)
     unique = res["metadata"]["name"]
@@ -132,24 +132,7 @@ class TrainerChart(cdk8s.Chart):
             "selector": {"volcano.sh/job-name": JOB_NAME},
             "ports": [{"name": "c10d", "port": plan.wl.trainer.rdzv_port, "targetPort": plan.wl.trainer.rdzv_port}],
         })
-        trainer_network_policies(self, k8s, plan)
-
-
-def trainer_network_policies(scope, k8s, plan: Plan) -> None:
-    """Ranks talk to each other on every port (torchrun's c10d rendezvous, NCCL) and to nothing
-    else inbound; out they reach DNS, the buffer's Redis, the Pod Identity agent and HTTPS (S3,
-    the Hub). With ``weight_sync.mode: network``, replica 0's pod (the source rank) also takes
-    the engines' connections on the weight-update group's ports only, its rendezvous
-    (``weight_sync.master_port``) and NCCL's range, and opens NCCL's range on them: never the c10d
-    port, nor any port of the other trainer pods."""
-    ns, lab = plan.namespace, labels(JOB_NAME)
-    policy(scope, k8s, JOB_NAME, ns, lab, ingress=[pods(lab, direction="from")], egress=[
-        dns(), pods(lab, direction="to"), pods(labels(BUFFER_SERVICE), [tcp(REDIS_PORT)], direction="to"),
-        pod_identity(), public_https(plan.cfg.vpc_cidr)])
-    if plan.run.weight_sync.mode == "network":
-        port = weight_group_port(plan.run)
-        source = {**lab, WEIGHT_SOURCE_LABEL: "true"}
-        engines = labels(ROLLOUT)
-        policy(scope, k8s, f"{JOB_NAME}-weight-source", ns, source,
-               ingress=[pods(engines, [tcp(port), *nccl_ports()], direction="from")],
-               egress=[pods(engines, nccl_ports(), direction="to")])
+        # Ranks talk to each other on every port (c10d, NCCL) and take nothing else in; with
+        # weight_sync.mode network replica 0 also takes the engines' weight-update groups, on
+        # their ports only (charts8s/contract.py TABLE).
+        contract_policies(self, k8s, plan, [TRAINER_RANKS, SOURCE])

@@ -8,17 +8,20 @@ they share, and the images. `load_workloads` applies every rule of issue 6 part 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from app.config import EngineProfile, RunConfig
 from app.layout import resolve_layout
 from app.rollout.engine_args import EngineLayout
+from app.storage import open_store
 from infra.config import DeploymentConfig, NodePool, error_line, load_yaml, strict_scalar, yaml_error_line
 
 Role = Literal["trainer", "rollout", "env"]
@@ -195,8 +198,9 @@ class Plan:
     node), efa_per_rollout.
     """
 
-    def __init__(self, cfg: DeploymentConfig, wl: Workloads, run: RunConfig):
+    def __init__(self, cfg: DeploymentConfig, wl: Workloads, run: RunConfig, read_store: bool = False):
         self.cfg, self.wl, self.run = cfg, wl, run
+        self.read_store = read_store  # synth may read the served model's config.json from the store
         train, roll = cfg.pools["train-gpu"], cfg.pools["rollout-gpu"]
         self.gpus_per_trainer = _node_gpus(train)
         self.efa_per_trainer = train.efa_interfaces
@@ -279,10 +283,40 @@ FP8_CHECKPOINTS = frozenset({"deepseek-ai/DeepSeek-V3", "deepseek-ai/DeepSeek-V3
                              "deepseek-ai/DeepSeek-R1", "deepseek-ai/DeepSeek-R1-0528", "deepseek-ai/DeepSeek-V3.1"})
 
 
+def served_config(plan: "Plan") -> tuple[str, dict] | None:
+    """(where, config.json) of the checkpoint the engines serve, read at synth where it can be:
+    a local directory of this machine, or an s3:// prefix through the store with this machine's
+    AWS credentials when ``plan.read_store`` (``charts8s.main --read-model-config``); None
+    otherwise: synth calls neither the Hub nor, unasked, the store. What is checked instead: the
+    Hub releases known to be FP8 by name (`FP8_CHECKPOINTS`), and at start the engine pods' copy
+    of an s3:// model (``app.model.source --unquantized``) refuses a quantized config.json
+    before SGLang starts.
+
+    Raises:
+        WorkloadError: the store was asked and refused, or config.json does not parse.
+    """
+    model = plan.wl.rollout.model_path or plan.run.model.path
+    where = f"{model.rstrip('/')}/config.json"
+    try:
+        if model.startswith("s3://"):
+            if not plan.read_store:
+                return None
+            text = open_store(model.rstrip("/")).get_bytes("config.json")
+        elif Path(model).is_dir():
+            text = (Path(model) / "config.json").read_bytes()
+        else:
+            return None
+        return where, json.loads(text)
+    except (OSError, ValueError, BotoCoreError, ClientError) as e:
+        raise WorkloadError(f"{where}: cannot read the served model's config: {type(e).__name__}: {e}") from None
+
+
 def engine_quantization(plan: "Plan") -> tuple[str, str] | None:
     """(field, method) when the rollout engines serve quantized weights: declared
     (rollout.model_quantization), asked of SGLang (--quantization in the profile's extra_args),
-    or a Hub checkpoint known to be FP8; None for unquantized engines."""
+    carried by the served checkpoint's config.json (`served_config`: its quantization_config, as
+    in a bf16 copy made by DeepSeek's fp8_cast_bf16.py, which keeps it), or a Hub checkpoint known
+    to be FP8; None for unquantized engines."""
     wl = plan.wl.rollout
     if wl.model_quantization:
         return "rollout.model_quantization", wl.model_quantization
@@ -290,9 +324,57 @@ def engine_quantization(plan: "Plan") -> tuple[str, str] | None:
     if "--quantization" in extra[:-1]:
         return "run config rollout.engine.extra_args", extra[extra.index("--quantization") + 1]
     model = wl.model_path or plan.run.model.path
+    found = served_config(plan)
+    if found and found[1].get("quantization_config"):
+        where, config = found
+        return f"{where} quantization_config", str(config["quantization_config"].get("quant_method", "quantized"))
     if model in FP8_CHECKPOINTS:
         return "rollout.model_path", "fp8"
     return None
+
+
+# Where the deployment keeps what pods read (infra.config, declared once there): a recipe names a
+# base model or dataset as s3://{checkpoint_bucket}/{models_prefix}/<name>, filled in at render.
+STORE_FIELDS = ("checkpoint_bucket", "models_prefix", "data_prefix")
+
+
+def fill_store_path(cfg: DeploymentConfig, value: str | None, field: str) -> str | None:
+    """``value`` with the deployment config's `STORE_FIELDS` put in for ``{checkpoint_bucket}``,
+    ``{models_prefix}`` and ``{data_prefix}`` (None and values without braces as they are).
+
+    Raises:
+        WorkloadError: another placeholder, or braces that do not parse, naming ``field``.
+    """
+    if value is None or "{" not in value:
+        return value
+    try:
+        return value.format_map({k: getattr(cfg, k) for k in STORE_FIELDS})
+    except (KeyError, ValueError, IndexError) as e:
+        raise WorkloadError(f"{field}: {value!r}: {type(e).__name__} {e}; only "
+                            f"{', '.join('{' + k + '}' for k in STORE_FIELDS)} are filled in (deployment config)") from None
+
+
+def _check_store_reads(plan: Plan) -> None:
+    """Raise WorkloadError unless the run's trainer may write its run's areas (trainer_runs) and
+    every s3:// path the pods read at start lies where the storage layout keeps it, in the
+    checkpoint bucket, where both Pod Identity roles read (infra/cluster.py): the base model under
+    models_prefix/ (read-only, and linked by FSx), a JSONL dataset under data_prefix/ (read-only),
+    or either under run_prefix/ (a run's published version, say)."""
+    cfg, run = plan.cfg, plan.run
+    if cfg.trainer_entry(run.run_id) is None:
+        raise WorkloadError(
+            f"run config run_id {run.run_id!r} is not covered by the deployment config's trainer_runs "
+            f"{cfg.trainer_runs}: the trainer's first publish would be AccessDenied; add it (or a family such as "
+            f"'{run.run_id.split('-')[0]}-*') to trainer_runs and deploy the cluster stack")
+    model_field = "rollout.model_path" if plan.wl.rollout.model_path else "run config model.path"
+    reads = ((model_field, plan.wl.rollout.model_path or run.model.path, cfg.models_prefix, "base models"),
+             ("run config task.jsonl_path", run.task.jsonl_path, cfg.data_prefix, "datasets"))
+    for field, url, prefix, kind in reads:
+        want = f"s3://{cfg.checkpoint_bucket}/{prefix}/"
+        if url and url.startswith("s3://") and not url.startswith((want, f"s3://{cfg.checkpoint_bucket}/{cfg.run_prefix}/")):
+            raise WorkloadError(f"{field}: {url} is not under {want}, where the pods' roles read {kind} (read-only; "
+                                "FSx links models_prefix/), nor under the run prefix: upload it there (deployment config "
+                                "models_prefix, data_prefix)")
 
 
 # OCI distribution-spec reference: lower-case repository path components, then a tag
@@ -374,6 +456,7 @@ def check(plan: Plan) -> Plan:
         if not _DNS1123.fullmatch(name) or len(name) > 253:
             raise WorkloadError(f"{field}: {name!r} is not a valid Secret name (lower-case DNS-1123 subdomain)")
     _check_ports(plan)
+    _check_store_reads(plan)
     if plan.trainer_nodes > train.max_size:
         raise WorkloadError(
             f"trainer.nodes={plan.trainer_nodes} exceeds pools.train-gpu.max_size={train.max_size}"
@@ -472,8 +555,9 @@ def check(plan: Plan) -> Plan:
     return plan
 
 
-def load_workloads(cfg: DeploymentConfig, path: str | Path | None = None) -> Plan:
+def load_workloads(cfg: DeploymentConfig, path: str | Path | None = None, read_store: bool = False) -> Plan:
     """Read the workload YAML (None: built-in defaults) and the run config it names; check both.
+    ``read_store``: read the served model's config.json from the store (`served_config`).
 
     Raises:
         WorkloadError: unreadable file, unknown or invalid field, or a broken rule (see `check`);
@@ -497,11 +581,17 @@ def load_workloads(cfg: DeploymentConfig, path: str | Path | None = None) -> Pla
         run = RunConfig.load(wl.run_config) if wl.run_config else RunConfig()
     except (OSError, ValueError) as e:
         raise WorkloadError(f"{source}: run_config: {e}") from None
+    try:
+        run.model.path = fill_store_path(cfg, run.model.path, "run config model.path")
+        run.task.jsonl_path = fill_store_path(cfg, run.task.jsonl_path, "run config task.jsonl_path")
+        wl.rollout.model_path = fill_store_path(cfg, wl.rollout.model_path, "rollout.model_path")
+    except WorkloadError as e:
+        raise WorkloadError(f"{source}: {e}") from None
     if cfg.fsx.enabled and not (cfg.fsx.file_system_id and cfg.fsx.mount_name):  # the deployment config's, not this file's
         raise WorkloadError(f"deployment config (env {cfg.env}): fsx.file_system_id and fsx.mount_name: fsx.enabled "
                             "needs both, from the storage stack's outputs FsxFileSystemId and FsxMountName (after its "
                             "deploy)")
     try:
-        return check(Plan(cfg, wl, run))
+        return check(Plan(cfg, wl, run, read_store))
     except WorkloadError as e:
         raise WorkloadError(f"{source}: {e}") from None

@@ -11,7 +11,7 @@ NVIDIA_DEVICE_PLUGIN = ("https://nvidia.github.io/k8s-device-plugin", "nvidia-de
 # Chart v0.5.30 runs device-plugin image v0.5.20; the chart's instance list is replaced by ours anyway.
 EFA_DEVICE_PLUGIN = ("https://aws.github.io/eks-charts", "aws-efa-k8s-device-plugin", "v0.5.30")
 # Gang scheduler of the trainer job (charts8s/trainer.py renders a Volcano Job).
-VOLCANO = ("https://volcano-sh.github.io/helm-charts", "volcano", "1.15.0")
+VOLCANO = ("https://volcano-sh.github.io/helm-charts", "volcano", "1.15.1")
 # The Kubernetes versions Volcano's compatibility matrix marks exactly compatible for the pinned
 # line (volcano-sh/volcano README "Kubernetes compatibility", row "Volcano v1.15", at commit
 # ed72c7c8, 2026-08-20: 1.24 to 1.35; 1.36 only for master, and no release newer than v1.15.1).
@@ -42,6 +42,9 @@ FSX_CSI_DRIVER = ("https://kubernetes-sigs.github.io/aws-fsx-csi-driver", "aws-f
 HELM_CHARTS = (NVIDIA_DEVICE_PLUGIN, EFA_DEVICE_PLUGIN, VOLCANO, LWS, KUBE_PROMETHEUS_STACK, DCGM_EXPORTER,
                FSX_CSI_DRIVER)
 MONITORING_NAMESPACE = "monitoring"
+# The health checks' and node-health agents' namespace (charts8s/healthcheck.py, charts8s/nodehealth.py):
+# DCGM clients besides the exporter (the DCGM host engine's policy, infra/cluster.py).
+HEALTH_NAMESPACE = "moerl-health"
 # The label kube-prometheus-stack's Grafana sidecar loads dashboard ConfigMaps by (grafana chart
 # values sidecar.dashboards.label / labelValue; set explicitly in infra/cluster.py, used by
 # charts8s/dashboards.py).

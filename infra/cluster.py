@@ -29,9 +29,10 @@ from constructs import Construct
 
 from infra.addons import DCGM_HOSTENGINE_PORT, EKS_ADDONS, addon_versions  # noqa: F401  (re-exported)
 from infra.charts import (DCGM_EXPORTER, EFA_DEVICE_PLUGIN, FSX_CSI_DRIVER, GRAFANA_DASHBOARD_LABEL,  # noqa: F401
-                          KUBE_PROMETHEUS_STACK, LWS, MONITORING_NAMESPACE, NVIDIA_DEVICE_PLUGIN, VOLCANO,
-                          cached_image_values)
-from infra.config import ACCELERATOR_LABEL, EFA_LABEL, GPU_TAINT_KEY, POOL_LABEL, POOL_TAINT_KEY, DeploymentConfig
+                          HEALTH_NAMESPACE, KUBE_PROMETHEUS_STACK, LWS, MONITORING_NAMESPACE, NVIDIA_DEVICE_PLUGIN,
+                          VOLCANO, cached_image_values)
+from infra.config import (ACCELERATOR_LABEL, ADMIN_PRINCIPAL_TAG, EFA_LABEL, GPU_TAINT_KEY, POOL_LABEL, POOL_TAINT_KEY,
+                          DeploymentConfig)
 from infra.instances import INSTANCE_TABLE
 from infra.network import NetworkStack
 from infra.nodegroup import add_nodegroup
@@ -75,6 +76,9 @@ FSX_POOLS = ("train-gpu", "rollout-gpu")
 # CNI's strict mode each gets one allow-all NetworkPolicy before any node exists, so these pods
 # keep standard mode's behaviour. moerl's own namespaces carry per-role policies (charts8s).
 SYSTEM_NAMESPACES = ("kube-system", "volcano-system", "lws-system", MONITORING_NAMESPACE)
+# The pods of the node monitoring agent's DCGM host engine in kube-system (its dcgm-server
+# DaemonSet's labels, aws/eks-node-monitoring-agent charts/.../templates/dcgm-daemonset.yaml).
+DCGM_SERVER = {"k8s-app": "dcgm-server"}
 
 
 def with_cached_images(cfg: DeploymentConfig, chart: str, values: dict | None = None) -> dict:
@@ -85,10 +89,20 @@ def with_cached_images(cfg: DeploymentConfig, chart: str, values: dict | None = 
     return merge(values or {}, cached_image_values(cfg, chart))
 
 
-def trainer_write_resources(cfg: DeploymentConfig, bucket_arn: str) -> list[str]:
-    """Object ARNs the trainer role may write: each area of TRAINER_WRITE_AREAS of each run of
-    `cfg.trainer_runs` (run ids or 'family-*'), never another run's and nothing else under run_prefix."""
-    return [f"{bucket_arn}/{cfg.run_prefix}/{run}/{area}/*" for run in cfg.trainer_runs for area in TRAINER_WRITE_AREAS]
+def trainer_write_resources(cfg: DeploymentConfig, bucket_arn: str, entry: str) -> list[str]:
+    """Object ARNs the trainer role of trainer_runs entry `entry` (a run id, 'family-*' or '*') may
+    write: each area of TRAINER_WRITE_AREAS of that entry's runs, never another run's and nothing
+    else under run_prefix."""
+    return [f"{bucket_arn}/{cfg.run_prefix}/{entry}/{area}/*" for area in TRAINER_WRITE_AREAS]
+
+
+def admin_principal(cfg: DeploymentConfig) -> iam.IPrincipal:
+    """Who may assume the created admin role: the principals of cfg.admin_principals, else this
+    account's principals tagged ADMIN_PRINCIPAL_TAG = moerl-<env>."""
+    if cfg.admin_principals:
+        return iam.CompositePrincipal(*(iam.ArnPrincipal(a) for a in cfg.admin_principals))
+    return iam.AccountPrincipal(cfg.account).with_conditions(
+        {"StringEquals": {f"aws:PrincipalTag/{ADMIN_PRINCIPAL_TAG}": cfg.name_prefix}})
 
 
 def kubectl_layer(scope: Construct, k8s_version: str):
@@ -108,8 +122,8 @@ def kubectl_layer(scope: Construct, k8s_version: str):
 
 class ClusterStack(Stack):
     """EKS cluster of one environment. Attributes: cluster, addons (dict name -> Addon), nodegroups
-    (dict pool -> Nodegroup), launch_templates (dict pool -> CfnLaunchTemplate), trainer_role,
-    rollout_role, ebs_csi_role."""
+    (dict pool -> Nodegroup), launch_templates (dict pool -> CfnLaunchTemplate), trainer_roles
+    (dict trainer_runs entry -> Role), rollout_role, ebs_csi_role."""
 
     def __init__(self, scope: Construct, id: str, *, cfg: DeploymentConfig, network: NetworkStack,
                  storage: StorageStack, **kw) -> None:
@@ -144,11 +158,11 @@ class ClusterStack(Stack):
         for arn in cfg.created_admin_roles:
             # EKS rejects an access entry for a principal that does not exist (CreateAccessEntry:
             # InvalidParameterException), after the cluster is up: create the default admin role in
-            # this stack, before its entry. Trusted by this account: an operator's or CI's principal
-            # may assume it where its own IAM policy allows sts:AssumeRole on it.
+            # this stack, before its entry. Trusted by the principals of admin_principals, or else by
+            # the account's principals that carry the admin tag (never by every principal of the
+            # account); either must also be allowed sts:AssumeRole on it by its own IAM policy.
             self.admin_roles[arn] = iam.Role(
-                self, "AdminRole", role_name=f"{cfg.name_prefix}-admin",
-                assumed_by=iam.AccountPrincipal(cfg.account),
+                self, "AdminRole", role_name=f"{cfg.name_prefix}-admin", assumed_by=admin_principal(cfg),
                 description=f"moerl {cfg.env}: cluster-admin of {cfg.name_prefix} through an EKS access entry")
         for i, arn in enumerate(cfg.admin_role_arns):
             entry = self.cluster.grant_cluster_admin(f"Admin{i}", arn)
@@ -361,22 +375,35 @@ class ClusterStack(Stack):
         return role
 
     def _system_network_policies(self) -> None:
-        """One allow-all NetworkPolicy (ingress and egress, every pod) in each of SYSTEM_NAMESPACES,
-        with the namespace itself, applied by the kubectl handler before any node group exists."""
+        """One allow-all NetworkPolicy (ingress and egress) in each of SYSTEM_NAMESPACES, with the
+        namespace itself, applied by the kubectl handler before any node group exists; in
+        kube-system every pod but the DCGM host engine's, which takes connections on
+        DCGM_HOSTENGINE_PORT from the DCGM exporter (monitoring) and the health checks (moerl-health)
+        only (charts8s/contract.py TABLE). Any pod reaches it at its node's address (its hostPort;
+        the VPC CNI's policy agent never blocks a pod's traffic to its own node), so only its own
+        ingress can keep moerl's pods out of an unauthenticated API that runs GPU diagnostics."""
         docs: list[dict] = []
         for ns in SYSTEM_NAMESPACES:
             if ns != "kube-system":
                 docs.append({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+            pods = {"matchExpressions": [{"key": "k8s-app", "operator": "NotIn", "values": [DCGM_SERVER["k8s-app"]]}]}
             docs.append({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
                          "metadata": {"name": "allow-all", "namespace": ns},
-                         "spec": {"podSelector": {}, "policyTypes": ["Ingress", "Egress"],
+                         "spec": {"podSelector": pods if ns == "kube-system" else {}, "policyTypes": ["Ingress", "Egress"],
                                   "ingress": [{}], "egress": [{}]}})
+        clients = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
+                   for ns in (MONITORING_NAMESPACE, HEALTH_NAMESPACE)]
+        docs.append({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                     "metadata": {"name": "dcgm-server", "namespace": "kube-system"},
+                     "spec": {"podSelector": {"matchLabels": DCGM_SERVER}, "policyTypes": ["Ingress", "Egress"],
+                              "ingress": [{"from": clients, "ports": [{"protocol": "TCP", "port": DCGM_HOSTENGINE_PORT}]}],
+                              "egress": [{}]}})
         self.system_policies = eks.KubernetesManifest(self, "SystemNetworkPolicies", cluster=self.cluster,
                                                       manifest=docs, overwrite=True)
 
     def _pod_identity(self, storage: StorageStack) -> None:
-        """Pod Identity: the trainer writes only the run areas app/ writes, of the runs of
-        cfg.trainer_runs (trainer_write_resources); both
+        """Pod Identity: each trainer role writes only the run areas app/ writes, of the runs of its
+        cfg.trainer_runs entry (trainer_write_resources); all
         roles read runs, models_prefix/ and data_prefix/, and neither may write models or data.
 
         Keys under run_prefix/ (app/storage/store.py run_area): <run>/policy/ (app/storage/policy.py,
@@ -397,18 +424,24 @@ class ClusterStack(Stack):
                                                                           cfg.data_prefix)]}},
         )
         read_shared = iam.PolicyStatement(actions=["s3:GetObject"], resources=shared)
-        self.trainer_role = iam.Role(self, "TrainerRole", role_name=cfg.pod_role_name("trainer"),
-                                     assumed_by=self._pod_principal(cfg.namespace, cfg.trainer_service_account),
-                                     description="moerl trainer: write its run areas, read models and data")
-        self.trainer_role.add_to_policy(list_prefixes)
-        self.trainer_role.add_to_policy(read_shared)
-        self.trainer_role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[runs]))
-        self.trainer_role.add_to_policy(iam.PolicyStatement(
-            actions=["s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts"],
-            resources=trainer_write_resources(cfg, bucket_arn),
-        ))
-        self.trainer_role.add_to_policy(iam.PolicyStatement(
-            actions=["kms:Decrypt", "kms:GenerateDataKey"], resources=[storage.key.key_arn]))
+        # One role and service account per trainer_runs entry, each writing that entry's runs only.
+        self.trainer_roles: dict[str, iam.Role] = {}
+        for entry, (role_name, sa) in cfg.trainer_identities.items():
+            h = role_name.rsplit("-", 1)[1]
+            role = iam.Role(self, f"TrainerRole{h}", role_name=role_name,
+                            assumed_by=self._pod_principal(cfg.namespace, sa),
+                            description=f"moerl trainer of runs '{entry}': write their run areas, read models and data")
+            role.add_to_policy(list_prefixes)
+            role.add_to_policy(read_shared)
+            role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[runs]))
+            role.add_to_policy(iam.PolicyStatement(
+                actions=["s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts"],
+                resources=trainer_write_resources(cfg, bucket_arn, entry),
+            ))
+            role.add_to_policy(iam.PolicyStatement(
+                actions=["kms:Decrypt", "kms:GenerateDataKey"], resources=[storage.key.key_arn]))
+            self.trainer_roles[entry] = role
+            self._associate(f"TrainerIdentity{h}", sa, role)
 
         self.rollout_role = iam.Role(self, "RolloutRole", role_name=cfg.pod_role_name("rollout"),
                                      assumed_by=self._pod_principal(cfg.namespace, cfg.rollout_service_account),
@@ -418,10 +451,12 @@ class ClusterStack(Stack):
         self.rollout_role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[runs]))
         self.rollout_role.add_to_policy(iam.PolicyStatement(actions=["kms:Decrypt"], resources=[storage.key.key_arn]))
 
-        for id, sa, role in (("TrainerIdentity", cfg.trainer_service_account, self.trainer_role),
-                             ("RolloutIdentity", cfg.rollout_service_account, self.rollout_role)):
-            assoc = eks.CfnPodIdentityAssociation(
-                self, id, cluster_name=self.cluster.cluster_name, namespace=cfg.namespace,
-                service_account=sa, role_arn=role.role_arn,
-            )
-            assoc.node.add_dependency(self.addons["eks-pod-identity-agent"])
+        self._associate("RolloutIdentity", cfg.rollout_service_account, self.rollout_role)
+
+    def _associate(self, id: str, service_account: str, role: iam.Role) -> None:
+        """The Pod Identity association of `service_account` in the run namespace with `role`."""
+        assoc = eks.CfnPodIdentityAssociation(
+            self, id, cluster_name=self.cluster.cluster_name, namespace=self.cfg.namespace,
+            service_account=service_account, role_arn=role.role_arn,
+        )
+        assoc.node.add_dependency(self.addons["eks-pod-identity-agent"])

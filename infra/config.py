@@ -12,6 +12,7 @@ with one message that names the field: `ConfigError`.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import ipaddress
 import re
 import sys
@@ -69,6 +70,9 @@ PLACEHOLDER_ACCOUNTS = ("111111111111", "222222222222", "333333333333")
 
 # A run id as RunConfig.run_id accepts it (app/config.py), optionally a family prefix ending in '*'.
 _RUN_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}\*?$")
+# The principal tag that lets a principal of the account assume the created admin role when
+# admin_principals names none (IAM trust policy condition aws:PrincipalTag/<key> = moerl-<env>).
+ADMIN_PRINCIPAL_TAG = "moerl-cluster-admin"
 # S3 general-purpose bucket naming rules (S3 user guide, "Bucket naming rules").
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _BUCKET_BAD_PREFIXES = ("xn--", "sthree-", "amzn-s3-demo-")
@@ -409,8 +413,9 @@ class DeploymentConfig(Model):
     logs_bucket: str = Field(description="S3 bucket of the other buckets' access logs.")
     namespace: str = Field("moerl", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", description="Kubernetes "
                            "namespace of the workloads.")
-    trainer_service_account: str = Field("moerl-trainer", description="Service account of the trainer pods (its "
-                                         "Pod Identity role writes the run's areas).")
+    trainer_service_account: str = Field("moerl-trainer", description="Prefix of the trainer pods' service "
+                                         "accounts: one per trainer_runs entry, <this>-<h> (trainer_identity), whose "
+                                         "Pod Identity role writes that entry's runs.")
     rollout_service_account: str = Field("moerl-rollout", description="Service account of the rollout and feed "
                                          "pods (its Pod Identity role reads).")
     run_prefix: str = Field("runs", pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*$", description="Key "
@@ -427,11 +432,16 @@ class DeploymentConfig(Model):
                                        "one nobody can run kubectl). Default: arn:aws:iam::<account>:role/"
                                        "moerl-<env>-admin (`default_admin_role_arn`).")
     create_admin_role: bool = Field(True, description="The cluster stack creates the role of admin_role_arns "
-                                    "named moerl-<env>-admin (trusted by this account's principals that IAM allows "
-                                    "to assume it), so its access entry never names a missing principal (EKS rejects "
-                                    "one). Every other role in admin_role_arns must already exist: `python -m "
-                                    "infra.preflight` checks them before a deploy. Turn it off when the account "
-                                    "already has a role of that name.")
+                                    "named moerl-<env>-admin (trusted as admin_principals says), so its access "
+                                    "entry never names a missing principal (EKS rejects one). Every other role in "
+                                    "admin_role_arns must already exist: `python -m infra.preflight` checks them "
+                                    "before a deploy. Turn it off when the account already has a role of that name.")
+    admin_principals: list[str] = Field([], description="The IAM roles or users that may assume the created admin "
+                                        "role. Empty: any principal of this account that carries the tag "
+                                        "moerl-cluster-admin = moerl-<env> (ADMIN_PRINCIPAL_TAG) and whose own policy "
+                                        "allows sts:AssumeRole on it; never the whole account. Each must exist before "
+                                        "the deploy (IAM refuses a trust policy naming a missing principal; `python -m "
+                                        "infra.preflight` checks them).")
     pull_through_secrets: dict[Literal["registry-1.docker.io", "ghcr.io"], str] = Field(
         {}, description="Upstream (registry-1.docker.io, ghcr.io) -> ARN of the Secrets Manager secret (name "
         "ecr-pullthroughcache/...) holding this account's credentials for it; each gets a pull-through cache rule "
@@ -449,13 +459,16 @@ class DeploymentConfig(Model):
     data_prefix: str = Field("data", pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*$", description="Key "
                              "prefix of the checkpoint bucket holding datasets, read-only for both roles as "
                              "models_prefix is. Outside run_prefix.")
-    trainer_runs: list[str] = Field(["dev"], min_length=1, description="The runs whose areas the trainer role may "
-                                    "write: run ids (RunConfig.run_id: the trainer writes runs/<run_id>/{policy,"
-                                    "train,trainer,metrics,tensorboard}/ only for these), or a family ending in '*' "
-                                    "('grpo-*'); a bare '*' (every run) only in dev. A run whose id is missing gets "
-                                    "AccessDenied on its first write: add it and deploy the cluster stack (an IAM "
-                                    "policy update; no node changes), so one run's credentials cannot overwrite "
-                                    "another run's versions or training state.")
+    trainer_runs: list[str] = Field(["dev"], min_length=1, description="The runs whose areas a trainer may write: "
+                                    "run ids (RunConfig.run_id: the trainer writes runs/<run_id>/{policy,train,"
+                                    "trainer,metrics,tensorboard}/), or a family ending in '*' ('grpo-*'); a bare '*' "
+                                    "(every run) only in dev. Each entry gets a Pod Identity role and service account "
+                                    "of its own (trainer_identities) that writes that entry's runs only, and the "
+                                    "trainer of a run uses the entry that names it (trainer_service_account_of), so "
+                                    "one run's credentials cannot overwrite another run's versions or training state; "
+                                    "the runs of one family share theirs. A run no entry names is refused when its "
+                                    "manifests are rendered: add it and deploy the cluster stack (IAM and Pod "
+                                    "Identity only; no node changes).")
     fsx: FsxConfig = Field(FsxConfig(), description="The shared FSx for Lustre file system (off by default).")
     public_endpoint_cidrs: list[str] = Field([], description="Empty keeps the API endpoint private (reach it from "
                                              "inside the VPC); otherwise the endpoint is also public, open only to "
@@ -472,12 +485,15 @@ class DeploymentConfig(Model):
                                  "nor such a prefix followed by '*'")
         return v
 
-    @field_validator("admin_role_arns")
+    @field_validator("admin_role_arns", "admin_principals")
     @classmethod
-    def _arns(cls, v: list[str]) -> list[str]:
+    def _arns(cls, v: list[str], info) -> list[str]:
+        # access entries name roles; the admin role's trust policy may also name users
+        kinds, what = ("role", "an IAM role ARN") if info.field_name == "admin_role_arns" else \
+            ("role|user", "the ARN of an IAM role or user")
         for arn in v:
-            if not re.match(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+$", arn):
-                raise ValueError(f"{arn!r} is not an IAM role ARN")
+            if not re.match(rf"^arn:aws[a-z-]*:iam::\d{{12}}:({kinds})/[\w+=,.@/-]+$", arn):
+                raise ValueError(f"{arn!r} is not {what}")
         return v
 
     @field_validator("pull_through_secrets")
@@ -582,9 +598,44 @@ class DeploymentConfig(Model):
         return f"moerl-{self.env}"
 
     def pod_role_name(self, role: Literal["trainer", "rollout"]) -> str:
-        """IAM role name of a Pod Identity role (infra/cluster.py), e.g. 'moerl-prod-trainer'; named so
-        that the bucket policies (infra/storage.py) can refer to it without a cross-stack cycle."""
+        """IAM role name of a Pod Identity role (infra/cluster.py), e.g. 'moerl-prod-rollout'; named so
+        that the bucket policies (infra/storage.py) can refer to it without a cross-stack cycle.
+        The trainer's roles are per trainer_runs entry: this is their common prefix."""
         return f"{self.name_prefix}-{role}"
+
+    def trainer_identity(self, entry: str) -> tuple[str, str]:
+        """(IAM role name, service account name) of the trainer of trainer_runs entry `entry`:
+        moerl-<env>-trainer-<h> and <trainer_service_account>-<h>, <h> the first 8 hex digits of the
+        entry's SHA-256 (valid as a role name, at most 64 characters, and as a service account name
+        for any entry; a '*' can be in neither)."""
+        h = hashlib.sha256(entry.encode()).hexdigest()[:8]
+        return f"{self.pod_role_name('trainer')}-{h}", f"{self.trainer_service_account}-{h}"
+
+    @property
+    def trainer_identities(self) -> dict[str, tuple[str, str]]:
+        """trainer_runs entry -> trainer_identity(entry): the roles and associations the cluster stack makes."""
+        return {entry: self.trainer_identity(entry) for entry in self.trainer_runs}
+
+    def trainer_entry(self, run_id: str) -> str | None:
+        """The trainer_runs entry that names `run_id`: the run id itself, else the longest family
+        prefix ('grpo-*'), else '*'; None when no entry does."""
+        if run_id in self.trainer_runs:
+            return run_id
+        families = [e for e in self.trainer_runs if e.endswith("*") and run_id.startswith(e[:-1])]
+        return max(families, key=len) if families else None
+
+    def trainer_service_account_of(self, run_id: str) -> str:
+        """The service account of run `run_id`'s trainer: its trainer_runs entry's. A run no entry
+        names gets the one it would have as an entry of its own, which has no Pod Identity
+        association (and so no AWS credentials) until the run is added to trainer_runs and the
+        cluster stack deployed."""
+        return self.trainer_identity(self.trainer_entry(run_id) or run_id)[1]
+
+    @property
+    def boundary_arn(self) -> str:
+        """The permissions boundary every role of the stacks carries (moerl-<env>-boundary; its
+        document: infra/execution_policy.py boundary_policy, created with the execution policy)."""
+        return f"arn:aws:iam::{self.account}:policy/{self.name_prefix}-boundary"
 
     @property
     def cache_prefixes(self) -> dict[str, str]:

@@ -56,6 +56,10 @@ def acknowledgements(kind: str, cfg: DeploymentConfig) -> dict[str, str]:
                 "AwsSolutions::AwsSolutions-EC23":
                 "The interface endpoints' security groups admit TCP 443 from the VPC CIDR only "
                 f"({cfg.vpc_cidr}, a Fn::GetAtt cdk-nag cannot resolve); nothing outside the VPC reaches them."}
+    if kind == "storage":
+        return {_AWS_POLICY.format("service-role/AWSLambdaBasicExecutionRole"):
+                "Logging of the function of aws-cdk-lib's AwsCustomResource that turns on the FSx file "
+                "system's root squash (one fsx:UpdateFileSystem call on that file system)."} if cfg.fsx.enabled else {}
     if kind != "cluster":
         return {}
     from infra.cluster import trainer_write_resources
@@ -63,7 +67,7 @@ def acknowledgements(kind: str, cfg: DeploymentConfig) -> dict[str, str]:
     bucket = f"arn:<AWS::Partition>:s3:::{cfg.checkpoint_bucket}"
     prefixes = {f"{bucket}/{p}/*": f"the '{p}/' prefix" for p in (cfg.run_prefix, cfg.models_prefix, cfg.data_prefix)}
     prefixes.update({arn: f"one area of a run of trainer_runs ({arn.removeprefix(bucket + '/')})"
-                     for arn in trainer_write_resources(cfg, bucket)})
+                     for entry in cfg.trainer_runs for arn in trainer_write_resources(cfg, bucket, entry)})
     repos = {f"arn:<AWS::Partition>:ecr:{cfg.region}:{cfg.account}:repository/{p}/*": p for p in cfg.cache_prefixes.values()}
     public = {
         "AwsSolutions::AwsSolutions-EKS1":

@@ -10,11 +10,18 @@ gateway is on no path that node start-up, pod networking or S3 credentials depen
 guide, "Deploy private clusters with limited internet access": ec2 for the VPC CNI; Systems
 Manager user guide, "Use VPC endpoints": ssm, ssmmessages, ec2messages).
 
-The S3 gateway endpoint's policy admits only buckets of this account and the ECR layer bucket of
-the region (ECR user guide, "Amazon ECR interface VPC endpoints": image layers come from
-prod-<region>-starport-layer-bucket), so credentials taken from a pod cannot copy data out to a
-bucket of another account through it; the checkpoint and artifacts buckets in turn refuse the
-Pod Identity roles outside this endpoint (infra/storage.py, aws:SourceVpce).
+The S3 gateway endpoint's policy admits only buckets of this account and, for reading, the two
+buckets of other accounts that a deploy pulls from through it: the ECR layer bucket of the region
+(ECR user guide, "Amazon ECR interface VPC endpoints": image layers come from
+prod-<region>-starport-layer-bucket) and registry.k8s.io's blob bucket of the region, from which
+the kubectl handler's `helm pull` of the LWS chart (oci://registry.k8s.io) fetches the chart
+(REGISTRY_K8S_IO_BUCKETS). Everything else a first deploy fetches from the private subnets leaves
+through the NAT, not S3: the other charts (GitHub Pages and GitHub releases), the EKS API of
+`aws eks update-kubeconfig`; nodeadm and the add-ons pull images from ECR only. Credentials taken
+from a pod cannot copy data out to a bucket of another account through the endpoint; the
+checkpoint and artifacts buckets in turn refuse the Pod Identity roles outside this endpoint
+(infra/storage.py, aws:SourceVpce). tests/test_infra_stacks.py evaluates these requests against
+the synthesized policies.
 """
 
 from __future__ import annotations
@@ -45,9 +52,26 @@ INTERFACE_ENDPOINTS = {
 }
 
 
+# registry.k8s.io answers a blob GET from an AWS address of region R with a redirect to an S3 bucket
+# of the Kubernetes project (archeio, kubernetes/registry.k8s.io cmd/archeio/internal/app/buckets.go
+# awsRegionToHostURL, read at 093d55a): the regions below have that bucket in R itself, so the
+# unsigned GET takes the gateway endpoint. Other regions are sent to another region's bucket,
+# which the NAT reaches (a gateway endpoint serves its own region only).
+REGISTRY_K8S_IO_BUCKETS = {
+    **{r: f"prod-registry-k8s-io-{r}" for r in (
+        "af-south-1", "ap-east-1", "ap-northeast-1", "ap-northeast-2", "ap-northeast-3", "ap-south-1", "ap-south-2",
+        "ap-southeast-1", "ap-southeast-2", "ap-southeast-3", "ap-southeast-4", "ap-southeast-5", "ap-southeast-6",
+        "ap-southeast-7", "ca-central-1", "ca-west-1", "eu-central-1", "eu-central-2", "eu-north-1", "eu-south-1",
+        "eu-south-2", "eu-west-1", "eu-west-3", "il-central-1", "me-central-1", "mx-central-1", "sa-east-1",
+        "us-east-1", "us-east-2", "us-west-1", "us-west-2")},
+    "eu-west-2": "767373bbdcb8270361b96548387bf2a9ad0d48758c35-eu-west-2",
+}
+
+
 def s3_endpoint_statements(account: str, region: str) -> list[iam.PolicyStatement]:
-    """Statements of the S3 gateway endpoint's policy: this account's buckets, and the ECR layer bucket."""
-    return [
+    """Statements of the S3 gateway endpoint's policy: this account's buckets; reads of the ECR
+    layer bucket and of registry.k8s.io's blob bucket of `region`."""
+    statements = [
         iam.PolicyStatement(
             sid="ThisAccountsBuckets", principals=[iam.AnyPrincipal()], actions=["s3:*"], resources=["*"],
             conditions={"StringEquals": {"aws:ResourceAccount": account}}),
@@ -55,6 +79,11 @@ def s3_endpoint_statements(account: str, region: str) -> list[iam.PolicyStatemen
             sid="EcrImageLayers", principals=[iam.AnyPrincipal()], actions=["s3:GetObject"],
             resources=[f"arn:{Aws.PARTITION}:s3:::prod-{region}-starport-layer-bucket/*"]),
     ]
+    if region in REGISTRY_K8S_IO_BUCKETS:
+        statements.append(iam.PolicyStatement(
+            sid="KubernetesRegistryBlobs", principals=[iam.AnyPrincipal()], actions=["s3:GetObject"],
+            resources=[f"arn:{Aws.PARTITION}:s3:::{REGISTRY_K8S_IO_BUCKETS[region]}/*"]))
+    return statements
 
 
 class NetworkStack(Stack):

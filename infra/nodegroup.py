@@ -113,14 +113,16 @@ def user_data(pool: NodePool) -> str | None:
 def update_config(pool: NodePool) -> eks.CfnNodegroup.UpdateConfigProperty:
     """The node group's update behaviour (AWS::EKS::Nodegroup UpdateConfig).
 
-    Fixed capacity (Capacity Block, ODCR, placement group; NodePool.fixed_capacity): the MINIMAL
-    strategy, which terminates old nodes before it launches new ones, where the DEFAULT one first
-    launches max(2 x AZs, maxUnavailable) extra nodes that the reservation or the placement group
-    cannot hold (EKS user guide, "Understand each phase of node updates"; EKS API
-    NodegroupUpdateConfig: "useful ... with hardware accelerators such as GPUs"). Every pool
-    replaces `max_unavailable_percent` of its nodes at once when set, else one (EKS's default).
+    Fixed capacity (Capacity Block, ODCR, placement group; NodePool.fixed_capacity) and every GPU
+    pool: the MINIMAL strategy, which terminates old nodes before it launches new ones, where the
+    DEFAULT one first launches max(2 x AZs, maxUnavailable) extra nodes (EKS user guide,
+    "Understand each phase of node updates"; EKS API NodegroupUpdateConfig: "useful ... with
+    hardware accelerators such as GPUs"). A reservation or placement group cannot hold them, and
+    the Spot rollout pool would ask for 8 extra p5 nodes at 25 % of 32, which Spot often cannot
+    supply: the update, and the stack update with it, would fail. Every pool replaces
+    `max_unavailable_percent` of its nodes at once when set, else one (EKS's default).
     """
-    strategy = "MINIMAL" if pool.fixed_capacity else "DEFAULT"
+    strategy = "MINIMAL" if pool.fixed_capacity or pool.gpu else "DEFAULT"
     if pool.max_unavailable_percent:
         return eks.CfnNodegroup.UpdateConfigProperty(max_unavailable_percentage=pool.max_unavailable_percent,
                                                      update_strategy=strategy)

@@ -29,6 +29,12 @@ from infra.config import DeploymentConfig, PipelineConfig
 from infra.stage import EnvStage
 
 SYNTH_IMAGE = codebuild.LinuxBuildImage.STANDARD_7_0
+# The runtimes every CodeBuild job of the pipeline selects on that image (buildspec
+# runtime-versions; standard:7.0 carries Node.js 18 to 24 and Python 3.11 and 3.12,
+# aws/aws-codebuild-docker-images ubuntu/standard/7.0/runtimes.yml): Node 22 LTS, the major the
+# Makefile's NODE_VERSION installs (jsii and the CDK CLI print an end-of-life notice under 20, the
+# image's older default), and the Python of the synth lock's cp311 wheels.
+RUNTIMES = {"nodejs": "22", "python": "3.11"}
 SYNTH_TIMEOUT = Duration.minutes(90)
 _COMPUTE = {"BUILD_GENERAL1_MEDIUM": codebuild.ComputeType.MEDIUM, "BUILD_GENERAL1_LARGE": codebuild.ComputeType.LARGE,
             "BUILD_GENERAL1_XLARGE": codebuild.ComputeType.X_LARGE}
@@ -40,7 +46,7 @@ CDK_CLI_VERSION = "2.1148.1"
 CDK_ASSETS_VERSION = "4.7.3"
 CDK_CLI_DIR = "infra/cdk-cli"
 SYNTH_REQUIREMENTS = "infra/requirements-synth.txt"
-SYNTH_PYTHON = "python3.11"  # the cp311 wheels of SYNTH_REQUIREMENTS
+SYNTH_PYTHON = f"python{RUNTIMES['python']}"  # the cp311 wheels of SYNTH_REQUIREMENTS
 
 
 def synth_commands(config_path: str) -> list[str]:
@@ -82,6 +88,9 @@ class PipelineStack(Stack):
                                       primary_output_directory="cdk.out"),
             cli_version=CDK_CLI_VERSION,
             cdk_assets_cli_version=CDK_ASSETS_VERSION,
+            # every job (synth, tests, self-mutation, asset publishing) on RUNTIMES
+            code_build_defaults=pipelines.CodeBuildOptions(partial_build_spec=codebuild.BuildSpec.from_object(
+                {"phases": {"install": {"runtime-versions": RUNTIMES}}})),
             synth_code_build_defaults=pipelines.CodeBuildOptions(
                 build_environment=codebuild.BuildEnvironment(
                     build_image=SYNTH_IMAGE,

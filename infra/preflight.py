@@ -1,6 +1,9 @@
 """Checks to run against the target account before `cdk deploy`, for what the templates cannot
 create themselves: every admin role of `admin_role_arns` that the stack does not create must exist
-(EKS rejects an access entry for a missing principal, and does so after the cluster is up).
+(EKS rejects an access entry for a missing principal, and does so after the cluster is up); every
+principal of `admin_principals` must exist (IAM refuses a trust policy that names a missing one);
+the permissions boundary moerl-<env>-boundary must exist (every role is created with it; the
+execution policy allows no other; infra/execution_policy.py prints it).
 
     python -m infra.preflight --env staging [--config staging.yaml]     # exit 0 ok, 2 a problem
 
@@ -37,6 +40,28 @@ def missing_admin_roles(cfg: DeploymentConfig, iam_client) -> list[str]:
     return missing
 
 
+def missing_principals(cfg: DeploymentConfig, iam_client) -> list[str]:
+    """ARNs of admin_principals (roles or users) that do not exist in the account."""
+    missing = []
+    for arn in cfg.admin_principals:
+        kind, name = arn.split(":", 5)[5].split("/", 1)
+        get = iam_client.get_role if kind == "role" else iam_client.get_user
+        try:
+            get(**{"RoleName" if kind == "role" else "UserName": name.rsplit("/", 1)[-1]})
+        except iam_client.exceptions.NoSuchEntityException:
+            missing.append(arn)
+    return missing
+
+
+def boundary_missing(cfg: DeploymentConfig, iam_client) -> bool:
+    """True when the permissions boundary policy (cfg.boundary_arn) does not exist."""
+    try:
+        iam_client.get_policy(PolicyArn=cfg.boundary_arn)
+    except iam_client.exceptions.NoSuchEntityException:
+        return True
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry; exit 2 with one line per problem on stderr."""
     p = config_parser("infra.preflight", __doc__.splitlines()[0])
@@ -46,12 +71,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import boto3
 
-    missing = missing_admin_roles(cfg, boto3.client("iam", region_name=cfg.region))
-    for arn in missing:
-        print(f"infra.preflight: admin_role_arns: {arn} does not exist in account {cfg.account} "
-              "(create it, or leave the default moerl-<env>-admin to the stack with create_admin_role)",
-              file=sys.stderr)
-    return 2 if missing else 0
+    iam = boto3.client("iam", region_name=cfg.region)
+    problems = [f"admin_role_arns: {arn} does not exist in account {cfg.account} (create it, or leave the default "
+                "moerl-<env>-admin to the stack with create_admin_role)" for arn in missing_admin_roles(cfg, iam)]
+    problems += [f"admin_principals: {arn} does not exist in account {cfg.account} (IAM refuses a trust policy "
+                 "naming it)" for arn in missing_principals(cfg, iam)]
+    if boundary_missing(cfg, iam):
+        problems.append(f"the permissions boundary {cfg.boundary_arn} does not exist: create it from "
+                        f"`python -m infra.execution_policy --env {cfg.env} --boundary` (README, bootstrap)")
+    for line in problems:
+        print(f"infra.preflight: {line}", file=sys.stderr)
+    return 2 if problems else 0
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from aws_cdk import Environment, Stage, Tags
+from aws_cdk import aws_iam as iam
 from constructs import Construct
 
 from infra.cluster import ClusterStack
@@ -30,6 +31,10 @@ def add_env_stacks(scope: Construct, cfg: DeploymentConfig) -> dict[str, object]
                            description=f"moerl {cfg.env}: EKS cluster, node groups, add-ons, Pod Identity")
     stacks = {"network": network, "storage": storage, "cluster": cluster}
     for kind, stack in stacks.items():
+        # Every role the stack makes (its own, the custom-resource providers' and the kubectl
+        # handler's) carries the boundary the execution policy requires (infra/execution_policy.py).
+        iam.PermissionsBoundary.of(stack).apply(
+            iam.ManagedPolicy.from_managed_policy_arn(stack, "PermissionsBoundary", cfg.boundary_arn))
         Tags.of(stack).add("project", "moerl")
         Tags.of(stack).add("environment", cfg.env)
         acknowledge(stack, acknowledgements(kind, cfg))

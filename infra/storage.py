@@ -4,10 +4,11 @@ the ECR pull-through cache rules of the public registries the cluster's charts p
 Data survives `cdk destroy` when `cfg.retain_data` (required in prod); in dev the buckets and
 repositories are emptied and removed with the stack.
 
-The data buckets refuse the Pod Identity roles (trainer, rollout; named by
-DeploymentConfig.pod_role_name) any request that does not come through the VPC's S3 gateway
-endpoint (aws:SourceVpce; S3 user guide, "Controlling access from VPC endpoints with bucket
-policies"): credentials taken from a pod do not work from outside the VPC. Operators, the
+The data buckets refuse the Pod Identity roles (the trainer's, one per trainer_runs entry, and the
+rollout's; named by DeploymentConfig.trainer_identities and pod_role_name) any request that does
+not come through the VPC's S3 gateway endpoint (aws:SourceVpce; S3 user guide, "Controlling access
+from VPC endpoints with bucket policies"): credentials taken from a pod do not work from outside
+the VPC. Operators, the
 pipeline and CloudFormation are not fenced.
 """
 
@@ -20,10 +21,11 @@ from aws_cdk import aws_fsx as fsx
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
 from aws_cdk import aws_s3 as s3
+from aws_cdk import custom_resources as cr
 from constructs import Construct
 
 from infra.config import DeploymentConfig
-from infra.network import NetworkStack
+from infra.network import NO_TRAFFIC_EGRESS, NetworkStack
 
 # Lustre's ports: LNet on TCP 988 and 1018-1023, from the clients and between the file servers
 # (FSx for Lustre user guide, "File system access control with Amazon VPC").
@@ -31,6 +33,8 @@ LUSTRE_PORTS = ((988, 988), (1018, 1023))
 # The FSx service-linked role that a data repository association reads S3 with (FSx for Lustre
 # user guide, "Using service-linked roles": AWSServiceRoleForFSxS3Access_<file system id>).
 FSX_S3_ROLE_PATH = "aws-service-role/s3.data-source.lustre.fsx.amazonaws.com/"
+# Root squash of every client ("UID:GID"): root on a node acts as nobody on the file system.
+FSX_ROOT_SQUASH = "65534:65534"
 # Lustre version of a PERSISTENT_2 file system with data repository associations (2.12 or later).
 FSX_LUSTRE_VERSION = "2.15"
 # Lifecycle figures (days) for old object versions and abandoned multipart uploads.
@@ -71,7 +75,8 @@ class StorageStack(Stack):
         )
         self.checkpoint_bucket = self._data_bucket("Checkpoints", cfg.checkpoint_bucket, "checkpoints/", removal, retain)
         self.artifacts_bucket = self._data_bucket("Artifacts", cfg.artifacts_bucket, "artifacts/", removal, retain)
-        pod_roles = [f"arn:{self.partition}:iam::{cfg.account}:role/{cfg.pod_role_name(r)}" for r in ("trainer", "rollout")]
+        pod_roles = [f"arn:{self.partition}:iam::{cfg.account}:role/{name}"
+                     for name in [*(role for role, _ in cfg.trainer_identities.values()), cfg.pod_role_name("rollout")]]
         for bucket in (self.checkpoint_bucket, self.artifacts_bucket):
             bucket.add_to_resource_policy(iam.PolicyStatement(
                 sid="PodRolesOnlyThroughTheVpcEndpoint", effect=iam.Effect.DENY, principals=[iam.AnyPrincipal()],
@@ -145,7 +150,12 @@ class StorageStack(Stack):
         system read-only, charts8s/fsx.py). Datasets stay on S3: the feed alone reads them, once.
 
         Its security group admits Lustre only from the EFA security group, which only the GPU pools'
-        nodes carry (trainer and rollout, the pods that mount it), and from itself (file servers).
+        nodes carry (trainer and rollout, the pods that mount it), and from itself (file servers),
+        and sends Lustre only to those two: nothing else in or out. The EFA group in turn admits
+        Lustre from the file system's group, as the FSx guide's client rules ask ("Lustre client VPC
+        security group rules": the servers call back to clients on 988 and 1018-1023 for lock
+        callbacks and recovery). Root is squashed to 65534 on every client (root_squash), so
+        root on a node cannot write the imported models (owned by root, mode 0644).
         Attributes: fsx_sg. Outputs FsxFileSystemId, FsxMountName: FsxConfig.file_system_id and
         mount_name for charts8s.
         """
@@ -156,6 +166,17 @@ class StorageStack(Stack):
             for peer, who in ((network.efa_sg, "GPU nodes"), (self.fsx_sg, "file servers")):
                 self.fsx_sg.add_ingress_rule(peer, port, f"Lustre {ports} from {who}")
                 self.fsx_sg.add_egress_rule(peer, port, f"Lustre {ports} to {who}")
+            # The EFA group's rules live here, beside the FSx group: the network stack cannot refer to
+            # this stack (it already refers to the network's).
+            rule = dict(group_id=network.efa_sg.security_group_id, ip_protocol="tcp", from_port=lo, to_port=hi)
+            ec2.CfnSecurityGroupIngress(self, f"EfaFromFsx{lo}", **rule, source_security_group_id=self.fsx_sg.security_group_id,
+                                        description=f"Lustre {ports} from the FSx file servers")
+            ec2.CfnSecurityGroupEgress(self, f"EfaToFsx{lo}", **rule, destination_security_group_id=self.fsx_sg.security_group_id,
+                                       description=f"Lustre {ports} to the FSx file servers")
+        # Every egress rule above names a group, so each is a resource of its own and the group has
+        # no inline egress: EC2 would keep its default allow-all rule (see infra/network.py).
+        cfn_sg: ec2.CfnSecurityGroup = self.fsx_sg.node.default_child  # type: ignore[assignment]
+        cfn_sg.add_property_override("SecurityGroupEgress", [NO_TRAFFIC_EGRESS])
         (subnet,) = network.vpc.select_subnets(subnet_type=network.node_subnets.subnet_type,
                                                 availability_zones=[cfg.az]).subnet_ids
         fs = fsx.CfnFileSystem(
@@ -169,15 +190,19 @@ class StorageStack(Stack):
                 automatic_backup_retention_days=0),
         )
         fs.apply_removal_policy(RemovalPolicy.DESTROY)
+        links = []
         for prefix in (cfg.models_prefix,):
-            fsx.CfnDataRepositoryAssociation(
+            link = fsx.CfnDataRepositoryAssociation(
                 self, f"FsxLink-{prefix.replace('/', '-')}", file_system_id=fs.ref,
                 file_system_path=f"/{prefix}", data_repository_path=f"s3://{cfg.checkpoint_bucket}/{prefix}/",
                 batch_import_meta_data_on_create=True,
                 s3=fsx.CfnDataRepositoryAssociation.S3Property(
                     auto_import_policy=fsx.CfnDataRepositoryAssociation.AutoImportPolicyProperty(
                         events=["NEW", "CHANGED", "DELETED"])),
-            ).node.add_dependency(self.checkpoint_bucket)
+            )
+            link.node.add_dependency(self.checkpoint_bucket)
+            links.append(link)
+        self._root_squash(fs, links)
         # The associations' service-linked role reads the bucket's SSE-KMS objects through S3.
         self.key.add_to_resource_policy(iam.PolicyStatement(
             sid="FsxDataRepositoryReadsThroughS3", principals=[iam.AnyPrincipal()],
@@ -187,3 +212,20 @@ class StorageStack(Stack):
         CfnOutput(self, "FsxFileSystemId", value=fs.ref, description="fsx.file_system_id of the deployment config")
         CfnOutput(self, "FsxMountName", value=fs.attr_lustre_mount_name, description="fsx.mount_name of the deployment config")
         return fs
+
+    def _root_squash(self, fs: fsx.CfnFileSystem, after: list) -> None:
+        """Root squash on the file system (FSx API UpdateFileSystem, LustreConfiguration.
+        RootSquashConfiguration): AWS::FSx::FileSystem has no such property, so CDK's
+        AwsCustomResource makes the one SDK call, once the data repository links exist (FSx takes
+        one update at a time)."""
+        squash = cr.AwsCustomResource(
+            self, "FsxRootSquash",
+            on_update=cr.AwsSdkCall(
+                service="FSx", action="updateFileSystem",
+                parameters={"FileSystemId": fs.ref,
+                            "LustreConfiguration": {"RootSquashConfiguration": {"RootSquash": FSX_ROOT_SQUASH}}},
+                physical_resource_id=cr.PhysicalResourceId.of(f"{fs.ref}-root-squash")),
+            policy=cr.AwsCustomResourcePolicy.from_sdk_calls(resources=[fs.attr_resource_arn]),
+            install_latest_aws_sdk=False)
+        for dep in after:
+            squash.node.add_dependency(dep)

@@ -57,16 +57,10 @@ OUT="${OUT:-runs/gpu-ranks}"
 mkdir -p "$OUT"
 LOG="$OUT/gpu_ranks.log"
 { nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv; } 2>&1 | tee "$LOG"
-"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/moerl-site \
-    "$WHL"/*.whl 2>&1 | tail -3 | tee -a "$LOG"
-if compgen -G "$WHL/src/*" >/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/moerl-site \
-        "$WHL"/src/* 2>&1 | tail -3 | tee -a "$LOG"
-fi
-export PYTHONPATH="/tmp/moerl-site:$PWD" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-# app/buffer/redis_server.py starts /usr/bin/redis-server (the machine is ours alone, and bare).
-printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$PWD/$WHL/redis/lib" "$PWD/$WHL/redis/redis-server" \
-    > /usr/bin/redis-server && chmod +x /usr/bin/redis-server && chmod +x "$WHL/redis/redis-server"
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+# shellcheck source=scripts/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+install_carried "$WHL"  # the wheels, pycosat built here, Debian's redis-server as /usr/bin/redis-server
 /usr/bin/redis-server --version 2>&1 | tee -a "$LOG"
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
 torch.cuda.get_device_name())" 2>&1 | tee -a "$LOG"

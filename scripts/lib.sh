@@ -69,3 +69,29 @@ check_imports() {
         exit 2
     fi
 }
+
+# install_carried DIR...: every wheel under the DIRs (the first of each name), and the sdists under
+# DIR/src (built here, for this Python: pycosat), into /tmp/moerl-site, put first on PYTHONPATH so they
+# win over the image's own; where DIR/redis holds Debian's redis-server and its libraries, make
+# /usr/bin/redis-server (REDIS_BIN) run it (app/buffer/redis_server.py starts that one; the machine is
+# ours, and bare).
+install_carried() {
+    local wheels dir
+    # shellcheck disable=SC2086
+    wheels=$(find "$@" -maxdepth 1 -type f -name '*.whl' 2>/dev/null | awk -F/ '{split($NF, a, "-"); if (!seen[tolower(a[1])]++) print}')
+    # shellcheck disable=SC2086
+    [[ -z "$wheels" ]] || "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/moerl-site $wheels 2>&1 | tail -3 | tee -a "$LOG"
+    for dir in "$@"; do
+        if compgen -G "$dir/src/*" >/dev/null; then
+            "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/moerl-site \
+                "$dir"/src/* 2>&1 | tail -3 | tee -a "$LOG"
+        fi
+        if [[ -f "$dir/redis/redis-server" ]]; then
+            chmod +x "$dir/redis/redis-server"
+            printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$PWD/$dir/redis/lib" "$PWD/$dir/redis/redis-server" \
+                > "${REDIS_BIN:-/usr/bin/redis-server}" && chmod +x "${REDIS_BIN:-/usr/bin/redis-server}"
+        fi
+    done
+    export PYTHONPATH="/tmp/moerl-site${PYTHONPATH:+:$PYTHONPATH}"
+}

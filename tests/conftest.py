@@ -6,6 +6,10 @@
 - `moto_s3`: endpoint URL (http://127.0.0.1:<port>) of moto's server mode, one per test session,
   with fake credentials in the environment. Create a uniquely named bucket per test.
 
+The venv's Node.js directory (.venv/node/bin, the Makefile's NODE_BIN: Node 22 where the system's is
+older) goes first on PATH, as `make` puts it, so the jsii kernels of aws-cdk-lib and cdk8s and the
+IAM simulator (tests/iam.py) run on it when pytest is run by hand.
+
 Without CUDA, Triton kernels (app/model/kernels.py) run through Triton's interpreter: triton reads
 TRITON_INTERPRET when it is first imported, so it is set here, before any test module imports it.
 
@@ -16,9 +20,15 @@ workers; see the Makefile).
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+_NODE_BIN = Path(sys.executable).parent.parent / "node" / "bin"
+if _NODE_BIN.is_dir():
+    os.environ["PATH"] = f"{_NODE_BIN}{os.pathsep}{os.environ['PATH']}"
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -72,6 +72,10 @@ def test_loop_bench_runs_both_legs(tmp_path):
         assert load["others_cores"] >= 0 and load["load_max"] >= load["load_mean"] >= 0, name
         assert f["quiet"] == (load["others_cores"] <= doc["shape"]["quiet_share"] * load["cores"]), name
         assert f["round"] == 1 and not f["profiled"], name
+        # Completion tokens per second, where the time went, and the GPU (none on this machine).
+        assert f["tokens_per_s"] > 0 and f["gpu"]["source"] in ("none", "nvidia-smi", "pynvml"), name
+        trainer = f["time_split"]["trainer"]
+        assert all(0.0 <= v <= 1.0 for v in trainer.values()) and trainer["train_step"] > 0, name
     assert [f["position"] for f in doc["figures"]] == [1, 2] and doc["figures"][0]["name"] == "moerl"
     assert doc["quiet"] == all(f["quiet"] for f in doc["figures"])
     assert ("NOT QUIET" in r.output) == (not doc["quiet"])
@@ -88,6 +92,9 @@ def test_loop_bench_runs_both_legs(tmp_path):
     assert list((work / "moerl" / "final").glob("v*/config.json"))
     assert (work / "trl" / "final" / "config.json").is_file()
     assert legs["moerl"]["policy_version"] == legs["moerl"]["steps"]
+    assert legs["moerl"]["time_split"]["engines"]["samples"] > 0  # each engine's /server_info, sampled
+    assert legs["trl"]["time_split"]["trainer"]["generation"] > 0  # TRL's own generate, timed
+    assert doc["shape"]["device"] == "cpu" and "0 GPUs" in doc["shape"]["layout"]
     assert "moerl/trl" in r.output  # the printed ratios
 
 

@@ -1,6 +1,8 @@
 """The parts of `moerl bench loop` that decide what its figures mean, without running the legs:
-leg order, load accounting and the quiet mark, ratios over rounds, and the profile's attribution
-of CPU time to activities (app/bench/loop.py, app/bench/machine.py, app/bench/loop_profile.py)."""
+leg order, load accounting and the quiet mark, ratios over rounds, the profile's attribution
+of CPU time to activities, the GPU's sampling, where each leg's time goes, and the GPU legs'
+layout on a faked GPU (app/bench/loop.py, app/bench/machine.py, app/bench/loop_profile.py,
+app/bench/gpu.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -174,3 +177,100 @@ def test_samples_blocked_in_a_wait_get_no_cpu(tmp_path):
     # A thread seen only waiting keeps its (small) CPU time there, so the total still adds up.
     assert math.isclose(p.activities["waiting (blocked, or runnable without a core)"], 0.5)
     assert math.isclose(sum(p.activities.values()), 2.5)
+
+
+def test_gpu_monitor_reads_nvidia_smi_lines(tmp_path):
+    """`GpuMonitor` runs nvidia-smi in a loop beside the leg and sums memory over the GPUs of one
+    instant (here a stand-in script on the same command line that prints two GPUs' lines)."""
+    import stat
+
+    from app.bench.gpu import GpuMonitor
+
+    fake = tmp_path / "nvidia-smi"
+    args = tmp_path / "args"
+    fake.write_text(f"""#!/bin/sh
+echo "$@" > {args}
+echo "2026/12/03 10:00:00.000, 0, 10, 1000"
+echo "2026/12/03 10:00:00.000, 1, 30, 500"
+echo "[N/A]"
+echo "2026/12/03 10:00:00.500, 0, 50, 3000"
+echo "2026/12/03 10:00:00.500, 1, 90, 1000"
+sleep 30
+""")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monitor = GpuMonitor(period_s=0.25, command=str(fake)).start()
+    deadline = time.monotonic() + 20
+    while len(monitor.rows) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    w = monitor.stop()
+    assert (w.source, w.samples) == ("nvidia-smi", 2)
+    assert (w.util_mean_pct, w.util_max_pct) == (45.0, 90.0)
+    assert (w.mem_peak_mib, w.mem_start_mib) == (4000.0, 1500.0)
+    assert args.read_text().split() == ["--query-gpu=timestamp,index,utilization.gpu,memory.used",
+                                        "--format=csv,noheader,nounits", "-lms", "250"]
+
+
+def test_gpu_monitor_without_nvidia_smi_or_pynvml_says_none(monkeypatch):
+    import app.bench.gpu as gpu
+
+    monkeypatch.setattr(gpu.shutil, "which", lambda name: None)
+    monkeypatch.setattr(gpu, "_nvml", lambda: None)
+    w = gpu.GpuMonitor().start().stop()
+    assert w.source == "none" and w.samples == 0
+
+
+def test_where_the_time_goes():
+    from app.bench.loop import engine_state, trainer_split, where_time_goes
+
+    records = [{"step_s": 1.0, "push_s": 0.5, "publish_s": 0.0, "save_s": 0.5},
+               {"step_s": 2.0, "publish_s": 1.0, "save_s": 0.0}]  # push_s only with the network push
+    split = trainer_split(records, 10.0)
+    assert split == {"train_step": 0.3, "weight_update": 0.15, "save": 0.05, "idle": 0.5}
+    assert engine_state({"paused": True, "running": 3}) == "weight_update"
+    assert engine_state({"paused": False, "running": 0, "waiting": 2}) == "generating"
+    assert engine_state({"paused": False, "running": 0, "waiting": 0}) == "idle"
+    assert engine_state({"engine": "sglang"}) == "unknown"
+    row = {"tokens_per_s": 1234.4, "gpu": {"samples": 3, "source": "nvidia-smi", "util_mean_pct": 71.2,
+                                           "mem_peak_mib": 2048.0},
+           "time_split": {"trainer": split, "engines": {"generating": 0.8, "idle": 0.2, "samples": 9}}}
+    line = where_time_goes(row)
+    assert "1234 tokens/s" in line and "GPU busy 71%" in line and "peak memory 2.0 GiB" in line
+    assert "trainer: train step 30%, weight update 15%, save 5%, idle 50%" in line
+    assert "engines: generating 80%, idle 20%" in line
+
+
+def test_device_cuda_without_a_gpu_is_refused_before_work(tmp_path, monkeypatch):
+    import app.local.machine as machine
+    from typer.testing import CliRunner
+
+    from app.bench.cli import cli
+
+    monkeypatch.setattr(machine, "detect_machine", lambda: machine.Machine(cores=2, gpus=0))
+    r = CliRunner().invoke(cli, ["loop", "--device", "cuda", "--out-dir", str(tmp_path / "out"),
+                                 "--work-dir", str(tmp_path / "work")])
+    assert r.exit_code == 2 and "--device cuda: torch sees no GPU" in r.output, r.output
+    r = CliRunner().invoke(cli, ["loop", "--device", "tpu", "--out-dir", str(tmp_path / "out")])
+    assert r.exit_code == 2 and "--device must be cpu or cuda" in r.output, r.output
+    r = CliRunner().invoke(cli, ["loop", "--task", "nope", "--out-dir", str(tmp_path / "out")])
+    assert r.exit_code == 2 and "--task: 'nope'" in r.output, r.output
+    assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+
+
+def test_the_gpu_legs_plan_the_machines_layout(monkeypatch):
+    """`--device cuda --task gpu` on a (faked) one-GPU, 16-core machine: moerl as `moerl run`
+    lays it out there, and TRL's arguments on the GPU with bf16 autocast."""
+    import app.local.machine as machine
+    from app.bench.loop import LoopBench, grpo_args, grpo_kwargs, load_config, plan_legs
+
+    monkeypatch.delenv("MOERL_SHARED_GPU", raising=False)
+    monkeypatch.setattr(machine, "detect_machine", lambda: machine.Machine(cores=16, gpus=1))
+    bench = LoopBench(seconds=60, task="gpu", device="cuda")
+    bench.validate()
+    cfg, layout = plan_legs(bench, load_config(bench))
+    assert layout.trainer_gpus == (0,) and set(layout.engine_devices) == {"cuda:0"}
+    assert cfg.model.preset == "gpu-qwen3-moe" and cfg.model.dtype == "bfloat16"
+    args = grpo_kwargs(cfg, Path("unused"), 10, "cuda")  # TRL's own check of bf16 needs the GPU
+    assert not args["use_cpu"] and args["bf16"] and args["per_device_train_batch_size"] == 512
+    cpu_cfg, cpu_layout = plan_legs(LoopBench(seconds=60), load_config(LoopBench(seconds=60)))
+    assert cpu_layout.trainer_gpus == () and set(cpu_layout.engine_devices) == {"cpu"}  # GPUs hidden
+    assert grpo_args(cpu_cfg, Path("unused"), 10, "cpu").use_cpu

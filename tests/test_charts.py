@@ -143,7 +143,7 @@ def test_trainer_pods_select_train_gpu_and_never_spot(synth):
             assert not any(x.value == sp.name and (x.key, x.value) in _tolerated(pod) for x in sp.taints)
         (term,) = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
         assert {"key": "eks.amazonaws.com/capacityType", "operator": "NotIn", "values": ["SPOT"]} in term["matchExpressions"]
-        assert pod["serviceAccountName"] == synth.cfg.trainer_service_account
+        assert pod["serviceAccountName"] == synth.cfg.trainer_service_account_of(synth.plan.run.run_id)
         assert pod["priorityClassName"] == "moerl-trainer"
 
 
@@ -428,7 +428,9 @@ def test_one_config_map_read_by_every_pod(synth):
 
 def test_service_accounts_match_pod_identity_names(synth):
     sas = {d["metadata"]["name"]: d for d in synth.kinds("ServiceAccount")}
-    assert synth.cfg.trainer_service_account in sas and synth.cfg.rollout_service_account in sas
+    # the trainer's is its run's (issue 39 item 9: one Pod Identity role per trainer_runs entry)
+    trainer_sa = synth.cfg.trainer_service_account_of(synth.plan.run.run_id)
+    assert trainer_sa in sas and synth.cfg.rollout_service_account in sas
     for name, tpl in synth.pod_templates().items():
         assert tpl["spec"]["serviceAccountName"] in sas, name
     prio = {d["metadata"]["name"]: d["value"] for d in synth.kinds("PriorityClass")}
@@ -455,7 +457,7 @@ def test_charts_and_torchx_component_agree(prod):
              str(int(train.memory_gib * 1024 * 0.9) - prod.cfg.pools["train-gpu"].hugepages_2mi),
              "--run_dir", "/tmp/moerl-run", "--metrics_port", "9464"],
             scheduler="kubernetes", cfg={"queue": "default", "namespace": prod.cfg.namespace,
-                                         "service_account": prod.cfg.trainer_service_account},
+                                         "service_account": prod.cfg.trainer_service_account_of(plan.run.run_id)},
         )
     tx = info.request.resource["spec"]["tasks"]
     assert len(tx) == len(spec["tasks"])

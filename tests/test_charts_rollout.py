@@ -181,19 +181,29 @@ def test_multi_node_engines_are_leader_worker_groups(example):
         f = fetcher["command"]
         assert f[f.index("--engine") + 1] == "$(LWS_LEADER_ADDRESS)" and f[f.index("--index") + 1] == "$(LWS_WORKER_INDEX)"
         assert ("--marker" in f) == (pod is leader)
-    # group peers reach each other (rendezvous, NCCL bootstrap), one policy per group; the workers'
-    # pods reach the engine port, nobody else gets in (tests/test_netpol.py asks it of every pair of pods)
+    # group peers reach each other (rendezvous, NCCL bootstrap), one policy per group; worker pod i
+    # reaches engine i's leader on the engine port, nobody else gets in (issue 39 item 6;
+    # tests/test_recipe_matrix.py asks it of every pair of pods)
     (np,) = [d for d in example.kind("NetworkPolicy") if d["metadata"]["name"] == "moerl-rollout"]
     wsel = sts["spec"]["template"]["metadata"]["labels"]
-    assert np["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": wsel}}],
-                                      "ports": [{"protocol": "TCP", "port": example.plan.wl.rollout.engine_port}]}]
+    assert np["spec"]["ingress"] == []
+    port = [{"protocol": "TCP", "port": example.plan.wl.rollout.engine_port}]
     for g in range(spec["replicas"]):
         (group,) = [d for d in example.kind("NetworkPolicy") if d["metadata"]["name"] == f"moerl-rollout-group-{g}"]
         sel = group["spec"]["podSelector"]["matchLabels"]
         assert sel["leaderworkerset.sigs.k8s.io/group-index"] == str(g)
         assert group["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": sel}}]}]
+        worker = {**wsel, "apps.kubernetes.io/pod-index": str(g)}
+        (leader,) = [d for d in example.kind("NetworkPolicy") if d["metadata"]["name"] == f"moerl-rollout-leader-{g}"]
+        assert leader["spec"]["podSelector"]["matchLabels"] == {**lws["metadata"]["labels"], "moerl.dev/engine-role": "leader",
+                                                                "leaderworkerset.sigs.k8s.io/group-index": str(g)}
+        assert leader["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": worker}}], "ports": port}]
+        (own,) = [d for d in example.kind("NetworkPolicy") if d["metadata"]["name"] == f"moerl-rollout-worker-{g}"]
+        assert own["spec"]["podSelector"]["matchLabels"] == worker
+        assert own["spec"]["egress"] == [{"to": [{"podSelector": {"matchLabels": leader["spec"]["podSelector"]["matchLabels"]}}],
+                                          "ports": port}]
     (wnp,) = [d for d in example.kind("NetworkPolicy") if d["metadata"]["name"] == "moerl-rollout-worker"]
-    assert wnp["spec"]["ingress"] == [] and {"podSelector": {"matchLabels": lws["metadata"]["labels"]}} in [
+    assert wnp["spec"]["ingress"] == [] and {"podSelector": {"matchLabels": lws["metadata"]["labels"]}} not in [
         t for rule in wnp["spec"]["egress"] for t in rule.get("to", [])]
 
 def test_the_startup_probe_allows_for_the_models_load_and_download(example):

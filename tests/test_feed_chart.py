@@ -51,7 +51,7 @@ def test_feed_pod_with_evaluation_has_its_engine_on_a_rollout_node(tmp_path):
     served = str(store_copy_dir(plan.run.model.path, BASE_MODEL_DIR))
     assert engine["command"] == engine_command("sglang", served, 30000, plan.gpus_per_rollout)
     (init,) = pod["initContainers"]
-    assert init["command"] == ["python3", "-m", "app.model.source", plan.run.model.path, "--cache-dir", BASE_MODEL_DIR]
+    assert init["command"] == ["python3", "-m", "app.model.source", plan.run.model.path, "--cache-dir", BASE_MODEL_DIR, "--unquantized"]
     assert int(engine["resources"]["limits"]["nvidia.com/gpu"]) == plan.feed_gpus == plan.gpus_per_rollout
     # a weight load blocks /health_generate: liveness must not depend on it; startup may
     assert "/health_generate" not in " ".join(engine["livenessProbe"]["exec"]["command"])

@@ -98,7 +98,8 @@ def test_engines_and_trainer_read_the_base_model_from_the_mount(tmp_path):
 
 def test_a_model_outside_the_linked_prefix_is_still_copied_from_s3(tmp_path):
     cfg = _cfg()
-    docs = _render(tmp_path, cfg, f"s3://{cfg.checkpoint_bucket}/elsewhere/Qwen3-30B-A3B")
+    # a run's published version (under run_prefix, which both roles read; elsewhere is refused at render)
+    docs = _render(tmp_path, cfg, f"s3://{cfg.checkpoint_bucket}/{cfg.run_prefix}/base-run/policy/v3")
     engine_pods = [p for p in _pods(docs).values() if any(c["name"] == "engine" for c in p["containers"])]
     assert engine_pods and all([c for c in p["initContainers"] if c["name"] == "model"] for p in engine_pods)
 

@@ -111,3 +111,11 @@ def test_volcano_runs_on_a_kubernetes_its_matrix_lists_or_a_recorded_decision():
         validate_config(data, "dev.yaml")
     data["k8s_version"] = "1.35"
     assert validate_config(data).k8s_version == "1.35"
+
+
+def test_volcano_is_the_newest_release_of_its_line():
+    """Issue 39 item 5: Volcano 1.15.1 (a fix release of the pinned line) was published; 1.15.0 was
+    pinned. The entry's provenance is in tests/data/helm-index/volcano.yaml."""
+    from infra.charts import VOLCANO
+    releases = [e["version"] for e in recorded("volcano")["entries"]["volcano"] if re.fullmatch(r"1\.15\.\d+", e["version"])]
+    assert VOLCANO[2] == max(releases, key=_version) == "1.15.1"

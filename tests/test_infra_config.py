@@ -5,6 +5,8 @@ No synth here except the app path of one bad input (it fails before any construc
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from infra.config import (ENVS, GPU_TAINT_KEY, POOL_LABEL, POOL_NAMES, ConfigError, default_config,
@@ -264,6 +266,8 @@ def test_preflight_finds_a_missing_admin_role_against_iam_over_http(moto_s3, tmp
                  f"'arn:aws:iam::{account}:role/moerl-staging-admin']\n")
     cfg = load_config("staging", f)
     iam = boto3.client("iam", endpoint_url=moto_s3, region_name="us-east-1")
+    from infra.execution_policy import boundary_policy
+    iam.create_policy(PolicyName="moerl-staging-boundary", PolicyDocument=json.dumps(boundary_policy(cfg)))
     assert missing_admin_roles(cfg, iam) == [f"arn:aws:iam::{account}:role/platform-admin"]  # the default one is created
     assert main(["--env", "staging", "--config", str(f)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -278,3 +282,27 @@ def test_pull_through_secrets_must_be_ecr_pullthroughcache_secrets():
     msg = _bad(lambda d: d.update(pull_through_secrets={"ghcr.io": "arn:aws:secretsmanager:us-east-2:111111111111:secret:gh"}))
     assert "pull_through_secrets" in msg and "ecr-pullthroughcache/" in msg
     assert "pull_through_secrets" in _bad(lambda d: d.update(pull_through_secrets={"nvcr.io": "x"}))  # not an ECR upstream
+
+
+def test_preflight_finds_missing_admin_principals_and_boundary_against_iam_over_http(moto_s3, tmp_path, monkeypatch, capsys):
+    """Issue 39 item 8: the admin role's named principals must exist (IAM refuses a trust policy
+    naming a missing one), and so must the permissions boundary every role is created with."""
+    import boto3
+
+    from infra.execution_policy import boundary_policy
+    from infra.preflight import main
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3)
+    account = "123456789012"  # moto's account
+    f = tmp_path / "prod.yaml"
+    f.write_text(f"account: '{account}'\nadmin_principals: ['arn:aws:iam::{account}:role/oncall', "
+                 f"'arn:aws:iam::{account}:user/ops/alice']\n")
+    iam = boto3.client("iam", endpoint_url=moto_s3, region_name="us-east-1")
+    assert main(["--env", "prod", "--config", str(f)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [e.split(": ")[1] for e in err[:2]] == ["admin_principals", "admin_principals"] and len(err) == 3, err
+    assert "role/oncall does not exist" in err[0] and "user/ops/alice does not exist" in err[1]
+    assert "moerl-prod-boundary does not exist" in err[2] and "infra.execution_policy --env prod --boundary" in err[2]
+    iam.create_role(RoleName="oncall", AssumeRolePolicyDocument='{"Version":"2012-10-17","Statement":[]}')
+    iam.create_user(UserName="alice", Path="/ops/")
+    iam.create_policy(PolicyName="moerl-prod-boundary", PolicyDocument=json.dumps(boundary_policy(load_config("prod", f))))
+    assert main(["--env", "prod", "--config", str(f)]) == 0

@@ -4,7 +4,11 @@ aws-cdk-lib pair, the hashed lock of the synth job, and the npm lock of the CLI.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
 from importlib.metadata import version
 from pathlib import Path
@@ -52,3 +56,20 @@ def test_the_synth_lock_holds_every_package_at_the_tested_version_with_a_hash():
     for root in ("aws-cdk-lib", "constructs", "cdk-nag", "aws-cdk-lambda-layer-kubectl-v36", "pydantic", "pyyaml",
                  "jsii", "typeguard", "pydantic-core", "aws-cdk-cloud-assembly-schema"):
         assert root in lock, root
+
+
+def test_make_runs_the_cdk_on_node_22_without_an_end_of_life_notice():
+    """Issue 39 item 5: jsii printed "Node 20 is end-of-life and not supported anymore" on every CDK
+    and cdk8s call. The Makefile's node (NODE_VERSION, first on PATH for every target, and for pytest
+    through tests/conftest.py) is Node 22, the major the pipeline's jobs select (infra/pipeline.py
+    RUNTIMES); a jsii kernel started as the tests start one prints no notice."""
+    from infra.pipeline import RUNTIMES
+    (major,) = re.findall(r"^NODE_VERSION := (\d+)\.\d+\.\d+$", (ROOT / "Makefile").read_text(), re.M)
+    assert major == RUNTIMES["nodejs"] == "22"
+    node = shutil.which("node")
+    got = subprocess.run([node, "-p", "process.versions.node"], capture_output=True, text=True, check=True).stdout
+    assert int(got.split(".")[0]) >= 22, f"{node} is Node {got.strip()}: run `make test` (it installs Node 22 into .venv/node)"
+    proc = subprocess.run([sys.executable, "-c", "import aws_cdk"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "end-of-life" not in proc.stderr + proc.stdout, proc.stderr[-2000:]

@@ -350,10 +350,13 @@ def test_vpc_cni_strict_mode_and_every_system_namespace_has_a_policy(pipeline, e
     (mid, manifest), = [(k, r) for k, r in resources(cl, "Custom::AWSCDK-EKS-KubernetesResource").items()
                         if "SystemNetworkPolicies" in k]
     docs = json.loads(_resolve(manifest["Properties"]["Manifest"], pipeline.cfgs[env]))
-    policies = {d["metadata"]["namespace"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    policies = {d["metadata"]["namespace"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"
+                and d["metadata"]["name"] == "allow-all"}
     assert set(policies) == set(SYSTEM_NAMESPACES)
-    assert all(p == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"], "ingress": [{}], "egress": [{}]}
-               for p in policies.values())
+    # every pod but the DCGM host engine's (issue 39 item 9: its own policy, tests/test_recipe_matrix.py)
+    dcgm = {"matchExpressions": [{"key": "k8s-app", "operator": "NotIn", "values": ["dcgm-server"]}]}
+    assert all(p == {"podSelector": dcgm if ns == "kube-system" else {}, "policyTypes": ["Ingress", "Egress"],
+                     "ingress": [{}], "egress": [{}]} for ns, p in policies.items())
     for ng in resources(cl, "AWS::EKS::Nodegroup").values():
         assert mid in ng["DependsOn"]
 
@@ -446,7 +449,9 @@ def test_pod_identity_trainer_rw_rollout_ro(pipeline):
     cfg = pipeline.cfgs["prod"]
     cl = tpl(pipeline, "prod", "cluster")
     assocs = {r["Properties"]["ServiceAccount"]: r["Properties"] for r in resources(cl, "AWS::EKS::PodIdentityAssociation").values()}
-    assert set(assocs) == {cfg.trainer_service_account, cfg.rollout_service_account}
+    trainer_sas = {sa for _, sa in cfg.trainer_identities.values()}
+    assert len(trainer_sas) == len(cfg.trainer_runs) == 2  # tests/data/pipeline.yaml: r1, dsv3-*
+    assert set(assocs) == trainer_sas | {cfg.rollout_service_account}
     assert {a["Namespace"] for a in assocs.values()} == {cfg.namespace}
     policies = cl.to_json()["Resources"]
 
@@ -460,8 +465,9 @@ def test_pod_identity_trainer_rw_rollout_ro(pipeline):
                         acts |= set([st["Action"]] if isinstance(st["Action"], str) else st["Action"])
         return acts
 
-    trainer, rollout = actions_on_objects(cfg.trainer_service_account), actions_on_objects(cfg.rollout_service_account)
-    assert {"s3:GetObject", "s3:PutObject"} <= trainer
+    rollout = actions_on_objects(cfg.rollout_service_account)
+    for sa in trainer_sas:
+        assert {"s3:GetObject", "s3:PutObject"} <= actions_on_objects(sa), sa
     assert rollout == {"s3:GetObject"}
     cl.has_resource_properties("AWS::IAM::Role", {"AssumeRolePolicyDocument": {"Statement": [Match.object_like(
         {"Action": ["sts:AssumeRole", "sts:TagSession"], "Principal": {"Service": "pods.eks.amazonaws.com"}})]}})
@@ -802,12 +808,14 @@ def test_desired_size_is_left_to_infra_scale_once_the_groups_exist(pipeline, env
 
 
 def test_fixed_capacity_pools_update_without_a_surge_and_spot_rollout_in_rounds(pipeline, variant):
-    """Issue 27 items 2 and 11: MINIMAL (old nodes first) where a placement group or reservation
-    holds exactly the pool; 25 % of the 32 Spot rollout nodes at a time instead of one."""
+    """Issue 27 items 2 and 11, issue 39 item 3: MINIMAL (old nodes first) where a placement group
+    or reservation holds exactly the pool, and on the Spot GPU rollout pool, whose DEFAULT update
+    would first launch 8 extra Spot p5 nodes (25 % of 32); 25 % of its nodes at a time, not one."""
     cfg = pipeline.cfgs["prod"]
     groups = by_name(tpl(pipeline, "prod", "cluster"), cfg)
     assert groups["train-gpu"]["UpdateConfig"] == {"MaxUnavailable": 1, "UpdateStrategy": "MINIMAL"}
-    assert groups["rollout-gpu"]["UpdateConfig"] == {"MaxUnavailablePercentage": 25, "UpdateStrategy": "DEFAULT"}
+    assert cfg.pools["rollout-gpu"].capacity_type == "SPOT" and not cfg.pools["rollout-gpu"].fixed_capacity
+    assert groups["rollout-gpu"]["UpdateConfig"] == {"MaxUnavailablePercentage": 25, "UpdateStrategy": "MINIMAL"}
     for name in ("env-cpu", "buffer-mem", "system"):
         assert groups[name]["UpdateConfig"]["UpdateStrategy"] == "DEFAULT"
     cb = by_name(Template.from_stack(variant.stacks["cluster"]), variant.cfg)
@@ -960,7 +968,11 @@ def test_s3_endpoint_admits_only_this_accounts_buckets(pipeline):
     assert statements["ThisAccountsBuckets"]["Condition"] == {"StringEquals": {"aws:ResourceAccount": cfg.account}}
     assert statements["EcrImageLayers"] == {"Sid": "EcrImageLayers", "Effect": "Allow", "Principal": {"AWS": "*"},
                                             "Action": "s3:GetObject", "Resource": "arn:aws:s3:::prod-us-east-2-starport-layer-bucket/*"}
-    assert set(statements) == {"ThisAccountsBuckets", "EcrImageLayers"}
+    # issue 39 item 1: reads of registry.k8s.io's blob bucket of the region (the LWS chart)
+    assert statements["KubernetesRegistryBlobs"] == {
+        "Sid": "KubernetesRegistryBlobs", "Effect": "Allow", "Principal": {"AWS": "*"}, "Action": "s3:GetObject",
+        "Resource": "arn:aws:s3:::prod-registry-k8s-io-us-east-2/*"}
+    assert set(statements) == {"ThisAccountsBuckets", "EcrImageLayers", "KubernetesRegistryBlobs"}
 
 
 def test_data_buckets_refuse_pod_roles_outside_the_vpc_endpoint(pipeline):
@@ -968,7 +980,8 @@ def test_data_buckets_refuse_pod_roles_outside_the_vpc_endpoint(pipeline):
     cfg = pipeline.cfgs["prod"]
     st, cl, net = tpl(pipeline, "prod", "storage"), tpl(pipeline, "prod", "cluster"), tpl(pipeline, "prod", "network")
     names = {r["Properties"].get("RoleName") for r in resources(cl, "AWS::IAM::Role").values()}
-    assert {cfg.pod_role_name("trainer"), cfg.pod_role_name("rollout")} <= names
+    pod_roles = [*(role for role, _ in cfg.trainer_identities.values()), cfg.pod_role_name("rollout")]
+    assert set(pod_roles) <= names
     (gw_id,) = [k for k, r in resources(net, "AWS::EC2::VPCEndpoint").items() if r["Properties"].get("VpcEndpointType") == "Gateway"]
     exports = {o["Export"]["Name"]: o["Value"] for o in net.to_json()["Outputs"].values() if "Export" in o}
     buckets = {k: r["Properties"]["BucketName"] for k, r in resources(st, "AWS::S3::Bucket").items()}
@@ -979,7 +992,7 @@ def test_data_buckets_refuse_pod_roles_outside_the_vpc_endpoint(pipeline):
                 continue
             assert s["Effect"] == "Deny" and s["Action"] == "s3:*"
             assert _resolve(s["Condition"]["ArnEquals"]["aws:PrincipalArn"], cfg) == [
-                f"arn:aws:iam::{cfg.account}:role/moerl-prod-trainer", f"arn:aws:iam::{cfg.account}:role/moerl-prod-rollout"]
+                f"arn:aws:iam::{cfg.account}:role/{name}" for name in pod_roles]
             vpce = s["Condition"]["StringNotEquals"]["aws:SourceVpce"]
             assert exports[vpce["Fn::ImportValue"]] == {"Ref": gw_id}
             fenced.add(buckets[r["Properties"]["Bucket"]["Ref"]])
@@ -998,7 +1011,7 @@ def test_pod_roles_write_only_their_run_areas_and_read_models_and_data(pipeline)
     cfg = pipeline.cfgs["prod"]
     cl = tpl(pipeline, "prod", "cluster")
     roles = {r["Properties"]["RoleName"]: k for k, r in resources(cl, "AWS::IAM::Role").items() if "RoleName" in r["Properties"]}
-    trainer = IAMPolicy(json.dumps(role_policy(cl, cfg, roles["moerl-prod-trainer"])))
+    trainer = IAMPolicy(json.dumps(role_policy(cl, cfg, roles[cfg.trainer_identities["r1"][0]])))
     rollout = IAMPolicy(json.dumps(role_policy(cl, cfg, roles["moerl-prod-rollout"])))
     obj = f"arn:aws:s3:::{cfg.checkpoint_bucket}/"
     run = f"{cfg.run_prefix}/"
@@ -1022,8 +1035,10 @@ def test_pod_roles_write_only_their_run_areas_and_read_models_and_data(pipeline)
 
 
 def test_trainer_writes_only_the_runs_it_is_deployed_for(pipeline):
-    """Issue 28 item 6: writes are scoped per run (trainer_runs), not to every run under runs/: a
-    foothold in one run's trainer cannot overwrite another run's versions or training state."""
+    """Issue 28 item 6, issue 39 item 9: writes are scoped per run, not to every run under runs/ nor
+    to every run of trainer_runs: each entry has its own role and service account, so a foothold in
+    one run's trainer cannot overwrite another run's versions or training state (the runs of one
+    family share their entry's)."""
     from moto.iam.access_control import IAMPolicy, PermissionResult
 
     from app.storage.policy import version_prefix
@@ -1031,16 +1046,30 @@ def test_trainer_writes_only_the_runs_it_is_deployed_for(pipeline):
     from infra.config import ConfigError, default_config, validate_config
     ok = PermissionResult.PERMITTED
     obj = "arn:aws:s3:::{}/runs/"
-    for env, mine, other in (("prod", ["r1", "dsv3-a", "dsv3-2node"], ["r2", "r10", "dsv4"]), ("dev", ["dev"], ["r1"])):
+    cases = {"prod": {"r1": ["r1"], "dsv3-*": ["dsv3-a", "dsv3-2node"]}, "dev": {"dev": ["dev"]}}
+    others = ["r2", "r10", "dsv4"]
+    for env, entries in cases.items():
         cfg = pipeline.cfgs[env]
+        assert list(cfg.trainer_identities) == list(entries)
         cl = tpl(pipeline, env, "cluster")
         roles = {r["Properties"]["RoleName"]: k for k, r in resources(cl, "AWS::IAM::Role").items() if "RoleName" in r["Properties"]}
-        trainer = IAMPolicy(json.dumps(role_policy(cl, cfg, roles[cfg.pod_role_name("trainer")])))
-        for run in mine + other:
-            for key in (version_prefix(run, 3) + "model.safetensors", step_prefix(run, 10) + "rng0.pt"):
-                want = run in mine
-                assert (trainer.is_action_permitted("s3:PutObject", obj.format(cfg.checkpoint_bucket) + key) == ok) is want, (env, key)
-                assert trainer.is_action_permitted("s3:GetObject", obj.format(cfg.checkpoint_bucket) + key) == ok
+        assocs = {r["Properties"]["ServiceAccount"]: r["Properties"]["RoleArn"]["Fn::GetAtt"][0]
+                  for r in resources(cl, "AWS::EKS::PodIdentityAssociation").values()}
+        for entry, (role_name, sa) in cfg.trainer_identities.items():
+            assert assocs[sa] == roles[role_name] and len(role_name) <= 64
+            trainer = IAMPolicy(json.dumps(role_policy(cl, cfg, roles[role_name])))
+            for run in [r for rs in entries.values() for r in rs] + others:
+                for key in (version_prefix(run, 3) + "model.safetensors", step_prefix(run, 10) + "rng0.pt"):
+                    want = run in entries[entry]
+                    assert (trainer.is_action_permitted("s3:PutObject", obj.format(cfg.checkpoint_bucket) + key) == ok) is want, (env, entry, key)
+                    assert trainer.is_action_permitted("s3:GetObject", obj.format(cfg.checkpoint_bucket) + key) == ok
+        for entry, runs in entries.items():  # the trainer of a run uses its entry's account
+            assert all(cfg.trainer_service_account_of(run) == cfg.trainer_identities[entry][1] for run in runs)
+    prod = pipeline.cfgs["prod"]  # a run no entry names: an account without an association (no credentials)
+    assert prod.trainer_entry("r2") is None
+    assert prod.trainer_service_account_of("r2") not in {sa for _, sa in prod.trainer_identities.values()}
+    wide = validate_config({**default_config("dev"), "trainer_runs": ["*", "a-*", "a-b"]})
+    assert [wide.trainer_entry(r) for r in ("a-b", "a-c", "z")] == ["a-b", "a-*", "*"]
     data = default_config("prod")
     assert data.get("trainer_runs") is None and validate_config(data).trainer_runs == ["dev"]
     for runs, says in ((["*"], "allowed in dev only"), (["Run_1"], "neither a run id"), ([], "at least 1")):
@@ -1097,6 +1126,45 @@ def test_fsx_lustre_linked_to_models_and_data_reached_only_from_gpu_nodes(pipeli
         assert "aws-fsx-csi-driver" not in json.dumps(resources(tpl(pipeline, env, "cluster"), "Custom::AWSCDK-EKS-HelmChart"))
 
 
+def test_fsx_clients_take_lustre_callbacks_its_egress_is_closed_and_root_is_squashed(pipeline):
+    """Issue 39 item 4: the FSx guide's client rules: the clients' group (EFA, which the trainer and
+    rollout nodes carry) admits 988 and 1018-1023 from the file system's group (lock callbacks and
+    recovery come from the servers); the file system's group has no egress but Lustre to its
+    clients and itself (EC2's default allow-all egress stayed before, as every egress rule names a
+    group); root squash on, so root on a node cannot rewrite /fsx/models unseen in S3."""
+    from infra.network import NO_TRAFFIC_EGRESS
+    from infra.storage import FSX_ROOT_SQUASH, LUSTRE_PORTS
+    st, net = tpl(pipeline, "prod", "storage"), tpl(pipeline, "prod", "network")
+    (fs_id, fs), = resources(st, "AWS::FSx::FileSystem").items()
+    (sg_ref,) = fs["Properties"]["SecurityGroupIds"]
+    fsx_sg = {"Fn::GetAtt": [sg_ref["Fn::GetAtt"][0], "GroupId"]}
+    (efa_export,) = [o["Export"]["Name"] for k, o in net.to_json()["Outputs"].items() if "EfaSecurityGroup" in k]
+    efa_sg = {"Fn::ImportValue": efa_export}
+    ports = set(LUSTRE_PORTS)
+
+    def rules(kind: str, group: dict, peer_key: str, peer: dict) -> set:
+        return {(r["Properties"]["FromPort"], r["Properties"]["ToPort"]) for r in resources(st, kind).values()
+                if r["Properties"]["GroupId"] == group and r["Properties"].get(peer_key) == peer
+                and r["Properties"]["IpProtocol"] == "tcp"}
+    assert rules("AWS::EC2::SecurityGroupIngress", efa_sg, "SourceSecurityGroupId", fsx_sg) == ports
+    assert rules("AWS::EC2::SecurityGroupEgress", efa_sg, "DestinationSecurityGroupId", fsx_sg) == ports
+    group = resources(st, "AWS::EC2::SecurityGroup")[sg_ref["Fn::GetAtt"][0]]["Properties"]
+    assert group["SecurityGroupEgress"] == [NO_TRAFFIC_EGRESS]
+    egress = [r["Properties"] for r in resources(st, "AWS::EC2::SecurityGroupEgress").values() if r["Properties"]["GroupId"] == fsx_sg]
+    assert {json.dumps(r["DestinationSecurityGroupId"]) for r in egress} == {json.dumps(efa_sg), json.dumps(fsx_sg)}
+    assert {(r["FromPort"], r["ToPort"]) for r in egress} == ports and all("CidrIp" not in r for r in egress)
+    (squash,) = resources(st, "Custom::AWS").values()
+    sep, parts = squash["Properties"]["Create"]["Fn::Join"]
+    call = json.loads(sep.join("fs-0123" if p == {"Ref": fs_id} else p for p in parts))
+    assert (call["service"], call["action"]) == ("FSx", "updateFileSystem") and FSX_ROOT_SQUASH == "65534:65534"
+    assert call["parameters"] == {"FileSystemId": "fs-0123",
+                                  "LustreConfiguration": {"RootSquashConfiguration": {"RootSquash": FSX_ROOT_SQUASH}}}
+    links = set(resources(st, "AWS::FSx::DataRepositoryAssociation"))
+    assert links and links <= set(squash["DependsOn"])  # FSx takes one update at a time
+    for env in ("dev", "staging"):
+        assert not resources(tpl(pipeline, env, "storage"), "Custom::AWS")
+
+
 @pytest.mark.parametrize("fsx, says", [
     ({"storage_gib": 3600}, "not a PERSISTENT_2 capacity"), ({"storage_gib": 600}, "greater than or equal to 1200"),
     ({"mbps_per_tib": 200}, "not a PERSISTENT_2 throughput"), ({"file_system_id": "fsx-1"}, "fs-"),
@@ -1127,17 +1195,29 @@ def test_synth_job_installs_only_locked_packages_and_runs_no_tests(pipeline):
     from infra.pipeline import CDK_ASSETS_VERSION, CDK_CLI_VERSION
     specs = _buildspecs(Template.from_stack(pipeline.pipeline_stack))
     (synth,) = [s for k, s in specs.items() if "Synth" in k]
-    cmds = [c for phase in synth["phases"].values() for c in phase["commands"]]
+    cmds = [c for phase in synth["phases"].values() for c in phase.get("commands", [])]
     assert cmds[0] == "npm ci --prefix infra/cdk-cli --ignore-scripts"
     assert ".venv/bin/pip install --require-hashes --no-deps -r infra/requirements-synth.txt" in cmds
     assert not any("make" in c or "pytest" in c or "npm install" in c for c in cmds), cmds
     (tests,) = [s for k, s in specs.items() if "InfraTests" in k]
-    assert [c for phase in tests["phases"].values() for c in phase["commands"]] == ["make test-infra"]
-    installs = [c for k, s in specs.items() for phase in s["phases"].values() for c in phase["commands"] if "npm install -g" in c]
+    assert [c for phase in tests["phases"].values() for c in phase.get("commands", [])] == ["make test-infra"]
+    installs = [c for k, s in specs.items() for phase in s["phases"].values() for c in phase.get("commands", [])
+                if "npm install -g" in c]
     assert installs and all(c in (f"npm install -g aws-cdk@{CDK_CLI_VERSION}", f"npm install -g cdk-assets@{CDK_ASSETS_VERSION}")
                             for c in installs), installs
     makefile = (ROOT / "Makefile").read_text()
     assert "test-infra: $(STAMP)\n\t$(BIN)/python -m pytest -q tests/test_infra_*.py tests/test_ops_charts.py" in makefile
+
+
+def test_every_pipeline_job_runs_node_22(pipeline):
+    """Issue 39 item 5: jsii and the CDK CLI print Node 20's end-of-life notice on every call; every
+    CodeBuild job of the pipeline selects Node 22 (the Makefile's major) and the synth lock's Python."""
+    from infra.pipeline import RUNTIMES, SYNTH_PYTHON
+    specs = _buildspecs(Template.from_stack(pipeline.pipeline_stack))
+    assert len(specs) >= 4  # synth, tests, self-mutation, asset publishing
+    for name, spec in specs.items():
+        assert spec["phases"]["install"]["runtime-versions"] == {"nodejs": "22", "python": "3.11"} == RUNTIMES, name
+    assert SYNTH_PYTHON == "python3.11"
 
 
 def test_execution_policy_covers_every_synthesized_resource_and_no_more(pipeline):
@@ -1164,3 +1244,267 @@ def test_execution_policy_covers_every_synthesized_resource_and_no_more(pipeline
         assert policy.is_action_permitted("iam:CreateAccessKey", f"{acct}:user/x") != ok
         assert policy.is_action_permitted("organizations:LeaveOrganization") != ok
     assert main(["--env", "nowhere"]) == 2
+
+
+# ---------------------------------------------------------------- access: the deploy's requests
+# Evaluated by iam-simulate (tests/iam.py) on the synthesized policies: the gateway endpoint's, the
+# buckets', the roles', the execution policy and the boundary (issue 39 items 1, 2, 8).
+
+VPCE = "vpce-0a1b2c3d4e5f60718"  # the gateway endpoint's id, which the buckets' policies import
+K8S_REGISTRY_ACCOUNT = "513428760722"  # the Kubernetes project's registry account (kubernetes/k8s.io)
+OTHER_ACCOUNT = "999988887777"
+
+
+def _rendered(value, cfg: DeploymentConfig, buckets: dict[str, str]):
+    """_resolve, plus a bucket's Fn::GetAtt Arn (logical id -> name in `buckets`), the imports of
+    the endpoint's id (VPCE) and the data key's ARN, Fn::Sub of the partition and the first branch
+    of an Fn::If made plain."""
+    if isinstance(value, list):
+        return [_rendered(v, cfg, buckets) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "Fn::GetAtt" in value and value["Fn::GetAtt"][0] in buckets:
+        return f"arn:aws:s3:::{buckets[value['Fn::GetAtt'][0]]}"
+    if "Fn::ImportValue" in value:
+        export = value["Fn::ImportValue"]
+        if "VpcS3" in export:
+            return VPCE
+        assert "DataKey" in export, export
+        return f"arn:aws:kms:{cfg.region}:{cfg.account}:key/0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9"
+    if "Fn::If" in value:  # the kubectl provider's ECR Public policy, where the partition has it
+        return _rendered(value["Fn::If"][1], cfg, buckets)
+    if "Fn::Sub" in value:
+        return value["Fn::Sub"].replace("${AWS::Partition}", "aws")
+    if "Fn::Join" in value:
+        sep, parts = value["Fn::Join"]
+        return sep.join(str(_rendered(p, cfg, buckets)) for p in parts)
+    if "Ref" in value:
+        return _resolve(value, cfg)
+    return {k: _rendered(v, cfg, buckets) for k, v in value.items()}
+
+
+def _access(pipeline, env: str) -> dict:
+    """The rendered policies of `env`: endpoint, bucket policy per bucket name, role policies by role name."""
+    cfg = pipeline.cfgs[env]
+    net, st, cl = (tpl(pipeline, env, k) for k in ("network", "storage", "cluster"))
+    (ep,) = [r["Properties"] for r in resources(net, "AWS::EC2::VPCEndpoint").values()
+             if r["Properties"].get("VpcEndpointType") == "Gateway"]
+    buckets = {k: r["Properties"]["BucketName"] for k, r in resources(st, "AWS::S3::Bucket").items()}
+    bucket_policies = {buckets[r["Properties"]["Bucket"]["Ref"]]: _rendered(r["Properties"]["PolicyDocument"], cfg, buckets)
+                       for r in resources(st, "AWS::S3::BucketPolicy").values()}
+    roles = {r["Properties"]["RoleName"]: _rendered(role_policy(cl, cfg, k), cfg, buckets)
+             for k, r in resources(cl, "AWS::IAM::Role").items() if "RoleName" in r["Properties"]}
+    return {"cfg": cfg, "endpoint": _resolve(ep["PolicyDocument"], cfg), "buckets": bucket_policies, "roles": roles}
+
+
+def _public_read(bucket: str) -> dict:
+    """A bucket policy that lets anyone read (the registry's buckets: kubernetes/k8s.io's terraform,
+    'publicly-readable regional S3 buckets')."""
+    return {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Principal": "*", "Action": "s3:GetObject",
+                                                    "Resource": f"arn:aws:s3:::{bucket}/*"}]}
+
+
+def test_first_deploy_s3_requests_pass_the_gateway_endpoint_and_exfiltration_does_not(pipeline):
+    """Issue 39 item 1: the kubectl handler's `helm pull oci://registry.k8s.io/lws/charts/lws` from
+    the private subnets follows archeio's redirect to the region's registry bucket (an unsigned
+    GET through the gateway endpoint); the endpoint refused it, and the cluster stack would roll
+    back at LeaderWorkerSet. The same policies still admit the pods' own traffic and refuse a
+    trainer's credentials writing to another account's bucket or used outside the VPC."""
+    from iam import ALLOWED, ANONYMOUS, request, simulate
+
+    from infra.network import REGISTRY_K8S_IO_BUCKETS, s3_endpoint_statements
+    a = _access(pipeline, "prod")
+    cfg, ep = a["cfg"], a["endpoint"]
+    registry = REGISTRY_K8S_IO_BUCKETS[cfg.region]
+    layer = f"prod-{cfg.region}-starport-layer-bucket"
+    trainer = f"arn:aws:iam::{cfg.account}:role/{cfg.trainer_identities['r1'][0]}"
+    rollout = f"arn:aws:iam::{cfg.account}:role/{cfg.pod_role_name('rollout')}"
+    ckpt = cfg.checkpoint_bucket
+
+    def pod(principal: str, action: str, key: str, *, inside: bool = True, bucket: str = ckpt,
+            account: str = cfg.account, resource_policy: dict | None = None) -> dict:
+        context = {"aws:PrincipalArn": principal, "aws:PrincipalAccount": cfg.account, "aws:ResourceAccount": account,
+                   "aws:SecureTransport": "true", **({"aws:SourceVpce": VPCE} if inside else {})}
+        role = principal.rsplit("/", 1)[1]
+        return request(action, f"arn:aws:s3:::{bucket}/{key}", account, principal=principal,
+                       identity=[a["roles"][role]], endpoint=ep if inside else None, context=context,
+                       resource_policy=a["buckets"][bucket] if resource_policy is None else resource_policy)
+
+    blob = "containers/images/sha256:9d4c2a"
+    cases = {
+        # the deploy's pulls through the endpoint (unsigned: helm, and ECR's presigned layer URLs)
+        "lws chart blob": (request("s3:GetObject", f"arn:aws:s3:::{registry}/{blob}", K8S_REGISTRY_ACCOUNT,
+                                   principal=ANONYMOUS, resource_policy=_public_read(registry), endpoint=ep,
+                                   context={"aws:ResourceAccount": K8S_REGISTRY_ACCOUNT}), True),
+        "ecr image layer": (request("s3:GetObject", f"arn:aws:s3:::{layer}/sha256/9d4c2a", OTHER_ACCOUNT,
+                                    principal=ANONYMOUS, resource_policy=_public_read(layer), endpoint=ep,
+                                    context={"aws:ResourceAccount": OTHER_ACCOUNT}), True),
+        # the pods' own traffic
+        "trainer writes its run": (pod(trainer, "s3:PutObject", "runs/r1/policy/v3/model.safetensors"), True),
+        "rollout reads a model": (pod(rollout, "s3:GetObject", "models/Qwen3-30B-A3B/config.json"), True),
+        # what the fences refuse
+        "trainer outside the vpc": (pod(trainer, "s3:PutObject", "runs/r1/policy/v3/x", inside=False), False),
+        "trainer writes another run": (pod(trainer, "s3:PutObject", "runs/dsv3-a/policy/v3/x"), False),
+        "trainer to a foreign bucket": (pod(trainer, "s3:PutObject", "stolen/model.safetensors", bucket="attacker-drop",
+                                            account=OTHER_ACCOUNT, resource_policy={"Version": "2012-10-17", "Statement": [
+                                                {"Effect": "Allow", "Principal": "*", "Action": "s3:PutObject",
+                                                 "Resource": "arn:aws:s3:::attacker-drop/*"}]}), False),
+        "any other public bucket": (request("s3:GetObject", "arn:aws:s3:::attacker-tools/payload", OTHER_ACCOUNT,
+                                            principal=ANONYMOUS, resource_policy=_public_read("attacker-tools"),
+                                            endpoint=ep, context={"aws:ResourceAccount": OTHER_ACCOUNT}), False),
+    }
+    got = simulate([sim for sim, _ in cases.values()])
+    assert {name: d == ALLOWED for name, d in zip(cases, got)} == {name: want for name, (_, want) in cases.items()}, got
+    # archeio's table: one region's bucket has a name of its own; another region's is not reached
+    # through this region's endpoint (a gateway endpoint serves its own region), so none is admitted
+    assert REGISTRY_K8S_IO_BUCKETS["eu-west-2"] == "767373bbdcb8270361b96548387bf2a9ad0d48758c35-eu-west-2"
+    assert [s.sid for s in s3_endpoint_statements("1", "eu-west-2")][-1] == "KubernetesRegistryBlobs"
+    assert "KubernetesRegistryBlobs" not in [s.sid for s in s3_endpoint_statements("1", "me-south-1")]
+
+
+def _template_roles(pipeline, env: str) -> list[tuple[str, str, list[str], int]]:
+    """(role ARN, boundary ARN, managed policy ARNs, inline policies) of every role of `env`'s
+    stacks, as CloudFormation would create them (a role without RoleName gets <stack>-<id>-<suffix>)."""
+    cfg = pipeline.cfgs[env]
+    out = []
+    for kind in ("network", "storage", "cluster"):
+        t = tpl(pipeline, env, kind)
+        inline = {}
+        for r in resources(t, "AWS::IAM::Policy").values():
+            for ref in r["Properties"]["Roles"]:
+                inline[ref["Ref"]] = inline.get(ref["Ref"], 0) + 1
+        for k, r in resources(t, "AWS::IAM::Role").items():
+            p = r["Properties"]
+            name = p.get("RoleName") or f"{cfg.name_prefix}-{kind}-{k}"[:56] + "-1A2B3C4D"
+            arns = _rendered(p.get("ManagedPolicyArns", []), cfg, {})
+            out.append((f"arn:aws:iam::{cfg.account}:role/{name}", _resolve(p.get("PermissionsBoundary"), cfg), arns,
+                        inline.get(k, 0)))
+    return out
+
+
+def test_the_execution_policy_admits_every_iam_request_of_a_deploy_and_no_escalation(pipeline):
+    """Issue 39 items 2 and 8: the scoped execution policy (the role CloudFormation deploys with)
+    evaluated against the IAM requests the stacks make: each role created with the boundary, each
+    of its managed policies attached, its inline policies put; FSx's data repository link creating
+    and filling AWSServiceRoleForFSxS3Access_<fs> (refused before: its attach and put were scoped to
+    moerl-<env>-* only), ECR's pull-through cache service-linked role (missing before). And what it
+    must refuse: a role without the boundary or with another one, the boundary removed, a managed
+    policy outside the stacks' (AdministratorAccess), a role outside the prefix."""
+    from iam import ALLOWED, request, simulate
+
+    from infra.execution_policy import MANAGED_POLICIES, execution_policy
+    for env in ("prod", "dev"):
+        cfg = pipeline.cfgs[env]
+        acct = cfg.account
+        deployer = f"arn:aws:iam::{acct}:role/cdk-hnb659fds-cfn-exec-role-{acct}-{cfg.region}"
+        policy = execution_policy(cfg)
+
+        def ask(action: str, resource: str, **context) -> dict:
+            return request(action, resource, acct, principal=deployer, identity=[policy], context=context)
+
+        cases: dict[str, tuple[dict, bool]] = {}
+        roles = _template_roles(pipeline, env)
+        assert roles and all(boundary == cfg.boundary_arn for _, boundary, _, _ in roles), roles
+        for arn, boundary, managed, inline in roles:
+            cases[f"create {arn}"] = (ask("iam:CreateRole", arn, **{"iam:PermissionsBoundary": boundary}), True)
+            cases[f"pass {arn}"] = (ask("iam:PassRole", arn), True)
+            for m in managed:
+                assert m.removeprefix("arn:aws:iam::aws:policy/") in MANAGED_POLICIES, m
+                cases[f"attach {m} to {arn}"] = (ask("iam:AttachRolePolicy", arn, **{"iam:PolicyARN": m}), True)
+            if inline:
+                cases[f"inline policy of {arn}"] = (ask("iam:PutRolePolicy", arn), True)
+        fsx_role = f"arn:aws:iam::{acct}:role/aws-service-role/s3.data-source.lustre.fsx.amazonaws.com/AWSServiceRoleForFSxS3Access_fs-0123456789abcdef0"
+        ptc_role = f"arn:aws:iam::{acct}:role/aws-service-role/pullthroughcache.ecr.amazonaws.com/AWSServiceRoleForECRPullThroughCache"
+        mine = f"arn:aws:iam::{acct}:role/{cfg.name_prefix}-cluster-EvilRole-1A2B3C4D"
+        cases.update({
+            "fsx link: its service-linked role": (ask("iam:CreateServiceLinkedRole", fsx_role, **{
+                "iam:AWSServiceName": "s3.data-source.lustre.fsx.amazonaws.com"}), True),
+            "fsx link: attach to it": (ask("iam:AttachRolePolicy", fsx_role, **{
+                "iam:PolicyARN": "arn:aws:iam::aws:policy/aws-service-role/AmazonFSxServiceRolePolicy"}), True),
+            "fsx link: inline policy": (ask("iam:PutRolePolicy", fsx_role), True),
+            "pull-through cache role": (ask("iam:CreateServiceLinkedRole", ptc_role, **{
+                "iam:AWSServiceName": "pullthroughcache.ecr.amazonaws.com"}), True),
+            "role without a boundary": (ask("iam:CreateRole", mine), False),
+            "role with another boundary": (ask("iam:CreateRole", mine, **{
+                "iam:PermissionsBoundary": f"arn:aws:iam::{acct}:policy/wide-open"}), False),
+            "boundary removed": (ask("iam:DeleteRolePermissionsBoundary", mine), False),
+            "boundary replaced": (ask("iam:PutRolePermissionsBoundary", mine, **{
+                "iam:PermissionsBoundary": f"arn:aws:iam::{acct}:policy/wide-open"}), False),
+            "boundary rewritten": (ask("iam:CreatePolicyVersion", cfg.boundary_arn), False),
+            "administrator attached": (ask("iam:AttachRolePolicy", mine, **{
+                "iam:PolicyARN": "arn:aws:iam::aws:policy/AdministratorAccess"}), False),
+            "role outside the prefix": (ask("iam:CreateRole", f"arn:aws:iam::{acct}:role/someone-else", **{
+                "iam:PermissionsBoundary": cfg.boundary_arn}), False),
+            "service role of another path": (ask("iam:AttachRolePolicy", f"arn:aws:iam::{acct}:role/aws-service-role/x/y", **{
+                "iam:PolicyARN": "arn:aws:iam::aws:policy/AdministratorAccess"}), False),
+            "a user": (ask("iam:CreateUser", f"arn:aws:iam::{acct}:user/x"), False),
+        })
+        got = simulate([sim for sim, _ in cases.values()])
+        wrong = {name: d for (name, (_, want)), d in zip(cases.items(), got) if (d == ALLOWED) != want}
+        assert not wrong, (env, wrong)
+
+
+def test_the_boundary_caps_any_role_the_deploy_role_can_make(pipeline):
+    """Issue 39 item 8: whatever inline policy the deploy role puts on a moerl-<env>-* role (it may
+    put any), the boundary it must carry leaves no IAM write, Organizations or account change:
+    the deploy role cannot mint an administrator."""
+    from iam import ALLOWED, request, simulate
+
+    from infra.execution_policy import boundary_policy, main
+    cfg = pipeline.cfgs["prod"]
+    acct = cfg.account
+    role = f"arn:aws:iam::{acct}:role/{cfg.name_prefix}-cluster-Minted-1A2B3C4D"
+    everything = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+    cases = {
+        ("iam:CreateUser", f"arn:aws:iam::{acct}:user/backdoor"): False,
+        ("iam:CreateAccessKey", f"arn:aws:iam::{acct}:user/admin"): False,
+        ("iam:AttachRolePolicy", role): False,
+        ("iam:PutRolePolicy", role): False,
+        ("iam:DeleteRolePermissionsBoundary", role): False,
+        ("iam:UpdateAssumeRolePolicy", f"arn:aws:iam::{acct}:role/{cfg.name_prefix}-admin"): False,
+        ("iam:PassRole", f"arn:aws:iam::{acct}:role/OrganizationAccountAccessRole"): False,
+        ("organizations:LeaveOrganization", "*"): False,
+        ("s3:GetObject", f"arn:aws:s3:::{cfg.checkpoint_bucket}/models/x"): True,
+        ("ec2:AssignPrivateIpAddresses", f"arn:aws:ec2:{cfg.region}:{acct}:network-interface/eni-0123456789abcdef0"): True,
+        ("iam:CreateServiceLinkedRole", f"arn:aws:iam::{acct}:role/aws-service-role/elasticloadbalancing.amazonaws.com/AWSServiceRoleForElasticLoadBalancing"): True,
+    }
+    sims = [request(action, resource, acct, principal=role, identity=[everything], boundary=boundary_policy(cfg),
+                    context={"iam:AWSServiceName": "elasticloadbalancing.amazonaws.com"} if "ServiceLinked" in action else {})
+            for action, resource in cases]
+    got = simulate(sims)
+    assert {k: d == ALLOWED for k, d in zip(cases, got)} == cases, got
+    assert main(["--env", "prod", "--boundary"]) == 0
+
+
+def test_the_admin_role_trusts_named_or_tagged_principals_not_the_whole_account(pipeline):
+    """Issue 39 item 8: moerl-<env>-admin (cluster-admin through its access entry) trusted the
+    account root: any principal allowed sts:AssumeRole by its own policy became cluster-admin. Now
+    only principals tagged moerl-cluster-admin=moerl-<env>, or the admin_principals named."""
+    from iam import ALLOWED, request, simulate
+
+    from infra.config import ADMIN_PRINCIPAL_TAG, ConfigError, default_config, validate_config
+    cfg = pipeline.cfgs["prod"]
+    acct = cfg.account
+    (admin,) = [r for r in resources(tpl(pipeline, "prod", "cluster"), "AWS::IAM::Role").values()
+                if r["Properties"].get("RoleName") == f"{cfg.name_prefix}-admin"]
+    trust = _resolve(admin["Properties"]["AssumeRolePolicyDocument"], cfg)
+    may_assume = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole", "Resource": "*"}]}
+    target = cfg.default_admin_role_arn
+
+    def assume(principal: str, tags: dict) -> dict:
+        return request("sts:AssumeRole", target, acct, principal=principal, identity=[may_assume], resource_policy=trust,
+                       context={"aws:PrincipalArn": principal, "aws:PrincipalAccount": acct,
+                                **{f"aws:PrincipalTag/{k}": v for k, v in tags.items()}})
+
+    someone = f"arn:aws:iam::{acct}:role/ci-runner"
+    got = simulate([assume(someone, {}), assume(someone, {ADMIN_PRINCIPAL_TAG: cfg.name_prefix}),
+                    assume(someone, {ADMIN_PRINCIPAL_TAG: "moerl-dev"})])
+    assert got[0] != ALLOWED and got[1] == ALLOWED and got[2] != ALLOWED, got
+    # named principals instead of the tag
+    data = {**default_config("prod"), "admin_principals": [f"arn:aws:iam::{default_config('prod')['account']}:role/platform-admin"]}
+    named = validate_config(data)
+    from infra.cluster import admin_principal
+    assert admin_principal(named).policy_fragment.principal_json == {"AWS": named.admin_principals}
+    assert admin_principal(named).policy_fragment.conditions == {}
+    with pytest.raises(ConfigError, match="admin_principals"):
+        validate_config({**data, "admin_principals": ["platform-admin"]})

@@ -109,7 +109,7 @@ def test_every_engine_loads_a_local_copy_its_pod_fetched_first(dsv3):
         assert sglang_load_format(ns) == "auto", ns.model_path
         assert ns.model_path == str(store_copy_dir(base, BASE_MODEL_DIR))
         (init,) = pod["initContainers"]
-        assert init["command"] == ["python3", "-m", "app.model.source", base, "--cache-dir", BASE_MODEL_DIR]
+        assert init["command"] == ["python3", "-m", "app.model.source", base, "--cache-dir", BASE_MODEL_DIR, "--unquantized"]
         mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
         assert mounts["models"] == {m["name"]: m["mountPath"] for m in engine["volumeMounts"]}["models"]
         assert BASE_MODEL_DIR.startswith(mounts["models"] + "/")

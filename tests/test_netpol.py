@@ -431,3 +431,32 @@ def test_the_policy_model_follows_the_documented_semantics():
     more = {"metadata": {"namespace": "ns1", "name": "r"}, "spec": {"podSelector": {"matchLabels": {"app": "a"}},
             "policyTypes": ["Egress"], "egress": [{"to": [{"podSelector": {}}]}]}}
     assert ok([out, more], a, c, 22) and not ok([out, more], a, b, 22)
+
+
+@pytest.mark.parametrize("per_group", [1, 0, 2])
+def test_weight_update_groups_spanning_engines_open_nccls_range_between_their_engines(tmp_path, per_group):
+    """Issue 37 item 2: a group of several engines (weight_sync.engines_per_group 0 or > 1) holds
+    trainer-0 and every member engine's ranks; NCCL's bootstrap ring and transport connect
+    consecutive ranks, engine g to engine g + 1, and which engines share a group changes with
+    each push (the ready ones, sorted: app/trainer/weight_sync.py partition). So every engine rank
+    reaches every other on NCCL's range, and on nothing else beyond its own group; with a group
+    per engine (1, the default) engines of different groups reach each other on no port."""
+    os.chdir(ROOT)
+    run = ((EXAMPLES / "dsv3-2node-deepep.run.yaml").read_text()
+           + f"weight_sync: {{mode: network, engines_per_group: {per_group}}}\n")
+    w = yaml.safe_load((EXAMPLES / "dsv3-2node-deepep.workloads.yaml").read_text())
+    w.pop("run_config")
+    w["rollout"]["replicas"] = 3
+    r = _render(tmp_path, load_config("prod", EXAMPLES / "p5en-rollout.deploy.yaml"), run, yaml.safe_dump(w))
+    engines = r.role("moerl-rollout")
+    lo, hi = NCCL_PORTS
+    spans = per_group != 1
+    group = lambda p: p.labels["leaderworkerset.sigs.k8s.io/group-index"]  # noqa: E731
+    pairs = [(a, b) for a in engines for b in engines if group(a) != group(b)]
+    assert len(pairs) >= 12
+    for a, b in pairs:
+        assert r.can(a, b, lo) == r.can(a, b, hi) == r.can(a, b, (lo + hi) // 2) == spans, (a.name, b.name)
+        assert not any(r.can(a, b, p) for p in (lo - 1, hi + 1, 20000, 30000, WEIGHT_GROUP_PORT)), (a.name, b.name)
+    source = r.pod("moerl-trainer-trainer-0")
+    assert all(r.can(e, source, WEIGHT_GROUP_PORT) and r.can(source, e, lo) for e in engines)
+    assert not any(r.can(w_, e, lo) for w_ in r.role("moerl-rollout-worker") for e in engines)

@@ -28,8 +28,10 @@ RECIPES = {"qwen3-30b-a3b-grpo": "dev", "deepseek-v3-grpo": "prod"}
 PROMPT_TOKENS = 512  # the recipes' datasets: prompts of a few hundred tokens
 MODELS = {"qwen3-30b-a3b-grpo": "qwen3-30b-a3b", "deepseek-v3-grpo": "deepseek-v3"}  # moerl plan's presets
 LAYOUT = {"qwen3-30b-a3b-grpo": (8, 8, 1, 128), "deepseek-v3-grpo": (128, 64, 2, 256)}
+# task.jsonl_path: its {checkpoint_bucket} and {data_prefix} are the deployment config's (charts8s.workloads.fill_store_path)
 CLUSTER_FIELDS = {("buffer", "redis_url"), ("rollout", "engine_url"), ("store_url",), ("rollout", "policy_cache_dir"),
-                  ("model", "path"), ("model", "cache_dir"), ("weight_sync", "trainer_host"), ("weight_sync", "master_port")}
+                  ("model", "path"), ("model", "cache_dir"), ("weight_sync", "trainer_host"), ("weight_sync", "master_port"),
+                  ("task", "jsonl_path")}
 os.environ.setdefault("JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION", "1")
 
 

@@ -311,6 +311,31 @@ def _answers(url: str) -> bool:
         return False
 
 
+def train_beside(cfg: RunConfig, run_dir: Path, redis_url: str, monkeypatch, stop, helper):
+    """`run_training` as one rank in this process, beside a stand-in rollout worker that publishes
+    groups (tests/helpers.py `fake_producer`) and ``helper`` in threads, until both are stopped."""
+    import threading
+
+    import torch.distributed as dist
+
+    from app.trainer.loop import run_training
+    from helpers import fake_producer, single_rank_env
+
+    single_rank_env(monkeypatch)
+    threads = [threading.Thread(target=fake_producer, args=(redis_url, cfg.run_id, stop, 2), daemon=True),
+               threading.Thread(target=helper, daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        return run_training(cfg, run_dir)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_the_loop_pushes_every_version_and_stores_every_nth(tmp_path, redis_server, monkeypatch):
     """The training loop's call site (one rank, in process): each version is offered to the
     registered engines first (a stand-in worker answers busy, so the push is cancelled and
@@ -318,13 +343,9 @@ def test_the_loop_pushes_every_version_and_stores_every_nth(tmp_path, redis_serv
     the store."""
     import threading
 
-    import torch.distributed as dist
-
     from app.buffer import ExperienceBuffer
     from app.buffer.weight_sync import Registration, SyncBoard
     from app.storage import open_store, policy_versions
-    from app.trainer.loop import run_training
-    from helpers import fake_producer, single_rank_env
 
     cfg = RunConfig.model_validate({
         "run_id": "loop-ws", "store_url": f"file://{tmp_path}/store", "buffer": {"redis_url": redis_server},
@@ -347,22 +368,44 @@ def test_the_loop_pushes_every_version_and_stores_every_nth(tmp_path, redis_serv
                 board.ack(push["id"], "wfake", "busy")
             time.sleep(0.02)
 
-    single_rank_env(monkeypatch)
-    threads = [threading.Thread(target=fake_producer, args=(redis_server, cfg.run_id, stop, 2), daemon=True),
-               threading.Thread(target=busy_worker, daemon=True)]
-    for t in threads:
-        t.start()
-    try:
-        state = run_training(cfg, tmp_path / "run")
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=10)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    state = train_beside(cfg, tmp_path / "run", redis_server, monkeypatch, stop, busy_worker)
     assert state.version == 5
     assert seen == [1, 2, 3, 4, 5]  # every version but the first was offered over the network
     assert policy_versions(open_store(cfg.store_url), cfg.run_id) == [0, 2, 4, 5]
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["pushed_engines"], r["push_left_out"]) for r in lines] == [(0, 1)] * 5
     assert board.push()["state"] == "cancelled" and board.push()["version"] == 5
+
+
+def test_a_stopped_loop_stores_the_version_it_only_pushed(tmp_path, redis_server, monkeypatch):
+    """SIGTERM between two stored versions (``store_every`` 10): the trainer finishes its step and
+    stores that step's version before it exits, so the store's newest version (what `moerl bench
+    loop` evaluates, and an engine that restarts loads) is the policy trained last."""
+    import threading
+
+    from app.storage import open_store, policy_versions
+    from app.storage.policy import latest_policy_version
+
+    cfg = RunConfig.model_validate({
+        # The stand-in producer stamps the announced (stored) version: staleness may pass 1 here.
+        "run_id": "loop-stop", "store_url": f"file://{tmp_path}/store",
+        "buffer": {"redis_url": redis_server, "max_staleness": 20},
+        "rollout": {"group_size": 2},
+        "trainer": {"steps": 100, "groups_per_step": 1, "keep_versions": 10, "batch_timeout_s": 60},
+        "weight_sync": {"mode": "network", "store_every": 10, "ready_timeout_s": 0.5, "master_address": "127.0.0.1"},
+    })
+    stop = threading.Event()
+    metrics = tmp_path / "run" / "metrics.jsonl"
+
+    def stop_after_three_steps() -> None:
+        while not stop.is_set():
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                os.kill(os.getpid(), signal.SIGTERM)  # the trainer's handler: finish the step, then stop
+                return
+            time.sleep(0.05)
+
+    state = train_beside(cfg, tmp_path / "run", redis_server, monkeypatch, stop, stop_after_three_steps)
+    store = open_store(cfg.store_url)
+    assert 3 <= state.step < 10 and state.version == state.step
+    assert policy_versions(store, cfg.run_id) == [0, state.version]  # v1.. were pushed only; the last stored
+    assert latest_policy_version(store, cfg.run_id) == state.version

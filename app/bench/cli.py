@@ -150,8 +150,12 @@ def engine(
 @cli.command("loop")
 def loop(
     seconds: float = typer.Option(180.0, help="Training wall-clock of each leg, seconds."),
-    workers: int = typer.Option(2, help="Rollout workers of the moerl leg (one engine each)."),
+    workers: int = typer.Option(None, help="Rollout workers of the moerl leg (one engine each); default: sized "
+                                "from the machine as `moerl run` does."),
     config: str = typer.Option("", help="Run config YAML (default: the embedded default of `moerl run`)."),
+    task: str = typer.Option("", help="A `moerl run --task` preset instead of --config (e.g. gpu)."),
+    device: str = typer.Option("cpu", help="cpu, or cuda: both legs on this machine's GPUs (moerl laid out as "
+                               "`moerl run` lays it out, TRL on GPU 0)."),
     cache: str = typer.Option("runs/cache", help="Warm-up checkpoint cache (shared with `moerl run`)."),
     work_dir: str = typer.Option("", help="Run directories of both legs (default <out-dir>/loop-<time>)."),
     max_steps: int = typer.Option(0, help="Trainer step cap of both legs (0: max(100, 200 * seconds))."),
@@ -166,8 +170,9 @@ def loop(
     from app.local.embedded import RoleFailed
 
     try:
-        run(LoopBench(seconds=seconds, workers=workers, config=config, cache=cache, work_dir=work_dir,
-                      max_steps=max_steps, rounds=rounds, wait_quiet_s=wait_quiet, profile=profile), out_dir=out_dir)
+        run(LoopBench(seconds=seconds, workers=workers, config=config, task=task, device=device, cache=cache,
+                      work_dir=work_dir, max_steps=max_steps, rounds=rounds, wait_quiet_s=wait_quiet,
+                      profile=profile), out_dir=out_dir)
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"moerl bench loop: error: {e}", err=True)
         raise SystemExit(2) from None

@@ -2,16 +2,29 @@
 
 One invocation on this machine runs, one after the other:
 
-1. **moerl**: the embedded default of `moerl run` (app/local/run.py, app/local/embedded.py): redis-server,
-   the trainer gang (torchrun, EP over gloo), W engines and W rollout workers as separate
-   processes, for ``seconds`` of training wall-clock;
+1. **moerl**: `moerl run` (app/local/run.py, app/local/embedded.py) on its embedded default,
+   another preset (``--task``) or a config (``--config``), laid out over this machine as `moerl
+   run` lays it out (app/local/machine.py): redis-server, the trainer gang (torchrun), W engines
+   and W rollout workers as separate processes, for ``seconds`` of training wall-clock;
 2. **trl**: ``trl.GRPOTrainer`` (synchronous: generate, score, train, in turn, in one process)
    for the same ``seconds``, stopped by a ``TrainerCallback`` at the deadline;
 
-then prints, for both, samples trained per second and the held-out mean reward reached (the
-evaluator of app/envs/evaluate.py on the same held-out prompts, with the same seed, on the
-final policy saved as an HF checkpoint and loaded with stock transformers), and their ratios,
-and writes a result file (app/bench/results.py, benchmark "loop").
+then prints, for both, samples and completion tokens trained per second and the held-out mean
+reward reached (the evaluator of app/envs/evaluate.py on the same held-out prompts, with the same
+seed, on the final policy saved as an HF checkpoint and loaded with stock transformers), and
+their ratios, and writes a result file (app/bench/results.py, benchmark "loop").
+
+``--device cpu`` (the default) runs both legs on the CPU (moerl's CPU layout, the GPUs hidden
+from its trainer). ``--device cuda`` runs both on this machine's GPUs: moerl's GPU layout (one
+trainer rank per trainer GPU, engines on the GPUs, bf16 compute over fp32 master weights, the
+weight push) and TRL on GPU 0 (fp32 parameters, bf16 autocast). Each leg then also reports the
+GPU's utilisation and peak memory used (app/bench/gpu.py: nvidia-smi, else pynvml; every process
+on the GPU) and, for TRL, torch's peak allocated memory. Where each leg's time goes
+(``time_split``, shares of its window): moerl's trainer in its steps, weight updates (push and
+store), saves and idle (metrics.jsonl), and its engines generating, paused for a weight update
+or idle (each engine's /server_info sampled twice a second); TRL's generation
+(``GRPOTrainer._generate`` timed), the rest of its steps (scoring, loss, backward, optimizer)
+and the time between steps.
 
 How the comparison is kept fair:
 
@@ -30,9 +43,9 @@ How the comparison is kept fair:
   no KL term (``beta=0``), no router aux loss, grad clip, and the SAME optimizer: torch AdamW
   with the trainer's betas and weight decay and the trainer's lr schedule (linear warm-up
   ``min(1, (step+1)/lr_warmup_steps)``, then constant), handed to TRL through ``optimizers``;
-* same CPU budget: both use all of the machine's cores. moerl's roles run one thread each
-  (2 trainer ranks + W engines + W workers over the cores, as `moerl run` does); TRL runs in
-  one process with ``torch.set_num_threads(cores)``;
+* same CPU budget: both use all of the machine's cores. moerl's roles get the threads `moerl
+  run` gives them on this machine (app/local/machine.py); TRL runs in one process with
+  ``torch.set_num_threads(cores)``;
 * same clock: the moerl window opens when the rollout workers start (the trainer has already
   published v0 and the engines are healthy: process start-up and model loading are reported
   apart as ``setup_s``) and closes when the trainer's step in flight at the deadline has
@@ -70,6 +83,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -87,8 +101,12 @@ class LoopBench:
 
     Attributes:
         seconds: training wall-clock of each leg, seconds (> 0).
-        workers: rollout workers of the moerl leg (one engine each).
+        workers: rollout workers of the moerl leg (one engine each); None: sized from the machine
+            as `moerl run` sizes them (app/local/machine.py).
         config: run config YAML (default: `moerl run`'s ``embedded_default()``).
+        task: one of `moerl run --task`'s presets instead of ``config`` (e.g. ``gpu``).
+        device: ``cpu`` (both legs on the CPU, GPUs hidden from moerl's roles) or ``cuda`` (both
+            on this machine's GPUs: moerl's layout of `moerl run`, TRL on GPU 0).
         cache: warm-up checkpoint cache directory (shared with `moerl run`).
         work_dir: where both legs' run directories go (default ``<out_dir>/loop-<UTC time>``).
         max_steps: trainer step cap of both legs (0: ``max(100, 200 * seconds)``, far above what
@@ -100,8 +118,10 @@ class LoopBench:
     """
 
     seconds: float = 180.0
-    workers: int = 2
+    workers: int | None = None
     config: str = ""
+    task: str = ""
+    device: str = "cpu"
     cache: str = "runs/cache"
     work_dir: str = ""
     max_steps: int = 0
@@ -113,8 +133,16 @@ class LoopBench:
         """Raises ValueError naming the flag if an input is out of range or missing."""
         if not (self.seconds > 0 and math.isfinite(self.seconds)):
             raise ValueError(f"--seconds must be a positive number, got {self.seconds}")
-        if self.workers < 1:
+        if self.workers is not None and self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.task and self.config:
+            raise ValueError("--task: give --config or --task, not both")
+        from app.local.run import TASKS
+
+        if self.task and self.task not in TASKS:
+            raise ValueError(f"--task: {self.task!r} is not one of {', '.join(TASKS)}")
         if self.max_steps < 0:
             raise ValueError(f"--max-steps must be >= 0, got {self.max_steps}")
         if self.config and not Path(self.config).is_file():
@@ -138,17 +166,34 @@ def cores() -> int:
 
 
 def load_config(bench: LoopBench):
-    """The run config of both legs: ``--config`` or `moerl run`'s embedded default.
+    """The run config of both legs, before the machine's layout: ``--config``, or `moerl run`'s
+    preset (``--task``, default the embedded default).
 
     Raises:
         ValueError: the config file is invalid (the message names the file and field).
     """
     from app.config import RunConfig
-    from app.local.run import embedded_default
+    from app.local.run import task_preset
 
-    cfg = RunConfig.load(bench.config) if bench.config else embedded_default()
+    cfg = RunConfig.load(bench.config) if bench.config else task_preset(bench.task or "spell_backward")
     cfg.trainer.steps = bench.step_cap()
     return cfg
+
+
+def plan_legs(bench: LoopBench, cfg):
+    """The moerl leg's layout on this machine (app/local/machine.py, as `moerl run` lays it out)
+    and the config both legs run (a preset's batch, dtype and weight sync follow the machine).
+
+    Raises:
+        ValueError: ``--device cuda`` without a GPU, or a layout that cannot work (one line).
+    """
+    from app.local.machine import Machine, detect_machine, plan_run
+
+    found = detect_machine()
+    if bench.device == "cuda" and found.gpus == 0:
+        raise ValueError("--device cuda: torch sees no GPU on this machine")
+    machine = found if bench.device == "cuda" else Machine(cores=found.cores, gpus=0)
+    return plan_run(cfg, preset=not bench.config, workers=bench.workers, machine=machine)
 
 
 def load_now() -> float:
@@ -178,12 +223,13 @@ def tree_cpu_s(pids: list[int]) -> float:
 
 
 def leg_figures(name: str, steps: int, samples: int, window_s: float, setup_s: float, after: dict,
-                before: dict, cap_hit: bool, cpu: tuple[int, float, float], extra: dict) -> dict:
+                before: dict, cap_hit: bool, cpu: tuple[int, float, float], extra: dict, tokens: float) -> dict:
     """One result row: throughput and the held-out reward reached (units in the key names).
 
     ``cpu`` is (samples trained, CPU seconds, wall seconds) over the part of the window where
     CPU time was measured: on a shared machine samples per CPU-second compares the two systems'
-    efficiency even when the other tenants leave them unequal shares of the cores.
+    efficiency even when the other tenants leave them unequal shares of the cores. ``tokens``:
+    completion tokens of the samples trained.
     """
     cpu_samples, cpu_s, cpu_wall_s = cpu
     return {
@@ -192,6 +238,7 @@ def leg_figures(name: str, steps: int, samples: int, window_s: float, setup_s: f
         "samples_trained": samples,
         "train_window_s": round(window_s, 2),
         "samples_per_s": samples / window_s if window_s > 0 else float("nan"),
+        "tokens_per_s": tokens / window_s if window_s > 0 else float("nan"),
         "cpu_s": round(cpu_s, 2),
         "cores_used": cpu_s / cpu_wall_s if cpu_wall_s > 0 else float("nan"),
         "samples_per_cpu_s": cpu_samples / cpu_s if cpu_s > 0 else float("nan"),
@@ -267,6 +314,67 @@ def phase_medians(records: list[dict]) -> dict:
     return out
 
 
+def trainer_split(records: list[dict], window_s: float) -> dict:
+    """Shares of the window the trainer spent in its steps (forward, backward, optimizer), on
+    weight updates (the push to the engines and the store's copies), on saves, and the rest
+    (waiting for groups, reading them: idle for its GPU)."""
+    if window_s <= 0:
+        return {}
+    total = {k: sum(r.get(k) or 0.0 for r in records) for k in ("step_s", "push_s", "publish_s", "save_s")}
+    split = {"train_step": total["step_s"] / window_s,
+             "weight_update": (total["push_s"] + total["publish_s"]) / window_s,
+             "save": total["save_s"] / window_s}
+    split["idle"] = max(0.0, 1.0 - sum(split.values()))
+    return {k: round(v, 4) for k, v in split.items()}
+
+
+class EngineSampler:
+    """Where the engines' time goes: each engine's ``/server_info`` (app/engine/server.py) every
+    ``period_s``, counted as generating (sequences running), weight update (paused) or idle;
+    shares over every engine and sample. An engine that does not answer (or answers without
+    those fields, as SGLang's) counts as ``unknown``."""
+
+    def __init__(self, urls: list[str], period_s: float = 0.5):
+        self.urls = urls
+        self.period_s = period_s
+        self.counts = {"generating": 0, "weight_update": 0, "idle": 0, "unknown": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-sampler", daemon=True)
+
+    def start(self) -> "EngineSampler":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=2.0) as client:
+            while not self._stop.wait(self.period_s):
+                for url in self.urls:
+                    try:
+                        info = client.get(url + "/server_info").json()
+                    except (httpx.HTTPError, ValueError):
+                        info = {}
+                    self.counts[engine_state(info)] += 1
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        n = sum(self.counts.values())
+        if not n:
+            return {"samples": 0}
+        return {**{k: round(v / n, 4) for k, v in self.counts.items()}, "samples": n}
+
+
+def engine_state(info: dict) -> str:
+    """One engine's state in a ``/server_info`` answer (`EngineSampler`)."""
+    if "paused" not in info or "running" not in info:
+        return "unknown"
+    if info["paused"]:
+        return "weight_update"
+    return "generating" if info["running"] or info.get("waiting") else "idle"
+
+
 def run_moerl(loop, feeder, base: Path, seconds: float, before: dict, profile_dir: Path | None = None) -> dict:
     """Run the embedded loop for ``seconds`` of training wall-clock; returns its result row.
 
@@ -279,6 +387,7 @@ def run_moerl(loop, feeder, base: Path, seconds: float, before: dict, profile_di
     Raises:
         RoleFailed: a role failed (the message carries its log tail).
     """
+    from app.bench.gpu import GpuMonitor
     from app.bench.machine import LoadMonitor
     from app.local.embedded import RoleFailed
     from app.local.run import held_out_reward, latest_local_policy
@@ -317,6 +426,8 @@ def run_moerl(loop, feeder, base: Path, seconds: float, before: dict, profile_di
         return found
 
     monitor = LoadMonitor(own_cpu, own_pids).start()
+    gpu = GpuMonitor().start()
+    engines = EngineSampler([loop.engine_url(i) for i in range(loop.workers)]).start()
     cpu0 = tree_cpu_s(pids) + time.process_time()
     t0 = time.time()
     deadline = t0 + seconds
@@ -344,6 +455,7 @@ def run_moerl(loop, feeder, base: Path, seconds: float, before: dict, profile_di
     # CPU is measured up to the stop signal, over the steps recorded by then.
     cpu_s, cpu_wall_s, records = tree_cpu_s(pids) + time.process_time() - cpu0, time.time() - t0, loop.metrics()
     load = monitor.stop()
+    engine_split = engines.stop()
     profile = None
     if profile_t0 is not None:
         extra_cpu = {"redis-server": tree_cpu_s([loop.redis.proc.pid]) - redis_cpu0,
@@ -353,6 +465,7 @@ def run_moerl(loop, feeder, base: Path, seconds: float, before: dict, profile_di
     cpu = (records[-1]["samples_total"] if records else 0, cpu_s, cpu_wall_s)
     # SIGTERM: every rank finishes its step in flight, publishes it, and exits.
     code = loop.sup.procs["trainer"].stop(grace_s=loop.cfg.trainer.batch_timeout_s)
+    gpu_window = gpu.stop()
     loop.stop_rollout()
     records = loop.metrics()
     if not records:
@@ -367,14 +480,17 @@ def run_moerl(loop, feeder, base: Path, seconds: float, before: dict, profile_di
         "overstale_dropped": last.get("overstale_dropped", 0),
         "dropped_stale_in_buffer": last.get("buffer", {}).get("dropped_stale", 0),
         "trainer_median_s": phase_medians([r for r in records if r["time"] >= t0]),
+        "time_split": {"trainer": trainer_split(records, last["time"] - t0), "engines": engine_split},
+        "gpu": gpu_window.as_dict(),
         "load": load.as_dict(),
         "quiet": load.quiet,
         "profiled": profile is not None,
     }
     if profile is not None:
         extra["profile"] = profile
+    tokens = sum(r.get("completion_len_mean", 0.0) * r.get("samples", 0) for r in records)
     return leg_figures("moerl", last["step"], last["samples_total"], last["time"] - t0, setup_s, after,
-                       before, last["step"] >= loop.cfg.trainer.steps, cpu, extra)
+                       before, last["step"] >= loop.cfg.trainer.steps, cpu, extra, tokens)
 
 
 def profile_summary(profiles, extra_cpu_s: dict[str, float], records: list[dict], window_s: float) -> dict:
@@ -419,21 +535,32 @@ def trl_reward_fn(eos_ids: list[int], overlong_reward: float | None):
     return reward
 
 
-def grpo_args(cfg, out_dir: Path, max_steps: int):
-    """``trl.GRPOConfig`` mirroring ``cfg``'s GRPO recipe (see the module docstring).
+def grpo_args(cfg, out_dir: Path, max_steps: int, device: str = "cpu"):
+    """``trl.GRPOConfig`` of `grpo_kwargs` (TRL checks them: bf16 on ``cuda`` needs the GPU).
+
+    Raises:
+        ValueError: see `grpo_kwargs`; TRL refuses the arguments on this machine.
+    """
+    from trl import GRPOConfig
+
+    return GRPOConfig(**grpo_kwargs(cfg, out_dir, max_steps, device))
+
+
+def grpo_kwargs(cfg, out_dir: Path, max_steps: int, device: str = "cpu") -> dict:
+    """``trl.GRPOConfig``'s arguments mirroring ``cfg``'s GRPO recipe (see the module docstring),
+    on ``device`` (cpu, or cuda: accelerate's first GPU); ``model.dtype`` bfloat16 is autocast
+    (``bf16``) over fp32 parameters, as moerl's fp32 master weights.
 
     Raises:
         ValueError: the recipe has no TRL equivalent here (sequence-mean loss, KL, a PPO trainer,
             an objective other than plain GRPO: app/config.py TrainerConfig.objective).
     """
-    from trl import GRPOConfig
-
     t, r = cfg.trainer, cfg.rollout
     if t.algorithm != "grpo" or t.kl_coef > 0 or t.loss_agg != "token-mean" or t.objective() != "grpo":
         raise ValueError("bench loop compares the token-mean GRPO recipe without KL "
                          f"(trainer.algorithm={t.algorithm}, kl_coef={t.kl_coef}, loss_agg={t.loss_agg}, "
                          f"objective={t.objective()})")
-    return GRPOConfig(
+    return dict(
         output_dir=str(out_dir),
         per_device_train_batch_size=t.groups_per_step * r.group_size,
         gradient_accumulation_steps=1,
@@ -453,7 +580,7 @@ def grpo_args(cfg, out_dir: Path, max_steps: int):
         max_grad_norm=t.grad_clip,
         max_steps=max_steps,
         use_vllm=False,
-        use_cpu=True,
+        use_cpu=device == "cpu",
         bf16=cfg.model.dtype == "bfloat16",
         gradient_checkpointing=False,
         report_to="none",
@@ -465,17 +592,21 @@ def grpo_args(cfg, out_dir: Path, max_steps: int):
     )
 
 
-def run_trl(cfg, base: Path, out_dir: Path, seconds: float, before: dict) -> dict:
-    """Train ``base`` with TRL's GRPOTrainer for ``seconds``; returns its result row.
+def run_trl(cfg, base: Path, out_dir: Path, seconds: float, before: dict, device: str = "cpu") -> dict:
+    """Train ``base`` with TRL's GRPOTrainer for ``seconds`` on ``device``; returns its result row.
 
     The final model is saved to ``out_dir/final`` (HF checkpoint + tokenizer) and evaluated
-    from there with the same code as the moerl leg.
+    from there with the same code as the moerl leg. Where its time goes: TRL's own generation
+    (``GRPOTrainer._generate``, timed around each call), the rest of each step (scoring, the
+    loss's forward and backward, the optimizer), no weight update (one model), and the time
+    between steps.
     """
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
     from trl import GRPOTrainer
 
+    from app.bench.gpu import GpuMonitor
     from app.bench.machine import LoadMonitor
     from app.envs.tasks import make_splits
     from app.model.tokenizer import load_tokenizer, save_tokenizer
@@ -487,21 +618,29 @@ def run_trl(cfg, base: Path, out_dir: Path, seconds: float, before: dict) -> dic
     class Deadline(TrainerCallback):
         """Stops training at the end of the first step that ends past the deadline."""
 
-        t0 = end = cpu0 = cpu = 0.0
-        last_print = 0.0
-        monitor = load = None
+        t0 = end = cpu0 = cpu = step0 = 0.0
+        last_print = steps_s = 0.0
+        monitor = load = gpu = gpu_window = None
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.t0 = self.last_print = time.time()
             self.cpu0 = time.process_time()  # every thread of this process
             self.monitor = LoadMonitor(time.process_time).start()
+            self.gpu = GpuMonitor().start()
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.step0 = time.time()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.end = now = time.time()
+            self.steps_s += now - self.step0
             self.cpu = time.process_time() - self.cpu0
             if now - self.t0 >= seconds or state.global_step >= args.max_steps:
                 control.should_training_stop = True
                 self.load = self.load or self.monitor.stop()
+                self.gpu_window = self.gpu_window or self.gpu.stop()
             if now - self.last_print >= 15:
                 console.print(f"  trl:   {now - self.t0:5.0f}s  step {state.global_step}")
                 self.last_print = now
@@ -510,7 +649,9 @@ def run_trl(cfg, base: Path, out_dir: Path, seconds: float, before: dict) -> dic
     torch.set_num_threads(cores())
     train, _ = make_splits(cfg.task)
     dataset = Dataset.from_list([{"prompt": p.text, "spec": p.spec} for p in train])
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=getattr(torch, cfg.model.dtype))
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)  # fp32 master weights
+    if device == "cuda":  # before the optimizer is made over its parameters
+        model = model.to("cuda")
     tokenizer = load_tokenizer(base)
     # The trainer's optimizer and lr schedule exactly (app/trainer/train.py: AdamW, step_lr).
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
@@ -521,13 +662,15 @@ def run_trl(cfg, base: Path, out_dir: Path, seconds: float, before: dict) -> dic
     eos_ids = [tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos] if eos is not None else [])]
     reward = trl_reward_fn(eos_ids, cfg.rollout.overlong_reward)
     reward.__name__ = "reward"  # TRL names its reward metrics after the function
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=grpo_args(cfg, out_dir, t.steps),
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=grpo_args(cfg, out_dir, t.steps, device),
                           train_dataset=dataset, processing_class=tokenizer, optimizers=(opt, sched),
                           callbacks=[deadline])
     trainer.remove_callback(PrinterCallback)  # one dict per step is too much on a terminal
+    generate_s = timed(trainer, "_generate")
     setup_s = time.monotonic() - t_setup
     trainer.train()
     load = deadline.load or deadline.monitor.stop()
+    gpu_window = deadline.gpu_window or deadline.gpu.stop()
     steps = trainer.state.global_step
     final = out_dir / "final"
     trainer.model.save_pretrained(str(final))
@@ -535,11 +678,34 @@ def run_trl(cfg, base: Path, out_dir: Path, seconds: float, before: dict) -> dic
     after = held_out_reward(cfg, final)
     logs = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     tail = logs[-10:]
-    extra = {"train_reward_last10": sum(tail) / len(tail) if tail else float("nan"), "threads": cores(),
-             "load": load.as_dict(), "quiet": load.quiet, "profiled": False}
     window = deadline.end - deadline.t0
+    generation = sum(generate_s)
+    split = {"generation": generation / window, "train_step": (deadline.steps_s - generation) / window,
+             "weight_update": 0.0, "idle": max(0.0, 1.0 - deadline.steps_s / window)} if window > 0 else {}
+    extra = {"train_reward_last10": sum(tail) / len(tail) if tail else float("nan"), "threads": cores(),
+             "time_split": {"trainer": {k: round(v, 4) for k, v in split.items()}},
+             "gpu": gpu_window.as_dict(), "load": load.as_dict(), "quiet": load.quiet, "profiled": False}
+    if device == "cuda":
+        extra["torch_peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     return leg_figures("trl", steps, steps * batch, window, setup_s, after, before, steps >= t.steps,
-                       (steps * batch, deadline.cpu, window), extra)
+                       (steps * batch, deadline.cpu, window), extra, sum(lengths) * batch)
+
+
+def timed(obj, name: str) -> list[float]:
+    """Wrap method ``name`` of ``obj`` (on the instance) to time each call; returns the list the
+    durations (seconds) are appended to."""
+    method, took = getattr(obj, name), []
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            took.append(time.perf_counter() - t0)
+
+    setattr(obj, name, wrapper)
+    return took
 
 
 # -- the benchmark -----------------------------------------------------------------------------
@@ -571,6 +737,7 @@ def comparison(rows: list[dict]) -> dict:
     t = [r for r in rows if r["name"] == "trl"]
     ratios = {
         "samples_per_s moerl/trl": ratio(mean_of(m, "samples_per_s"), mean_of(t, "samples_per_s")),
+        "tokens_per_s moerl/trl": ratio(mean_of(m, "tokens_per_s"), mean_of(t, "tokens_per_s")),
         "samples_per_cpu_s moerl/trl": ratio(mean_of(m, "samples_per_cpu_s"), mean_of(t, "samples_per_cpu_s")),
         "heldout_reward_after moerl/trl": ratio(mean_of(m, "heldout_reward_after"),
                                                 mean_of(t, "heldout_reward_after")),
@@ -586,10 +753,11 @@ def comparison(rows: list[dict]) -> dict:
     return ratios
 
 
-def moerl_leg(bench: LoopBench, cfg, run_dir: Path, base: Path | None, before: dict | None, profile: bool):
-    """One moerl leg in its own run directory (its own redis-server and store). The first leg
-    makes (or reuses) the warm-up checkpoint and measures its held-out reward; later ones reuse
-    both. Returns ``(row, base, before, the leg's config)``."""
+def moerl_leg(bench: LoopBench, cfg, layout, run_dir: Path, base: Path | None, before: dict | None, profile: bool):
+    """One moerl leg in its own run directory (its own redis-server and store), laid out as
+    ``layout`` (app/local/machine.py). The first leg makes (or reuses) the warm-up checkpoint and
+    measures its held-out reward; later ones reuse both. Returns ``(row, base, before, the leg's
+    config)``."""
     from app.local.embedded import EmbeddedLoop
     from app.feed import make_feeder
     from app.local.run import start_from_base
@@ -597,7 +765,7 @@ def moerl_leg(bench: LoopBench, cfg, run_dir: Path, base: Path | None, before: d
     cfg = cfg.model_copy(deep=True)
     cfg.store_url = f"file://{run_dir / 'store'}"
     cfg.rollout.policy_cache_dir = str(run_dir / "policy-cache")
-    loop = EmbeddedLoop(cfg, run_dir, workers=bench.workers)
+    loop = EmbeddedLoop(cfg, run_dir, layout=layout)
     try:
         if base is None:
             base, before, feeder = start_from_base(loop, Path(bench.cache).resolve(), "of the warm-up checkpoint",
@@ -608,7 +776,7 @@ def moerl_leg(bench: LoopBench, cfg, run_dir: Path, base: Path | None, before: d
             loop.write_config()
             feeder = make_feeder(loop.cfg, base, loop.buffer, cache_dir=loop.run_dir)
             feeder.top_up()
-        console.print(f"moerl leg: {bench.seconds:g}s (EP={cfg.trainer.parallel.ep}, {bench.workers} workers)"
+        console.print(f"moerl leg: {bench.seconds:g}s ({layout.describe(loop.cfg)})"
                       + (", py-spy on every role" if profile else ""))
         row = run_moerl(loop, feeder, base, bench.seconds, before, run_dir / "profile" if profile else None)
     finally:
@@ -630,9 +798,9 @@ def run(bench: LoopBench, out_dir: str | os.PathLike = "runs/bench") -> Path:
 
     bench.validate()
     check_out_dir(out_dir)  # the result is written after the last leg: refuse a bad one now
-    cfg = load_config(bench)
+    cfg, layout = plan_legs(bench, load_config(bench))
     hf_logging.disable_progress_bar()  # weight-loading bars of every evaluation
-    grpo_args(cfg, Path(out_dir) / "unused", 1)  # refuse a recipe TRL cannot mirror, before any work
+    grpo_args(cfg, Path(out_dir) / "unused", 1, bench.device)  # refuse what TRL cannot mirror, before any work
     if bench.profile:
         from app.bench.loop_profile import LoopProfiler
 
@@ -651,11 +819,12 @@ def run(bench: LoopBench, out_dir: str | os.PathLike = "runs/bench") -> Path:
             notes.append(f"before {leg} (round {r + 1}), waited up to {bench.wait_quiet_s:g}s for a quiet "
                          f"machine: last probe {probe.describe()}")
         if leg == "moerl":
-            row, base, before, leg_cfg = moerl_leg(bench, cfg, work / f"moerl{suffix}", base, before,
+            row, base, before, leg_cfg = moerl_leg(bench, cfg, layout, work / f"moerl{suffix}", base, before,
                                                    bench.profile and r == 0)
         else:
-            console.print(f"trl leg: {bench.seconds:g}s (GRPOTrainer, {cores()} threads)")
-            row = run_trl(leg_cfg, base, work / f"trl{suffix}", bench.seconds, before)
+            where = "GPU 0" if bench.device == "cuda" else f"{cores()} threads"
+            console.print(f"trl leg: {bench.seconds:g}s (GRPOTrainer, {where})")
+            row = run_trl(leg_cfg, base, work / f"trl{suffix}", bench.seconds, before, bench.device)
         row.update({"round": r + 1, "position": 1 + i % 2})
         rows.append(row)
         load = LoadWindow(**row["load"]).describe()
@@ -677,7 +846,10 @@ def run(bench: LoopBench, out_dir: str | os.PathLike = "runs/bench") -> Path:
         f"run directories under {work}",
     ]
     shape = {
-        **asdict(bench), "task": leg_cfg.task.name, "base_checkpoint": str(base), "ep": leg_cfg.trainer.parallel.ep,
+        **asdict(bench), "preset": bench.task or ("" if bench.config else "spell_backward"),
+        "task": leg_cfg.task.name, "model": leg_cfg.model.preset, "dtype": leg_cfg.model.dtype,
+        "layout": layout.describe(leg_cfg), "weight_sync": leg_cfg.weight_sync.mode,
+        "base_checkpoint": str(base), "ep": leg_cfg.trainer.parallel.ep,
         "group_size": leg_cfg.rollout.group_size, "groups_per_step": leg_cfg.trainer.groups_per_step,
         "lr": leg_cfg.trainer.lr, "max_new_tokens": leg_cfg.rollout.max_new_tokens,
         "temperature": leg_cfg.rollout.temperature, "heldout_prompts": before["n"],
@@ -707,6 +879,8 @@ def print_table(before: dict, rows: list[dict], ratios: dict, quiet: bool, path:
     for k, v in ratios.items():
         console.print(f"{k}: {v:.2f}")
     for f in rows:
+        console.print(f"{f['name']} round {f['round']}: {where_time_goes(f)}")
+    for f in rows:
         if f.get("profile"):
             print_profile(f["profile"])
     if not quiet:
@@ -714,6 +888,19 @@ def print_table(before: dict, rows: list[dict], ratios: dict, quiet: bool, path:
                       "the threshold in the 'others' column, cores); do not quote these figures as an idle "
                       "machine's")
     console.print(f"result: {path}")
+
+
+def where_time_goes(row: dict) -> str:
+    """One line of a leg's tokens/s, GPU figures and time split (shares of its window)."""
+    gpu = row.get("gpu") or {}
+    parts = [f"{row['tokens_per_s']:.0f} tokens/s"]
+    if gpu.get("samples"):
+        parts.append(f"GPU busy {gpu['util_mean_pct']:.0f}% (mean of {gpu['samples']} {gpu['source']} samples), "
+                     f"peak memory {gpu['mem_peak_mib'] / 1024:.1f} GiB")
+    for who, split in (row.get("time_split") or {}).items():
+        shares = ", ".join(f"{k.replace('_', ' ')} {100 * v:.0f}%" for k, v in split.items() if k != "samples")
+        parts.append(f"{who}: {shares}")
+    return "; ".join(parts)
 
 
 def print_profile(profile: dict, top: int = 30) -> None:

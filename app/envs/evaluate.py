@@ -165,7 +165,8 @@ def evaluate_checkpoint(path: str | os.PathLike, prompts: list[Prompt], temperat
                         max_new_tokens: int = 8, greedy: bool = True, seed: int = 0, samples: int = 4,
                         env=None, overlong_reward: float | None = 0.0, env_url: str | None = None,
                         rollout=None, progress=None) -> EvalResult:
-    """`evaluate` a checkpoint directory loaded with stock transformers (model and tokenizer).
+    """`evaluate` a checkpoint directory loaded with stock transformers (model and tokenizer), in
+    fp32, on the GPU when there is one.
 
     Raises:
         FileNotFoundError: ``path`` has no config.json or no tokenizer.json.
@@ -179,8 +180,16 @@ def evaluate_checkpoint(path: str | os.PathLike, prompts: list[Prompt], temperat
         raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    return evaluate(model, tokenizer, prompts, temperature, max_new_tokens, greedy, seed, samples, env,
-                    overlong_reward, env_url, rollout, progress)
+    cuda = torch.cuda.is_available()
+    if cuda:  # a GPU-sized policy's generations take minutes on a CPU
+        model = model.to("cuda")
+    try:
+        return evaluate(model, tokenizer, prompts, temperature, max_new_tokens, greedy, seed, samples, env,
+                        overlong_reward, env_url, rollout, progress)
+    finally:
+        del model
+        if cuda:  # give the GPU memory back: the caller goes on beside the run's trainer and engines
+            torch.cuda.empty_cache()
 
 
 def evaluation_key(cfg) -> dict:

@@ -100,7 +100,8 @@ def warm_up(model, tokenizer, train: list[Prompt], steps: int, lr: float, batch_
             log=None, env_cfg=None, examples: list[tuple[list[int], list[int]]] | None = None) -> list[float]:
     """Fit ``model`` in place on random batches of ``train``; returns the loss of every step.
 
-    AdamW (betas 0.9/0.98, no weight decay), `lr_at` schedule, gradient clipping at 1.0. With
+    Batches go to the model's device. AdamW (betas 0.9/0.98, no weight decay), `lr_at`
+    schedule, gradient clipping at 1.0. With
     ``examples`` (``(ids, mask)`` pairs: a user environment's played demonstrations) the batches
     are drawn from them; with ``env_cfg`` (an `app.config.EnvConfig` naming one of moerl's
     environments) the examples are its demonstrations (`env_batch`), else prompt + answer
@@ -116,6 +117,7 @@ def warm_up(model, tokenizer, train: list[Prompt], steps: int, lr: float, batch_
     if not train:
         raise ValueError("warmup: no training prompts")
     rng = random.Random(seed)
+    device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     model.train()
     losses = []
@@ -130,7 +132,7 @@ def warm_up(model, tokenizer, train: list[Prompt], steps: int, lr: float, batch_
             tensors = env_batch(batch, tokenizer, env_cfg, rng)
         else:
             tensors = sft_batch(batch, tokenizer)
-        loss = sft_loss(model, *tensors)
+        loss = sft_loss(model, *(t.to(device) for t in tensors))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -142,13 +144,14 @@ def warm_up(model, tokenizer, train: list[Prompt], steps: int, lr: float, batch_
 
 
 def build_base_policy(cfg: RunConfig):
-    """The untrained policy of ``cfg.model`` (preset built in code, or ``model.path`` loaded), EP 1."""
+    """The untrained policy of ``cfg.model`` (preset built in code, or ``model.path`` loaded), EP 1,
+    in fp32 (``model.dtype`` is the trainer's compute dtype over fp32 master weights)."""
     from app.model.checkpoint import load_policy
     from app.model.config import tiny_config
     from app.model.parallel import EPContext
     from app.model.policy import build_policy
 
-    dtype = getattr(torch, cfg.model.dtype)
+    dtype = torch.float32
     if cfg.model.path:
         return load_policy(cfg.model.path, cfg.router, EPContext.local(), dtype=dtype)
     return build_policy(tiny_config(cfg.model.preset), cfg.router, EPContext.local(), dtype=dtype, seed=cfg.task.seed)
@@ -221,6 +224,10 @@ def run_warmup(cfg: RunConfig, out: Path, threads: int | None = 1, log=print, en
         cfg = cfg.model_copy(deep=True)
         cfg.model.path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
     model = build_base_policy(cfg)
+    # On a GPU when there is one: the GPU-sized preset's fit takes minutes on a CPU. In fp32 there
+    # too: a short fit, and the CPU's code path (bf16 compute is the trainer's, over its fp32 master).
+    if torch.cuda.is_available():
+        model = model.to("cuda")
     # A loaded checkpoint keeps its own tokenizer if it has one; presets use the character one.
     has_own = cfg.model.path and (Path(cfg.model.path) / "tokenizer.json").is_file()
     tokenizer = load_tokenizer(cfg.model.path) if has_own else build_tokenizer()
@@ -241,6 +248,7 @@ def run_warmup(cfg: RunConfig, out: Path, threads: int | None = 1, log=print, en
     try:
         save_policy(model, staging, EPContext.local(), overwrite=True)
         save_tokenizer(staging, tokenizer)
+        del model  # the evaluation loads the saved checkpoint: no second copy on a GPU
         # The held-out figure as `moerl run` measures it (from the saved checkpoint), so that it
         # can take this one as its "before RL" instead of measuring the same thing again.
         total, done = evaluation_size(heldout), [0, 0]

@@ -1,9 +1,11 @@
 """The embedded default: every role of a moerl job as a separate process on this machine.
 
 The same roles run on EKS (charts8s/): a Redis experience buffer, W rollout workers each with
-its own engine (SGLang in the cluster, the built-in `moerl engine` here), and a trainer gang
-started by torchrun (EP over gloo here, NCCL/DeepEP there). Only the engine and the object
-store (file:// instead of s3://) differ.
+its own engine (SGLang in the cluster, the built-in `moerl engine` here, or SGLang where it is
+installed and there is a GPU), and a trainer gang started by torchrun (EP over gloo on the CPU,
+one rank per GPU over NCCL where there are GPUs; NCCL/DeepEP in the cluster). Where each role
+runs on this machine's cores and GPUs is app/local/machine.py's `LocalLayout`. Only the engine
+and the object store (file:// instead of s3://) differ.
 
 `EmbeddedLoop` owns those processes; `moerl run` (app/local/run.py) and `moerl chaos` (app/local/chaos.py)
 drive it. Its Redis, as the cluster's, has a password for the ``default`` user (this process: the
@@ -27,14 +29,16 @@ from app.names import PASSWORD_ENV, USER_ENV
 from app.buffer.redis_server import LocalRedis, free_port, new_password
 from app.config import RunConfig
 from app.layout import default_world
+from app.local.machine import LocalLayout, sglang_argv
 from app.local.procs import Proc, Supervisor, moerl_argv
 from app.rollout.probe import healthy
 
 # How long `moerl run` waits for a user's environment server (``env.url``) to answer: it is
 # expected up before the run starts, so this only covers a server still binding its port.
 USER_ENV_WAIT_S = 15.0
-# Each role process uses one thread: the 2-core machine runs engines, workers and trainer ranks
-# at once, and oversubscribed OpenMP threads make all of them slower.
+# Each role process uses one thread unless the layout gives the trainer and engines more (their
+# share of the cores): the 2-core machine runs engines, workers and trainer ranks at once, and
+# oversubscribed OpenMP threads make all of them slower.
 ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -49,15 +53,20 @@ class EmbeddedLoop:
         cfg: the run configuration; ``buffer.redis_url`` is replaced by the local server's URL.
         run_dir: where run.yaml, logs/, metrics.jsonl and the store (unless ``store_url`` is
             set elsewhere) live.
-        workers: number of rollout workers, each with its own engine process.
+        workers: number of rollout workers, each with its own engine process (ignored with
+            ``layout``).
+        layout: where each role runs (app/local/machine.py `plan_local`: trainer ranks and their
+            GPUs, engine devices, threads); None: ``trainer.parallel``'s ranks and ``workers``
+            CPU engines, one thread each.
     """
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, workers: int = 2):
+    def __init__(self, cfg: RunConfig, run_dir: Path, workers: int = 2, layout: LocalLayout | None = None):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.cfg = cfg.model_copy(deep=True)
         self.run_dir = Path(run_dir).resolve()
-        self.workers = workers
+        self.layout = layout
+        self.workers = layout.workers if layout else workers
         self.config_path = self.run_dir / "run.yaml"
         self.sup = Supervisor(self.run_dir / "logs")
         self.redis: LocalRedis | None = None
@@ -105,19 +114,28 @@ class EmbeddedLoop:
     # -- roles --------------------------------------------------------------------------------
 
     def start_engine(self, i: int, model_path: Path, version: int = 0) -> Proc:
-        """Start engine `i` serving `model_path` as policy `version` on a free loopback port."""
+        """Start engine `i` serving `model_path` as policy `version` on a free loopback port, on
+        its device of the layout (an SGLang server where the layout says so)."""
         port = self.engine_ports.get(i) or free_port()
         self.engine_ports[i] = port
+        if self.layout is not None and self.layout.engine == "sglang":
+            argv, env = sglang_argv(self.cfg, self.layout, i, str(model_path), port, version)
+            return self.sup.start(f"engine-{i}", argv, {**ONE_THREAD_ENV, **env})
+        device = self.layout.engine_devices[i] if self.layout else "cpu"
+        threads = self.layout.engine_threads if self.layout else 1
+        # On a GPU the engine computes in the run's dtype (the published one); on the CPU in fp32.
+        dtype = self.cfg.model.dtype if device.startswith("cuda") else "float32"
         argv = moerl_argv(
             "engine", "--model-path", str(model_path), "--port", str(port),
-            "--weight-version", str(version), "--threads", "1", "--seed", str(self.cfg.task.seed + i),
-            "--weight-sync-timeout", str(self.cfg.weight_sync.timeout_s),
+            "--weight-version", str(version), "--threads", str(threads), "--seed", str(self.cfg.task.seed + i),
+            "--weight-sync-timeout", str(self.cfg.weight_sync.timeout_s), "--device", device, "--dtype", dtype,
         )
         if self.cfg.rollout.engine.max_running_requests:
             argv += ["--max-running-requests", str(self.cfg.rollout.engine.max_running_requests)]
         if self.cfg.rollout.routing_replay:
             argv.append("--enable-return-routed-experts")
-        return self.sup.start(f"engine-{i}", argv, ONE_THREAD_ENV)
+        env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        return self.sup.start(f"engine-{i}", argv, {**ONE_THREAD_ENV, **env})
 
     def start_env(self) -> Proc:
         """Start the environment server (`moerl env`, the env pool's role) on a free loopback
@@ -246,8 +264,9 @@ class EmbeddedLoop:
         return self.run_dir / f"engine-{i}.paused"
 
     def start_trainer(self, resume: bool = False) -> Proc:
-        """Start the trainer gang: torchrun with `default_world(trainer.parallel)` ranks (gloo on CPU)."""
-        nproc = default_world(self.cfg.trainer.parallel)
+        """Start the trainer gang: torchrun with the layout's ranks (one per trainer GPU, or
+        `default_world(trainer.parallel)` on the CPU, over gloo), its threads and GPUs."""
+        nproc = self.layout.trainer_ranks if self.layout else default_world(self.cfg.trainer.parallel)
         argv = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", "--max-restarts=0",
@@ -255,7 +274,8 @@ class EmbeddedLoop:
         ]
         if resume:
             argv.append("--resume")
-        return self.sup.start("trainer", argv, {**ONE_THREAD_ENV, **self.role_env("trainer")})
+        env = {**ONE_THREAD_ENV, **(self.layout.trainer_env() if self.layout else {}), **self.role_env("trainer")}
+        return self.sup.start("trainer", argv, env)
 
     def start_rollout(self, model_path: Path) -> None:
         """Start every engine (and, with ``env.name``, the environment server), wait until each

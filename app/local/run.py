@@ -4,8 +4,8 @@
 2. make the tiny base policy with a short supervised warm-up (`moerl warmup`), cached by recipe;
 3. measure the held-out mean reward of that base policy (where RL starts);
 4. queue the training prompts as tasks (app/feed.py's `TaskFeeder`, the cluster's prompt
-   source), start W engines + W rollout workers and the trainer
-   (torchrun, EP over gloo), show live progress;
+   source), start W engines + W rollout workers and the trainer (torchrun), laid out over this
+   machine's cores and GPUs (app/local/machine.py), show live progress;
 5. when the trainer has made its steps: drain the workers, measure the held-out mean reward of
    the last published policy, write metrics.jsonl, TensorBoard events, plot.png, summary.json.
 
@@ -31,6 +31,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from app.config import RolloutConfig, RunConfig
 from app.feed import TaskFeeder, make_feeder
 from app.local.embedded import EmbeddedLoop, RoleFailed
+from app.local.machine import plan_run
 from app.local.procs import moerl_argv
 from app.local.status import PLAIN_EVERY_S, Stage, every_rollout_fails, training_info
 
@@ -77,7 +78,7 @@ def embedded_default() -> RunConfig:
 
 # `moerl run --task NAME`: the embedded default, or one of the environments moerl ships
 # (app/envs/environments.py), each set up so the tiny policy learns it on this machine.
-TASKS = ("spell_backward", "spell-retry", "calculator")
+TASKS = ("spell_backward", "spell-retry", "calculator", "gpu")
 
 
 def task_preset(name: str) -> RunConfig:
@@ -88,7 +89,8 @@ def task_preset(name: str) -> RunConfig:
       when it is wrong, one retry (``env.attempts`` 2, ``env.max_turns`` 2);
     * ``calculator``: reasoning-gym ``basic_arithmetic`` products of two 3-digit numbers
       (``378*937=``) with the calculator tool: a call ``[378*937]``, the answer ``=354186``,
-      then the final answer (``env.max_turns`` 2, at most one call).
+      then the final answer (``env.max_turns`` 2, at most one call);
+    * ``gpu``: the GPU-sized preset, `gpu_preset`.
 
     Both environments run at ``trainer.lr`` 2e-4, half the single-turn lr: spell-retry 150
     steps, calculator 300 after a 250-step warm-up whose demonstrations call the tool 40 % of the
@@ -99,6 +101,8 @@ def task_preset(name: str) -> RunConfig:
     """
     if name not in TASKS:
         raise ValueError(f"--task: {name!r} is not one of {', '.join(TASKS)}")
+    if name == "gpu":
+        return gpu_preset()
     cfg = embedded_default()
     if name == "spell-retry":
         cfg.env.name = "spell-retry"
@@ -127,6 +131,36 @@ def task_preset(name: str) -> RunConfig:
         # 0.47-0.58 in 150 steps (the policy mis-copies the tool's value) and its sampled gain
         # halved; at 2e-4 greedy held (0.98 -> 0.97) with a +40-point sampled gain (bench/results/run-task.md).
         cfg.trainer.lr = 2e-4
+    return cfg
+
+
+def gpu_preset() -> RunConfig:
+    """``moerl run --task gpu``: the ``gpu-qwen3-moe`` policy (424 M parameters, Qwen3-MoE's
+    shape, the character tokenizer; app/model/config.py) on spell_backward words of 5-10 letters,
+    sized so that a trainer step on one H200 is matrix work rather than launch overhead.
+
+    On a GPU machine app/local/machine.py adds bf16 compute (fp32 master weights), one trainer
+    rank per trainer GPU, engines batching 256 sequences and the weight push. The lr are the
+    tiny recipe's scaled by its width over this one's (64 / 1024, as muP scales Adam's lr of hidden
+    matrices): the warm-up's 3e-3 -> 2e-4 and RL's 4e-4 -> 3e-5; the warm-up is short (100 steps)
+    and the words are longer than the tiny recipe's, so the held-out reward starts well below 1.
+    The training state is saved every 50 steps (a DCP save of 424 M fp32 parameters and their
+    AdamW state is ~7 GB).
+    """
+    cfg = embedded_default()
+    cfg.model.preset = "gpu-qwen3-moe"
+    cfg.task.params = {"min_word_len": 5, "max_word_len": 10}
+    cfg.task.train_size = 4000
+    cfg.task.warmup_steps = 100
+    cfg.task.warmup_lr = 2e-4
+    cfg.rollout.max_new_tokens = 12  # a 10-letter word reversed + <eos>
+    cfg.rollout.group_size = 16
+    cfg.trainer.parallel.ep = 1
+    cfg.trainer.groups_per_step = 32
+    cfg.trainer.lr = 3e-5
+    cfg.trainer.steps = 200
+    cfg.trainer.save_every = 50
+    cfg.buffer.capacity_groups = 4 * cfg.trainer.groups_per_step
     return cfg
 
 
@@ -485,12 +519,13 @@ def progress_loop(loop: EmbeddedLoop, feeder: TaskFeeder, steps: int) -> None:
 def run(
     config: Path = typer.Option(None, "--config", exists=True, dir_okay=False, help="Run config YAML."),
     out: Path = typer.Option(None, "--out", help="Run directory (default runs/<task>-<time>)."),
-    workers: int = typer.Option(2, "--workers", min=1, help="Rollout workers (one engine each)."),
+    workers: int = typer.Option(None, "--workers", min=1, help="Rollout workers (one engine each); default: "
+                                "sized from this machine's cores and GPUs (app/local/machine.py)."),
     steps: int = typer.Option(None, "--steps", min=1, help="Trainer steps (overrides the config)."),
     cache: Path = typer.Option(Path("runs/cache"), "--cache", help="Warm-up checkpoint cache."),
     algorithm: str = typer.Option(None, "--algorithm", help="grpo | ppo (overrides trainer.algorithm)."),
-    task: str = typer.Option(None, "--task", help=f"One of {', '.join(TASKS)}: the embedded default or a "
-                             "multi-turn environment (instead of --config)."),
+    task: str = typer.Option(None, "--task", help=f"One of {', '.join(TASKS)}: the embedded default, a "
+                             "multi-turn environment or the GPU-sized preset (instead of --config)."),
     sets: list[str] = typer.Option(None, "--set", help="key=value: set any run config field (dotted path, YAML "
                                    "value), e.g. --set trainer.lr=1e-4; repeatable; checked like the file."),
     resume: Path = typer.Option(None, "--resume", help="Continue the run in this directory from its last saved "
@@ -510,10 +545,13 @@ def run(
         run_dir = resume.resolve()
         cfg = load_resumed_config(run_dir, steps, sets)
         check_inputs(cfg)
+        cfg, layout = plan_run(cfg, preset=False, workers=workers)
     else:
         cfg = load_run_config(config, task, steps, algorithm, sets)
         check_inputs(cfg)
         check_cache(cache)
+        # Which roles run where on this machine's cores and GPUs; a layout that cannot work is one line now.
+        cfg, layout = plan_run(cfg, preset=config is None, workers=workers)
         run_dir = new_run_dir(cfg, out)
     cfg.store_url = f"file://{run_dir / 'store'}"
     cfg.rollout.policy_cache_dir = str(run_dir / "policy-cache")
@@ -521,10 +559,11 @@ def run(
 
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
-    loop = EmbeddedLoop(cfg, run_dir, workers=workers)
+    loop = EmbeddedLoop(cfg, run_dir, layout=layout)
     before = after = None
     try:
         console.print(f"run directory: {run_dir}")
+        console.print(f"layout: {layout.describe(loop.cfg)}", soft_wrap=True)
         if resume is not None:
             base, before, feeder = restart_saved(loop)
         else:

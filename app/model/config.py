@@ -29,7 +29,7 @@ from transformers import AutoConfig, DeepseekV3Config, PretrainedConfig, Qwen3Mo
 from app.model.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "deepseek_v3")
-PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
+PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3", "gpu-qwen3-moe")
 REAL_PRESETS = ("qwen3-30b-a3b", "deepseek-v3")
 
 # Shared by both presets: the character tokenizer's vocabulary (app/model/tokenizer.py) and a
@@ -53,14 +53,16 @@ _COMMON: dict[str, Any] = dict(
 
 
 def tiny_config(preset: str, **overrides: Any) -> PretrainedConfig:
-    """Build a tiny config of one family in code.
+    """Build a preset config of one family in code (the tiny presets, and the GPU-sized one).
 
     Args:
         preset: ``"tiny-qwen3-moe"`` (2 layers, hidden 64, 8 experts of width 32, top-2, GQA
-            4 query / 2 kv heads of dim 16) or ``"tiny-deepseek-v3"`` (3 layers, the first dense;
+            4 query / 2 kv heads of dim 16), ``"tiny-deepseek-v3"`` (3 layers, the first dense;
             hidden 64; 8 routed experts in 4 groups, top-2 from the best 2 groups; 1 shared
             expert; routed_scaling_factor 2.5; MLA with q_lora_rank 32, kv_lora_rank 16,
-            qk_nope 16 + qk_rope 8, v_head_dim 16).
+            qk_nope 16 + qk_rope 8, v_head_dim 16) or ``"gpu-qwen3-moe"`` (`GPU_QWEN3_MOE`: 8
+            layers, hidden 1024, 64 experts of width 256, top-8, 16 query / 4 kv heads of dim
+            64; 424 M parameters).
         overrides: any config field, applied last (e.g. ``num_hidden_layers=4``).
 
     Returns:
@@ -70,7 +72,7 @@ def tiny_config(preset: str, **overrides: Any) -> PretrainedConfig:
     Raises:
         ValueError: unknown preset, or the result fails `validate_config` (ep_size 1).
     """
-    if preset == "tiny-qwen3-moe":
+    if preset in ("tiny-qwen3-moe", "gpu-qwen3-moe"):
         fields = dict(
             _COMMON,
             num_hidden_layers=2,
@@ -81,6 +83,8 @@ def tiny_config(preset: str, **overrides: Any) -> PretrainedConfig:
             mlp_only_layers=[],
             architectures=["Qwen3MoeForCausalLM"],
         )
+        if preset == "gpu-qwen3-moe":
+            fields.update(GPU_QWEN3_MOE)
         fields.update(overrides)
         config = Qwen3MoeConfig(**fields)
     elif preset == "tiny-deepseek-v3":
@@ -108,6 +112,24 @@ def tiny_config(preset: str, **overrides: Any) -> PretrainedConfig:
         raise ValueError(f"model.preset: unknown preset {preset!r}; expected one of {PRESETS}")
     validate_config(config, ep_size=1)
     return config
+
+
+# The GPU-sized preset (``gpu-qwen3-moe``): Qwen3-MoE's shape (GQA with head_dim 64, 64 routed
+# experts of which 8 per token, renormalised, every layer sparse) at 8 layers of hidden 1024:
+# 424 M parameters, 72 M active per token, on the character vocabulary (no tokenizer download).
+# At this size a trainer step of a few thousand tokens is matrix work on an H200, not launch
+# overhead as with the tiny presets.
+GPU_QWEN3_MOE: dict[str, Any] = dict(
+    hidden_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_experts=64,
+    num_experts_per_tok=8,
+    moe_intermediate_size=256,
+    intermediate_size=1024,  # no dense MLP layer; kept consistent for tools that read it
+)
 
 
 def num_routed_experts(config: PretrainedConfig) -> int:

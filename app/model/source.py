@@ -18,6 +18,7 @@ first, so the others wait for it and then find the finished directory.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -230,6 +231,17 @@ def _from_hub(repo_id: str, cache_dir: Path) -> Path:
     return snapshot
 
 
+def check_unquantized(path: str, local: Path) -> None:
+    """Raise ValueError naming ``model.path`` when ``local``/config.json declares a
+    quantization_config: a bf16 copy made by DeepSeek's fp8_cast_bf16.py keeps it, and SGLang
+    would then build FP8 layers whose scales no policy version carries."""
+    quant = json.loads((local / "config.json").read_text()).get("quantization_config")
+    if quant:
+        raise ValueError(f"model.path {path!r}: config.json has quantization_config (quant_method "
+                         f"{quant.get('quant_method')!r}); the engines serve unquantized policy versions: remove it "
+                         "from the copy's config.json, or serve an unquantized checkpoint")
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python3 -m app.model.source PATH --cache-dir DIR``: fetch ``model.path`` PATH (see
     `resolve_model_path`) into DIR and print the local directory; one line on stderr and exit
@@ -241,10 +253,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m app.model.source", description=main.__doc__.splitlines()[0])
     p.add_argument("path")
     p.add_argument("--cache-dir", required=True)
+    p.add_argument("--unquantized", action="store_true",
+                   help="refuse a checkpoint whose config.json has a quantization_config (the engines serve "
+                        "policy versions, which carry unquantized tensors without scales)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        print(resolve_model_path(args.path, args.cache_dir), flush=True)
+        local = resolve_model_path(args.path, args.cache_dir)
+        if args.unquantized:
+            check_unquantized(args.path, local)
+        print(local, flush=True)
     except (OSError, ValueError) as e:
         print(f"app.model.source: {e}", file=sys.stderr)
         return 2

@@ -90,15 +90,16 @@ def small_run_config(steps: int, base: Path):
 
 def write_workload(out: Path, steps: int, base: Path) -> tuple[Path, Path]:
     """Write the small workload: run config, workloads file and deployment overrides (one more
-    rollout-gpu node than dev's 2, for the feed pod's evaluation engine). Returns (workloads,
-    overrides)."""
+    rollout-gpu node than dev's 2, for the feed pod's evaluation engine; the run among
+    trainer_runs, as charts8s requires). Returns (workloads, overrides)."""
     out.mkdir(parents=True, exist_ok=True)
-    small_run_config(steps, base).save(out / "run.yaml")
+    run = small_run_config(steps, base)
+    run.save(out / "run.yaml")
     wl = {"run_config": str(out / "run.yaml"), "trainer": {"nodes": 1},
           "rollout": {"replicas": 2, "model_path": str(base), "drain_margin_s": 2},
           "env": {"replicas": 2}}
     (out / "workloads.yaml").write_text(yaml.safe_dump(wl, sort_keys=False))
-    (out / "deploy.yaml").write_text(yaml.safe_dump({"pools": {"rollout-gpu": {"max_size": 3}}}))
+    (out / "deploy.yaml").write_text(yaml.safe_dump({"pools": {"rollout-gpu": {"max_size": 3}}, "trainer_runs": [run.run_id]}))
     return out / "workloads.yaml", out / "deploy.yaml"
 
 
@@ -199,7 +200,7 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
                       dict(bin_dir=str(Path(sys.executable).parent), repo=str(image_repo), procs_per_gpu_node=procs_per_node),
                       # the bucket the mounted run config names (store_url: s3://bucket/prefix)
                       bucket=run.store_url.removeprefix("s3://").split("/")[0], region=cfg.region,
-                      associations={cfg.trainer_service_account, cfg.rollout_service_account})
+                      associations={cfg.trainer_service_account_of(run.run_id), cfg.rollout_service_account})
     from charts8s.feed import NAME as FEED
     from charts8s.rollout import NAME as ROLLOUT
 

@@ -46,6 +46,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> TrainSt
             trainer.train_step()
     except Stop:
         log.info("stop requested: ending at step %d, policy v%d", trainer.state.step, trainer.state.version)
+        trainer.store_last()
     finally:
         trainer.close()
     trainer.finish()

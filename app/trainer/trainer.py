@@ -178,6 +178,7 @@ class Trainer:
             board = SyncBoard.of(self.buffer) if self.rank == 0 else None
             self.pusher = WeightPusher(cfg.weight_sync, self.rank, self.device, board=board)
         self.metrics_file = self.trained_file = None
+        self.stored: int | None = None  # the newest version in the store (with store_every, not every one)
 
     def _connect_and_check(self):
         """Rank 0 alone talks to Redis and checks the store; its error reaches every rank."""
@@ -244,7 +245,7 @@ class Trainer:
         and open rank 0's records."""
         first = first_version(self.latest)
         uri, secs = self.publish(first)
-        self.state.version = first
+        self.state.version = self.stored = first
         if self.rank == 0:
             log.info("published %s policy v%d -> %s (%.1fs)", "resumed" if self.resume else "initial", first, uri,
                      secs)
@@ -296,6 +297,7 @@ class Trainer:
                 push_meta = self.push(decided.version)
             if decided.store:
                 _, publish_s = self.publish(decided.version, announce=decided.announce)
+                self.stored = decided.version
             state.version = decided.version
             if state.step % t.save_every == 0 or state.step == t.steps:
                 save_s = self.save()
@@ -345,6 +347,16 @@ class Trainer:
             state.step, state.version, stats["loss"], meta.get("reward_mean", float("nan")),
             stats["grad_norm"], stats["clip_frac"], stats.get("tis", 1.0), taken.wait_s, step_s,
         )
+
+    def store_last(self) -> None:
+        """After a stop (every rank): store and announce the current version if it was only pushed
+        (``weight_sync.store_every``), so that the store's newest version is the policy trained
+        last, as after a run's last step."""
+        if self.stored != self.state.version:
+            _, secs = self.publish(self.state.version)
+            self.stored = self.state.version
+            if self.rank == 0:
+                log.info("stored policy v%d at the stop (%.1fs)", self.state.version, secs)
 
     def close(self) -> None:
         """Stop the prefetch and the pusher, close the records, give the signals back."""
