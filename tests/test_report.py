@@ -101,3 +101,22 @@ def test_the_plot_has_the_training_panels_legends_beside_them_and_the_summarys_t
     assert curve.get_ydata()[-1] == samples_per_s(records[-WINDOW - 1:])
     rates = [(b["samples_total"] - a["samples_total"]) / (b["time"] - a["time"]) for a, b in zip(records, records[1:])]
     assert max(curve.get_ydata()) < 1.5 * s["samples_per_s"] < max(rates)  # not a mean of per-step rates
+
+
+def test_the_summary_says_what_to_change_when_greedy_fell_while_sampled_rose(tmp_path, capsys):
+    """A user's environment: sampled 0.154 -> 0.353, greedy 0.890 -> 0.775 at rollout.temperature 1.0
+    (bench/results/run-task.md); the summary said nothing. It names the cause it measured and the
+    setting that kept greedy there (0.7: -1.2 points); a greedy change within the noise is no note."""
+    now = time.time()
+    records = [{"time": now + i, "step": i + 1, "reward_mean": 0.3, "samples_total": 64 * (i + 1),
+                "policy_version": i // 2} for i in range(3)]
+    loop = SimpleNamespace(run_dir=tmp_path, cfg=embedded_default(), metrics=lambda: records)
+    s = summarize(loop, {"n": 200, "mean_reward": 0.154, "greedy": 0.890}, {"n": 200, "mean_reward": 0.353,
+                                                                           "greedy": 0.775}, now)
+    assert s["note"].startswith("greedy fell (-11.5 points) while sampled rose (+19.9): RL learned from rollouts "
+                                "sampled at rollout.temperature 1, far from the greedy answers")
+    assert "--set rollout.temperature=0.7" in s["note"]
+    print_summary(s)
+    assert "note: greedy fell (-11.5 points)" in capsys.readouterr().out
+    for after in ({"n": 200, "mean_reward": 0.353, "greedy": 0.870}, {"n": 200, "mean_reward": 0.150, "greedy": 0.7}):
+        assert summarize(loop, {"n": 200, "mean_reward": 0.154, "greedy": 0.890}, after, now)["note"] is None

@@ -816,6 +816,7 @@ def summarize(loop: EmbeddedLoop, before: dict, after: dict | Exception | None, 
         "train_s": elapsed,
         "buffer": last.get("buffer", {}),
         "failures": rollout_failures(loop),
+        "note": greedy_note(loop.cfg, before, measured),
         "wall_s": time.time() - started,
         "plot": str(plot),
     }
@@ -823,6 +824,30 @@ def summarize(loop: EmbeddedLoop, before: dict, after: dict | Exception | None, 
     tmp.write_text(json.dumps(summary, indent=2, allow_nan=False))
     os.replace(tmp, loop.run_dir / "summary.json")
     return summary
+
+
+# Points a held-out figure moves by chance between two measurements (app/envs/evaluate.py).
+EVAL_NOISE_POINTS = 3.0
+
+
+def greedy_note(cfg: RunConfig, before: dict, after: dict | None) -> str | None:
+    """What to change when greedy decoding fell (by more than `EVAL_NOISE_POINTS`) while the
+    sampled figure rose, or None. Why, as measured on a letter-sorting environment
+    (bench/results/run-task.md): rollouts sampled far from the greedy answers (at temperature 1.0
+    most were wrong while greedy decoding was right) taught RL answers that moved the greedy one;
+    at 0.7 greedy held while sampled still rose, and giving each turn its own share of the reward
+    did not keep it."""
+    if after is None:
+        return None
+    sampled, greedy = 100 * (after["mean_reward"] - before["mean_reward"]), 100 * (after["greedy"] - before["greedy"])
+    if sampled <= 0 or greedy >= -EVAL_NOISE_POINTS:
+        return None
+    t = cfg.rollout.temperature
+    return (f"greedy fell ({greedy:+.1f} points) while sampled rose ({sampled:+.1f}): RL learned from rollouts sampled at "
+            f"rollout.temperature {t:g}, {'far ' if before['greedy'] - before['mean_reward'] > 0.2 else ''}from the "
+            f"greedy answers (held-out before RL: sampled {before['mean_reward']:.3f}, greedy {before['greedy']:.3f}), "
+            f"and moved them; a lower temperature trains nearer them (--set rollout.temperature={min(0.7, t * 0.7):g}; "
+            "on a sorting environment 1.0 -> 0.7 turned greedy -11.5 into -1.2 points, docs/your-own-environment.md)")
 
 
 def rollout_failures(loop: EmbeddedLoop) -> dict:
@@ -870,5 +895,7 @@ def print_summary(s: dict) -> None:
     reasons = "; ".join(f"{reason} ({n})" for reason, n in f["top_reasons"])
     console.print(f"  failed rollout groups: {f['failed']} ({f['requeued']} requeued, {f['dropped']} dropped after "
                   f"buffer.max_failures){f'; top reasons: {reasons}' if reasons else ''}", soft_wrap=True)
+    if s.get("note"):
+        console.print(f"  [yellow]note:[/] {s['note']}", soft_wrap=True)
     console.print(f"  run directory {s['run_dir']}  (run.yaml, metrics.jsonl, tensorboard/, plot.png, "
                   "summary.json, logs/)", soft_wrap=True)
