@@ -261,3 +261,17 @@ def test_moerl_run_against_an_environment_whose_every_reward_is_nan_is_one_line_
 
 def test_nan_is_not_a_reward_anywhere():
     assert not RunConfig().rollout.reward_in_range(math.nan)
+
+
+def test_the_own_line_is_found_above_torchruns_dump_in_the_roles_log(tmp_path):
+    """A real dead-environment run: torchrun's ChildFailedError dump filled the 40 lines of the
+    error's tail, and the line said only "trainer exited with 1:"; the role's log has the cause."""
+    log = tmp_path / "trainer.log"
+    own = ("moerl train (rank 0): rank 0 could not take a batch: fewer than 8 GRPO groups arrived within "
+           "trainer.batch_timeout_s=60s from redis://127.0.0.1:1/0 (run 'guess-number'): 2 rollout workers waiting "
+           "60 s on the environment at http://127.0.0.1:59833: ConnectError: All connection attempts failed")
+    dump = [f"torch.distributed.elastic line {i}" for i in range(45)]
+    log.write_text("\n".join(["rank0 step 5 v2", own, *dump]) + "\n")
+    error = RoleFailed("trainer exited with 1:\n" + "\n".join(dump[-40:]))
+    assert failure_line(error) is None
+    assert failure_line(error, log) == "trainer exited with 1: " + own.split(": ", 1)[1]

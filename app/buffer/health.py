@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 FAIL_PREFIX = "fail:"
 WAIT_PREFIX = "wait:"
-MAX_REASON_CHARS = 120
+MAX_REASON_CHARS = 160
 # Distinct reasons one worker writes; later new ones count as "other" (the hash stays small when
 # an environment's error text holds the episode's own data).
 MAX_REASONS_PER_WORKER = 32

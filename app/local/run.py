@@ -579,8 +579,8 @@ def run(
         console.print("[yellow]interrupted: stopping every process[/]")
         end_unfinished(loop, before, started, resume is not None, interrupted_exit_code(), "interrupted")
     except (RoleFailed, RunFailed) as e:
-        line = failure_line(e)
         log = next((p.log_path for p in loop.sup.procs.values() if p.returncode() not in (None, 0)), None)
+        line = failure_line(e, log)
         kept = resume is not None or bool(loop.metrics())
         if line is None:  # no line of its own: the log's tail, which goes with the run directory unless kept
             line = str(e) if not kept else str(e).splitlines()[0]
@@ -612,13 +612,16 @@ def final_evaluation(loop: EmbeddedLoop) -> dict | Exception:
 OWN_ERROR = re.compile(r"^moerl \w+(?: \(rank (\d+)\))?: (.+)$")
 
 
-def failure_line(e: Exception) -> str | None:
+def failure_line(e: Exception, log: Path | None = None) -> str | None:
     """One line for a failed run, or None when there is none to give: a `RunFailed`'s message; a
-    failed role's own one-line error from its log's tail (``moerl train (rank 0): ...``, which
-    names the cause the rollout workers reported, app/buffer/health.py), not torchrun's dump."""
+    failed role's own one-line error (``moerl train (rank 0): ...``, which names the cause the
+    rollout workers reported, app/buffer/health.py), not torchrun's dump, from the error's log
+    tail or, further up, the role's ``log`` (torchrun's dump alone is some 40 lines)."""
     if isinstance(e, RunFailed):
         return str(e)
     lines = str(e).splitlines()
+    if log is not None and log.is_file():
+        lines += log.read_text(errors="replace").splitlines()[-200:]
     own = [(m.group(1), m.group(2)) for m in map(OWN_ERROR.match, (x.strip() for x in lines[1:])) if m]
     if not own:
         return None
