@@ -344,6 +344,19 @@ class TrainerConfig(Section):
                                                "many tokens before max_new_tokens ramp a penalty from 0 to "
                                                "-overlong_penalty_factor, added to the reward. None: off.")
     overlong_penalty_factor: float = Field(1.0, gt=0.0, description="The soft overlong penalty at max_new_tokens.")
+    # Mini-batches and epochs per rollout batch (verl's actor.ppo_mini_batch_size, ppo_epochs and
+    # use_rollout_log_probs; TRL's steps_per_generation and num_iterations): app/trainer/step.py.
+    ppo_mini_batch_size: int | None = Field(
+        None, ge=1, description="Groups (prompts) per mini-batch: a step's groups_per_step groups are cut, in the "
+        "order taken, into mini-batches of this many, one optimizer step each (verl's ppo_mini_batch_size, in "
+        "prompts). None: groups_per_step, one mini-batch.")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over a step's mini-batches (verl's ppo_epochs, TRL's "
+                            "num_iterations). Every optimizer step after a batch's first is off-policy: the clip binds.")
+    use_rollout_log_probs: bool = Field(
+        False, description="The clip's old policy. false: the trainer's own logprobs of the batch, computed once "
+        "before its first optimizer step (not computed with one step per batch: they equal the current ones). "
+        "true: the engine's logprobs (the behaviour policy; verl's use_rollout_log_probs, AReaL without "
+        "recompute): the clip binds from the first step, and tis_cap must be null.")
     publish_every: int = Field(1, ge=1, description="Steps between policy versions.")
     keep_versions: int = Field(3, ge=1, description="Published policy versions kept in the store; older ones "
                                "are pruned.")
@@ -354,22 +367,44 @@ class TrainerConfig(Section):
                             "leave Redis only at a save (they do not count against buffer.capacity_groups).")
     keep_states: int = Field(2, ge=1, description="Complete training states kept in the store.")
 
+    @field_validator("dynamic_sampling_max_skipped")
+    @classmethod
+    def _skips_some(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("0 skips no group, so dynamic sampling would be off; set trainer.dynamic_sampling: "
+                             "false instead")
+        return v
+
+    def mini_batch_groups(self) -> int:
+        """Groups per mini-batch: ``ppo_mini_batch_size``, or every group of the step."""
+        return self.ppo_mini_batch_size or self.groups_per_step
+
     def objective(self) -> str:
         """The objective's name for metrics.jsonl: ``grpo``, ``gspo``, ``dr_grpo``, ``gspo+dr_grpo`` or
-        ``ppo``, then ``+`` each modifier that is on (``is=<rollout_is>`` when not the default,
-        ``dual_clip``, ``entropy_bonus``, ``dynamic_sampling``, ``overlong_filter``, ``soft_overlong``)."""
+        ``ppo``; then ``agg=<loss_agg>`` (always: token-mean, seq-mean or seq-mean-token-sum-norm, the
+        constant normaliser); then ``+`` each modifier that is on (``no_std`` when advantages are not
+        divided by the std outside Dr. GRPO, ``is=<rollout_is>`` when not the default, ``dual_clip``,
+        ``entropy_bonus``, ``dynamic_sampling``, ``overlong_filter``, ``soft_overlong``,
+        ``mini_batches=<n>`` and ``epochs=<n>`` above 1, ``old=engine`` with use_rollout_log_probs)."""
         dr = self.loss_agg == "seq-mean-token-sum-norm" and not self.scale_by_std
         if self.algorithm == "ppo":
             parts = ["ppo"]
         else:
             parts = ["gspo"] if self.ratio_level == "sequence" else ([] if dr else ["grpo"])
             parts += ["dr_grpo"] if dr else []
+        parts.append(f"agg={self.loss_agg}")
+        if self.algorithm == "grpo" and not self.scale_by_std and not dr:
+            parts.append("no_std")
         if self.tis_cap is not None and self.rollout_is != "token_truncate":
             parts.append(f"is={self.rollout_is}")
         parts += [name for name, on in (("dual_clip", self.dual_clip is not None), ("entropy_bonus", self.entropy_coef > 0),
                                         ("dynamic_sampling", self.dynamic_sampling),
                                         ("overlong_filter", self.overlong_filter),
                                         ("soft_overlong", self.overlong_buffer_tokens is not None)) if on]
+        mini_batches = self.groups_per_step // self.mini_batch_groups()
+        parts += [f"mini_batches={mini_batches}"] if mini_batches > 1 else []
+        parts += [f"epochs={self.ppo_epochs}"] if self.ppo_epochs > 1 else []
+        parts += ["old=engine"] if self.use_rollout_log_probs else []
         return "+".join(parts)
 
 
@@ -591,6 +626,18 @@ class RunConfig(Section):
             raise ValueError(f"trainer.rollout_is={t.rollout_is}: PPO supports the token-level modes only")
         if t.rollout_is_min is not None and t.tis_cap is not None and t.rollout_is_min >= t.tis_cap:
             raise ValueError(f"trainer.rollout_is_min={t.rollout_is_min} must be < trainer.tis_cap={t.tis_cap}")
+        unused = ([f"trainer.rollout_is={t.rollout_is}"] if t.rollout_is != "token_truncate" else []) + (
+            [f"trainer.rollout_is_min={t.rollout_is_min}"] if t.rollout_is_min is not None else [])
+        if t.tis_cap is None and unused:
+            raise ValueError(f"trainer.tis_cap is null (no importance weights against the engine), so {' and '.join(unused)} "
+                             "would do nothing: set trainer.tis_cap, or remove them")
+        if t.groups_per_step % t.mini_batch_groups():
+            raise ValueError(f"trainer.ppo_mini_batch_size={t.ppo_mini_batch_size} must divide trainer.groups_per_step="
+                             f"{t.groups_per_step} (a step's groups are cut into mini-batches of that many)")
+        if t.use_rollout_log_probs and t.tis_cap is not None:
+            raise ValueError("trainer.use_rollout_log_probs: the clip's old policy is then the engine's, so the "
+                             f"importance weights against the engine (trainer.tis_cap={t.tis_cap}) would all be 1; "
+                             "set trainer.tis_cap: null")
         if t.overlong_buffer_tokens is not None:
             if t.overlong_buffer_tokens > self.rollout.max_new_tokens:
                 raise ValueError(f"trainer.overlong_buffer_tokens={t.overlong_buffer_tokens} must be <= "
@@ -613,6 +660,11 @@ class RunConfig(Section):
             # may be on any engine, and the router's resend would restart them from the prompt.
             raise ValueError("rollout.partial_rollout: not supported with rollout.router (a worker's requests "
                              "may be on any engine)")
+        if self.rollout.routing_replay and self.rollout.router:
+            # Sending these requests around the router would route every request of the run around it.
+            raise ValueError("rollout.routing_replay: not supported with rollout.router (sglang-router 0.3.2 "
+                             "re-serialises /generate and drops return_routed_experts and "
+                             "routed_experts_start_len); turn one of them off")
         if self.env.name and self.feed.eval_every:
             raise ValueError("feed.eval_every: the feed's held-out evaluation scores single completions; with "
                              "env.name it is not supported yet (moerl run evaluates episodes in process)")

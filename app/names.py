@@ -16,6 +16,11 @@ USER_ENV = "MOERL_REDIS_USER"
 # charts8s/rollout.py; app/rollout/engine_client.py sends them).
 API_KEY_ENV = "MOERL_ENGINE_API_KEY"
 ADMIN_API_KEY_ENV = "MOERL_ENGINE_ADMIN_API_KEY"
+# The file holding a worker's own engine's keys (app/rollout/keys.py writes it; SGLang reads the
+# same YAML as its --config), and the router's two keys (app/rollout/router.py).
+ENGINE_KEYS_FILE_ENV = "MOERL_ENGINE_KEYS_FILE"
+ROUTER_API_KEY_ENV = "MOERL_ROUTER_API_KEY"
+ROUTER_CONTROL_KEY_ENV = "MOERL_ROUTER_CONTROL_KEY"
 
 # Where every cluster pod finds the run config (the ConfigMap is mounted here: charts8s/cluster.py).
 CLUSTER_CONFIG = "/etc/moerl/run.yaml"

@@ -120,14 +120,24 @@ def trainer_resource(gpus: int, efa: int, hugepages_mib: int, cpu: int, mem_mb: 
     return specs.Resource(cpu=cpu, gpu=gpus, memMB=mem_mb, devices=devices)
 
 
-# PyTorch NCCL watchdog: tear the process down on a collective error, and dump the flight
-# recorder on a timeout (torch.distributed docs, "TORCH_NCCL_*" environment variables).
+# PyTorch NCCL watchdog of the trainer: tear the process down on a collective error of its
+# training groups (a hang must fail the job, which Volcano restarts), and dump the flight recorder
+# on a timeout (torch.distributed docs, "TORCH_NCCL_*" environment variables). The weight-update
+# group that rank 0 shares with the engines is made with its own handling (app/weight_group.py
+# GROUP_NCCL_ENV): a dead or frozen engine aborts that group only, and the trainer goes on.
 NCCL_ENV = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
     "TORCH_NCCL_TRACE_BUFFER_SIZE": "20000",
     "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/tmp/nccl_trace_rank_",
 }
+# The engine pods' (SGLang's ranks): CleanUpOnly, so that a weight-update group whose source died
+# or timed out aborts its communicator and /update_weights_from_distributed answers a failure
+# (the worker then reloads the version from the store, app/rollout/weights.py) instead of torch's
+# default tearing the scheduler down (a restart; for two-node engines an LWS recreate and another
+# copy of the model). A hang of the engine's own TP/EP groups then fails its next collective, and
+# the scheduler exits or the liveness probe restarts the engine, as before.
+ENGINE_NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 # The CUDA caching allocator with expandable segments: its reserve (app/plan/memory.py
 # FRAGMENTATION_EXPANDABLE 1.16, against 1.33 with the default allocator) is what lets DeepSeek-V3 fit
 # 16 x 8 H200 at EP 32 with 8K-token micro-batches (docs/plan.md).

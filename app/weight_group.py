@@ -23,7 +23,16 @@ backend. `open_group` builds the same store layout and the backend object direct
   trainer's bound NCCL communicator (torch's constructor would try ``ncclCommSplit`` from it,
   a collective over the trainer's world that only rank 0 joins);
 - every operation has this group's own timeout: a peer that dies or stops fails the
-  collective on every live rank within ``timeout_s`` instead of hanging it.
+  collective on every live rank within ``timeout_s`` instead of hanging it;
+- a failure costs this group only, under NCCL too: the group's communicator is made with its own
+  error handling (`GROUP_NCCL_ENV`: the watchdog aborts the communicator and the process goes
+  on, ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``; the communicator comes up non-blocking, so that a
+  peer that never starts its side fails the first broadcast within ``timeout_s`` instead of
+  blocking it), whatever the process's own groups use: the trainer keeps tearing itself down
+  on a hang of its training groups (app/torchx_component.py ``NCCL_ENV``), and an engine rank
+  keeps serving and reloads from the store (``ENGINE_NCCL_ENV``). torch reads both variables
+  when it makes each process group (``ProcessGroupNCCL``'s constructor), so they are set for
+  that moment only.
 
 Bucket format: SGLang's ``load_format="flattened_bucket"``
 (``srt/weight_sync/tensor_bucket.py: FlattenedTensorBucket``): one uint8 tensor holding each
@@ -34,6 +43,9 @@ rest of moerl's dependencies).
 
 from __future__ import annotations
 
+import os
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -51,6 +63,29 @@ DEFAULT_GROUP_NAME = "weight_update_group"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float8_e4m3fn": torch.float8_e4m3fn, "uint8": torch.uint8, "int32": torch.int32,
           "int64": torch.int64}
+
+
+# The weight-update group's own NCCL settings (module doc): CleanUpOnly error handling and a
+# non-blocking communicator start (torch's TORCH_NCCL_* environment variables).
+GROUP_NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}
+_ENV_LOCK = threading.Lock()
+
+
+@contextmanager
+def group_nccl_env():
+    """`GROUP_NCCL_ENV` in the process environment while a group's backend is made; the
+    process's own values (the pod's) afterwards."""
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in GROUP_NCCL_ENV}
+        os.environ.update(GROUP_NCCL_ENV)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 class GroupError(RuntimeError):
@@ -107,7 +142,8 @@ class UpdateGroup:
             opts = dist.ProcessGroupNCCL.Options()
             opts.is_high_priority_stream = False
             opts._timeout = timeout
-            self._pg = dist.ProcessGroupNCCL(self._keys, self.rank, self.world_size, opts)
+            with group_nccl_env():
+                self._pg = dist.ProcessGroupNCCL(self._keys, self.rank, self.world_size, opts)
         else:
             self._pg = dist.ProcessGroupGloo(self._keys, self.rank, self.world_size, timeout)
 

@@ -14,8 +14,9 @@ A/B (e.g. all-to-all vs DeepEP) is applied, read and deleted on its own.
 
 The engines serve on the pod network, so SGLang asks for a key on every route but its health
 checks (``--api-key``: generation; ``--admin-api-key``: weight updates, profiling, cache control),
-both from the Secret ``bench_rollout.api_key_secret`` made outside dist/ (docs/cluster.md); the Job holds
-the API key only.
+read from each leader's keys file (charts8s/rollout.py `keyed_engine`): the API key from the
+Secret ``bench_rollout.api_key_secret`` made outside dist/ (docs/cluster.md), the admin key
+derived per engine from its ``admin-api-key`` (app/rollout/keys.py); the Job holds the API key only.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from charts8s.kube import api_object, k8s_module
 from charts8s.lws import leader_worker_set
 from charts8s.contract import BENCH_ENGINE, BENCH_JOB, bench_fleet, contract_policies
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
-from charts8s.rollout import API_KEY, NO_PROBE_SKIPS, ROLLOUT_SKIPS, UID, engine_container, engine_pod, keyed_engine
+from charts8s.rollout import (API_KEY, NO_PROBE_SKIPS, POD_NAME_ENV, ROLLOUT_SKIPS, UID, engine_container, engine_pod,
+                              keyed_engine, keys_init_container)
 from charts8s.workloads import Plan
 
 WAIT_S = 3600  # how long the Job waits for the engines to load the model and answer
@@ -66,8 +68,10 @@ class BenchRolloutChart(cdk8s.Chart):
         name = bench_fleet(profile)
         lab = labels(name)
         secret = plan.wl.bench_rollout.api_key_secret
-        leader = engine_pod(plan, name, [keyed_engine(engine_container(plan, layout, leader=True, host="0.0.0.0"), secret)])
-        worker = engine_pod(plan, name, [keyed_engine(engine_container(plan, layout, leader=False, host="0.0.0.0"), secret)])
+        # The leader serves HTTP: it asks the Job for the API key, and keeps an admin key nobody holds.
+        leader = engine_pod(plan, name, [keyed_engine(engine_container(plan, layout, leader=True, host="0.0.0.0"))],
+                            keys=keys_init_container(plan, secret, "$(POD_NAME)", [POD_NAME_ENV], api_key=True))
+        worker = engine_pod(plan, name, [engine_container(plan, layout, leader=False, host="0.0.0.0")])
         leader_worker_set(self, name, ns, labels=lab, annotations=checkov_skips(**ROLLOUT_SKIPS, **NO_PROBE_SKIPS),
                           replicas=plan.wl.bench_rollout.engines, size=layout.nodes, leader_pod=leader,
                           worker_pod=worker)

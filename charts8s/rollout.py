@@ -5,8 +5,8 @@ engine profile (``rollout.engine``: tp | ep | ep-deepep, nodes per engine).
   EFA device of the node) and the moerl rollout worker (container "worker"), which talks to it
   on loopback.
 - An engine over several nodes: a LeaderWorkerSet (charts8s/lws.py), one group per engine. The
-  leader pod runs SGLang's node rank 0 (the HTTP server, on the pod network, so with SGLang's
-  API and admin keys from the Secret ``rollout.api_key_secret``); the other pods run
+  leader pod runs SGLang's node rank 0 (the HTTP server, on the pod network, so with an admin key
+  of its own: `keyed_engine`); the other pods run
   the other node ranks (``--node-rank $(LWS_WORKER_INDEX)``, no HTTP server, so no probe). Every
   pod of the group also runs a fetcher (app/rollout/group.py) that puts each policy version on
   its own node's disk, since SGLang loads a disk update on every rank. The workers are a
@@ -16,6 +16,17 @@ engine profile (``rollout.engine``: tp | ep | ep-deepep, nodes per engine).
   (a Spot node) recreates the whole group; the worker's requests fail, it releases their
   leases without publishing a partial group (a group is one /generate request: all G
   completions or none) and waits for the engine to answer again.
+
+Keys of an engine on the pod network (multi-node engines, and one-node engines behind the router):
+each engine has its own admin key, ``HMAC(master, its leader pod's name)`` (app/rollout/keys.py),
+written by an init container ("keys", the only container that sees the Secret's master
+``admin-api-key``) into an in-memory volume, as SGLang's ``--config`` YAML: the engine reads it
+there (argv holds the path), and so does its worker (``MOERL_ENGINE_KEYS_FILE``), which thus holds
+its own engine's key and no other; a multi-node engine's worker pod derives its engine's key the
+same way. No API key: the router sends none on to the engines (app/rollout/router.py), and SGLang's
+admin key alone still guards every weight-update, pause, flush and abort route. SGLang would hand
+the keys out in ``/server_info`` and its startup log; the moerl plugin in the rollout image
+(app/rollout/keys.py `sglang_plugin`) redacts both.
 
 Probes (leader only): `app.rollout.probe`, which passes while the worker holds the engine paused
 for a weight update (its pause marker on a shared in-memory volume; for a multi-node engine the
@@ -42,9 +53,12 @@ import cdk8s
 from constructs import Construct
 
 from app.model.source import store_copy_dir
-from app.names import ADMIN_API_KEY_ENV, API_KEY_ENV, CLUSTER_CONFIG, METRICS_PORT
+from app.names import (CLUSTER_CONFIG, ENGINE_KEYS_FILE_ENV, METRICS_PORT, ROUTER_API_KEY_ENV,
+                       ROUTER_CONTROL_KEY_ENV)
+from app.rollout.keys import ADMIN_MASTER_ENV, API_KEY_SOURCE_ENV
 from app.rollout.engine_args import LWS_GROUP_SIZE, LWS_LEADER_ADDRESS, LWS_WORKER_INDEX, EngineLayout, sglang_command
-from app.torchx_component import EFA_ENV, EFA_RESOURCE, HUGEPAGES_RESOURCE, NVSHMEM_EFA_ENV, worker_command
+from app.torchx_component import (EFA_ENV, EFA_RESOURCE, ENGINE_NCCL_ENV, HUGEPAGES_RESOURCE, NVSHMEM_EFA_ENV,
+                                  worker_command)
 from charts8s.buffer import redis_credentials
 from charts8s.fsx import fsx_model_path, mount_fsx
 from charts8s.cluster import ROLLOUT, ROLLOUT_WORKER, run_config_volume
@@ -63,10 +77,12 @@ BASE_MODEL_DIR = "/models/base"  # an s3:// base model's copy on each engine nod
 STATE_DIR = "/run/moerl"  # shared by engine and worker: the worker's pause marker
 PAUSE_MARKER = f"{STATE_DIR}/engine-paused"
 PROBE_TIMEOUT_S = 25  # longer than SGLang's own 20 s /health_generate wait
-# The keys of an engine on the pod network: the Secret's keys (docs/cluster.md: kubectl create secret) and
-# the engine container's variables, which the kubelet expands in its command.
-API_KEY, ADMIN_API_KEY = "api-key", "admin-api-key"
-KEY_ENV = {API_KEY: "SGLANG_API_KEY", ADMIN_API_KEY: "SGLANG_ADMIN_API_KEY"}
+# The Secret's keys (docs/cluster.md: kubectl create secret): the router's API key (workers ->
+# router), the master of the engines' admin keys, the router's control-plane key (workers register engines).
+API_KEY, ADMIN_API_KEY, CONTROL_KEY = "api-key", "admin-api-key", "control-plane-api-key"
+# One engine's keys file, on an in-memory volume of its pod (module doc).
+KEYS_VOLUME, KEYS_DIR = "keys", "/run/moerl/keys"
+KEYS_FILE = f"{KEYS_DIR}/engine.yaml"
 
 
 def grace_seconds(drain_s: float, margin_s: int) -> int:
@@ -147,7 +163,7 @@ def engine_container(plan: Plan, layout: EngineLayout, *, leader: bool, host: st
         res[EFA_RESOURCE] = str(plan.efa_per_rollout)
     if pool.hugepages_2mi:
         res[HUGEPAGES_RESOURCE] = f"{pool.hugepages_2mi}Mi"
-    env = {"HF_HOME": "/models/hf"}  # the base model goes to the large model volume
+    env = {"HF_HOME": "/models/hf", **ENGINE_NCCL_ENV}  # the base model goes to the large model volume
     if plan.efa_per_rollout:
         env.update(EFA_ENV)
         if layout.profile.kind == "ep-deepep":
@@ -179,14 +195,41 @@ def secret_env(secret: str, names: dict[str, str]) -> list[dict]:
     return [{"name": var, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}} for key, var in names.items()]
 
 
-def keyed_engine(container: dict, secret: str) -> dict:
-    """An engine container serving on the pod network: SGLang's --api-key (generation) and
-    --admin-api-key (weight updates, pause, cache control; sglang/srt/utils/auth.py) from
-    Secret ``secret``."""
-    container["command"] = [*container["command"], "--api-key", f"$({KEY_ENV[API_KEY]})",
-                            "--admin-api-key", f"$({KEY_ENV[ADMIN_API_KEY]})"]
-    container["env"] = [*container["env"], *secret_env(secret, KEY_ENV)]
+def keyed_engine(container: dict) -> dict:
+    """An engine container serving on the pod network: SGLang reads its keys from the pod's keys
+    file (``--config``; `keys_init_container` writes it), so argv names only the file."""
+    container["command"] = [*container["command"], "--config", KEYS_FILE]
+    container["volumeMounts"] = [*container["volumeMounts"], keys_mount()]
     return container
+
+
+def keys_mount() -> dict:
+    return {"name": KEYS_VOLUME, "mountPath": KEYS_DIR, "readOnly": True}
+
+
+def keys_init_container(plan: Plan, secret: str, engine: str, env: list[dict], api_key: bool = False) -> dict:
+    """The init container "keys": writes engine ``engine``'s keys file (app/rollout/keys.py: its
+    own admin key from the Secret's master, and with ``api_key`` the Secret's API key too) into
+    the pod's keys volume. The only container that holds the master.
+
+    engine: the engine's name, a ``$(VAR)`` of ``env`` for the kubelet to expand.
+    """
+    res = {"cpu": "100m", "memory": "128Mi"}
+    names = {ADMIN_API_KEY: ADMIN_MASTER_ENV, **({API_KEY: API_KEY_SOURCE_ENV} if api_key else {})}
+    return {
+        "name": "keys", "image": plan.images["rollout"], "imagePullPolicy": "IfNotPresent",
+        "command": ["python3", "-m", "app.rollout.keys", "--engine", engine, "--out", KEYS_FILE],
+        "env": [*env, *secret_env(secret, names)],
+        "resources": {"requests": res, "limits": res},
+        "securityContext": container_security(),
+        "volumeMounts": [{"name": KEYS_VOLUME, "mountPath": KEYS_DIR}],
+    }
+
+
+POD_NAME_ENV = {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+POD_INDEX_ENV = {"name": "POD_INDEX", "valueFrom": {"fieldRef": {
+    "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}}
+KEYS_VOLUME_SPEC = {"name": KEYS_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}
 
 
 def engine_volumes(plan: Plan) -> list[dict]:
@@ -203,13 +246,14 @@ def engine_volumes(plan: Plan) -> list[dict]:
     ]
 
 
-def engine_pod(plan: Plan, component: str, containers: list[dict]) -> dict:
-    """Pod spec of one engine node: on the rollout-gpu pool (Spot tolerated), one per node."""
+def engine_pod(plan: Plan, component: str, containers: list[dict], keys: dict | None = None) -> dict:
+    """Pod spec of one engine node: on the rollout-gpu pool (Spot tolerated), one per node.
+    keys: the pod's `keys_init_container` (an engine on the pod network), which gets the keys volume."""
     pool = plan.pool("rollout-gpu")
-    init = model_init_container(plan)
+    init = [c for c in (keys, model_init_container(plan)) if c]
     return mount_fsx(plan, {
         **on_pool(pool, spot=True),
-        **({"initContainers": [init]} if init else {}),
+        **({"initContainers": init} if init else {}),
         "serviceAccountName": plan.cfg.rollout_service_account,
         # No Kubernetes API token: Pod Identity (policy weights from S3) brings its own (charts8s/cluster.py).
         "automountServiceAccountToken": False,
@@ -218,7 +262,7 @@ def engine_pod(plan: Plan, component: str, containers: list[dict]) -> dict:
         "securityContext": {**pod_security(UID), "sysctls": [port_range_sysctl()]},
         "terminationGracePeriodSeconds": grace_seconds(plan.run.rollout.drain_grace_s, plan.wl.rollout.drain_margin_s),
         "containers": containers,
-        "volumes": engine_volumes(plan),
+        "volumes": engine_volumes(plan) + ([KEYS_VOLUME_SPEC] if keys else []),
         "topologySpreadConstraints": [
             {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule",
              "labelSelector": {"matchLabels": labels(component)}},
@@ -241,26 +285,27 @@ def worker_container(plan: Plan, group: bool = False) -> dict:
     $(POD_INDEX) over the pod network (app/rollout/group.py)."""
     _, config_mount = run_config_volume()
     res = {"cpu": "4", "memory": "16Gi"}
-    env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-           *redis_credentials(plan, "rollout")]
+    env = [POD_NAME_ENV, *redis_credentials(plan, "rollout")]
     # The pod name is the worker id (its task-lease consumer name); the kubelet expands $(POD_NAME).
     cmd = worker_command(CLUSTER_CONFIG, "$(POD_NAME)", None if group else PAUSE_MARKER, metrics_port=METRICS_PORT)
     routed = plan.run.rollout.router
-    if routed:  # /generate through the router; the control calls still to its own engine
+    if routed:  # /generate through the router; the control calls still to its own engine, which it registers there
         cmd += ["--router-url", router_url(plan)]
+        if not group:  # the router reaches this pod's engine by its name (the headless Service)
+            cmd += ["--router-engine-url", f"http://$(POD_NAME).{NAME}.{plan.namespace}:{plan.wl.rollout.engine_port}"]
+        env += secret_env(plan.wl.rollout.api_key_secret, {API_KEY: ROUTER_API_KEY_ENV, CONTROL_KEY: ROUTER_CONTROL_KEY_ENV})
     mounts = [config_mount, {"name": "tmp", "mountPath": "/tmp"}]
     if group:
         # StatefulSet pod i drives group i (the controller labels each pod with its ordinal).
-        env.insert(1, {"name": "POD_INDEX", "valueFrom": {"fieldRef": {
-            "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}})
+        env.insert(1, POD_INDEX_ENV)
         addr = leader_address(plan, "$(POD_INDEX)")
         cmd += ["--engine-url", f"http://{addr}:{plan.wl.rollout.engine_port}", "--engine-group", addr,
                 "--group-size", str(plan.engine.nodes)]
     else:
         mounts += [{"name": "models", "mountPath": "/models"}, {"name": "state", "mountPath": STATE_DIR}]
-    if group or routed:
-        # the engine serves on the pod network and asks for its keys (`keyed_engine`)
-        env += secret_env(plan.wl.rollout.api_key_secret, {API_KEY: API_KEY_ENV, ADMIN_API_KEY: ADMIN_API_KEY_ENV})
+    if group or routed:  # the engine serves on the pod network and asks for its own admin key (module doc)
+        env.append({"name": ENGINE_KEYS_FILE_ENV, "value": KEYS_FILE})
+        mounts.append(keys_mount())
     return {
         "name": "worker", "image": plan.images["rollout"], "imagePullPolicy": "IfNotPresent",
         "command": cmd,
@@ -296,14 +341,19 @@ def rollout_pod(plan: Plan, leader: bool = True) -> dict:
     node rank and the fetcher, on the leader (rank 0, serving HTTP to its worker's pod) and on
     every other node; the worker runs in a pod of its own (`worker_set_pod`), so that its
     restarts do not recreate the group."""
+    secret = plan.wl.rollout.api_key_secret
     if plan.engine.nodes == 1:
-        engine = engine_container(plan, plan.engine, leader=True)
-        if plan.run.rollout.router:  # the router reaches it on the pod network
-            engine = keyed_engine(engine_container(plan, plan.engine, leader=True, host="0.0.0.0"),
-                                  plan.wl.rollout.api_key_secret)
-        return engine_pod(plan, NAME, [engine, worker_container(plan)])
-    engine = keyed_engine(engine_container(plan, plan.engine, leader=leader, host="0.0.0.0"), plan.wl.rollout.api_key_secret)
-    return engine_pod(plan, NAME, [engine, fetcher_container(plan, leader)])
+        if not plan.run.rollout.router:
+            return engine_pod(plan, NAME, [engine_container(plan, plan.engine, leader=True), worker_container(plan)])
+        # the router reaches it on the pod network
+        engine = keyed_engine(engine_container(plan, plan.engine, leader=True, host="0.0.0.0"))
+        return engine_pod(plan, NAME, [engine, worker_container(plan)],
+                          keys=keys_init_container(plan, secret, "$(POD_NAME)", [POD_NAME_ENV]))
+    engine = engine_container(plan, plan.engine, leader=leader, host="0.0.0.0")
+    if not leader:  # node ranks above 0 serve no HTTP: no keys
+        return engine_pod(plan, NAME, [engine, fetcher_container(plan, leader)])
+    return engine_pod(plan, NAME, [keyed_engine(engine), fetcher_container(plan, leader)],
+                      keys=keys_init_container(plan, secret, "$(POD_NAME)", [POD_NAME_ENV]))
 
 
 def worker_set_pod(plan: Plan) -> dict:
@@ -319,8 +369,11 @@ def worker_set_pod(plan: Plan) -> dict:
         "priorityClassName": NAME,
         "securityContext": pod_security(UID),
         "terminationGracePeriodSeconds": grace_seconds(plan.run.rollout.drain_grace_s, plan.wl.rollout.drain_margin_s),
+        # its engine's keys: the leader pod of group $(POD_INDEX) is moerl-rollout-$(POD_INDEX)
+        "initContainers": [keys_init_container(plan, plan.wl.rollout.api_key_secret, f"{NAME}-$(POD_INDEX)",
+                                               [POD_INDEX_ENV])],
         "containers": [worker_container(plan, group=True)],
-        "volumes": [config_vol, {"name": "tmp", "emptyDir": {"sizeLimit": f"{TMP_GI}Gi"}}],
+        "volumes": [config_vol, {"name": "tmp", "emptyDir": {"sizeLimit": f"{TMP_GI}Gi"}}, KEYS_VOLUME_SPEC],
         "affinity": {
             "podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": {
                 "topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": leaders}}}]},
@@ -333,7 +386,7 @@ def worker_set_pod(plan: Plan) -> dict:
 ROLLOUT_SKIPS = dict(
     CKV_K8S_43="ECR repositories have immutable tags (infra/): a tag names exactly one digest",
     CKV_K8S_15="immutable tags never change; IfNotPresent avoids pulling a 30 GB image again on restart",
-    CKV_K8S_35="redis-py and SGLang take the password and keys as values; read from the Secret at start only",
+    CKV_K8S_35="redis-py and the router's clients take the password and keys as values; read at start only",
 )
 NO_PROBE_SKIPS = dict(
     CKV_K8S_8="the worker container and SGLang node ranks above 0 serve no endpoint; the leader's engine is probed",

@@ -4,16 +4,20 @@
   live in the process, two replicas would each see half the traffic), the rollout image (which
   installs sglang-router, images/versions.toml), on the rollout-gpu nodes' spare CPU like the
   multi-node engines' workers; Service ``moerl-router`` on ``rollout.router_port``.
-- Engines by name (``--worker-urls``), so that the router needs no Kubernetes API token (its
-  ``--service-discovery`` would watch pods through the API): a multi-node engine's leader address
-  (LeaderWorkerSet's headless Service, ``charts8s/rollout.py`` `leader_address`), and, with the
-  router on, one-node engines become a StatefulSet with a headless Service for the same reason
-  (``moerl-rollout-<i>.moerl-rollout.<namespace>``). A pod replaced after a Spot loss keeps its
-  name; the router's health checks take it out and put it back. Engines added by scaling by hand
-  are not in the list until the next synth.
-- Keys: the engines serve on the pod network with SGLang's API and admin keys (Secret
-  ``rollout.api_key_secret``); the router holds the API key only (its ``--api-key``, sent to the
-  engines with every request) and takes no key itself: its NetworkPolicy admits the workers alone.
+- No engines at start: each worker registers its own engine (``POST /workers``, app/rollout/router.py
+  `RouterRegistration`) once the engine is healthy and serves the current version, and takes it
+  out when it drains; a static ``--worker-urls`` list would drop for good an engine not healthy
+  within the router's startup timeout (two-node DeepSeek-V3 engines: node provisioning, a 1.34 TB
+  copy, SGLang's boot). Engines are named by address, so that the router needs no Kubernetes API
+  token: a multi-node engine's leader address (LeaderWorkerSet's headless Service,
+  ``charts8s/rollout.py`` `leader_address`), and, with the router on, one-node engines become a
+  StatefulSet with a headless Service (``moerl-rollout-<i>.moerl-rollout.<namespace>``). A pod
+  replaced after a Spot loss keeps its name, and its worker registers it again.
+- Keys (Secret ``rollout.api_key_secret``), what the router needs and nothing more: ``api-key``,
+  which it asks of the workers on /generate (``--api-key``; it sends no key on to the engines,
+  which ask for none), and ``control-plane-api-key``, the only key its /workers and /flush_cache
+  take (``--control-plane-api-keys``), which the workers use to register their engines. No
+  engine admin key. Its NetworkPolicy admits the workers alone.
 - NetworkPolicy (charts8s/contract.py): in, the rollout workers on the router port; out, DNS and
   the engines' port.
 """
@@ -32,7 +36,8 @@ from charts8s.workloads import Plan
 
 NAME = ROUTER
 UID = 10001  # the moerl user of images/*.Dockerfile
-ROUTER_API_KEY_ENV = "SGLANG_API_KEY"  # the engines' API key, expanded by the kubelet into --api-key
+# The router container's variables of its two keys, which the kubelet expands in its command.
+KEY_ENV = {"api-key": "SGLANG_API_KEY", "control-plane-api-key": "SGLANG_ROUTER_CONTROL_KEY"}
 
 
 def router_url(plan: Plan) -> str:
@@ -40,35 +45,23 @@ def router_url(plan: Plan) -> str:
     return f"http://{NAME}.{plan.namespace}:{plan.wl.rollout.router_port}"
 
 
-def engine_urls(plan: Plan) -> list[str]:
-    """The engines' HTTP addresses, one per engine (group leaders for multi-node engines)."""
-    from charts8s.rollout import leader_address
-
-    port, n = plan.wl.rollout.engine_port, plan.rollout_replicas
-    if plan.engine.nodes > 1:
-        return [f"http://{leader_address(plan, str(g))}:{port}" for g in range(n)]
-    return [f"http://{ROLLOUT}-{i}.{ROLLOUT}.{plan.namespace}:{port}" for i in range(n)]
-
-
 def router_container(plan: Plan) -> dict:
     wl = plan.wl.rollout
-    from charts8s.rollout import API_KEY, secret_env, startup_budget_s
+    from charts8s.rollout import API_KEY, CONTROL_KEY, secret_env
 
-    cmd = rollout_router_command(plan.run.rollout, engine_urls(plan), host="0.0.0.0", port=wl.router_port,
-                                 prometheus_port=wl.router_metrics_port, api_key=f"$({ROUTER_API_KEY_ENV})",
-                                 log_level="info")
-    # it waits for the engines at start: as long as their startup probe allows them
-    cmd += ["--worker-startup-timeout-secs", str(startup_budget_s(plan))]
+    cmd = rollout_router_command(plan.run.rollout, host="0.0.0.0", port=wl.router_port,
+                                 prometheus_port=wl.router_metrics_port, api_key=f"$({KEY_ENV[API_KEY]})",
+                                 control_key=f"$({KEY_ENV[CONTROL_KEY]})", log_level="info")
     res = {"cpu": "4", "memory": "8Gi"}
     probe = {"httpGet": {"path": "/liveness", "port": wl.router_port}, "periodSeconds": 10, "failureThreshold": 6}
     return {
         "name": "router", "image": plan.images["rollout"], "imagePullPolicy": "IfNotPresent",
         "command": cmd,
-        "env": secret_env(wl.api_key_secret, {API_KEY: ROUTER_API_KEY_ENV}),
+        "env": secret_env(wl.api_key_secret, KEY_ENV),
         "ports": [{"name": "http", "containerPort": wl.router_port, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": wl.router_metrics_port, "protocol": "TCP"}],
         "livenessProbe": probe,
-        # ready once it answers; with no engine healthy yet the workers' own health checks wait
+        # ready once it answers: the workers register their engines with it
         "readinessProbe": {**probe, "httpGet": {"path": "/health", "port": wl.router_port}},
         "resources": {"requests": res, "limits": res},
         "securityContext": container_security(),
@@ -86,7 +79,7 @@ class RouterChart(cdk8s.Chart):
         skips = checkov_skips(
             CKV_K8S_43="ECR repositories have immutable tags (infra/): a tag names exactly one digest",
             CKV_K8S_15="immutable tags never change; IfNotPresent avoids pulling a 30 GB image again on restart",
-            CKV_K8S_35="the router takes the engines' API key as a value; read from the Secret at start only",
+            CKV_K8S_35="the router takes its two keys as values (command line only); read from the Secret at start",
         )
         api_object(self, k8s.KubeDeployment, NAME, ns, labels=lab, annotations=skips, spec={
             "replicas": 1, "selector": {"matchLabels": lab},

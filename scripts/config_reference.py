@@ -84,6 +84,9 @@ def default_text(field) -> str:
     if isinstance(value, BaseModel):
         return "(section)"
     text = json.dumps(value, default=str)
+    # A default built from this checkout's location (a recipe's path) is shown relative to it,
+    # so the file is the same in every checkout.
+    text = text.replace(str(ROOT) + "/", "")
     return "`" + text.replace("|", "\\|") + "`"
 
 

@@ -242,6 +242,35 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
     return out
 
 
+def keys_files(pod: dict, pod_env: dict[str, str], secret_values: dict[str, str], out_dir: Path) -> dict[str, Path]:
+    """Run the pod's "keys" init container (app/rollout/keys.py) as the kubelet would: its command
+    with ``$(VAR)`` expanded from ``pod_env`` (POD_NAME, POD_INDEX) and its Secret variables set to
+    ``secret_values[key]``; returns {the keys file's path in the pod: where it was written here},
+    or {} for a pod without one."""
+    import os
+    from unittest.mock import patch
+
+    from app.rollout import keys
+
+    init = [c for c in pod.get("initContainers", []) if c["name"] == "keys"]
+    if not init:
+        return {}
+    (c,) = init
+    env = {e["name"]: secret_values[e["valueFrom"]["secretKeyRef"]["key"]] for e in c["env"]
+           if "secretKeyRef" in e.get("valueFrom", {})}
+    argv = []
+    for a in c["command"][3:]:
+        for k, v in pod_env.items():
+            a = a.replace(f"$({k})", v)
+        argv.append(a)
+    in_pod = argv[argv.index("--out") + 1]
+    here = out_dir / f"{len(list(out_dir.glob('*')))}-{Path(in_pod).name}"
+    argv[argv.index("--out") + 1] = str(here)
+    with patch.dict(os.environ, env):
+        assert keys.main(argv) == 0
+    return {in_pod: here}
+
+
 def guess_number_at(tmp_path: Path, url: str, **task) -> Path:
     """examples/guess_number/run.yaml with ``env.url`` a server at ``url`` (a test's own) instead of
     `moerl env`, without its demonstrations file, ``task`` fields changed; written to

@@ -8,8 +8,10 @@ orjson, zmq, ... (its ``__init__``), so
 - `io_struct_fields` / `io_struct_required`: the request dataclasses of ``srt/managers/io_struct.py``,
   read with ``ast``;
 - `http_routes`: every route of ``srt/entrypoints/http_server.py`` with its methods and the
-  ``io_struct`` type of its JSON body (``obj: Annotated[X, Body()]``);
+  ``io_struct`` type of its JSON body (``obj: Annotated[X, Body()]``); `route_auth_levels`: each
+  route's ``@auth_level``;
 - `function_strings`: the string constants of one function or method (the messages SGLang answers);
+- `function_calls`: the names one function or method calls;
 - `wheel_function` / `wheel_module`: one function's source, or one dependency-free module, from
   the wheel, compiled here (SGLang's own ``init_custom_process_group`` and
   ``FlattenedTensorBucket`` run in the weight-sync tests);
@@ -127,6 +129,22 @@ def http_routes() -> dict[str, dict]:
     return routes
 
 
+@cache
+def route_auth_levels() -> dict[str, str]:
+    """Path -> the auth level (``NORMAL``, ``ADMIN_OPTIONAL``, ``ADMIN_FORCE``) of every route
+    ``http_server.py`` declares, from its ``@auth_level(...)`` (none: ``NORMAL``)."""
+    levels = {}
+    for node in ast.parse((sglang_dir() / "srt" / "entrypoints" / "http_server.py").read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            level = next((d.args[0].attr for d in node.decorator_list if isinstance(d, ast.Call)
+                          and getattr(d.func, "id", "") == "auth_level"), "NORMAL")
+            for d in node.decorator_list:
+                if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.args \
+                        and isinstance(d.args[0], ast.Constant) and isinstance(d.args[0].value, str):
+                    levels[d.args[0].value] = level
+    return levels
+
+
 def _function_node(relpath: str, qualname: str) -> ast.AST:
     tree = ast.parse((sglang_dir() / relpath).read_text())
     node: ast.AST = tree
@@ -141,6 +159,14 @@ def function_strings(relpath: str, qualname: str) -> set[str]:
     ``sglang/<relpath>``; adjacent literals are one constant, as Python joins them."""
     node = _function_node(relpath, qualname)
     return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+
+def function_calls(relpath: str, qualname: str) -> set[str]:
+    """The names every call in function ``qualname`` of ``sglang/<relpath>`` calls (``f(...)``
+    and ``x.f(...)`` both give ``f``)."""
+    node = _function_node(relpath, qualname)
+    return {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+            for n in ast.walk(node) if isinstance(n, ast.Call)}
 
 
 def wheel_function(relpath: str, qualname: str, namespace: dict):
@@ -316,12 +342,16 @@ def deprecated_flags() -> set[str]:
     return out
 
 
-def parse_launch_server(argv: list[str], env: dict[str, str] | None = None) -> argparse.Namespace:
+def parse_launch_server(argv: list[str], env: dict[str, str] | None = None,
+                        files: dict[str, Path] | None = None) -> argparse.Namespace:
     """Parse ``python3 -m sglang.launch_server ...`` as SGLang would, after the kubelet's
-    ``$(VAR)`` expansion with ``env``.
+    ``$(VAR)`` expansion with ``env``; a ``--config FILE`` is merged as SGLang's own
+    ``ConfigArgumentMerger`` (``srt/utils/server_args_config_parser.py``, from the wheel) merges
+    it, reading ``files[FILE]`` for a path inside the pod.
 
     Raises:
-        ArgumentRejected: an unknown flag, a missing or bad value, a value not among the choices.
+        ArgumentRejected: an unknown flag, a missing or bad value, a value not among the choices,
+            a config file that is not there.
     """
     prefix = ["python3", "-m", "sglang.launch_server"]
     if argv[:3] != prefix:
@@ -332,7 +362,13 @@ def parse_launch_server(argv: list[str], env: dict[str, str] | None = None) -> a
             a = a.replace(f"$({k})", v)
         if "$(" in a:
             raise ArgumentRejected(f"unexpanded variable in {a!r}")
-        args.append(a)
+        args.append(str((files or {}).get(a, a)))
+    if "--config" in args:
+        merger = wheel_module("srt/utils/server_args_config_parser.py").ConfigArgumentMerger(server_argument_parser())
+        try:
+            args = merger.merge_config_with_args(args)
+        except ValueError as e:
+            raise ArgumentRejected(str(e)) from None
     ns, extra = server_argument_parser().parse_known_args(args)
     if extra:
         raise ArgumentRejected(f"unrecognized arguments: {extra}")

@@ -30,6 +30,7 @@ from charts8s.benchrollout import engine_urls
 from charts8s.main import build
 from charts8s.workloads import MODEL_COPIES, WorkloadError, load_workloads
 from infra.config import load_config
+from helpers import keys_files
 from sglang_oracle import ArgumentRejected, deprecated_flags, parse_launch_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,22 +111,33 @@ def test_the_crd_schema_refuses_a_broken_group(lws_validator, tmp_path):
             lws_validator.validate(bad)
 
 
-def test_every_engine_command_parses_with_sglang_arguments(example):
+def test_every_engine_command_parses_with_sglang_arguments(example, tmp_path):
+    """Every engine command through SGLang's own flags, its keys file (written by running the pod's
+    keys init container) merged as SGLang merges ``--config``: an engine on the pod network that
+    serves HTTP has its own admin key, derived from the Secret's master and its leader pod's name;
+    a bench leader also asks for the Secret's API key; nobody's keys are in argv."""
+    from app.rollout.keys import engine_admin_key
+
     pods = engine_pods(example)
     assert pods
     layouts = {"moerl-rollout": example.plan.engine}
     layouts.update({f"moerl-bench-{n}": lay for n, lay in example.plan.bench_layouts().items()})
+    secrets = {"api-key": "value-of-api-key", "admin-api-key": "value-of-admin-api-key"}
     for name, role, pod in pods:
         c = engine_of(pod)
         cmd = c["command"]
         assert not set(cmd) & deprecated_flags(), cmd
-        # what the kubelet puts in for the Secret's keys (the bench fleets' SGLang keys)
-        secrets = {e["name"]: f"value-of-{e['valueFrom']['secretKeyRef']['key']}" for e in c["env"]
-                   if "secretKeyRef" in e.get("valueFrom", {})}
-        ns = parse_launch_server(cmd, {**LWS_ENV, **secrets})
+        assert not any("api-key" in a or "API_KEY" in a for a in cmd), cmd
+        assert not [e for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})], name  # no Secret in the engine
+        leader_pod = f"{name}-0"
+        ns = parse_launch_server(cmd, LWS_ENV, keys_files(pod, {"POD_NAME": leader_pod}, secrets, tmp_path))
         served = cmd[cmd.index("--host") + 1]
-        assert (ns.api_key, ns.admin_api_key) == ((None, None) if served == "127.0.0.1"
-                                                  else ("value-of-api-key", "value-of-admin-api-key")), name
+        bench = name.startswith("moerl-bench-")
+        if served == "127.0.0.1" or role != "leader":  # on loopback, or a node rank that serves no HTTP
+            assert (ns.api_key, ns.admin_api_key) == (None, None), name
+        else:
+            assert ns.admin_api_key == engine_admin_key("value-of-admin-api-key", leader_pod), name
+            assert ns.api_key == ("value-of-api-key" if bench else None), name
         lay = layouts[name]
         assert ns.tp_size == lay.tp_size and ns.ep_size == lay.ep_size
         assert ns.moe_a2a_backend == (lay.a2a_backend or "none")
@@ -137,11 +149,16 @@ def test_every_engine_command_parses_with_sglang_arguments(example):
             assert ns.deepep_mode == lay.profile.deepep_mode and ns.ep_size == ns.tp_size
 
 
-def test_the_oracle_refuses_a_misspelt_or_bad_flag(example):
-    cmd = engine_of(engine_pods(example)[0][2])["command"]
+def test_the_oracle_refuses_a_misspelt_or_bad_flag(example, tmp_path):
+    _, _, pod = engine_pods(example)[0]
+    cmd = engine_of(pod)["command"]
+    files = keys_files(pod, {"POD_NAME": "p-0"}, {"api-key": "k", "admin-api-key": "a"}, tmp_path)
     for bad in (["--moe-a2a-backends", "deepep"], ["--deepep-mode", "fastest"], ["--attn-dp-size", "many"]):
         with pytest.raises(ArgumentRejected):
-            parse_launch_server(cmd + bad, {**LWS_ENV, "SGLANG_API_KEY": "k", "SGLANG_ADMIN_API_KEY": "a"})
+            parse_launch_server(cmd + bad, LWS_ENV, files)
+    if files:  # a keys file that is not there is refused, as SGLang refuses it
+        with pytest.raises(ArgumentRejected, match="Config file not found"):
+            parse_launch_server(cmd, LWS_ENV)
 
 
 def test_multi_node_engines_are_leader_worker_groups(example):
@@ -355,3 +372,22 @@ def test_the_worker_serves_the_port_its_podmonitor_scrapes(example):
     for d in example.kind("StatefulSet"):
         if d["metadata"]["name"] == "moerl-rollout-worker":
             assert labels("moerl-rollout-worker").items() <= d["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_engines_outlive_a_weight_group_error_and_trainers_end_on_a_hang(example):
+    """Issue 37 item 7 as rendered: every engine container runs under CleanUpOnly NCCL error
+    handling (a failed weight-update group answers a failure, the worker reloads from the store;
+    torch's default would tear the scheduler down), every trainer container under TearDown (a hung
+    training collective ends the process and Volcano restarts the gang); the weight-update group
+    itself is made with its own handling either way (app/weight_group.py)."""
+    engines = [engine_of(pod) for _, _, pod in engine_pods(example)]
+    assert engines
+    for c in engines:
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2", c["name"]
+    trainers = [c for d in example.docs if d["kind"] == "Job" and d["apiVersion"].startswith("batch.volcano.sh/")
+                for t in d["spec"]["tasks"] for c in t["template"]["spec"]["containers"]]
+    assert trainers
+    for c in trainers:
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"

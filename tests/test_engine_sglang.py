@@ -26,6 +26,7 @@ from app.engine.scheduler import Engine
 from app.engine.server import create_app
 from app.engine.sampler import RoutingCapture, SamplingParams
 from helpers import tiny_moe_checkpoint
+from sglang_oracle import function_calls
 
 LONG = SamplingParams(max_new_tokens=40, temperature=1.0, ignore_eos=True)
 
@@ -61,22 +62,33 @@ async def until(pred, timeout_s: float = 30.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def test_pause_abort_ends_live_and_waiting_sequences(ckpts):
+def test_pause_abort_ends_live_sequences_and_holds_new_ones(ckpts):
+    """SGLang 0.5.23's pause in mode abort: abort_all (the running request takes one more decode
+    step and answers abort), and the tokenizer manager holds every request that arrives while
+    paused before it reaches the scheduler (``generate_request`` waits on ``is_pause``), so a
+    second pause's abort_all passes it by and it runs after /continue_generation."""
+    short = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True)
+
     async def body(engine, c):
         live = asyncio.create_task(engine.submit([[BOS_ID, 5]], [LONG]))
         await until(lambda: engine.stats.steps >= 3)
         await c.pause_generation("abort")
-        waiting = asyncio.create_task(engine.submit([[BOS_ID, 6]], [LONG]))  # arrives while paused
+        ((done, _),) = await live
+        arrived = asyncio.create_task(engine.submit([[BOS_ID, 6]], [short]))  # arrives while paused
+        await until(lambda: len(engine.held) == 1)
+        await c.pause_generation("abort")  # a second abort_all: not in the scheduler, not aborted
         await asyncio.sleep(0.05)
-        await c.pause_generation("abort")  # a second abort ends what queued meanwhile
-        ((done, _),), ((queued, _),) = await live, await waiting
+        held = not arrived.done()
         await c.continue_generation()
-        return done, queued, engine.stats.aborted
+        ((after, _),) = await arrived
+        return done, held, after, engine.stats.aborted
 
-    done, queued, aborted = with_engine(ckpts[0], body)
+    done, held, after, aborted = with_engine(ckpts[0], body)
     assert done.finish_reason == "abort" and 1 <= len(done.token_ids) < LONG.max_new_tokens
-    assert queued.finish_reason == "abort" and queued.token_ids == []
-    assert aborted == 2
+    assert held and after.finish_reason == "length" and len(after.token_ids) == 3
+    assert aborted == 1
+    assert "abort_request" in function_calls("srt/managers/tokenizer_manager.py", "TokenizerManager.pause_generation")
+    assert "wait_for" in function_calls("srt/managers/tokenizer_manager.py", "TokenizerManager.generate_request")
 
 
 def test_pause_retract_requeues_and_finishes_after_continue(ckpts):

@@ -23,9 +23,9 @@ from app.trainer.grpo import (
 def test_group_advantages_by_hand():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 2.0])
     groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 2])
-    # Group 0: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735 -> +-0.866025.
+    # Group 0: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735 -> +-0.5 / (0.57735 + 1e-4).
     adv = group_advantages(rewards, groups, scale_by_std=True)
-    a = 0.5 / math.sqrt(1.0 / 3.0)
+    a = 0.5 / (math.sqrt(1.0 / 3.0) + 1e-4)
     expected = torch.tensor([a, -a, -a, a, 0.0, 0.0, 0.0, 0.0])
     torch.testing.assert_close(adv, expected, atol=1e-5, rtol=0)
     # Dr. GRPO: no std division.
@@ -181,7 +181,7 @@ def test_collate_pads_and_aligns():
     # Rollout logprob of completion token j sits at len(prompt) + j.
     assert b.rollout_logprobs[1].tolist() == [0.0, 0.0, -0.5, -1.5, -2.5]
     assert b.rollout_logprobs.dtype == torch.float32
-    a = 0.5 / math.sqrt(0.5)  # group of two, unbiased std sqrt(0.5)
+    a = 0.5 / (math.sqrt(0.5) + 1e-4)  # group of two, unbiased std sqrt(0.5), TRL's eps
     torch.testing.assert_close(b.advantages, torch.tensor([a, -a, 0.0, 0.0]), atol=1e-5, rtol=0)
     assert b.group_ids.tolist() == [0, 0, 1, 1]
     assert b.policy_versions.tolist() == [0, 0, 2, 2]

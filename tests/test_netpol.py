@@ -275,10 +275,13 @@ def _auth_levels() -> dict[str, str]:
     return levels
 
 
-def test_bench_fleets_on_the_pod_network_ask_for_keys(multinode):
+def test_bench_fleets_on_the_pod_network_ask_for_keys(multinode, tmp_path):
     """SGLang's own decision (sglang/srt/utils/auth.py decide_request_auth, from the wheel) on the
-    rendered fleets' flags: /generate needs the API key the Job holds; the weight-update routes
-    need the admin key, which the Job does not hold."""
+    rendered fleets' leaders, their keys read from the file their keys init container writes:
+    /generate needs the API key the Job holds; the weight-update routes need the engine's own
+    admin key, which the Job does not hold."""
+    from app.rollout.keys import engine_admin_key
+    from helpers import keys_files
     from sglang_oracle import parse_launch_server, wheel_module
 
     auth = wheel_module("srt/utils/auth.py")
@@ -289,26 +292,24 @@ def test_bench_fleets_on_the_pod_network_ask_for_keys(multinode):
     secret_values = {"api-key": "k-api", "admin-api-key": "k-admin"}
     checked = 0
     for d in r.docs:
-        if d["kind"] != "LeaderWorkerSet":
+        if d["kind"] != "LeaderWorkerSet" or not d["metadata"]["name"].startswith("moerl-bench-"):
             continue
-        lwt = d["spec"]["leaderWorkerTemplate"]
-        for tpl in (lwt["leaderTemplate"], lwt["workerTemplate"]):
+        tpl = d["spec"]["leaderWorkerTemplate"]["leaderTemplate"]  # the one that serves HTTP
+        for g in range(2):
             (c,) = [c for c in tpl["spec"]["containers"] if c["name"] == "engine"]
             cmd = c["command"]
-            if cmd[cmd.index("--host") + 1] != "0.0.0.0":
-                continue  # the rollout engines: loopback
-            env = {e["name"]: secret_values[e["valueFrom"]["secretKeyRef"]["key"]] for e in c["env"]
-                   if "secretKeyRef" in e.get("valueFrom", {})}
-            env.update({"LWS_WORKER_INDEX": "1", "LWS_LEADER_ADDRESS": "leader", "LWS_GROUP_SIZE": "2"})
-            args = parse_launch_server(cmd, env)
+            leader = f"{d['metadata']['name']}-{g}"
+            env = {"LWS_WORKER_INDEX": "0", "LWS_LEADER_ADDRESS": "leader", "LWS_GROUP_SIZE": "2"}
+            args = parse_launch_server(cmd, env, keys_files(tpl["spec"], {"POD_NAME": leader}, secret_values, tmp_path))
             key, admin = args.api_key, args.admin_api_key
-            assert (key, admin) == ("k-api", "k-admin"), d["metadata"]["name"]
+            assert (key, admin) == ("k-api", engine_admin_key("k-admin", leader)), leader
             decide = lambda path, header, level: auth.decide_request_auth(  # noqa: E731
                 method="POST", path=path, authorization_header=header, api_key=key, admin_api_key=admin,
                 auth_level=getattr(auth.AuthLevel, level)).allowed
             assert not decide("/generate", None, "NORMAL") and decide("/generate", "Bearer k-api", "NORMAL")
             assert not decide("/update_weights_from_disk", "Bearer k-api", "ADMIN_OPTIONAL")
-            assert decide("/update_weights_from_disk", "Bearer k-admin", "ADMIN_OPTIONAL")
+            assert not decide("/update_weights_from_disk", "Bearer k-admin", "ADMIN_OPTIONAL")  # the master opens nothing
+            assert decide("/update_weights_from_disk", f"Bearer {admin}", "ADMIN_OPTIONAL")
             checked += 1
     assert checked >= 4
     for d in r.docs:
@@ -345,23 +346,14 @@ def test_the_worker_client_passes_sglangs_own_auth_on_every_route_it_calls():
     worker makes is allowed; one holding the API key only is refused the weight-update routes,
     and `ADMIN_ROUTES` is exactly the ADMIN_OPTIONAL routes among those it calls."""
     import asyncio
-    import ast
 
     import httpx
 
     from app.rollout.engine_client import ADMIN_ROUTES, EngineClient
-    from sglang_oracle import sglang_dir, wheel_module
+    from sglang_oracle import route_auth_levels, wheel_module
 
     auth = wheel_module("srt/utils/auth.py")
-    level_of = {}  # path -> level, as http_server.py declares them
-    for node in ast.walk(ast.parse((sglang_dir() / "srt" / "entrypoints" / "http_server.py").read_text())):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            level = next((d.args[0].attr for d in node.decorator_list if isinstance(d, ast.Call)
-                          and getattr(d.func, "id", "") == "auth_level"), "NORMAL")
-            for d in node.decorator_list:
-                if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.args \
-                        and isinstance(d.args[0], ast.Constant) and isinstance(d.args[0].value, str):
-                    level_of[d.args[0].value] = level
+    level_of = route_auth_levels()  # path -> level, as http_server.py declares them
     seen: dict[str, bool] = {}
 
     def handler(request: httpx.Request) -> httpx.Response:

@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 
 from app.buffer.records import Group, Sample, Task
 from app.config import RunConfig
@@ -20,7 +21,7 @@ from app.trainer.batch import collate_groups
 from app.trainer.grpo import grpo_loss, group_advantages, rollout_is_weights, soft_overlong_penalty
 from app.trainer.ppo import whiten
 from helpers import fake_groups, single_rank_env
-from trl_oracle import grpo_config, inputs_of, to_completion, trl_loss
+from trl_oracle import full_logprobs, grpo_config, groups_near, inputs_of, to_completion, trl_loss
 
 # ------------------------------------------------------------------------------------------
 # Fix 1: equal rewards give exactly zero advantages
@@ -40,8 +41,31 @@ def test_equal_rewards_give_exactly_zero_advantages(value, size, scale_by_std):
     r = torch.tensor([0.0, 1.0, 0.5, 0.25], dtype=torch.float64)
     want = r - r.mean()
     if scale_by_std:
-        want = want / (r.std(unbiased=True) + 1e-6)
+        want = want / (r.std(unbiased=True) + 1e-4)
     torch.testing.assert_close(adv[size:], want.float(), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("value", [0.1, 0.6, 1.0, 12.3, 100.0])
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_near_ties_give_advantages_near_zero_as_trls(value, k):
+    """Rewards 1 ulp apart (rounding in a reward function) gave advantages up to 1.8 with the std's
+    old eps of 1e-6: the residue became a full training signal. TRL's 1e-4 keeps them near 0."""
+    from trl.trainer.utils import nanstd
+
+    a = torch.tensor(value, dtype=torch.float32)
+    b = torch.nextafter(a, torch.tensor(math.inf))
+    rewards = torch.stack([a] * k + [b] * (8 - k) + [torch.tensor(0.0), torch.tensor(1.0)] * 4)
+    groups = torch.tensor([0] * 8 + [1] * 8)
+    adv = group_advantages(rewards, groups)
+    # TRL 1.16 GRPOTrainer._generate_and_score_completions (scale_rewards="group"), written out.
+    grouped = rewards.view(-1, 8)
+    trl = (grouped - grouped.nanmean(1, keepdim=True)) / (nanstd(grouped, dim=1).unsqueeze(1) + 1e-4)
+    ulp = float(b - a)
+    assert adv[:8].abs().max() < 0.1
+    # TRL's float32 mean leaves a residue of an ulp or two; ours is exact (float64): they differ by
+    # a few ulp over (std + eps).
+    assert (adv[:8] - trl.flatten()[:8]).abs().max() <= 4 * ulp / 1e-4
+    torch.testing.assert_close(adv[8:], trl.flatten()[8:], atol=1e-6, rtol=1e-6)  # a real spread: as TRL
 
 
 # ------------------------------------------------------------------------------------------
@@ -153,17 +177,42 @@ def test_objective_options_refuse_what_they_cannot_mean(trainer, message):
         RunConfig.model_validate({"trainer": trainer})
 
 
-def test_objective_names():
+def test_objective_names_record_the_aggregation():
+    """The name says how the loss is aggregated (token-mean, seq-mean or the constant normaliser) and
+    whether advantages are divided by the std: "grpo" alone was token-mean and seq-mean alike."""
     def name(**t):
         return RunConfig.model_validate({"trainer": t}).trainer.objective()
 
-    assert name() == "grpo"
-    assert name(ratio_level="sequence") == "gspo"
-    assert name(loss_agg="seq-mean-token-sum-norm", scale_by_std=False) == "dr_grpo"
-    assert name(ratio_level="sequence", loss_agg="seq-mean-token-sum-norm", scale_by_std=False) == "gspo+dr_grpo"
-    assert name(algorithm="ppo", dual_clip=3.0) == "ppo+dual_clip"
+    assert name() == "grpo+agg=token-mean"
+    assert name(loss_agg="seq-mean") == "grpo+agg=seq-mean"
+    assert name(loss_agg="seq-mean-token-sum-norm") == "grpo+agg=seq-mean-token-sum-norm"
+    assert name(scale_by_std=False) == "grpo+agg=token-mean+no_std"
+    assert name(ratio_level="sequence") == "gspo+agg=token-mean"
+    assert name(loss_agg="seq-mean-token-sum-norm", scale_by_std=False) == "dr_grpo+agg=seq-mean-token-sum-norm"
+    assert name(ratio_level="sequence", loss_agg="seq-mean-token-sum-norm", scale_by_std=False) == \
+        "gspo+dr_grpo+agg=seq-mean-token-sum-norm"
+    assert name(algorithm="ppo", dual_clip=3.0) == "ppo+agg=token-mean+dual_clip"
     assert name(rollout_is="sequence_mask", entropy_coef=0.01, overlong_filter=True) == \
-        "grpo+is=sequence_mask+entropy_bonus+overlong_filter"
+        "grpo+agg=token-mean+is=sequence_mask+entropy_bonus+overlong_filter"
+    assert name(groups_per_step=8, ppo_mini_batch_size=2, ppo_epochs=3) == "grpo+agg=token-mean+mini_batches=4+epochs=3"
+    assert name(use_rollout_log_probs=True, tis_cap=None) == "grpo+agg=token-mean+old=engine"
+
+
+@pytest.mark.parametrize("trainer, message", [
+    # tis_cap null turns the importance weights off: their mode and lower bound would do nothing
+    ({"tis_cap": None, "rollout_is": "token_mask"}, r"trainer.tis_cap is null .*trainer.rollout_is=token_mask would"),
+    ({"tis_cap": None, "rollout_is_min": 0.5}, r"trainer.tis_cap is null .*trainer.rollout_is_min=0.5 would"),
+    # 0 groups skipped at most is no filter at all
+    ({"dynamic_sampling": True, "dynamic_sampling_max_skipped": 0}, r"dynamic_sampling_max_skipped: .*0 skips no group"),
+    ({"groups_per_step": 8, "ppo_mini_batch_size": 3}, r"ppo_mini_batch_size=3 must divide trainer.groups_per_step=8"),
+    ({"use_rollout_log_probs": True}, r"use_rollout_log_probs: .* set trainer.tis_cap: null"),
+])
+def test_settings_that_would_do_nothing_are_refused_in_one_line(tmp_path, trainer, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"trainer": trainer}))
+    with pytest.raises(ValueError, match=message) as e:
+        RunConfig.load(path)
+    assert "\n" not in str(e.value) and str(path) in str(e.value)
 
 
 # ------------------------------------------------------------------------------------------
@@ -341,36 +390,6 @@ def _policy(seed: int = 0):
     return build_policy(tiny_config(cfg.model.preset), cfg.router, EPContext.local(), seed=seed)
 
 
-def _full_logprobs(model, batch, temperature: float):
-    """Per-token logprobs and entropies from the full logits (no chunking), row-aligned, with grad."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
-    logp_all = torch.log_softmax(logits / temperature, -1)
-    picked = logp_all.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
-    ent = -(logp_all.exp() * logp_all).sum(-1)
-    pad = torch.nn.functional.pad
-    return pad(picked, (1, 0)) * batch.completion_mask, pad(ent, (1, 0)) * batch.completion_mask
-
-
-def _groups_near(model, n_groups: int, seed: int, temperature: float, truncated: bool = False):
-    """fake_groups with partial-credit rewards whose engine logprobs are the model's own plus noise
-    (ratios near 1, so the band of a mask mode keeps some tokens and sequences and drops others)."""
-    groups = fake_groups(n_groups, seed=seed, binary_reward=False)
-    batch = collate_groups(groups)
-    with torch.no_grad():
-        logp, _ = _full_logprobs(model, batch, temperature)
-    g = torch.Generator().manual_seed(seed + 1)
-    row = 0
-    for group in groups:
-        for s in group.samples:
-            p = len(s.prompt_ids)
-            true = logp[row, p : p + len(s.completion_ids)]
-            s.logprobs = (true + 0.15 * torch.randn(true.shape, generator=g)).tolist()
-            if truncated and row % 3 == 0:
-                s.finish_reason = "length"
-            row += 1
-    return groups
-
-
 # name -> (trainer options, TRL GRPOConfig options)
 STEP_MODES = {
     "gspo": ({"ratio_level": "sequence", "tis_cap": None}, dict(loss_type="bnpo", importance_sampling_level="sequence")),
@@ -386,7 +405,11 @@ STEP_MODES = {
                         vllm_importance_sampling_clip_min=0.9)),
     "entropy_bonus": ({"entropy_coef": 0.02, "tis_cap": None}, dict(loss_type="bnpo", entropy_coef=0.02)),
     "overlong_filter": ({"overlong_filter": True, "tis_cap": None}, dict(loss_type="bnpo", mask_truncated_completions=True)),
+    # Dr. GRPO's constant normaliser counts the masked rows too (TRL: the batch size; verl: every row).
+    "dr_grpo+overlong_filter": ({"loss_agg": "seq-mean-token-sum-norm", "scale_by_std": False, "tis_cap": None,
+                                 "overlong_filter": True}, dict(loss_type="dr_grpo", mask_truncated_completions=True)),
 }
+TRUNCATED = {"overlong_filter": (0, 3, 6, 9), "dr_grpo+overlong_filter": (1, 6)}  # rows cut, of 12
 
 
 @pytest.mark.parametrize("name", list(STEP_MODES))
@@ -400,7 +423,7 @@ def test_train_step_update_equals_trls_gradient(name):
         "trainer": {"grad_clip": 1e9, "lr_warmup_steps": 0, "micro_batch_tokens": 24, "log_entropy": True, **ours}})
     t = cfg.trainer
     model = _policy()
-    groups = _groups_near(model, 3, seed=7, temperature=0.9, truncated=name == "overlong_filter")
+    groups = groups_near(model, 3, seed=7, temperature=0.9, truncated=TRUNCATED.get(name, ()))
     batch = collate_groups(groups, scale_by_std=t.scale_by_std, mask_truncated=t.overlong_filter)
 
     # TRL: one call over the whole batch, logprobs and entropies from the full logits. Its
@@ -408,7 +431,7 @@ def test_train_step_update_equals_trls_gradient(name):
     # _generate_and_score_completions); the old policy is the current one (ratio 1).
     trl_model = _policy()
     full = collate_groups(groups, scale_by_std=t.scale_by_std)
-    logp, ent = _full_logprobs(trl_model, full, 0.9)
+    logp, ent = full_logprobs(trl_model, full, 0.9)
     logp_c, mask_c = to_completion(logp, full.completion_mask)
     ent_c, _ = to_completion(ent, full.completion_mask)
     if theirs.get("mask_truncated_completions"):
@@ -422,7 +445,8 @@ def test_train_step_update_equals_trls_gradient(name):
                                                           ours["rollout_is_min"])
         theirs = theirs | dict(loss_type="bnpo")
     args = grpo_config(**(theirs | dict(max_completion_length=max_tokens, temperature=0.9)))
-    trl_loss(args, logp_c, inputs_of(mask_c, full.advantages, **more), entropies=ent_c).backward()
+    ref_loss = trl_loss(args, logp_c, inputs_of(mask_c, full.advantages, **more), entropies=ent_c)
+    ref_loss.backward()
     trl_grad = {k: p.grad.clone() for k, p in trl_model.named_parameters() if p.grad is not None}
 
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
@@ -436,6 +460,14 @@ def test_train_step_update_equals_trls_gradient(name):
         torch.testing.assert_close(delta[k], g, atol=2e-6 * max(scale, 1.0), rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
     if "mask" in name:
         assert 0 < stats["is_masked_frac"] < 1, stats
+    assert stats["loss"] == pytest.approx(ref_loss.item(), rel=1e-5, abs=1e-7)
+    if name == "dr_grpo+overlong_filter":
+        # verl (core_algos.agg_loss "seq-mean-token-sum-norm", a micro-batch of one row, scaled by
+        # 1 / gradient accumulation over the 12 rows): at ratio 1 the loss is -sum(A * mask) / (12 * 6).
+        kept = batch.completion_mask
+        assert batch.input_ids.shape[0] == 12 and int((kept.sum(-1) == 0).sum()) == 2
+        verl = -(batch.advantages[:, None] * kept).sum() / (12 * max_tokens)
+        assert stats["loss"] == pytest.approx(verl.item(), rel=1e-5, abs=1e-7)
 
 
 def test_entropy_gradient_of_the_chunked_lm_head_equals_autograd():
@@ -526,6 +558,42 @@ def test_take_groups_fills_the_batch_with_signal_and_the_buffer_consumes_the_res
     assert stats["consumed"] == 9 and stats["ready"] == 0
 
 
+def test_a_zero_token_completion_with_dynamic_sampling_and_the_soft_overlong_penalty(redis_server):
+    """Rank 0 measures a header's signal with the soft overlong penalty of each completion's length:
+    a 0-token completion (an engine error beside real completions) raised AttributeError there, on
+    every step and after every resume (a header has the length, not the ids)."""
+    from app.buffer import ExperienceBuffer
+    from app.trainer.batch import sample_rewards
+    from app.trainer.intake import take_groups
+    from app.trainer.sampling import SignalFilter
+
+    run_id = "zero-len"
+    cfg = RunConfig.model_validate({"run_id": run_id, "buffer": {"redis_url": redis_server},
+                                    "rollout": {"group_size": 4, "max_new_tokens": 8},
+                                    "trainer": {"groups_per_step": 1, "dynamic_sampling": True,
+                                                "overlong_buffer_tokens": 4, "batch_timeout_s": 30}})
+    buf = ExperienceBuffer(redis_server, run_id, capacity_groups=64, max_staleness=1, autocommit=False)
+    # Equal scores: the flat group's lengths all lie before the penalty's ramp (max 8 - buffer 4),
+    # the other's 8-token completion is penalised -1.
+    for task_id, lengths in (("flat", [0, 1, 2, 3]), ("ramp", [0, 2, 8, 3])):
+        buf.put_tasks([Task(task_id=task_id, prompt_ids=[1, 5, 9], prompt="", answer="{}", group_size=4)])
+        (task,) = buf.lease("test", count=1, block_ms=1000)
+        assert buf.publish(task, [
+            Sample(sample_id=task.sample_id(run_id, k), task_id=task_id, index=k, attempt=0, prompt_ids=[1, 5, 9],
+                   completion_ids=[7] * n, logprobs=[-1.0] * n, reward=1.0, policy_version=0,
+                   finish_reason="error" if n == 0 else "length" if n == 8 else "stop")
+            for k, n in enumerate(lengths)])
+    skipped: list = []
+    f = SignalFilter.of(cfg)
+    headers, _ = take_groups(buf, cfg, 0, lambda: False, lambda g: f.admit(g, skipped))
+    assert [h.task_id for h in headers] == ["ramp"] and skipped == [["flat", 0, "no_signal"]]
+    groups, bad = buf.read_groups(headers)
+    assert not bad
+    batch = collate_groups(groups, soft_overlong=cfg.soft_overlong())
+    torch.testing.assert_close(batch.rewards, torch.tensor([1.0, 1.0, 0.0, 1.0]))
+    torch.testing.assert_close(sample_rewards(headers[0].samples, cfg.soft_overlong()), batch.rewards)
+
+
 def _flat_and_signal_producer(url: str, run_id: str, stop: threading.Event) -> None:
     """A fake rollout worker: every other group's rewards are all equal (no signal)."""
     from app.buffer import ExperienceBuffer
@@ -563,7 +631,7 @@ def test_the_loop_trains_on_groups_with_signal_and_records_the_rest(tmp_path, re
         if dist.is_initialized():
             dist.destroy_process_group()
     metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["objective"] for m in metrics] == ["gspo+dynamic_sampling+overlong_filter"] * 2
+    assert [m["objective"] for m in metrics] == ["gspo+agg=token-mean+dynamic_sampling+overlong_filter"] * 2
     assert all(m["groups"] == 2 and m["no_signal_skipped"] >= 1 for m in metrics), metrics
     trained = [json.loads(x) for x in (tmp_path / "run" / "trained.jsonl").read_text().splitlines()]
     for line in trained:
@@ -578,3 +646,7 @@ def test_bench_loop_refuses_an_objective_its_trl_leg_would_not_run(tmp_path):
     cfg = RunConfig.model_validate({"trainer": {"ratio_level": "sequence"}})
     with pytest.raises(ValueError, match="objective=gspo"):
         grpo_args(cfg, tmp_path, 1)
+    cfg = RunConfig.model_validate({"trainer": {"ppo_epochs": 2}})  # its TRL leg takes one step a batch
+    with pytest.raises(ValueError, match="epochs=2"):
+        grpo_args(cfg, tmp_path, 1)
+    assert grpo_args(RunConfig(), tmp_path, 1).num_iterations == 1  # the default recipe runs

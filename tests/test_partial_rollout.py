@@ -35,7 +35,7 @@ from app.model.tokenizer import BOS_ID
 from app.rollout.engine_client import EngineClient
 from app.rollout.worker import RolloutWorker
 from helpers import Recorder, tiny_moe_checkpoint
-from sglang_oracle import api_types, function_strings, http_routes, io_struct_fields, wheel_function
+from sglang_oracle import api_types, function_calls, function_strings, http_routes, io_struct_fields, wheel_function
 from test_worker import make_config
 
 LONG = SamplingParams(max_new_tokens=100, temperature=1.0, ignore_eos=True)
@@ -56,70 +56,133 @@ async def _until(cond, timeout_s: float = 30.0) -> None:
     raise TimeoutError("condition not reached")
 
 
-def test_abort_request_follows_sglang(ckpts):
+def _sglang_abort_decision(engine: Engine):
+    """SGLang 0.5.23's own ``TokenizerManager.abort_request`` (compiled from the wheel) over the
+    engine's requests in flight: returns a function (rid, abort_all) -> the AbortReq it would
+    send to the scheduler, or None (it sends none)."""
+    sent = []
+
+    class AbortReq:
+        def __init__(self, rid, abort_all):
+            self.rid, self.abort_all = rid, abort_all
+
+    abort = wheel_function("srt/managers/tokenizer_manager.py", "TokenizerManager.abort_request", {
+        "get_serving": lambda: SimpleNamespace(tokenizer_worker_num=1), "AbortReq": AbortReq,
+        "logger": SimpleNamespace(warning=lambda *a, **k: None)})
+    states: dict[str, SimpleNamespace] = {}
+
+    def decide(rid: str = "", abort_all: bool = False):
+        for r in engine.rids:
+            states.setdefault(r, SimpleNamespace(abort_sent=False))
+        me = SimpleNamespace(rid_to_state={r: states[r] for r in engine.rids}, _dispatch_to_scheduler=sent.append,
+                             enable_metrics=False)
+        sent.clear()
+        abort(me, rid=rid, abort_all=abort_all)
+        return (sent[0].rid, sent[0].abort_all) if sent else None
+
+    return decide
+
+
+def test_request_ids_and_aborts_are_sglangs(ckpts):
+    """The built-in engine's rids and /abort_request against SGLang 0.5.23's own code: a request
+    with n > 1 gets a fresh uuid per sample, so neither its rid nor a prefix of it aborts
+    anything; a rid aborts only when it names a request in flight exactly (the wheel's
+    ``TokenizerManager.abort_request`` decides the same), and then, as SGLang's scheduler
+    matches, every request whose rid starts with it; a running request answers after one more
+    token with FINISH_ABORT(), a waiting one with nothing and "Abort in waiting queue"; a rid in
+    flight twice is refused; a request held by a pause is not aborted."""
     t = api_types()
     engine = Engine(load_checkpoint(ckpts[0]), weight_version="0", max_batch=2)
     recorder = Recorder(create_app(engine, health_timeout_s=0.5))
+    decide = _sglang_abort_decision(engine)
+    long = {"max_new_tokens": 40, "ignore_eos": True}
 
     async def go():
         await engine.start()
         try:
             async with EngineClient("http://engine", transport=recorder, retries=0) as c:
-                body = {"input_ids": [BOS_ID, 5, 6], "return_logprob": True,
-                        "sampling_params": {"max_new_tokens": 100, "n": 2, "ignore_eos": True}}
-                ours = asyncio.ensure_future(c._http.post("/generate", json={**body, "rid": "job-a"}))
-                await _until(lambda: engine.live_rows == 2 and all(len(r[3].token_ids) >= 2 for r in engine.batch.rows))
-                other = asyncio.ensure_future(c.generate([BOS_ID, 7], max_new_tokens=5, rid="job-b"))  # waits: batch full
-                await _until(lambda: len(engine.waiting) == 1)
-                await c.abort_request(rid="job-a")  # the two rows of job-a, not job-b
-                got_ours = (await ours).json()
-                (got_other,) = await other
-                blocker = asyncio.ensure_future(engine.submit([[BOS_ID, 9], [BOS_ID, 9]], [LONG, LONG]))
+                post = lambda body: asyncio.ensure_future(c._http.post("/generate", json=body))  # noqa: E731
+                # n = 2 with rid "job-a": its samples run under fresh ids; "job-a", "job-a_0" and
+                # a prefix of a sample's own id end nothing.
+                pair = post({"input_ids": [BOS_ID, 5, 6], "rid": "job-a", "return_logprob": True,
+                             "sampling_params": {**long, "n": 2}})
                 await _until(lambda: engine.live_rows == 2)
-                waiting = asyncio.ensure_future(c._http.post("/generate", json={**body, "rid": "job-c"}))
-                await _until(lambda: len(engine.waiting) == 2)  # job-c's two sequences, behind a full batch
-                await c.abort_request(abort_all=True)
-                got_waiting = (await waiting).json()
-                assert all(c.finish_reason == "abort" for c, _ in await blocker)
+                live = set(engine.rids)
+                for rid in ("job-a", "job-a_0", next(iter(live))[:8]):
+                    assert decide(rid) is None
+                    await c.abort_request(rid=rid)
+                got_pair = (await pair).json()
+                # One rid that names a request exactly: the scheduler then ends every rid it prefixes.
+                batch = post({"input_ids": [[BOS_ID, 7]] * 2 + [[BOS_ID, 8]] * 9, "rid": "x",
+                              "sampling_params": long})  # rids x_0 .. x_10
+                await _until(lambda: engine.live_rows == 2 and len(engine.waiting) == 9)
+                await c.pause_generation("in_place")  # the two running rows hold their tokens
+                held = {item.rid: len(engine.batch.rows[i][3].token_ids) for i, item in enumerate(
+                    sorted(engine._owners.values(), key=lambda it: it.rid))}
+                assert decide("x") is None and decide("x_1") == ("x_1", False)
+                await c.abort_request(rid="x")
+                await c.abort_request(rid="x_1")  # running; and x_10, waiting
+                await c.abort_request(rid="x_1")  # a second abort of the same rid: nothing more
+                # A rid in flight is refused a second time, with SGLang's message.
+                dup = await c._http.post("/generate", json={"input_ids": [BOS_ID, 9], "rid": "x_0",
+                                                            "sampling_params": {"max_new_tokens": 2}})
+                late = post({"input_ids": [BOS_ID, 9], "rid": "late", "sampling_params": {"max_new_tokens": 3}})
+                await _until(lambda: len(engine.held) == 1)
+                await c.abort_request(abort_all=True)  # every request the scheduler has; not "late"
+                await c.continue_generation()
+                got_batch = (await batch).json()
+                got_late = (await late).json()
                 with pytest.raises(ValueError):
                     await c.abort_request()  # an empty rid would match every request
         finally:
             await engine.stop()
-        return got_ours, got_other, got_waiting
+        return got_pair, got_batch, got_late, dup, held
 
-    got_ours, got_other, got_waiting = asyncio.run(go())
-    # The body is SGLang's AbortReq (its route's body type) and its v1 AbortRequest contract.
+    got_pair, got_batch, got_late, dup, held = asyncio.run(go())
     assert http_routes()["/abort_request"]["body"] == "AbortReq"
-    aborts = [(sent, status) for path, sent, status, _ in recorder.calls if path == "/abort_request"]
-    assert [status for _, status in aborts] == [200, 200]
-    for sent, _ in aborts:
-        assert set(sent) <= set(io_struct_fields("AbortReq")) | set(io_struct_fields("BaseReq"))
-        t.AbortRequest.from_json_value(sent)
-    # Running rows: the tokens so far with their logprobs, FINISH_ABORT()'s finish_reason, HTTP 200.
-    running = {"type", "message", "status_code", "err_type"}
-    assert set(function_strings("srt/managers/schedule_batch.py", "FINISH_ABORT.to_json")) >= running | {"abort"}
-    assert "Aborted" in function_strings("srt/managers/schedule_batch.py", "FINISH_ABORT.__init__")
-    assert len(got_ours) == 2
-    for item in got_ours:
-        resp = t.GenerateResponse.from_json_value(item)
-        assert isinstance(resp.meta_info.finish_reason, t.FinishAbort)
-        assert item["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
-                                                      "err_type": None}
-        assert 2 <= len(item["output_ids"]) < 100
-        assert [e.token_id for e in resp.meta_info.output_token_logprobs] == item["output_ids"]
-    # Request ids as SGLang derives them: "job-a" with n = 2 is job-a_0, job-a_1.
+    for path, sent, status, _ in recorder.calls:
+        if path == "/abort_request":
+            assert status == 200 and set(sent) <= set(io_struct_fields("AbortReq")) | set(io_struct_fields("BaseReq"))
+            t.AbortRequest.from_json_value(sent)
+    # n = 2: uuid4().hex ids (GenerateReqInput.regenerate_rid), untouched by the aborts.
+    assert "regenerate_rid" in function_calls("srt/managers/tokenizer_manager.py",
+                                              "TokenizerManager._handle_batch_request")
+    assert [len(item["output_ids"]) for item in got_pair] == [40, 40]
+    for item in got_pair:
+        assert len(item["meta_info"]["id"]) == 32 and int(item["meta_info"]["id"], 16) >= 0
+        assert item["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
+        t.GenerateResponse.from_json_value(item)
+    # The batch's ids are SGLang's own (_normalize_rid from the wheel).
     normalize = wheel_function("srt/managers/io_struct.py", "GenerateReqInput._normalize_rid", {"uuid": uuid})
-    req = SimpleNamespace(rid="job-a", batch_size=1)
-    normalize(req, 2)
-    assert [item["meta_info"]["id"] for item in got_ours] == req.rid
-    assert got_other.finish_reason == "length" and len(got_other.token_ids) == 5  # not matched by "job-a"
-    # Waiting ones: the tokenizer manager's own message, nothing generated.
+    req = SimpleNamespace(rid="x", batch_size=11)
+    normalize(req, 11)
+    assert [item["meta_info"]["id"] for item in got_batch] == req.rid
+    by_id = {item["meta_info"]["id"]: item for item in got_batch}
+    # x_1 ran: one more token after the abort, FINISH_ABORT()'s finish_reason, its logprobs.
+    running = by_id["x_1"]
+    assert set(function_strings("srt/managers/schedule_batch.py", "FINISH_ABORT.to_json")) >= {"abort", "message"}
+    assert running["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
+                                                     "err_type": None}
+    assert len(running["output_ids"]) == held["x_1"] + 1
+    assert isinstance(t.GenerateResponse.from_json_value(running).meta_info.finish_reason, t.FinishAbort)
+    # x_10 waited: the tokenizer manager's own answer, nothing generated, no prompt count.
     assert "Abort in waiting queue" in function_strings("srt/managers/tokenizer_manager.py",
                                                         "TokenizerManager._handle_abort_req")
-    for item in got_waiting:
-        assert item["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
-        assert item["output_ids"] == [] and isinstance(
-            t.GenerateResponse.from_json_value(item).meta_info.finish_reason, t.FinishAbort)
+    waited = by_id["x_10"]
+    assert waited["output_ids"] == [] and waited["meta_info"]["finish_reason"] == {
+        "type": "abort", "message": "Abort in waiting queue"}
+    assert "prompt_tokens" not in waited["meta_info"] and waited["meta_info"]["completion_tokens"] == 0
+    t.GenerateResponse.from_json_value(waited)
+    # abort_all ended the rest that the scheduler held; x_0 had been running, the others waiting.
+    assert by_id["x_0"]["meta_info"]["finish_reason"]["message"] == "Aborted"
+    assert len(by_id["x_0"]["output_ids"]) == held["x_0"] + 1
+    assert all(by_id[f"x_{i}"]["meta_info"]["finish_reason"]["message"] == "Abort in waiting queue" for i in range(2, 10))
+    # The duplicate rid: HTTP 400 with the message of SGLang's _init_req_state.
+    assert dup.status_code == 400 and "Duplicate request ID detected: x_0" in dup.text
+    assert any("Duplicate request ID detected" in x for x in function_strings(
+        "srt/managers/tokenizer_manager.py", "TokenizerManager._init_req_state"))
+    # Held by the pause (SGLang's tokenizer waits on is_pause): not aborted, it ran after continue.
+    assert got_late["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
 
 
 class OneVersion:
@@ -159,6 +222,9 @@ def test_an_update_mid_generation_resumes_every_sample_on_the_new_weights(tmp_pa
 
     samples, stats, version = asyncio.run(go())
     assert version == 1 and stats.weight_updates == 1 and stats.partial_aborts == 1
+    # abort_all, as slime and Miles abort: SGLang 0.5.23 would match no rid of an n = 8 request.
+    aborts = [sent for path, sent, _, _ in recorder.calls if path == "/abort_request"]
+    assert aborts and all(sent["abort_all"] is True for sent in aborts)
     generates = [(sent, got) for path, sent, _, got in recorder.calls if path == "/generate"]
     first = generates[0][1]
     aborted = [j for j, item in enumerate(first) if item["meta_info"]["finish_reason"]["type"] == "abort"]

@@ -47,6 +47,7 @@ from charts8s.main import build
 from charts8s.workloads import DEV_RECIPE, WorkloadError, load_workloads
 from infra.config import ConfigError, load_config
 from netpolicy import LWS_GROUP, LWS_NAME, LWS_WORKER, POD_INDEX, Address, Pod, Reach, pods_of, reach_host_port
+from helpers import keys_files
 from sglang_oracle import parse_launch_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -343,7 +344,7 @@ def test_store_paths_outside_the_storage_layout_are_refused(tmp_path, field, val
 
 
 def _containers(docs: list[dict]):
-    """(pod labels, container) of every container and init container of the rendered pods."""
+    """(pod spec, container) of every container and init container of the rendered pods."""
     for d in docs:
         spec = d.get("spec", {})
         templates = []
@@ -355,7 +356,7 @@ def _containers(docs: list[dict]):
             templates = [spec["leaderWorkerTemplate"]["leaderTemplate"], spec["leaderWorkerTemplate"]["workerTemplate"]]
         for t in templates:
             for c in t["spec"].get("initContainers", []) + t["spec"]["containers"]:
-                yield t["metadata"]["labels"], c
+                yield t["spec"], c
 
 
 def _moerl(cmd: list[str]) -> None:
@@ -381,17 +382,21 @@ def test_every_command_parses_with_its_own_argument_code(renders, base, combo):
     mounted = r.deploy.parent / "mounted-run.yaml"
     mounted.write_text(cm["data"][RUN_CONFIG_KEY])
     seen = {"engine": 0, "router": 0, "moerl": set()}
-    for _, c in _containers(r.docs):
+    secret_values = {"api-key": "value-of-api-key", "admin-api-key": "value-of-admin-api-key"}
+    for pod, c in _containers(r.docs):
         cmd = c.get("command", [])
         secrets = {e["name"]: f"value-of-{e['valueFrom']['secretKeyRef']['key']}" for e in c.get("env", [])
                    if "secretKeyRef" in e.get("valueFrom", {})}
         if "sglang.launch_server" in cmd:
-            ns = parse_launch_server(cmd, {**lws, **secrets})
+            # an engine on the pod network reads its keys from the file its pod's keys init container writes
+            files = keys_files(pod, {"POD_NAME": "moerl-rollout-0"}, secret_values, r.deploy.parent)
+            ns = parse_launch_server(cmd, {**lws, **secrets}, files)
             assert ns.model_path and ns.port, cmd
             seen["engine"] += 1
         elif cmd[:3] == ["python3", "-m", "sglang_router.launch_router"]:
             args = launch_router.parse_router_args(cmd[3:])
-            assert args.worker_urls and args.port == r.plan.wl.rollout.router_port
+            # no engines at start (their workers register them) and a control-plane key of its own
+            assert not args.worker_urls and args.control_plane_api_keys and args.port == r.plan.wl.rollout.router_port
             seen["router"] += 1
         elif cmd[:1] == ["moerl"]:
             _moerl([str(mounted) if a == CLUSTER_CONFIG else a for a in cmd])

@@ -7,8 +7,10 @@ for SGLang), GPU counts (torchrun's processes per node: 2 for the node's 8 GPUs)
 endpoint (moto, with credentials from the Pod Identity stand-in). The model is the warm-up
 checkpoint as a local directory, standing for one baked into the image.
 
-The short version (100 steps, ~2-3 min on 2 cores) with both faults: a rollout pod deleted
-(preStop, SIGTERM, SIGKILL after its grace period; the Deployment replaces it) and the trainer
+The short version (100 steps, ~2-3 min on 2 cores) with SGLang's router in front of the engines
+(``--router``: the real sglang-router binary, with its keys; each worker registers its engine)
+and both faults: a rollout pod deleted (preStop, SIGTERM, SIGKILL after its grace period; the
+StatefulSet replaces it under its name, and its worker registers the engine again) and the trainer
 pod SIGKILLed after an unsaved step (Volcano RestartJob; the gang resumes). Stated bar for
 this length: held-out mean reward (measured by the feed pod through its own engine, 200
 prompts x 8 samples) at least +1 point over v0 (runs here: +4.9 and +6.3 points); the full
@@ -37,6 +39,7 @@ def replica(tmp_path_factory) -> tuple[dict, Path, Path]:
     tmp = tmp_path_factory.mktemp("replica")
     dist, out = tmp / "dist", tmp / "run"
     proc = subprocess.run([sys.executable, "-m", "app.cli", "replica", str(dist), "--out", str(out), "--steps", "100",
+                           "--router",
                            # the warm-up cache of `make run`; not under /tmp, which every pod mounts over
                            "--cache", str(ROOT / "runs" / "cache"), "--timeout-s", "600"],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
@@ -74,7 +77,8 @@ def test_replica_ran_what_dist_holds(replica):
     pods = {p["name"] for p in s["pods"]}
     assert {"moerl-buffer-0", "moerl-env-0", "moerl-env-1", "moerl-feed-0", "moerl-rollout-0", "moerl-rollout-1",
             "moerl-trainer-trainer-0-0"} <= pods
-    assert "moerl-rollout-2" in pods  # the deleted rollout pod's replacement
+    deleted = next(e["pod"] for e in s["chaos"] if e["kind"] == "delete-rollout-pod")
+    assert sum(p["name"] == deleted for p in s["pods"]) == 2  # replaced under its name (a StatefulSet's)
     assert sum(p["name"] == "moerl-trainer-trainer-0-0" for p in s["pods"]) == 2  # the gang, restarted
     # /metrics listens on its pod's address (the pods share the host's): trainer rank 0, each worker
     metrics_at = "network: --metrics-addr {} (its pod's address)".format
@@ -102,10 +106,34 @@ def test_replica_ran_what_dist_holds(replica):
     # the manifest's own command, its mount paths mapped into the pod's directory
     assert first.endswith(f"moerl rollout --config {rollout0['dir']}/volumes/run-config/run.yaml --worker-id moerl-rollout-0"
                           f" --pause-marker {rollout0['dir']}/volumes/state/engine-paused --metrics-port 9464"
-                          f" --metrics-addr {rollout0['ip']}")
+                          f" --metrics-addr {rollout0['ip']} --router-url http://{s['services']['moerl-router']}:30100"
+                          f" --router-engine-url http://{rollout0['ip']}:30000")
     assert worker["command"][:2] == ["moerl", "rollout"]
     # S3 only through Pod Identity credentials, for the two associated service accounts
-    assert set(s["pod_identity_calls"]) == {"moerl-trainer", "moerl-rollout"}
+    from infra.config import load_config
+
+    trainer = load_config("dev", out / "workload" / "deploy.yaml").trainer_service_account_of("replica")
+    assert set(s["pod_identity_calls"]) == {trainer, "moerl-rollout"}  # the run's own trainer account
+
+
+def test_replica_routes_through_the_real_router(replica):
+    """The router Deployment ran the sglang-router binary as its manifest says, its API key and
+    control-plane key expanded from the Secret; every rollout pod's worker asked it to add its
+    engine (the replacement of the deleted pod too), the deleted one's took it out as it drained,
+    and no worker was refused by the router."""
+    s, _, _ = replica
+    router = next(p for p in s["pods"] if p["name"] == "moerl-router-0")
+    first = (Path(router["dir"]) / "logs" / "router.log").read_text().splitlines()[0]
+    assert "-m sglang_router.launch_router" in first and "$(" not in first
+    assert "--api-key " in first and "--control-plane-api-keys moerl-workers:rollout-workers:admin:" in first
+    rollouts = [p for p in s["pods"] if p["name"].startswith("moerl-rollout-")]
+    assert len(rollouts) == 3
+    deleted = next(e["pod"] for e in s["chaos"] if e["kind"] == "delete-rollout-pod")
+    for p in rollouts:
+        log = (Path(p["dir"]) / "logs" / "worker.log").read_text()
+        assert "asked the router" in log and "could not register" not in log and "HTTP 401" not in log, p["name"]
+    first_of_deleted = next(p for p in rollouts if p["name"] == deleted)
+    assert "removed engine" in (Path(first_of_deleted["dir"]) / "logs" / "worker.log").read_text()
 
 
 def test_replica_shows_its_progress_and_no_byte_reprs(replica):

@@ -18,14 +18,17 @@ from app.local.run import embedded_default, warmup_dir
 pytestmark = pytest.mark.slow
 
 
-def small_config(tmp_path: Path, steps: int) -> Path:
-    """The embedded default, shortened: fewer steps, a shorter warm-up, fewer held-out prompts."""
+def small_config(tmp_path: Path, steps: int, router: bool = False) -> Path:
+    """The embedded default, shortened: fewer steps, a shorter warm-up, fewer held-out prompts;
+    with ``router``, SGLang's router in front of the engines."""
     cfg = embedded_default()
     cfg.run_id = "e2e"
     cfg.trainer.steps = steps
     cfg.task.train_size = 200
     cfg.task.eval_size = 40
     cfg.task.warmup_steps = 20
+    if router:
+        cfg.rollout.router, cfg.rollout.pause_mode = True, "abort"
     path = tmp_path / "run.yaml"
     cfg.save(path)
     return path
@@ -57,15 +60,26 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def test_run_end_to_end(tmp_path):
-    config = small_config(tmp_path, steps=4)
+@pytest.fixture(scope="module")
+def warm_cache(tmp_path_factory) -> Path:
+    """One warm-up cache for this module's runs: the first run warms the recipe up, the next reuses it."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def run_small(tmp_path: Path, config: Path, cache: Path, timeout_s: float) -> tuple[Path, dict, str]:
+    """`moerl run` on ``config`` into tmp_path/run; (run dir, summary, its stdout)."""
     out = tmp_path / "run"
     proc = subprocess.run(
-        moerl("run", "--config", str(config), "--out", str(out), "--cache", str(tmp_path / "cache")),
-        capture_output=True, text=True, timeout=600,
+        moerl("run", "--config", str(config), "--out", str(out), "--cache", str(cache)),
+        capture_output=True, text=True, timeout=timeout_s,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
+    return out, json.loads((out / "summary.json").read_text()), proc.stdout
+
+
+def test_run_end_to_end(tmp_path, warm_cache):
+    config = small_config(tmp_path, steps=4)
+    out, summary, stdout = run_small(tmp_path, config, warm_cache, 600)
     assert summary["steps"] == 4
     # A version every trainer.publish_every steps and after the last step (v0 is the start).
     every = embedded_default().trainer.publish_every
@@ -98,20 +112,41 @@ def test_run_end_to_end(tmp_path):
     assert __import__("yaml").safe_load((out / "run.yaml").read_text())["task"]["warmup_done"] is True
     # the warm-up checkpoint was cached for the next run
     cfg = embedded_default().model_validate(__import__("yaml").safe_load(config.read_text()))
-    assert (warmup_dir(cfg, tmp_path / "cache") / "config.json").exists()
+    assert (warmup_dir(cfg, warm_cache) / "config.json").exists()
     # no silent minutes: each stage says it started and ended (plain lines: stdout is not a terminal),
     # and the held-out figure before RL is the warm-up's own (measured once, not twice)
-    for line in ("warm-up: started", "warm-up: done, 20/20 steps", "start-up: trainer, 2 engines and 2 rollout "
-                 "workers: done", "held-out evaluation after RL: done, 200/200 completions"):
-        assert line in proc.stdout, proc.stdout[-3000:]
-    assert "held-out evaluation before RL" not in proc.stdout
-    warm = json.loads((warmup_dir(cfg, tmp_path / "cache") / "warmup.json").read_text())["heldout"]
+    if "warm-up: reusing" not in stdout:  # this module's first run makes the warm-up
+        for line in ("warm-up: started", "warm-up: done, 20/20 steps, held-out evaluation 200/200"):
+            assert line in stdout, stdout[-3000:]
+    for line in ("start-up: trainer, 2 engines and 2 rollout workers: done",
+                 "held-out evaluation after RL: done, 200/200 completions"):
+        assert line in stdout, stdout[-3000:]
+    assert "held-out evaluation before RL" not in stdout
+    warm = json.loads((warmup_dir(cfg, warm_cache) / "warmup.json").read_text())["heldout"]
     assert (summary["held_out_reward_before"], summary["held_out_greedy_before"]) == (warm["sampled"], warm["greedy"])
     assert summary["failures"] == {"failed": 0, "requeued": 0, "dropped": 0, "top_reasons": []}
-    assert "failed rollout groups: 0 (0 requeued, 0 dropped after buffer.max_failures)" in proc.stdout
+    assert "failed rollout groups: 0 (0 requeued, 0 dropped after buffer.max_failures)" in stdout
 
 
-def test_run_ctrl_c_stops_every_process_and_the_run_resumes(tmp_path):
+def test_run_with_the_router(tmp_path, warm_cache):
+    """`moerl run` with rollout.router: the real sglang-router binary, with an API key and a
+    control-plane key, in front of the built-in engines; the router starts with no engines,
+    each worker registers its own, every /generate goes through the router (a worker sends it
+    nowhere else), and the run trains as without it."""
+    out, summary, _ = run_small(tmp_path, small_config(tmp_path, steps=2, router=True), warm_cache, 900)
+    assert summary["steps"] == 2 and summary["samples_trained"] == 2 * 8 * 8
+    router = (out / "logs" / "router.log").read_text()
+    assert "--api-key" not in router  # the keys are in neither run.yaml nor the log
+    assert "router" in __import__("yaml").safe_load((out / "run.yaml").read_text())["rollout"]
+    for i in range(2):
+        log = (out / "logs" / f"worker-{i}.log").read_text()
+        assert "asked the router http://127.0.0.1:" in log and "to add engine http://127.0.0.1:" in log, log[-2000:]
+        assert "could not register" not in log and "HTTP 401" not in log, log[-2000:]
+        stats = json.loads(next(line for line in reversed(log.splitlines()) if line.startswith('{"worker_id"')))
+        assert stats["groups_published"] > 0 and stats["engine_errors"] == 0
+
+
+def test_run_ctrl_c_stops_every_process_and_the_run_resumes(tmp_path, warm_cache):
     """Ctrl-C after step 2 (a saved state: trainer.save_every is 2) stops every process, writes the
     summary and plot of what was trained and prints the command that continues the run; `moerl run
     --resume` then continues from the saved state (the buffer from its append-only file, the
@@ -119,7 +154,7 @@ def test_run_ctrl_c_stops_every_process_and_the_run_resumes(tmp_path):
     config = small_config(tmp_path, steps=1000)
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        moerl("run", "--config", str(config), "--out", str(out), "--cache", str(tmp_path / "cache")),
+        moerl("run", "--config", str(config), "--out", str(out), "--cache", str(warm_cache)),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:

@@ -16,6 +16,12 @@ and not those of the version before):
    newest stored version: it missed v3 and v4) and it serves that, labelled v2;
 5. v5 reaches both again (a new group for engine 1).
 
+Every process runs under its pod's NCCL environment (app/torchx_component.py: the trainer's
+``NCCL_ENV``, the engines' ``ENGINE_NCCL_ENV``). On a CUDA machine, the same failures over a real
+NCCL weight-update group (`test_an_nccl_weight_group_failure_spares_the_trainer`): a peer frozen or
+killed before the first broadcast fails the push within the group's timeout, and the trainer
+process, whose own groups keep tearing it down on a hang, lives on and goes on training.
+
 And the training loop's call site: every version offered over the network, every
 ``store_every``-th (and the first and the last) in the store.
 """
@@ -36,6 +42,7 @@ import torch
 
 from app.buffer.redis_server import free_port
 from app.config import RunConfig
+from app.torchx_component import ENGINE_NCCL_ENV, NCCL_ENV
 from helpers import join_world
 
 pytestmark = pytest.mark.slow
@@ -51,6 +58,7 @@ def _trainer(rank: int, world: int, port: int, cfg_json: str, commands, results)
     """A trainer rank: the sharded preset policy; publishes v0, then per command adds STEP to
     every parameter, pushes the version and maybe publishes it (rank 0 reads the commands)."""
     os.environ["MOERL_SHARED_GPU"] = "1"  # on a CUDA machine: both ranks on its one GPU
+    os.environ.update(NCCL_ENV)  # the trainer pods' own
     join_world(rank, world, port)
     import torch.distributed as dist
     from dataclasses import asdict
@@ -129,15 +137,15 @@ class Cluster:
     def url(self, i: int) -> str:
         return f"http://127.0.0.1:{self.ports[i]}"
 
-    def _popen(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def _popen(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         with open(self.tmp / f"{name}.log", "ab") as log:
             return subprocess.Popen([sys.executable, "-m", "app.cli", *argv], cwd=ROOT, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+                                    stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})})
 
     def start_engine(self, i: int, model_path: Path) -> None:
         self.engines[i] = self._popen(f"engine-{i}", [
             "engine", "--model-path", str(model_path), "--port", str(self.ports[i]), "--threads", "1",
-            "--weight-sync-timeout", "4", "--device", DEVICE])
+            "--weight-sync-timeout", "4", "--device", DEVICE], ENGINE_NCCL_ENV)  # the engine pods' own
 
     def start_worker(self, i: int) -> None:
         self.workers[i] = self._popen(f"worker-{i}", [
@@ -409,3 +417,72 @@ def test_a_stopped_loop_stores_the_version_it_only_pushed(tmp_path, redis_server
     assert 3 <= state.step < 10 and state.version == state.step
     assert policy_versions(store, cfg.run_id) == [0, state.version]  # v1.. were pushed only; the last stored
     assert latest_policy_version(store, cfg.run_id) == state.version
+
+
+# A peer of the weight-update group: joins its rendezvous (rank 1), says so, and never broadcasts.
+_PEER = """
+import sys, time
+from app.weight_group import open_group
+open_group("nccl", "127.0.0.1", int(sys.argv[1]), 2, 1, timeout_s=60.0)
+print("joined", flush=True)
+time.sleep(600)
+"""
+# The trainer's source rank under the trainer pods' NCCL env: a training group (NCCL, world 1), then
+# a weight-update group whose peer the test freezes or kills before the first broadcast.
+_SOURCE = """
+import os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from app.weight_group import GroupError, open_group
+port, flag = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30))
+x = torch.ones(4, device="cuda")
+dist.all_reduce(x)
+group = open_group("nccl", "127.0.0.1", port, 2, 0, timeout_s=5.0)
+print("open", flush=True)
+while not os.path.exists(flag):
+    time.sleep(0.05)
+t0 = time.monotonic()
+try:
+    group.broadcast(torch.ones(1024, device="cuda"))
+    print("broadcast returned", flush=True)
+except GroupError as e:
+    print(f"failed after {time.monotonic() - t0:.1f}s: {e}", flush=True)
+group.close()
+time.sleep(15)  # what the watchdog does, it does by now
+for _ in range(3):
+    dist.all_reduce(x)
+torch.cuda.synchronize()
+print(f"trained on: {x[0].item():.0f}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.distributed.is_nccl_available()), reason="needs NCCL on a GPU")
+@pytest.mark.parametrize("fault", ["freeze", "kill"])
+def test_an_nccl_weight_group_failure_spares_the_trainer(tmp_path, fault):
+    """The failure of issue 37 item 7, over NCCL on the one GPU (the peer never reaches NCCL, so
+    the two processes do not share a communicator): with the trainer pods' TORCH_NCCL_ASYNC_ERROR_
+    HANDLING=1 the source's broadcast fails within the group's timeout, and the process lives on
+    and trains (exit 0), where a group made under the pods' own setting took it down (exit 134)."""
+    port = free_port()
+    flag = tmp_path / "peer-gone"
+    env = {**os.environ, **NCCL_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    source = subprocess.Popen([sys.executable, "-c", _SOURCE, str(port), str(flag)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    peer = subprocess.Popen([sys.executable, "-c", _PEER, str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        assert peer.stdout.readline().strip() == "joined"
+        os.killpg(peer.pid, signal.SIGSTOP if fault == "freeze" else signal.SIGKILL)
+        flag.touch()
+        out, _ = source.communicate(timeout=240)
+    finally:
+        for p in (source, peer):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+    assert source.returncode == 0, out[-3000:]
+    assert "failed after" in out and "trained on: 1" in out, out[-3000:]
+    took = float(out.split("failed after ")[1].split("s:")[0])
+    assert took < 60, out[-3000:]

@@ -323,6 +323,35 @@ def test_a_device_strict_group_refuses_host_tensors_as_nccl_does():
     group.close()
 
 
+def test_an_nccl_weight_group_is_made_under_its_own_error_handling(monkeypatch):
+    """The weight-update group's NCCL backend is made with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 and
+    a non-blocking communicator start (torch reads both in ProcessGroupNCCL's constructor), while
+    the process keeps the trainer pods' 1 for its own groups before and after; the GPU shows what
+    that buys (tests/test_weight_sync.py `test_an_nccl_weight_group_failure_spares_the_trainer`)."""
+    import os
+
+    import torch.distributed as dist
+
+    from app.torchx_component import NCCL_ENV
+    from app.weight_group import GROUP_NCCL_ENV, UpdateGroup
+
+    seen = []
+
+    class FakeNCCL:  # records the environment torch's constructor would read
+        class Options:
+            pass
+
+        def __init__(self, store, rank, size, opts):
+            seen.append({k: os.environ.get(k) for k in GROUP_NCCL_ENV})
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_ENV["TORCH_NCCL_ASYNC_ERROR_HANDLING"])
+    monkeypatch.delenv("TORCH_NCCL_USE_COMM_NONBLOCKING", raising=False)
+    UpdateGroup("g", 0, 2, "nccl", 5.0, None, None, object())._connect()
+    assert seen == [{"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}]
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and "TORCH_NCCL_USE_COMM_NONBLOCKING" not in os.environ
+
+
 def test_buckets_hold_their_bound_and_round_trip():
     sizes = [100, 300, 50, 700, 20, 20]
     buckets = plan_buckets(sizes, limit=400)

@@ -1,4 +1,5 @@
-"""TRL's own GRPO loss, ``GRPOTrainer._compute_loss`` (TRL 1.16, a test dependency), run on our tensors.
+"""TRL's own GRPO loss, ``GRPOTrainer._compute_loss`` (TRL 1.16, a test dependency), run on our tensors,
+and its reuse of one generation batch over several optimizer steps (``_prepare_inputs``).
 
 `trl_loss` builds a real ``GRPOConfig`` (so TRL's own checks of the options run), gives a stand-in
 trainer the attributes that ``GRPOTrainer.__init__`` copies from it (``trl/trainer/grpo_trainer.py``:
@@ -8,9 +9,13 @@ trainer the attributes that ``GRPOTrainer.__init__`` copies from it (``trl/train
 ``_get_per_token_logps_and_entropies`` returns the caller's per-token logprobs and entropies (with
 gradient), so TRL's loss arithmetic runs unchanged and its gradient can be compared with ours. The
 accelerator is one process (gather/reduce are the identity) and there is no gradient accumulation.
+`trl_generation_steps` runs ``steps_per_generation x num_iterations`` optimizer steps on one
+generation batch the same way, through TRL's ``_prepare_inputs``.
 
 Layout: TRL's tensors are completion-aligned, ``[B, C]`` (``completion_mask``), where ours are
-aligned with the whole row (app/trainer/grpo.py); `to_completion` moves ours there.
+aligned with the whole row (app/trainer/grpo.py); `to_completion` moves ours there. `full_logprobs`
+and `groups_near` make the inputs: the model's logprobs from its full logits, and groups whose
+engine logprobs lie near the model's.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from types import SimpleNamespace
 
 import torch
 from torch import Tensor
+
+from app.trainer.batch import collate_groups
+from helpers import fake_groups
 
 # GRPOTrainer.__init__ copies these GRPOConfig fields to attributes of the same name.
 _SAME_NAME = ("max_completion_length", "num_generations", "use_vllm", "vllm_importance_sampling_correction",
@@ -42,6 +50,7 @@ def grpo_config(**kw):
 
 class _Accelerator:
     num_processes = 1
+    is_main_process = True
     sync_gradients = True  # one micro-batch per optimizer step
 
     def gather(self, t):
@@ -60,6 +69,50 @@ def trl_loss(args, logps: Tensor, inputs: dict, entropies: Tensor | None = None)
     them, ``old_per_token_logps``, ``ref_per_token_logps``, ``importance_sampling_ratio``)."""
     from trl import GRPOTrainer
 
+    return GRPOTrainer._compute_loss(_stand_in(args, logps, entropies), None, inputs)
+
+
+def trl_generation_steps(args, generation: dict, logps_of_rows, optimizer) -> list[float]:
+    """TRL's reuse of one generation batch, run by TRL's own code: ``GRPOTrainer._prepare_inputs``
+    (the batch cut into ``steps_per_generation`` slices, buffered, handed out ``num_iterations``
+    times: slice ``step % steps_per_generation`` at step ``step``) and ``_compute_loss``, then one
+    optimizer step per slice, as TRL's loop does with ``gradient_accumulation_steps=1``
+    (``GRPOTrainer.training_step`` counts ``_step``).
+
+    Args:
+        args: a `grpo_config` with ``steps_per_generation`` and ``num_iterations``.
+        generation: what TRL's ``_generate_and_score_completions`` returns for the batch (`inputs_of`
+            with ``old_per_token_logps`` and, for TIS, ``importance_sampling_ratio``), plus ``rows``:
+            ``[B]`` row indices, so `logps_of_rows` knows a slice's rows.
+        logps_of_rows: ``rows [b] -> [b, C]`` completion-aligned logprobs of the model (with gradient).
+        optimizer: over the model's parameters.
+
+    Returns:
+        The loss of every optimizer step.
+    """
+    from trl import GRPOTrainer
+
+    stand_in = _stand_in(args, None, None)
+    stand_in._step, stand_in._buffered_inputs, stand_in.num_iterations = 0, None, args.num_iterations
+    stand_in._generate_and_score_completions = lambda batch: dict(generation)
+    losses = []
+    for _ in range(args.steps_per_generation * args.num_iterations):
+        inputs = GRPOTrainer._prepare_inputs(stand_in, None)
+        logps = logps_of_rows(inputs["rows"])
+        stand_in._get_per_token_logps_and_entropies = lambda *a, logps=logps, **k: (logps, torch.zeros_like(logps), None)
+        loss = GRPOTrainer._compute_loss(stand_in, None, inputs)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        stand_in._step += 1
+        losses.append(loss.item())
+    return losses
+
+
+def _stand_in(args, logps: Tensor | None, entropies: Tensor | None) -> SimpleNamespace:
+    """The attributes of a ``GRPOTrainer`` that ``_compute_loss`` and ``_prepare_inputs`` read."""
+    from trl import GRPOTrainer
+
     stand_in = SimpleNamespace(**{k: getattr(args, k) for k in _SAME_NAME})
     stand_in.args = args
     stand_in.epsilon_low = args.epsilon
@@ -73,9 +126,10 @@ def trl_loss(args, logps: Tensor, inputs: dict, entropies: Tensor | None = None)
     stand_in.accelerator = _Accelerator()
     stand_in._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
     stand_in.get_off_policy_mask = GRPOTrainer.get_off_policy_mask
-    ent = entropies if entropies is not None else torch.zeros_like(logps)
-    stand_in._get_per_token_logps_and_entropies = lambda *a, **k: (logps, ent, None)
-    return GRPOTrainer._compute_loss(stand_in, None, inputs)
+    if logps is not None:
+        ent = entropies if entropies is not None else torch.zeros_like(logps)
+        stand_in._get_per_token_logps_and_entropies = lambda *a, **k: (logps, ent, None)
+    return stand_in
 
 
 def to_completion(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -107,3 +161,34 @@ def inputs_of(mask_c: Tensor, advantages: Tensor, **more) -> dict:
     return {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),
             "completion_ids": torch.zeros(B, C, dtype=torch.long), "completion_mask": mask_c.long(),
             "advantages": advantages, **more}
+
+
+def full_logprobs(model, batch, temperature: float):
+    """Per-token logprobs and entropies from the full logits (no chunking), row-aligned, with grad."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    logp_all = torch.log_softmax(logits / temperature, -1)
+    picked = logp_all.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    pad = torch.nn.functional.pad
+    return pad(picked, (1, 0)) * batch.completion_mask, pad(ent, (1, 0)) * batch.completion_mask
+
+
+def groups_near(model, n_groups: int, seed: int, temperature: float, truncated: tuple[int, ...] = ()):
+    """fake_groups with partial-credit rewards whose engine logprobs are the model's own plus noise
+    (ratios near 1, so the band of a mask mode keeps some tokens and sequences and drops others); the
+    rows ``truncated`` end at max_new_tokens (finish_reason "length")."""
+    groups = fake_groups(n_groups, seed=seed, binary_reward=False)
+    batch = collate_groups(groups)
+    with torch.no_grad():
+        logp, _ = full_logprobs(model, batch, temperature)
+    g = torch.Generator().manual_seed(seed + 1)
+    row = 0
+    for group in groups:
+        for s in group.samples:
+            p = len(s.prompt_ids)
+            true = logp[row, p : p + len(s.completion_ids)]
+            s.logprobs = (true + 0.15 * torch.randn(true.shape, generator=g)).tolist()
+            if row in truncated:
+                s.finish_reason = "length"
+            row += 1
+    return groups

@@ -553,10 +553,11 @@ def grpo_kwargs(cfg, out_dir: Path, max_steps: int, device: str = "cpu") -> dict
 
     Raises:
         ValueError: the recipe has no TRL equivalent here (sequence-mean loss, KL, a PPO trainer,
-            an objective other than plain GRPO: app/config.py TrainerConfig.objective).
+            an objective other than plain token-mean GRPO with one optimizer step a batch:
+            app/config.py TrainerConfig.objective).
     """
     t, r = cfg.trainer, cfg.rollout
-    if t.algorithm != "grpo" or t.kl_coef > 0 or t.loss_agg != "token-mean" or t.objective() != "grpo":
+    if t.algorithm != "grpo" or t.kl_coef > 0 or t.objective() != "grpo+agg=token-mean":
         raise ValueError("bench loop compares the token-mean GRPO recipe without KL "
                          f"(trainer.algorithm={t.algorithm}, kl_coef={t.kl_coef}, loss_agg={t.loss_agg}, "
                          f"objective={t.objective()})")

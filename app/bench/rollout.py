@@ -44,6 +44,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from app.bench.results import print_notes_and_write
+from app.names import ROUTER_API_KEY_ENV
 
 @dataclass
 class RolloutBench:
@@ -215,7 +216,8 @@ async def _compare_async(bench: RolloutBench, cfg, prompts: list[str], concurren
     lanes = len(bench.urls) * concurrency
     engines = [EngineClient(u, timeout_s=bench.request_timeout_s, retries=0, max_connections=lanes + 4, api_key=key)
                for u in bench.urls]
-    router = EngineClient(bench.router_url, timeout_s=bench.request_timeout_s, retries=0, max_connections=lanes + 4)
+    router = EngineClient(bench.router_url, timeout_s=bench.request_timeout_s, retries=0, max_connections=lanes + 4,
+                          api_key=os.environ.get(ROUTER_API_KEY_ENV) or None)  # the router's --api-key, if any
     try:
         deadline = time.monotonic() + bench.wait_s
         for c in [*engines, router]:

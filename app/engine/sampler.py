@@ -251,6 +251,9 @@ class DecodeBatch:
         self.temperature = torch.zeros(0, dtype=torch.float32, device=self.device)
         self.top_p = torch.zeros(0, dtype=torch.float32, device=self.device)
         self.rows: list[tuple[object, SamplingParams, set[int], Completion]] = []
+        # Rows that end with their next token (finish_reason abort), as SGLang ends a running
+        # request it aborts: ``req.to_finish``, one more decode pass (`finish_after_next`).
+        self.to_finish: set = set()
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -330,11 +333,17 @@ class DecodeBatch:
                 out.routed_experts.append(routed[r])
         return self._record(tokens, logps, 0)
 
+    def finish_after_next(self, keys) -> None:
+        """End the rows ``keys`` after their next token with finish_reason abort, whatever
+        that token is (SGLang ``Req.update_finish_state`` checks ``to_finish`` first)."""
+        self.to_finish |= set(keys) & {key for key, _, _, _ in self.rows}
+
     def take_all(self) -> list[tuple[object, Completion]]:
         """Remove every row (pause ``abort`` / ``retract``): (key, partial completion) per row,
         each with at least one token; the batch is empty afterwards."""
         rows = [(key, _finalize(out)) for key, _, _, out in self.rows]
         self.rows = []
+        self.to_finish = set()
         self.cache = None
         self.mask = self.mask[:0, :0]
         self.next_pos, self.pending = self.next_pos[:0], self.pending[:0]
@@ -348,7 +357,11 @@ class DecodeBatch:
             key, p, stops, out = self.rows[r]
             out.token_ids.append(tok)
             out.logprobs.append(lp)
-            if tok in stops:
+            if key in self.to_finish:
+                self.to_finish.discard(key)
+                out.finish_reason = "abort"
+                done.append((key, _finalize(out)))
+            elif tok in stops:
                 out.finish_reason, out.matched_stop = "stop", tok
                 done.append((key, _finalize(out)))
             elif len(out.token_ids) >= p.max_new_tokens:

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ class _Pending:
     future: asyncio.Future
     # A sequence retracted by a pause: its tokens so far (the new prompt ends with them).
     prefix: Completion | None = None
-    rid: str = ""  # SGLang's request id (meta_info.id); /abort_request matches its prefix
+    rid: str = ""  # SGLang's request id (meta_info.id); see `Engine.abort`
 
 
 # SGLang 0.5.23's finish_reason of an aborted request: a running one ends with FINISH_ABORT()
@@ -37,6 +38,10 @@ class _Pending:
 # generated so far and their logprobs (no status_code: not an error).
 ABORT_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 ABORT_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
+
+
+class DuplicateRid(ValueError):
+    """A request id already in flight (SGLang ``TokenizerManager._init_req_state``: HTTP 400)."""
 
 
 @dataclass
@@ -70,10 +75,17 @@ class Engine:
       - paused: the swap happens at once (SGLang skips its model-update lock while paused);
       - every update reloads the checkpoint, also one that names the version already served
         (SGLang has no such no-op);
-      - `pause` modes: ``abort`` ends every live and waiting sequence now (finish_reason
-        abort), ``retract`` takes the live rows out and queues them first again (re-prefilled
-        with their tokens so far after `resume`), ``in_place`` holds the rows as they are.
+      - `pause` modes: ``abort`` ends every live and waiting sequence (``abort_all``, see
+        `abort`), ``retract`` takes the live rows out and queues them first again (re-prefilled
+        with their tokens so far after `resume`), ``in_place`` holds the rows as they are; in
+        every mode a request that arrives while paused is held before the queue (SGLang's
+        tokenizer manager waits on ``is_pause`` after registering its rid) and joins it on
+        `resume`.
     A response reports the weight_version served when its sequence finished.
+
+    Request ids and aborts follow 0.5.23 too (`abort`): every sequence in flight has a rid (its
+    ``meta_info.id``), a rid in flight twice is refused (`DuplicateRid`), and an abort names a
+    rid exactly.
 
     Args:
         loaded: the initial checkpoint (see `load_checkpoint`).
@@ -107,6 +119,9 @@ class Engine:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.stats = EngineStats()
         self.waiting: deque[_Pending] = deque()
+        self.held: list[_Pending] = []  # arrived while paused: not queued until `resume`
+        self.rids: dict[str, _Pending] = {}  # every sequence in flight by rid (the tokenizer's rid_to_state)
+        self._abort_sent: set[str] = set()  # rids an abort already named (SGLang ``state.abort_sent``)
         self.paused = False
         self.pause_mode = "abort"
         self.updates = 0  # weight updates waiting for the batch to drain
@@ -114,7 +129,7 @@ class Engine:
         self.last_progress = 0.0  # time.monotonic() of the last forward that finished
         self.batch: DecodeBatch | None = None
         self._owners: dict[int, _Pending] = {}
-        self._aborts: list[tuple[str, bool]] = []  # /abort_request (rid, abort_all) not yet applied
+        self._aborts: list[tuple[str, bool]] = []  # aborts (rid prefix, abort_all) the loop has yet to apply
         self._changed: asyncio.Event | None = None  # set whenever the loop should look again
         self._paused_ack: asyncio.Event | None = None  # set once the loop has applied a pause
         self._drained: asyncio.Event | None = None  # set while no row is live
@@ -143,10 +158,11 @@ class Engine:
                 await self._loop_task
             except asyncio.CancelledError:
                 pass
-        for item in list(self.waiting) + list(self._owners.values()):
+        for item in list(self.waiting) + self.held + list(self._owners.values()):
             if not item.future.done():
                 item.future.set_exception(RuntimeError("engine shutting down"))
         self.waiting.clear()
+        self.held.clear()
         self._owners.clear()
 
     def _new_batch(self) -> DecodeBatch:
@@ -161,15 +177,31 @@ class Engine:
         self, prompts: list[list[int]], params: list[SamplingParams], rids: list[str] | None = None,
     ) -> list[tuple[Completion, str]]:
         """Queue sequences and wait for them; returns (completion, weight_version) per sequence.
-        ``rids``: each sequence's request id (what `abort` matches), default none."""
+
+        rids: each sequence's request id (what `abort` names); default a fresh uuid each.
+
+        Raises:
+            DuplicateRid: one of ``rids`` is in flight already (nothing is queued).
+        """
+        rids = list(rids) if rids else [uuid.uuid4().hex for _ in prompts]
+        seen: set[str] = set()
+        for rid in rids:
+            if rid in self.rids or rid in seen:
+                raise DuplicateRid(f"Duplicate request ID detected: {rid}")
+            seen.add(rid)
         loop = asyncio.get_running_loop()
-        futures = []
-        for k, (prompt, p) in enumerate(zip(prompts, params)):
-            fut = loop.create_future()
-            self.waiting.append(_Pending(prompt, p, fut, rid=rids[k] if rids else ""))
-            futures.append(fut)
+        items = [_Pending(prompt, p, loop.create_future(), rid=rid) for prompt, p, rid in zip(prompts, params, rids)]
+        for item in items:
+            self.rids[item.rid] = item
+        (self.held if self.paused else self.waiting).extend(items)
         self._poke()
-        return list(await asyncio.gather(*futures))
+        try:
+            return list(await asyncio.gather(*(item.future for item in items)))
+        finally:
+            for item in items:
+                if self.rids.get(item.rid) is item:
+                    del self.rids[item.rid]
+                self._abort_sent.discard(item.rid)
 
     def _take_waiting(self, n: int) -> list[_Pending]:
         taken = []
@@ -186,6 +218,7 @@ class Engine:
                 completion.finish_reason, completion.matched_stop, completion.routed_experts)
         self.stats.sequences += 1
         self.stats.tokens += len(completion.token_ids)
+        self.stats.aborted += completion.finish_reason == "abort"
         if not item.future.done():
             item.future.set_result((completion, self.weight_version))
 
@@ -194,14 +227,18 @@ class Engine:
             self._changed.clear()
             if self._aborts:
                 self._apply_aborts()
-            if self.paused:
+            if self.held and not self.paused:  # after the aborts sent before /continue_generation
+                self.waiting.extend(self.held)
+                self.held.clear()
+            # A pause in mode abort lets the aborted rows take their last step first.
+            if self.paused and not (self.pause_mode == "abort" and len(self.batch)):
                 if not self._paused_ack.is_set():  # once per pause call: later arrivals wait
                     self._apply_pause()
                     self._paused_ack.set()
                 await self._changed.wait()
                 continue
             batch = self.batch
-            admit = not self.updates
+            admit = not self.updates and not self.paused
             if admit and self.waiting and not len(batch) and self.batch_wait_s > 0 and len(self.waiting) < self.max_batch:
                 await asyncio.sleep(self.batch_wait_s)  # let simultaneous requests share the prefill
                 if self.paused:
@@ -241,20 +278,13 @@ class Engine:
             self.live_rows = len(batch)
 
     def _apply_pause(self) -> None:
-        """What a pause does to the live rows and the queue, by mode (see the class doc)."""
-        if self.pause_mode == "in_place":
+        """What a pause does to the live rows, by mode (see the class doc); in mode abort they
+        are gone already (`pause` aborted every one, and they took their last step)."""
+        if self.pause_mode != "retract":
             return
         rows = self.batch.take_all()
         self.live_rows = 0
-        if self.pause_mode == "abort":  # SGLang: abort_request(abort_all=True)
-            ended = [(self._owners.pop(key), c) for key, c in rows]
-            for item in self.waiting:
-                self._end_aborted(item, None, ABORT_WAITING)
-            self.waiting.clear()
-            for item, c in ended:
-                self._end_aborted(item, c, ABORT_RUNNING)
-            return
-        for key, c in reversed(rows):  # retract: first in the queue again, in their order
+        for key, c in reversed(rows):  # first in the queue again, in their order
             self._retract(self._owners.pop(key), c)
         self._drained.set()
 
@@ -267,26 +297,36 @@ class Engine:
         self.stats.retracted += 1
 
     def _end_aborted(self, item: _Pending, c: Completion | None, reason: dict) -> None:
-        """Answer an aborted sequence with its tokens so far (a retracted one's earlier tokens
-        included, as `_deliver` adds them) and SGLang's finish_reason ``reason``."""
+        """Answer an aborted waiting sequence with SGLang's finish_reason ``reason`` and nothing
+        generated (a retracted one: its tokens so far, as `_deliver` adds them)."""
         if item.future.done():
             return
         c = c or Completion([], [], "abort")
         c.finish_reason, c.abort, c.routed_experts = "abort", dict(reason), None
-        self.stats.aborted += 1
         self._deliver(item, c)
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
-        """SGLang's /abort_request (``AbortReq``; managers/scheduler.py ``abort_request``): end
-        every sequence (``abort_all``) or those whose request id starts with ``rid``, waiting or
-        running, at the loop's next turn. Each answers with the tokens it generated so far, their
-        logprobs, and finish_reason abort (`ABORT_RUNNING` / `ABORT_WAITING`). An empty ``rid``
-        without ``abort_all`` is ignored, as SGLang ignores it (it would match every request).
-        Running rows that do not match are retracted and continue (re-prefilled with their
-        tokens so far): this batch cannot drop single rows mid-step."""
+        """SGLang 0.5.23's /abort_request (``TokenizerManager.abort_request``, then the
+        scheduler's ``abort_request``), applied at the loop's next turn:
+
+        - ``abort_all``: every sequence, waiting or running;
+        - else ``rid`` must name a sequence in flight exactly (``rid_to_state``); a rid nobody
+          has, a prefix of one, or a rid already aborted does nothing. One that is found goes
+          to the scheduler, which ends every sequence whose rid starts with it;
+        - an empty ``rid`` without ``abort_all`` is ignored (it would match every request).
+
+        A waiting sequence answers at once with nothing generated and "Abort in waiting queue"
+        (`ABORT_WAITING`); a running one runs one more decode step and answers with its tokens
+        and logprobs and ``FINISH_ABORT()`` (`ABORT_RUNNING`). Requests held by a pause are
+        not in the scheduler yet: an abort passes them by, and they run after `resume`.
+        """
         if not abort_all and not rid:
             log.warning("Ignore abort_request with empty rid and abort_all=False (as SGLang)")
             return
+        if not abort_all:
+            if rid not in self.rids or rid in self._abort_sent:
+                return
+            self._abort_sent.add(rid)
         self._aborts.append((rid, abort_all))
         self._poke()
 
@@ -294,7 +334,7 @@ class Engine:
         reqs, self._aborts = self._aborts, []
 
         def hit(item: _Pending) -> bool:
-            return any(every or (item.rid and item.rid.startswith(rid)) for rid, every in reqs)
+            return any(every or item.rid.startswith(rid) for rid, every in reqs)
 
         kept: deque[_Pending] = deque()
         for item in self.waiting:
@@ -303,19 +343,7 @@ class Engine:
             elif not item.future.done():
                 kept.append(item)
         self.waiting = kept
-        if not any(hit(item) for item in self._owners.values()):
-            return
-        rows = self.batch.take_all()
-        self.live_rows = 0
-        back = []
-        for key, c in rows:
-            item = self._owners.pop(key)
-            if hit(item):
-                self._end_aborted(item, c, ABORT_RUNNING)
-            else:
-                back.append((item, c))
-        for item, c in reversed(back):
-            self._retract(item, c)
+        self.batch.finish_after_next([key for key, item in self._owners.items() if hit(item)])
 
     # -- control ---------------------------------------------------------------------------
     async def pause(self, mode: str = "abort") -> None:
@@ -328,12 +356,15 @@ class Engine:
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
         self.paused, self.pause_mode = True, mode
+        if mode == "abort":  # SGLang: abort_request(abort_all=True), new requests held
+            self._aborts.append(("", True))
         self._paused_ack.clear()
         self._poke()
         await self._paused_ack.wait()
 
     def resume(self) -> None:
-        """Generate again (SGLang /continue_generation)."""
+        """Generate again (SGLang /continue_generation): the held requests join the queue at
+        the loop's next turn, after any abort sent before."""
         self.paused = False
         self._poke()
 

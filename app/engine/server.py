@@ -31,10 +31,12 @@ so that `app.rollout.engine_client.EngineClient` serves this engine and a real S
 - ``GET /health_generate``: 200 once a one-token request (or any other sequence) makes
   progress, 503 after ``--health-check-timeout`` (20 s) without: so 503 while paused, as SGLang.
   ``GET /health`` is the same unless ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false``.
-- ``POST /abort_request`` {``rid``, ``abort_all``} (SGLang ``AbortReq``): ends the matching
-  sequences (every one with ``abort_all``; else those whose ``meta_info.id`` starts with ``rid``)
-  with the tokens and logprobs generated so far and finish_reason ``{"type": "abort", "message":
-  "Aborted", ...}`` (running) or ``"Abort in waiting queue"`` (not started), HTTP 200 as SGLang.
+- ``POST /abort_request`` {``rid``, ``abort_all``} (SGLang ``AbortReq``): as SGLang 0.5.23
+  (`Engine.abort`): every sequence with ``abort_all``, else only when ``rid`` names one in flight
+  exactly (a request with ``n > 1`` gives every sample a fresh uuid, so its own rid names none);
+  a running one answers after one more token with its tokens and logprobs and ``{"type":
+  "abort", "message": "Aborted", ...}``, a waiting one with nothing and ``"Abort in waiting
+  queue"``; HTTP 200 either way. A rid already in flight is refused (HTTP 400).
 - ``POST /pause_generation`` {``mode``: abort (default, as SGLang) | retract | in_place} (see
   `Engine`), ``POST /continue_generation``, ``POST /flush_cache`` (``?timeout=``; no prefix cache
   here, but refused as SGLang refuses it: a live row, or a waiting one while not paused),
@@ -68,9 +70,10 @@ import typer
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from app.engine import auth
 from app.engine.load import LoadedModel, load_checkpoint
 from app.engine.sampler import Completion, SamplingParams
-from app.engine.scheduler import ABORT_RUNNING, PAUSE_MODES, Engine
+from app.engine.scheduler import ABORT_RUNNING, ABORT_WAITING, PAUSE_MODES, DuplicateRid, Engine
 
 log = logging.getLogger("moerl.engine")
 
@@ -200,10 +203,14 @@ def parse_generate(body: Any, loaded: LoadedModel) -> "GenerateRequest":
         raise BadRequest(f"routed_experts_start_len must be an integer in [0, prompt tokens], got {start!r}")
     if sum(n for _, n in parsed) > MAX_SEQUENCES:
         raise BadRequest(f"inputs x n = {sum(n for _, n in parsed)} sequences; at most {MAX_SEQUENCES} per request")
+    if len({n for _, n in parsed}) > 1:  # SGLang's own message (io_struct.GenerateReqInput)
+        raise BadRequest("The parallel_sample_num should be the same for all samples in sample params.")
     rid = body.get("rid")
-    if rid is not None and not (isinstance(rid, str) or isinstance(rid, list) and len(rid) == len(prompts)
-                                and all(isinstance(r, str) for r in rid)):
-        raise BadRequest(f"rid must be a string or one string per input ({len(prompts)}), got {rid!r}")
+    if rid is not None and not (isinstance(rid, str) or isinstance(rid, list) and all(isinstance(r, str) for r in rid)):
+        raise BadRequest("The rid should be a string or a list of strings.")
+    batch = not single or parsed[0][1] > 1  # SGLang makes one input with n > 1 a batch
+    if isinstance(rid, list) and (not batch or len(rid) != len(prompts)):
+        raise BadRequest("The specified rids length mismatch with the batch_size for batch processing.")
     return GenerateRequest(prompts, [p for p, _ in parsed], single, [n for _, n in parsed], bool(return_logprob),
                            routed, start, rid)
 
@@ -222,23 +229,28 @@ class GenerateRequest:
     rid: str | list[str] | None = None
 
     def sequence_rids(self) -> list[str]:
-        """One request id per sequence, input-major, as SGLang derives them
-        (``GenerateReqInput._normalize_rid``): none given, a fresh one each; one string for
-        several sequences, ``<rid>_<i>``; one per input, that input's (``_<j>`` per sample
-        when its n > 1)."""
-        total = sum(self.n)
-        if self.rid is None:
-            return [uuid.uuid4().hex for _ in range(total)]
+        """One request id per sequence, input-major, as SGLang 0.5.23 assigns them (the
+        ``meta_info.id`` of each answer, what /abort_request names): with ``n > 1`` every
+        sample gets a fresh uuid and the caller's rid is dropped (``TokenizerManager.
+        _handle_batch_request`` regenerates each one); else none given, a fresh uuid each; one
+        input, its rid; a batch, ``<rid>_<i>`` for one string (``_normalize_rid``) or the
+        list as given."""
+        if self.n[0] > 1 or self.rid is None:
+            return [uuid.uuid4().hex for _ in range(sum(self.n))]
+        if self.single:
+            return [self.rid]
         if isinstance(self.rid, str):
-            return [self.rid] if total == 1 else [f"{self.rid}_{i}" for i in range(total)]
-        return [r if n == 1 else f"{r}_{j}" for r, n in zip(self.rid, self.n) for j in range(n)]
+            return [f"{self.rid}_{i}" for i in range(len(self.prompts))]
+        return list(self.rid)
 
     def __iter__(self):  # (prompts, params, single, n, return_logprob), as callers unpack it
         return iter((self.prompts, self.params, self.single, self.n, self.return_logprob))
 
 
 def _response_item(completion: Completion, version: str, prompt_len: int, return_logprob: bool, tokenizer,
-                   routed_start: int | None = None, rid: str | None = None) -> dict:
+                   routed_start: int | None = None, rid: str | None = None, latency_s: float = 0.0) -> dict:
+    if completion.abort == ABORT_WAITING:
+        return _waiting_abort_item(completion, version, return_logprob, tokenizer, rid, latency_s)
     if completion.finish_reason == "stop":
         finish = {"type": "stop", "matched": completion.matched_stop}
     elif completion.finish_reason == "abort":
@@ -264,6 +276,21 @@ def _response_item(completion: Completion, version: str, prompt_len: int, return
     return {"text": text, "output_ids": completion.token_ids, "meta_info": meta}
 
 
+def _waiting_abort_item(completion: Completion, version: str, return_logprob: bool, tokenizer, rid: str | None,
+                        latency_s: float) -> dict:
+    """The answer of a sequence aborted before it ran, as SGLang's tokenizer manager writes it
+    (``_handle_abort_req``): no prompt or cached token counts, the tokens it had (none unless
+    it was retracted) and, with return_logprob, their logprobs."""
+    meta: dict[str, Any] = {"id": rid or uuid.uuid4().hex, "finish_reason": dict(ABORT_WAITING),
+                            "weight_version": version, "e2e_latency": latency_s}
+    if return_logprob:
+        out = [[lp, t, None] for lp, t in zip(completion.logprobs, completion.token_ids)]
+        meta.update(input_token_logprobs=[], output_token_logprobs=out, output_token_logprobs_length=len(out))
+    meta["completion_tokens"] = len(completion.token_ids)
+    text = tokenizer.decode(completion.token_ids, skip_special_tokens=True) if tokenizer is not None else ""
+    return {"text": text, "output_ids": completion.token_ids, "meta_info": meta}
+
+
 def _error(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
@@ -280,11 +307,14 @@ def _env_flag(name: str, default: bool) -> bool:
     raise ValueError(f"{name}={value!r} is not a valid boolean value")
 
 
-def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> FastAPI:
+def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S, *, api_key: str | None = None,
+               admin_api_key: str | None = None) -> FastAPI:
     """The FastAPI application serving `engine` (the loop starts with the app's lifespan).
 
     health_timeout_s: how long /health_generate waits for progress before answering 503
         (SGLang's ``SGLANG_HEALTH_CHECK_TIMEOUT``, 20 s).
+    api_key, admin_api_key: SGLang's ``--api-key`` and ``--admin-api-key``, asked of callers as
+        SGLang asks for them (app/engine/auth.py); None: not asked.
     ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false`` makes ``/health`` answer 200 without
     generating, as in SGLang (default true: ``/health`` is ``/health_generate``).
     """
@@ -304,7 +334,26 @@ def create_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> Fa
     add_generation_routes(app, engine)
     add_weight_routes(app, engine)
     add_control_routes(app, engine, health_timeout_s, health_generates)
+    if api_key or admin_api_key:
+        app.add_middleware(KeyCheck, api_key=api_key, admin_api_key=admin_api_key)
     return app
+
+
+class KeyCheck:
+    """ASGI middleware: SGLang's key check (app/engine/auth.py) in front of every route."""
+
+    def __init__(self, app, *, api_key: str | None, admin_api_key: str | None):
+        self.app, self.api_key, self.admin_api_key = app, api_key, admin_api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope.get("headers") or [])
+            authorization = headers.get(b"authorization")
+            if not auth.allowed(scope["method"], scope["path"], authorization.decode("latin-1") if authorization else None,
+                                self.api_key, self.admin_api_key):
+                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def add_generation_routes(app: FastAPI, engine: Engine) -> None:
@@ -324,15 +373,18 @@ def add_generation_routes(app: FastAPI, engine: Engine) -> None:
         for prompt, p, n in zip(req.prompts, req.params, req.n):
             flat_prompts += [prompt] * n
             flat_params += [p] * n
-        rids = req.sequence_rids()  # meta_info.id, what /abort_request matches
+        rids = req.sequence_rids()  # meta_info.id, what /abort_request names
+        t0 = time.monotonic()
         try:
             results = await engine.submit(flat_prompts, flat_params, rids)
+        except DuplicateRid as e:
+            return _error(str(e))
         except RuntimeError as e:
             return _error(str(e), status=500)
         tok = engine.loaded.tokenizer
         start = req.routed_experts_start_len if req.return_routed_experts and engine.capture_routing else None
         items = [
-            _response_item(c, v, len(pr), req.return_logprob, tok, start, rid)
+            _response_item(c, v, len(pr), req.return_logprob, tok, start, rid, time.monotonic() - t0)
             for (c, v), pr, rid in zip(results, flat_prompts, rids)
         ]
         return items[0] if req.single and req.n[0] == 1 else items
@@ -579,6 +631,13 @@ def serve(
                                               "(not an SGLang flag: SGLang uses torch's 30 min default)."),
     health_timeout: float = typer.Option(HEALTH_TIMEOUT_S, "--health-check-timeout", min=0.1,
                                          help="Seconds /health_generate waits (SGLANG_HEALTH_CHECK_TIMEOUT)."),
+    api_key: str = typer.Option(None, "--api-key", help="Ask callers for this key (as SGLang: every route but "
+                                "/health*; the admin routes too unless --admin-api-key is set)."),
+    admin_api_key: str = typer.Option(None, "--admin-api-key", help="Ask for this key on the weight-update, pause, "
+                                      "flush and abort routes (as SGLang)."),
+    config: Path = typer.Option(None, "--config", help="SGLang's --config YAML holding api-key and/or "
+                                "admin-api-key (app/rollout/keys.py writes one); flags given on the command "
+                                "line win, as in SGLang."),
 ) -> None:
     """Load MODEL_PATH and serve /generate, /update_weights_from_disk and friends on HOST:PORT."""
     import uvicorn
@@ -603,9 +662,16 @@ def serve(
         loaded = load_checkpoint(model_path, device, dtype)
     except FileNotFoundError as e:
         raise typer.BadParameter(str(e), param_hint="--model-path") from None
+    if config is not None:
+        try:
+            file_api, file_admin = auth.read_config_keys(config)
+        except (OSError, ValueError) as e:
+            raise typer.BadParameter(str(e), param_hint="--config") from None
+        api_key, admin_api_key = api_key or file_api, admin_api_key or file_admin
     engine = Engine(loaded, weight_version=weight_version, max_batch=max_batch, device=device, dtype=dtype,
                     seed=seed, capture_routing=routed_experts, weight_sync_timeout_s=weight_sync_timeout)
     log.info("serving %s (weight_version %s) on %s:%d, max_batch %d", model_path, weight_version, host, port, max_batch)
     t0 = time.monotonic()
-    uvicorn.run(create_app(engine, health_timeout), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(engine, health_timeout, api_key=api_key, admin_api_key=admin_api_key), host=host,
+                port=port, log_level="warning")
     log.info("engine stopped after %.0f s", time.monotonic() - t0)

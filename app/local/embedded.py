@@ -25,7 +25,7 @@ import httpx
 
 from app.buffer import ExperienceBuffer
 from app.buffer.acl import ROLES, server_args
-from app.names import PASSWORD_ENV, USER_ENV
+from app.names import PASSWORD_ENV, ROUTER_API_KEY_ENV, ROUTER_CONTROL_KEY_ENV, USER_ENV
 from app.buffer.redis_server import LocalRedis, free_port, new_password
 from app.config import RunConfig
 from app.layout import default_world
@@ -73,6 +73,8 @@ class EmbeddedLoop:
         self.passwords = {role: new_password() for role in ROLES}  # each role's Redis user (app/buffer/acl.py)
         self.engine_ports: dict[int, int] = {}
         self.router_port: int | None = None  # with rollout.router (`start_router`)
+        # The router's API key (workers' /generate) and control-plane key (their engines' registration).
+        self.router_keys = {ROUTER_API_KEY_ENV: new_password(), ROUTER_CONTROL_KEY_ENV: new_password()}
         self.env_port: int | None = None  # the environment server's (`start_env`)
         # Where the workers reach the environment: a server of the user's (env.url), or the
         # `moerl env` that `start_env` starts. Passed as --env-url, never written into run.yaml,
@@ -225,39 +227,43 @@ class EmbeddedLoop:
         )
         if self.cfg.env.name:
             argv += ["--env-url", self.env_url]
+        env = {**ONE_THREAD_ENV, **self.role_env("rollout")}
         if self.cfg.rollout.router:  # /generate to any engine; its own engine still gets the control calls
             argv += ["--router-url", self.router_url()]
-        return self.sup.start(f"worker-{i}", argv, {**ONE_THREAD_ENV, **self.role_env("rollout")})
+            env.update(self.router_keys)  # and it registers its engine there
+        return self.sup.start(f"worker-{i}", argv, env)
 
     def router_url(self) -> str:
         return f"http://127.0.0.1:{self.router_port}"
 
     def start_router(self, timeout_s: float = 60.0) -> Proc:
-        """Start SGLang's router (app/rollout/router.py) in front of every engine on a free
-        loopback port and wait until it counts every engine healthy (its ``/readiness``).
+        """Start SGLang's router (app/rollout/router.py) on a free loopback port, with an API key
+        and a control-plane key of its own, and wait until it answers; it starts with no engines:
+        each worker registers its own (`start_worker` passes both keys).
 
         Raises:
-            RoleFailed: the router exited, or not every engine was healthy there within `timeout_s`.
+            RoleFailed: the router exited, or did not answer within `timeout_s`.
         """
         from app.rollout.router import local_router_command
 
         self.router_port = self.router_port or free_port()
-        argv = local_router_command(self.cfg.rollout, [self.engine_url(i) for i in range(self.workers)],
-                                    self.router_port, free_port())
+        argv = local_router_command(self.cfg.rollout, self.router_port, free_port(),
+                                    api_key=self.router_keys[ROUTER_API_KEY_ENV],
+                                    control_key=self.router_keys[ROUTER_CONTROL_KEY_ENV])
         proc = self.sup.start("router", argv, ONE_THREAD_ENV)
         deadline, last = time.monotonic() + timeout_s, "no answer"
         while time.monotonic() < deadline:
             if not proc.alive():
                 raise RoleFailed(f"router exited with {proc.returncode()}:\n{proc.tail()}")
             try:
-                r = httpx.get(self.router_url() + "/readiness", timeout=5)
-                if r.status_code == 200 and r.json().get("healthy_workers") == self.workers:
+                r = httpx.get(self.router_url() + "/liveness", timeout=5)
+                if r.status_code == 200:
                     return proc
                 last = f"HTTP {r.status_code}: {r.text[:200]}"
-            except (httpx.TransportError, ValueError) as e:
+            except httpx.TransportError as e:
                 last = type(e).__name__
             time.sleep(0.5)
-        raise RoleFailed(f"router not ready with {self.workers} engines after {timeout_s:.0f}s ({last}):\n{proc.tail()}")
+        raise RoleFailed(f"router not answering after {timeout_s:.0f}s ({last}):\n{proc.tail()}")
 
     def pause_marker(self, i: int) -> Path:
         """The file worker `i` keeps while it holds engine `i` paused for a weight update."""

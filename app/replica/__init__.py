@@ -1,6 +1,6 @@
 """`moerl replica dist/`: every pod of the synthesized manifests, run as local processes.
 
-    moerl replica dist/ [--out runs/replica-<time>] [--steps 250] [--chaos/--no-chaos]
+    moerl replica dist/ [--out runs/replica-<time>] [--steps 250] [--chaos/--no-chaos] [--router]
 
 1. synthesizes (charts8s) the manifests of a small workload into ``dist/``: one trainer node
    running 2 processes (EP 2), 2 rollout pods, the env pool, the Redis buffer and the feed pod
@@ -61,10 +61,12 @@ def feed_run_dir(pod) -> Path:
     return pod_path(pod, RUN_DIR)
 
 
-def small_run_config(steps: int, base: Path):
+def small_run_config(steps: int, base: Path, router: bool = False):
     """The run config of the replica: `make run`'s tiny recipe (app/local/run.py `embedded_default`),
     starting from the warm-up checkpoint ``base``, with short drain and lease times so that a
-    deleted pod's work returns within the run, and held-out evaluation at the start and end."""
+    deleted pod's work returns within the run, and held-out evaluation at the start and end;
+    with ``router``, SGLang's router in front of the engines (its Deployment runs the real
+    sglang-router binary)."""
     from app.local.run import embedded_default
 
     cfg = embedded_default()
@@ -85,15 +87,17 @@ def small_run_config(steps: int, base: Path):
     cfg.feed.eval_every = steps  # v0 and the final version
     cfg.feed.eval_samples = 8  # 1600 completions per measurement: ~1 point of standard error
     cfg.feed.poll_s = 0.5
+    if router:
+        cfg.rollout.router, cfg.rollout.pause_mode = True, "abort"
     return cfg.validated()
 
 
-def write_workload(out: Path, steps: int, base: Path) -> tuple[Path, Path]:
+def write_workload(out: Path, steps: int, base: Path, router: bool = False) -> tuple[Path, Path]:
     """Write the small workload: run config, workloads file and deployment overrides (one more
     rollout-gpu node than dev's 2, for the feed pod's evaluation engine; the run among
     trainer_runs, as charts8s requires). Returns (workloads, overrides)."""
     out.mkdir(parents=True, exist_ok=True)
-    run = small_run_config(steps, base)
+    run = small_run_config(steps, base, router)
     run.save(out / "run.yaml")
     wl = {"run_config": str(out / "run.yaml"), "trainer": {"nodes": 1},
           "rollout": {"replicas": 2, "model_path": str(base), "drain_margin_s": 2},
@@ -252,8 +256,11 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
             time.sleep(0.5)
         say(f"  {time.time() - started:5.0f}s trainer Job completed at step {progress(cluster)}; draining")
         # Rollout pods drain (their unfinished tasks go back to the queue) before Redis is read.
-        cluster.delete_workloads([w.name for w in m.workloads if w.kind not in ("StatefulSet", "Job")])
-        buffer_pod = next(p for p in cluster.pods.values() if cluster.owner[p.name].kind == "StatefulSet")
+        # (With the router the rollout pods are a StatefulSet too: the buffer is told by name.)
+        from charts8s.cluster import BUFFER_SERVICE
+
+        cluster.delete_workloads([w.name for w in m.workloads if w.kind != "Job" and w.name != BUFFER_SERVICE])
+        buffer_pod = next(p for p in cluster.pods.values() if cluster.owner[p.name].name == BUFFER_SERVICE)
         from charts8s.buffer import ADMIN_KEY
 
         password = next(v[ADMIN_KEY] for v in secret_values.values() if ADMIN_KEY in v)  # the default user's
@@ -283,6 +290,7 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
         "job_restarts": cluster.job_state.get(job, {}).get("retries", 0),
         "pods": [{"name": p.name, "ip": p.ip, "phase": p.phase, "dir": str(p.root),
                   "restarts": {c.name: c.restarts for c in p.containers}} for p in cluster.history],
+        "services": dict(cluster.cluster_ips),  # Service name -> its address here
         "substitutions": sorted({f"{c}: {note}" for _, c, note in cluster.subs.log}),
         "pod_identity_calls": cluster.agent.calls,
     }
@@ -336,6 +344,8 @@ def replica(
     timeout_s: float = typer.Option(1800.0, "--timeout-s", min=10, help="Limit for the trainer's Job."),
     image_repo: Path = typer.Option(REPO, "--image-repo", help="The repository the pods' image holds (PYTHONPATH); "
                                     "another checkout runs its code in the same manifests."),
+    router: bool = typer.Option(False, "--router/--no-router", help="SGLang's router in front of the engines "
+                                "(rollout.router; the real sglang-router binary, with its keys)."),
 ) -> None:
     """Synthesize a small workload and run every pod of it locally; exit 1 if the ledger is not clean."""
     from app.replica.manifests import ManifestError
@@ -356,7 +366,7 @@ def replica(
         typer.echo(f"replica: the tiny recipe's warm-up checkpoint (cached in {cache})")
         base = warm_base(cache, steps)
         typer.echo(f"replica: synthesizing the small workload into {dist}")
-        workloads, overrides = write_workload(out / "workload", steps, base)
+        workloads, overrides = write_workload(out / "workload", steps, base, router)
         from infra.config import load_config
 
         build(load_workloads(load_config("dev", overrides), workloads), dist)

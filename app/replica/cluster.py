@@ -184,6 +184,10 @@ class Cluster:
             for n in (f"{name}.{w.name}.{self.namespace}.svc.cluster.local", f"{name}.{w.name}.{self.namespace}"):
                 self._names[n] = ip
             pod.on_restart = self._lws_restart
+        governing = w.doc.get("spec", {}).get("serviceName") if w.kind == "StatefulSet" else None
+        if governing:  # a StatefulSet pod's own name under its headless Service (the router reaches engines so)
+            for n in (f"{name}.{governing}.{self.namespace}.svc.cluster.local", f"{name}.{governing}.{self.namespace}"):
+                self._names[n] = ip
         with self._lock:
             self.pods[name] = pod
             self.history.append(pod)

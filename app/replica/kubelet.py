@@ -114,8 +114,10 @@ class Substitutions:
             return [*argv, "--bind", pod_ip], f"network: redis-server --bind {pod_ip} (its pod's address)"
         if argv[:3] == ["python3", "-m", "sglang.launch_server"] or argv[:2] == ["sglang", "serve"]:
             keep = {"--model-path": None, "--host": "127.0.0.1", "--port": "30000"}
-            # The SGLang flags the built-in engine shares (app/engine/server.py `serve`).
-            shared = {"--weight-version", "--max-running-requests", "--enable-return-routed-experts"}
+            # The SGLang flags the built-in engine shares (app/engine/server.py `serve`); --config
+            # holds the engine's keys (charts8s/rollout.py `keyed_engine`).
+            shared = {"--weight-version", "--max-running-requests", "--enable-return-routed-experts", "--config",
+                      "--api-key", "--admin-api-key"}
             carried: list[str] = []
             dropped, i = [], 2 if argv[0] == "sglang" else 3
             while i < len(argv):

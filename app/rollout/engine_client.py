@@ -43,17 +43,11 @@ import base64
 import httpx
 import numpy as np
 
+# The routes SGLang 0.5.23 marks ADMIN_OPTIONAL (with --admin-api-key set they take that key, and
+# only it): one list for this client and the built-in engine.
+from app.engine.auth import ADMIN_ROUTES
 # The engine keys' variables; app/rollout/worker.py still imports them from here.
 from app.names import ADMIN_API_KEY_ENV, API_KEY_ENV  # noqa: F401
-
-# The routes this client calls that SGLang 0.5.23 marks ``@auth_level(AuthLevel.ADMIN_OPTIONAL)``
-# (sglang/srt/entrypoints/http_server.py): with --admin-api-key set they take that key, and only it.
-ADMIN_ROUTES = frozenset({
-    "/update_weights_from_disk", "/init_weights_update_group", "/destroy_weights_update_group",
-    "/begin_weight_update", "/end_weight_update", "/update_weights_from_distributed",
-    "/pause_generation", "/continue_generation", "/flush_cache", "/abort_request",
-})
-
 
 class EngineError(RuntimeError):
     """The engine answered with an error, or did not answer within the retries; names the URL.
@@ -251,8 +245,9 @@ class EngineClient:
             return_routed_experts: ask for ``meta_info.routed_experts`` (see the module doc).
             routed_experts_start_len: the first position they cover (SGLang ``GenerateReqInput``:
                 rows ``[start, prompt + completion - 1)``, start in ``[0, prompt tokens]``).
-            rid: the request id (SGLang ``GenerateReqInput.rid``; with several sequences each
-                gets ``rid_<i>``), what `abort_request` matches by prefix; None: the engine's own.
+            rid: the request id (SGLang ``GenerateReqInput.rid``), what `abort_request` names:
+                kept only for one input with ``n == 1`` (a batch gets ``rid_<i>``; with ``n > 1``
+                SGLang 0.5.23 gives every sample a fresh id); None: the engine's own.
 
         Returns:
             ``len(prompts) * n`` outputs, input-major (prompt i, sample j at ``i * n + j``).
@@ -395,8 +390,9 @@ class EngineClient:
         await self._request("POST", "/pause_generation", json={"mode": mode})
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        """POST /abort_request {rid, abort_all} (SGLang ``AbortReq``): end the requests whose id
-        starts with ``rid`` (every one with ``abort_all``). Their /generate calls answer HTTP 200
+        """POST /abort_request {rid, abort_all} (SGLang ``AbortReq``): end the request whose id is
+        ``rid`` exactly (SGLang 0.5.23 then ends every one whose id starts with it), or every one
+        with ``abort_all``; a rid not in flight ends nothing. Their /generate calls answer HTTP 200
         with the tokens generated so far, their logprobs and finish_reason ``abort``. Sent once,
         never retried (an abort that comes late ends nothing it should not)."""
         if not abort_all and not rid:

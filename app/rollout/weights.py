@@ -13,8 +13,9 @@ The weight-update state machine (`change`), the same for a disk load and a netwo
 1. stop admission: no new /generate starts (`generating` waits);
 2. wait until idle: the worker's in-flight requests finish on the old weights (so no sequence
    mixes two versions), bounded for a push by its ready budget; with ``rollout.partial_rollout``
-   they are aborted instead (SGLang /abort_request) and answer at once with their tokens so
-   far, which the worker resumes on the new weights (a sample then has version segments);
+   they are aborted instead (SGLang /abort_request with ``abort_all``: the engine is this
+   worker's alone) and answer at once with their tokens so far, which the worker resumes on
+   the new weights (a sample then has version segments);
 3. pause: the pause marker is written for the probes (``hold_s``), then /pause_generation
    (``rollout.pause_mode``);
 4. swap: the caller's body (flush, then /update_weights_from_disk, or the push's buckets);
@@ -33,7 +34,6 @@ import logging
 import os
 import shutil
 import time
-import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -71,12 +71,14 @@ class WeightChange:
         t0 = time.monotonic()
         try:
             if self.w.r.partial_rollout:
-                await self.w.abort_in_flight()
+                await self.w.abort_in_flight(within_s)
             if within_s is None:
                 await self.w.idle.wait()
                 return True
+            if self.w.idle.is_set():
+                return True
             try:
-                await asyncio.wait_for(self.w.idle.wait(), within_s)
+                await asyncio.wait_for(self.w.idle.wait(), max(0.0, t0 + within_s - time.monotonic()))
                 return True
             except asyncio.TimeoutError:
                 return False
@@ -146,11 +148,8 @@ class EngineWeights:
         self.idle.set()
         # A disk update whose answer never came: (version, when it may be sent again).
         self.unanswered: tuple[int, float] | None = None
-        # Partial rollout: this worker's request ids share a prefix that /abort_request matches
-        # (SGLang aborts by rid prefix); abort_epoch counts this worker's aborts, so a request
-        # tells an abort of ours (resumed) from anyone else's (an engine error, as before).
-        self.rid_prefix = f"moerl-{worker_id}-{uuid.uuid4().hex[:8]}-"
-        self._rids = 0
+        # Partial rollout: abort_epoch counts this worker's aborts, so a request tells an abort of
+        # ours (resumed) from anyone else's (an engine error, as before).
         self.abort_epoch = 0
 
     # -- admission --------------------------------------------------------------------------
@@ -167,24 +166,32 @@ class EngineWeights:
             if self.in_flight == 0:
                 self.idle.set()
 
-    def new_rid(self) -> str:
-        """A request id of this worker (`rid_prefix` + a counter)."""
-        self._rids += 1
-        return f"{self.rid_prefix}{self._rids}"
-
-    async def abort_in_flight(self) -> None:
-        """Abort this worker's requests on the engine (/abort_request with ``rid_prefix``); each
-        answers with the tokens and logprobs it has so far (finish_reason abort). An engine
-        that does not answer is waited for instead, as without partial rollout."""
+    async def abort_in_flight(self, within_s: float | None = None, every_s: float = 1.0) -> None:
+        """Abort this worker's requests on its engine: /abort_request ``abort_all`` (slime and
+        Miles do the same), sent again every ``every_s`` seconds while any is still in flight
+        (one that was between SGLang's tokenizer and scheduler, e.g. an ``n > 1`` request's
+        samples, which 0.5.23 sends after their shared prefill, escapes an abort). Every aborted
+        request answers with the tokens and logprobs it has (finish_reason abort). Not by rid:
+        SGLang 0.5.23 matches a rid exactly and gives each sample of an ``n > 1`` request a
+        fresh one. The engine serves this worker alone (`app.config` refuses partial rollout
+        behind the router). An engine that does not answer is waited for instead; the aborts
+        stop after ``within_s`` (None: none) and the caller's wait decides."""
         if not self.in_flight:
             return
         self.abort_epoch += 1
-        try:
-            await self.client.abort_request(rid=self.rid_prefix)
-            self.stats.partial_aborts += 1
-        except EngineError as e:
-            log.warning("%s: /abort_request failed (%s); waiting for the in-flight requests instead",
-                        self.worker_id, e)
+        self.stats.partial_aborts += 1
+        deadline = None if within_s is None else time.monotonic() + within_s
+        while self.in_flight and (deadline is None or time.monotonic() < deadline):
+            try:
+                await self.client.abort_request(abort_all=True)
+            except EngineError as e:
+                log.warning("%s: /abort_request failed (%s); waiting for the in-flight requests instead",
+                            self.worker_id, e)
+                return
+            try:
+                await asyncio.wait_for(self.idle.wait(), every_s)
+            except asyncio.TimeoutError:
+                pass
 
     async def sleep_or_stop(self, seconds: float) -> None:
         """Sleep ``seconds``, or less if the worker is told to stop."""

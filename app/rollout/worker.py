@@ -40,14 +40,16 @@ experience buffer (`app.buffer.ExperienceBuffer`). One asyncio loop:
    way before the worker leases again. The engine's weights (lock, admission, marker, version,
    the update's state machine) are one `app.rollout.weights.EngineWeights`, which the network
    push (app/rollout/weight_sync.py) drives as well. With ``rollout.partial_rollout`` an update
-   aborts the in-flight requests instead of waiting for them (SGLang /abort_request by this
-   worker's rid prefix); each aborted completion keeps its tokens and logprobs and is resumed on
+   aborts the in-flight requests instead of waiting for them (SGLang /abort_request with
+   abort_all, on the worker's own engine); each aborted completion keeps its tokens and logprobs and is resumed on
    the new weights (`RolloutWorker._resume`), its sample then carrying ``version_segments`` and
    the oldest version as ``policy_version``.
 
-With ``rollout.router`` (app/rollout/router.py), /generate goes to the router (``--router-url``)
-and may land on any engine; every control call above still goes to the worker's own engine
-(``--engine-url``). The sample's version is then always the answer's ``meta_info.weight_version``,
+With ``rollout.router`` (app/rollout/router.py), /generate goes to the router (``--router-url``,
+with the router's API key) and may land on any engine; every control call above still goes to the
+worker's own engine (``--engine-url``). The worker registers its engine with the router (its
+control-plane key) once the engine is healthy and at the current version, checks every
+``REGISTER_EVERY_S`` that the router still lists it, and takes it out when it drains. The sample's version is then always the answer's ``meta_info.weight_version``,
 and an answer aborted by another worker's update (pause mode abort) is sent again.
 
 SIGTERM (Spot notice) / SIGINT: stop leasing, let in-flight groups finish within
@@ -73,8 +75,10 @@ import typer
 from app.buffer.health import MAX_REASONS_PER_WORKER, OTHER, failure_reason
 from app.buffer.records import Sample, Task
 from app.config import RunConfig
+from app.names import ENGINE_KEYS_FILE_ENV, ROUTER_API_KEY_ENV, ROUTER_CONTROL_KEY_ENV
 from app.rollout.engine_client import ADMIN_API_KEY_ENV, API_KEY_ENV, EngineClient, EngineError, GenOutput
 from app.rollout.episodes import GroupFailed
+from app.rollout.router import REGISTER_EVERY_S
 from app.rollout.scoring import RewardPool, ScoreFn, score_fn_for
 from app.rollout.weights import EngineWeights
 
@@ -137,15 +141,18 @@ class RolloutWorker:
         gen_client: where /generate goes: the router (``rollout.router``, app/rollout/router.py),
             which may send it to any engine; None: ``client``, the worker's own engine. Every
             control call (version, pause, flush, updates, health) goes to ``client`` either way.
+        registration: the `app.rollout.router.RouterRegistration` of this worker's engine (with
+            the router): registered before the first lease, kept listed, removed at the drain.
     """
 
     def __init__(
         self, cfg: RunConfig, buffer: Any, client: EngineClient, worker_id: str, *,
         score_fn: ScoreFn | None = None, store: Any = None, max_groups: int | None = None,
         pause_marker: str | os.PathLike | None = None, metrics: Any = None, group: Any = None,
-        gen_client: EngineClient | None = None,
+        gen_client: EngineClient | None = None, registration: Any = None,
     ):
         self.cfg = cfg
+        self.registration = registration
         self.r = cfg.rollout
         self.buffer = buffer
         self.client = client
@@ -333,7 +340,6 @@ class RolloutWorker:
                 task.prompt_ids, n=task.group_size, max_new_tokens=self.r.max_new_tokens,
                 temperature=self.r.temperature, top_p=self.r.top_p, return_routed_experts=self.r.routing_replay,
                 routed_experts_start_len=len(task.prompt_ids) if self.r.routing_replay else 0,
-                rid=self.weights.new_rid() if self.r.partial_rollout else None,
             )
         if self.r.partial_rollout:
             outs = await self._resume(task.prompt_ids, outs, epoch)
@@ -388,7 +394,7 @@ class RolloutWorker:
                 epoch = self.weights.abort_epoch
                 more = await asyncio.gather(*(self.client.generate(
                     prompt + [t for p in pieces[j] for t in p.token_ids], n=1, max_new_tokens=budget[j],
-                    temperature=self.r.temperature, top_p=self.r.top_p, rid=self.weights.new_rid()) for j in todo))
+                    temperature=self.r.temperature, top_p=self.r.top_p) for j in todo))
             for j, (o,) in zip(todo, more):
                 pieces[j].append(o)
         return [ps[0] if len(ps) == 1 else self._joined(ps) for ps in pieces]
@@ -617,9 +623,17 @@ class RolloutWorker:
             from app.rollout.weight_sync import PushMember
 
             pushes = asyncio.create_task(PushMember(self.weights, buffer=self.buffer).run())
+        next_register = 0.0
         try:
             await self.warm_up()  # before the first lease: the first batch must not be timeouts
+            if self.registration is not None:
+                await self.sync_policy()  # the router sends other workers' requests here: current weights first
+                next_poll = time.monotonic() + self.r.policy_poll_s
             while not self._stop.is_set():
+                if self.registration is not None and time.monotonic() >= next_register:
+                    # Before the health checks: behind a router that lists no engine they fail until one registers.
+                    await self.registration.ensure()
+                    next_register = time.monotonic() + REGISTER_EVERY_S
                 if self.weights.suspect:
                     sick = None
                     for c in dict.fromkeys((self.client, self.gen_client)):  # the router too, when routed
@@ -690,7 +704,10 @@ class RolloutWorker:
         return self.stats
 
     async def _drain(self, inflight: dict[asyncio.Task, Task]) -> None:
-        """Finish in-flight groups within drain_grace_s, publish them, release the rest."""
+        """Take the engine out of the router's list, finish in-flight groups within
+        drain_grace_s, publish them, release the rest."""
+        if self.registration is not None:
+            await self.registration.remove()  # no new requests from other workers; the pod is going
         self.weights.admitting.set()  # a weight swap interrupted by the signal must not block the drain
         deadline = time.monotonic() + self.r.drain_grace_s
         to_release: list[Task] = []
@@ -712,10 +729,33 @@ class RolloutWorker:
         self._buffer_thread.shutdown(wait=True)
 
 
+def router_clients(cfg: RunConfig, router_url: str, engine_url: str) -> tuple[EngineClient, Any]:
+    """The worker's client of the router (/generate, with the key in ``$MOERL_ROUTER_API_KEY``:
+    the router asks for it and sends none on to the engines) and its engine's registration there
+    (the control-plane key in ``$MOERL_ROUTER_CONTROL_KEY``; ``engine_url`` as the router reaches
+    the engine).
+
+    Raises:
+        ValueError: no control-plane key.
+    """
+    from app.rollout.router import RouterRegistration
+
+    control_key = os.environ.get(ROUTER_CONTROL_KEY_ENV)
+    if not control_key:
+        raise ValueError(f"rollout.router is on but ${ROUTER_CONTROL_KEY_ENV} is empty: the worker registers its "
+                         "engine with the router's control-plane key")
+    gen_client = EngineClient(
+        router_url, timeout_s=cfg.rollout.request_timeout_s, retries=cfg.rollout.engine_retries,
+        backoff_s=cfg.rollout.retry_backoff_s, max_connections=cfg.rollout.inflight_tasks() + 8,
+        api_key=os.environ.get(ROUTER_API_KEY_ENV) or None)
+    return gen_client, RouterRegistration(router_url, engine_url, control_key)
+
+
 async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_groups: int | None = None,
                      pause_marker: str | None = None, metrics_port: int = 0, metrics_addr: str = "0.0.0.0",
                      metrics_every_s: float = 5.0, engine_group: str | None = None,
-                     group_size: int | None = None, router_url: str | None = None) -> WorkerStats:
+                     group_size: int | None = None, router_url: str | None = None,
+                     router_engine_url: str | None = None) -> WorkerStats:
     """Connect to the buffer and the engine, run a `RolloutWorker` until SIGTERM/SIGINT, drain.
 
     metrics_port: serve the worker's counters (WorkerStats, refreshed every `metrics_every_s`
@@ -723,35 +763,44 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
         ``http://<metrics_addr>:<port>/metrics`` (app.metrics); 0: no endpoint.
     engine_group, group_size: the leader address and pod count of a multi-node engine whose
         pods fetch the versions themselves (app/rollout/group.py); None: one-node engine.
-    router_url: send /generate there (SGLang's router, app/rollout/router.py); control calls
-        still go to ``engine_url``. None: everything to ``engine_url``.
+    router_url: send /generate there (SGLang's router, app/rollout/router.py) with the key in
+        ``$MOERL_ROUTER_API_KEY``, and register the engine there with the control-plane key in
+        ``$MOERL_ROUTER_CONTROL_KEY``; control calls still go to ``engine_url``. None: everything
+        to ``engine_url``.
+    router_engine_url: the engine's URL as the router reaches it (default ``engine_url``).
+    The engine's own keys: the file in ``$MOERL_ENGINE_KEYS_FILE`` (app/rollout/keys.py), else
+    ``$MOERL_ENGINE_API_KEY`` and ``$MOERL_ENGINE_ADMIN_API_KEY``; none: the engine asks for none.
 
     Raises:
-        ValueError: ``rollout.reward_fn`` cannot be imported, or ``store_url`` is invalid.
+        ValueError: ``rollout.reward_fn`` cannot be imported, ``store_url`` is invalid, the keys
+            file cannot be read, or the router's control-plane key is missing.
         ConnectionError (or the buffer's own error): Redis unreachable; names the URL.
         TimeoutError: the engine is not healthy within ``rollout.request_timeout_s``.
     """
     from app.buffer import ExperienceBuffer
+    from app.engine.auth import read_config_keys
     from app.storage import open_store
 
     score_fn = score_fn_for(cfg)
     # Open the store now: a bad store_url must fail at start, not at the first policy version.
     store = open_store(cfg.store_url)
+    keys_file = os.environ.get(ENGINE_KEYS_FILE_ENV)
+    if keys_file:  # an engine on the pod network asks for its own admin key (charts8s/rollout.py)
+        try:
+            api_key, admin_key = read_config_keys(keys_file)
+        except OSError as e:
+            raise ValueError(f"${ENGINE_KEYS_FILE_ENV}: cannot read {keys_file}: {e}") from None
+    else:
+        api_key, admin_key = os.environ.get(API_KEY_ENV) or None, os.environ.get(ADMIN_API_KEY_ENV) or None
+    gen_client, registration = router_clients(cfg, router_url, router_engine_url or engine_url) if router_url \
+        else (None, None)
     buffer = ExperienceBuffer.from_config(cfg)
     client = EngineClient(
         engine_url, timeout_s=cfg.rollout.request_timeout_s, retries=cfg.rollout.engine_retries,
         backoff_s=cfg.rollout.retry_backoff_s,
         # One connection per in-flight group, plus the control calls (versions, health, updates).
-        max_connections=cfg.rollout.inflight_tasks() + 8,
-        # an engine on the pod network (several nodes) asks for SGLang's keys (charts8s/rollout.py)
-        api_key=os.environ.get(API_KEY_ENV) or None, admin_api_key=os.environ.get(ADMIN_API_KEY_ENV) or None,
+        max_connections=cfg.rollout.inflight_tasks() + 8, api_key=api_key, admin_api_key=admin_key,
     )
-    gen_client = None
-    if router_url:
-        # The router takes no admin key; it sends the engines' API key itself (its --api-key).
-        gen_client = EngineClient(
-            router_url, timeout_s=cfg.rollout.request_timeout_s, retries=cfg.rollout.engine_retries,
-            backoff_s=cfg.rollout.retry_backoff_s, max_connections=cfg.rollout.inflight_tasks() + 8)
     metrics = server = reporter = None
     if metrics_port:
         from app.metrics import RunMetrics, serve
@@ -764,7 +813,8 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
 
         group = EngineGroup.of(buffer, engine_group, group_size or 1)
     worker = RolloutWorker(cfg, buffer, client, worker_id, score_fn=score_fn, store=store, max_groups=max_groups,
-                           pause_marker=pause_marker, metrics=metrics, group=group, gen_client=gen_client)
+                           pause_marker=pause_marker, metrics=metrics, group=group, gen_client=gen_client,
+                           registration=registration)
     if metrics is not None:
         async def report() -> None:
             while True:
@@ -795,6 +845,7 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
         await client.aclose()
         if gen_client is not None:
             await gen_client.aclose()
+            await registration.aclose()
         close = getattr(buffer, "close", None)
         if callable(close):
             close()
@@ -821,6 +872,9 @@ def rollout(
     router_url: str = typer.Option(None, "--router-url", help="With rollout.router: the router's URL "
                                    "(default: rollout.router_url); /generate goes there, control calls to "
                                    "--engine-url."),
+    router_engine_url: str = typer.Option(None, "--router-engine-url", help="With rollout.router: the engine's "
+                                          "URL as the router reaches it, which the worker registers there "
+                                          "(default: --engine-url)."),
     env_url: str = typer.Option(None, "--env-url", help="Environment server (default: env.url; moerl run "
                                 "passes the `moerl env` it started)."),
 ) -> None:
@@ -845,7 +899,13 @@ def rollout(
                                      "--router-url)", param_hint="--router-url")
     elif router_url:
         raise typer.BadParameter("--router-url needs rollout.router: true in the run config", param_hint="--router-url")
+    elif router_engine_url:
+        raise typer.BadParameter("--router-engine-url needs rollout.router: true in the run config",
+                                 param_hint="--router-engine-url")
+    if router and not os.environ.get(ROUTER_CONTROL_KEY_ENV):
+        raise typer.BadParameter(f"rollout.router is on but ${ROUTER_CONTROL_KEY_ENV} is empty: the worker "
+                                 "registers its engine with the router's control-plane key", param_hint="--router-url")
     stats = asyncio.run(run_worker(cfg, url, worker_id, max_groups=max_groups, pause_marker=pause_marker,
                                    metrics_port=metrics_port, metrics_addr=metrics_addr, engine_group=engine_group,
-                                   group_size=group_size, router_url=router))
+                                   group_size=group_size, router_url=router, router_engine_url=router_engine_url))
     print(json.dumps({"worker_id": worker_id, **asdict(stats)}), flush=True)

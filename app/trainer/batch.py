@@ -44,6 +44,11 @@ class TrainBatch:
             beyond uint8, `_routed_experts`): the experts the engine routed each token to in
             each MoE layer (position t: the token at t), -1 where there are none (padding, and
             the last token, which the engine never fed through the model); None without replay.
+        mini_batch: ``[B]`` int64, the mini-batch of the row's group (`split_mini_batches`); None:
+            every row in mini-batch 0.
+        old_logprobs: ``[B, L]`` float32, the clip's old policy where the mask is 1
+            (app/trainer/step.py sets it before a batch's first optimizer step); None: the current
+            policy, detached (ratio 1).
     """
 
     input_ids: Tensor
@@ -56,6 +61,8 @@ class TrainBatch:
     policy_versions: Tensor
     sample_ids: list[str]
     routed_experts: Tensor | None = None
+    mini_batch: Tensor | None = None
+    old_logprobs: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -74,8 +81,10 @@ def sample_rewards(samples: list, soft_overlong: tuple[int, int, float] | None =
     soft overlong penalty of its completion length (`app.trainer.grpo.soft_overlong_penalty`)."""
     rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
     if soft_overlong is not None and samples:
-        # a sample, or a header of one (app/buffer/encoding.py SampleHeader: no ids, its length)
-        lengths = torch.tensor([getattr(s, "completion_len", None) or len(s.completion_ids) for s in samples])
+        # a sample or a header of one (app/buffer/encoding.py SampleHeader: no ids, its length), or
+        # app/bench/train_step.py's duck-typed sample (ids, no length)
+        lengths = torch.tensor([s.completion_len if hasattr(s, "completion_len") else len(s.completion_ids)
+                                for s in samples])
         rewards = rewards + soft_overlong_penalty(lengths, *soft_overlong)
     return rewards
 
@@ -126,7 +135,7 @@ def check_group(group, moe_layers: list[int] | None = None) -> None:
 def collate_groups(
     groups: list, pad_id: int = 0, scale_by_std: bool = True, max_len: int | None = None,
     moe_layers: list[int] | None = None, mask_truncated: bool = False,
-    soft_overlong: tuple[int, int, float] | None = None,
+    soft_overlong: tuple[int, int, float] | None = None, mini_batches: list[int] | None = None,
 ) -> TrainBatch:
     """Collate whole groups (``app.buffer.records.Group``) into one padded `TrainBatch`.
 
@@ -150,6 +159,7 @@ def collate_groups(
             collated into `TrainBatch.routed_experts`.
         mask_truncated: mask truncated samples out of the loss (see above).
         soft_overlong: DAPO's soft overlong penalty on the rewards (`sample_rewards`).
+        mini_batches: each group's mini-batch (`split_mini_batches`), one per group; None: all 0.
 
     Returns:
         A `TrainBatch` with ``B = total samples``; with no groups, ``B = 0`` and ``L = 1``.
@@ -161,6 +171,8 @@ def collate_groups(
             with ``moe_layers``, a sample has no routed experts or ones of the wrong shape
             (`check_group`). The message names the sample id.
     """
+    if mini_batches is not None and len(mini_batches) != len(groups):
+        raise ValueError(f"{len(mini_batches)} mini-batch indices for {len(groups)} groups")
     rows: list[tuple] = []
     for g_index, group in enumerate(groups):
         check_group(group, moe_layers)
@@ -204,6 +216,7 @@ def collate_groups(
         policy_versions=torch.tensor([int(s.policy_version) for _, s in rows], dtype=torch.int64),
         sample_ids=[s.sample_id for _, s in rows],
         routed_experts=routed,
+        mini_batch=None if mini_batches is None else torch.tensor([mini_batches[g] for g, _ in rows], dtype=torch.int64),
     )
 
 
@@ -257,11 +270,36 @@ def split_groups(groups: list, n_ranks: int) -> list[list]:
     return [[groups[i] for i in sorted(idx)] for idx in assigned]
 
 
+def split_mini_batches(groups: list, n_ranks: int, mini_batch_groups: int) -> tuple[list[list], list[list[int]]]:
+    """Cut a step's groups, in the order given, into mini-batches of ``mini_batch_groups`` (the last
+    may be smaller), as verl's actor cuts its batch (``DataProto.split(ppo_mini_batch_size)``, no
+    shuffle), and share each mini-batch's groups among the ranks (`split_groups`). Which groups
+    form a mini-batch does not depend on the number of ranks; with one mini-batch this is
+    `split_groups`.
+
+    Returns:
+        ``(parts, minis)``: ``n_ranks`` lists of groups (mini-batch by mini-batch) and, per rank,
+        each group's mini-batch index.
+
+    Raises:
+        ValueError: ``n_ranks < 1`` or ``mini_batch_groups < 1``.
+    """
+    if n_ranks < 1 or mini_batch_groups < 1:
+        raise ValueError(f"n_ranks and mini_batch_groups must be >= 1, got {n_ranks} and {mini_batch_groups}")
+    parts: list[list] = [[] for _ in range(n_ranks)]
+    minis: list[list[int]] = [[] for _ in range(n_ranks)]
+    for j, start in enumerate(range(0, len(groups), mini_batch_groups)):
+        for r, share in enumerate(split_groups(groups[start : start + mini_batch_groups], n_ranks)):
+            parts[r] += share
+            minis[r] += [j] * len(share)
+    return parts, minis
+
+
 def select_rows(batch: TrainBatch, rows: Tensor, length: int) -> TrainBatch:
     """The sub-batch of ``rows`` (int64 ``[b]`` indices) cut to the first ``length`` positions
     (rows are right-padded, so a cut at the longest selected row drops only padding).
     ``group_ids`` keep their batch-wide values; advantages were computed over whole groups."""
-    token = ("input_ids", "attention_mask", "completion_mask", "rollout_logprobs", "routed_experts")
+    token = ("input_ids", "attention_mask", "completion_mask", "rollout_logprobs", "routed_experts", "old_logprobs")
     fields = {}
     for k, v in vars(batch).items():
         if v is None:

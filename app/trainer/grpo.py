@@ -47,7 +47,7 @@ IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
 
 
 def group_advantages(
-    rewards: Tensor, group_ids: Tensor, scale_by_std: bool = True, eps: float = 1e-6
+    rewards: Tensor, group_ids: Tensor, scale_by_std: bool = True, eps: float = 1e-4
 ) -> Tensor:
     """Group-normalized advantages, one per completion (GRPO outcome supervision).
 
@@ -65,7 +65,9 @@ def group_advantages(
         rewards: ``[B]`` float32, one scalar reward per completion.
         group_ids: ``[B]`` int64 in ``[0, n_groups)``; completions of one prompt share an id.
         scale_by_std: divide by the group's reward std.
-        eps: added to the std so that a group of nearly equal rewards stays finite.
+        eps: added to the std, TRL's 1e-4 (``GRPOTrainer._generate_and_score_completions``): a
+            group whose rewards differ by rounding (1 ulp apart) keeps advantages near 0 where
+            verl's 1e-6 would scale the residue up to a training signal (above 1).
 
     Returns:
         ``[B]`` float32 advantages.

@@ -4,8 +4,9 @@ reads and decodes its own groups, and the next step's headers are taken during t
 Rank 0 takes the step's group *headers* (`ExperienceBuffer.take_headers`: ids, policy versions,
 rewards and lengths, a few hundred bytes a group; app/buffer/encoding.py), checks them with the
 `usable` (the lineage's duplicates, staleness, all-"error" groups and the header's cheap
-shape checks, `GroupHeader.check`) and assigns whole groups to ranks (`split_groups`, balancing
-tokens). Only that assignment is broadcast. Each rank then reads its own groups' payloads from
+shape checks, `GroupHeader.check`) and assigns whole groups to ranks (`split_mini_batches`: the
+step's mini-batches of ``trainer.ppo_mini_batch_size`` groups, each one's groups balanced over the
+ranks by tokens). Only that assignment is broadcast. Each rank then reads its own groups' payloads from
 Redis, decodes them (`decode_group`: the dtypes and lengths the header promised, finite logprobs,
 0/1 masks, expert ids below E) and collates them. A payload that does not decode is reported by
 its rank; the ranks agree on the list (one object all-gather a step), drop those groups
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from app.buffer.health import starved_because
 from app.config import RunConfig
 from app.trainer import TrainingError
-from app.trainer.batch import TrainBatch, collate_groups, split_groups
+from app.trainer.batch import TrainBatch, collate_groups, split_mini_batches
 from app.trainer.publish import next_version
 from app.trainer.sampling import SignalFilter
 from app.trainer.state import TrainState, newer_entry
@@ -91,8 +92,8 @@ def why_starved(buffer) -> str:
 
 
 def scatter_groups(payload: dict | None, rank: int) -> dict:
-    """Broadcast rank 0's step payload ``{"parts": [groups per rank], "error": str|None,
-    "stop": bool}`` and return it on every rank. Raises `Stop` / `TrainingError` everywhere if
+    """Broadcast rank 0's step payload ``{"parts": [groups per rank], "minis": [their mini-batch
+    indices per rank], "error": str|None, "stop": bool}`` and return it on every rank. Raises `Stop` / `TrainingError` everywhere if
     rank 0 reported one."""
     box = [payload if rank == 0 else None]
     if dist.get_world_size() > 1:
@@ -309,12 +310,13 @@ class BatchIntake:
         payload = None
         taken = _Taken()
         if self.rank == 0:
-            payload = {"parts": None, "error": None, "stop": False}
+            payload = {"parts": None, "minis": None, "error": None, "stop": False}
             taken = self._collect(state, trained, should_stop)
             for k, v in taken.counts.items():
                 setattr(state, k, getattr(state, k) + v)
             if taken.error is None:
-                payload["parts"] = split_groups(taken.headers, self.world)
+                payload["parts"], payload["minis"] = split_mini_batches(taken.headers, self.world,
+                                                                        t.mini_batch_groups())
             elif isinstance(taken.error, Stop):
                 payload["stop"] = True
             else:
@@ -326,6 +328,7 @@ class BatchIntake:
                 self._prefetch(self.version_of_next(state), _Seen(trained, inflight), should_stop)
         msg = scatter_groups(payload, self.rank)
         t0 = time.perf_counter()
+        mine = dict(zip((h.entry_id for h in msg["parts"][self.rank]), msg["minis"][self.rank]))
         groups, bad, error = self._read(msg["parts"][self.rank])
         bad, error = self._agree(bad, error)
         if error:
@@ -339,9 +342,10 @@ class BatchIntake:
                 self.buffer.dead_letter_taken(h, reason)
                 state.malformed += 1
                 taken.skipped.append([h.task_id, h.attempt, "malformed"])
-        train = collate_groups([g for g in groups if g.entry_id not in bad], pad_id=self.pad_id,
-                               scale_by_std=t.scale_by_std, moe_layers=self.moe_layers,
-                               mask_truncated=t.overlong_filter, soft_overlong=self.cfg.soft_overlong())
+        good = [g for g in groups if g.entry_id not in bad]
+        train = collate_groups(good, pad_id=self.pad_id, scale_by_std=t.scale_by_std, moe_layers=self.moe_layers,
+                               mask_truncated=t.overlong_filter, soft_overlong=self.cfg.soft_overlong(),
+                               mini_batches=[mine[g.entry_id] for g in good])
         meta = {**batch_meta(headers, state.version), **taken.signal, "read_s": time.perf_counter() - t0}
         return Batch(groups=[h for h in taken.headers if h.entry_id not in bad] if self.rank == 0 else [],
                      skipped=taken.skipped, meta=meta, wait_s=taken.wait_s, commit_point=taken.commit_point,

@@ -20,9 +20,9 @@ Sources:
     clipped value loss ``max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2)`` and the
     advantage whitening are those of the authors' implementation (openai/baselines ``ppo2``).
 
-With one optimizer step per batch (app/trainer/train.py) the "old" values are the critic's
-current ones, so the value clip, like the policy ratio clip, only binds if a batch is ever used
-for more than one update; both stay for that case and for parity with PPO as published.
+The "old" values are the critic's before the batch's first optimizer step (app/trainer/step.py): with
+one optimizer step per batch they are its current ones, so the value clip, like the policy ratio
+clip, binds only from a batch's second step (``trainer.ppo_epochs`` > 1 or several mini-batches).
 """
 
 from __future__ import annotations

@@ -73,7 +73,8 @@ class TrainState:
     """What the trainer carries from step to step; saved in the manifest (``train_state``) and
     restored on resume."""
 
-    step: int = 0  # optimizer steps attempted (skipped ones included)
+    step: int = 0  # rollout batches stepped (skipped ones included); trainer.steps counts these
+    optimizer_steps: int = 0  # optimizer steps applied: ppo_epochs x mini-batches a batch
     version: int = 0  # last published policy version
     bad_steps: int = 0  # skipped (non-finite) steps in total
     bad_in_row: int = 0

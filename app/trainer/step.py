@@ -1,11 +1,32 @@
-"""One optimizer step: micro-batched forward and backward, gradient clipping, AdamW. Collective.
+"""A rollout batch's optimizer steps: mini-batches and epochs, each step micro-batched forward and
+backward, gradient clipping, AdamW. Collective.
 
-Normalisation (the step equals the one-shot full-batch step for any micro-batch split and any
-layout): every micro-batch's loss is its token sum divided by the GLOBAL count of the step
-(completion tokens for token-mean, sequences for seq-mean, summed over every rank), so the sum
-of all micro-batch gradients over all ranks is the full-batch gradient; FSDP's reduce-scatter
-SUMs (app/trainer/parallel.py turns its division off) and accumulates the sharded fp32 gradient
-over micro-batches.
+Mini-batches and epochs (verl's ``ppo_mini_batch_size`` and ``ppo_epochs``, whose loop this is:
+``verl/workers/actor/dp_actor.py`` ``update_policy``; TRL's ``steps_per_generation`` and
+``num_iterations``): a step's groups are cut, in the order taken, into mini-batches of
+``trainer.ppo_mini_batch_size`` groups (app/trainer/batch.py `split_mini_batches`, the rows'
+`TrainBatch.mini_batch`), and ``trainer.ppo_epochs`` passes over them, in the same order each time,
+make one optimizer step per mini-batch. The default, one mini-batch and one epoch, is one optimizer
+step per batch, as TRL's default.
+
+The clip's old policy (`TrainBatch.old_logprobs`): with one optimizer step per batch it is the
+current policy, detached, so the ratio is 1 and neither the clip (``clip_eps_low/high``, GSPO's
+sequence clip) nor ``dual_clip`` changes the gradient; with more steps, the trainer's own logprobs
+of the whole batch, computed once in a gradient-free pass before the first step, so every later
+step is off-policy and the clip bounds it (verl's ``old_log_probs``, TRL's
+``old_per_token_logps``). With ``trainer.use_rollout_log_probs`` it is the engine's logprobs (the
+behaviour policy; verl's ``use_rollout_log_probs``), so the clip binds from the first step.
+Truncated importance sampling weighs each token by ``min(exp(old - rollout), tis_cap)`` against
+the engine's logprobs (app/trainer/grpo.py): with the trainer's old logprobs that is AReaL's
+decoupled PPO (the clip against the proximal policy, the weight for the behaviour policy).
+
+Normalisation (a step equals the one-shot full-mini-batch step for any micro-batch split and any
+layout): every micro-batch's loss is its token sum divided by the GLOBAL count of its mini-batch,
+summed over every rank (completion tokens for token-mean, sequences with completion tokens for
+seq-mean, every sequence, times the constant, for Dr. GRPO's ``seq-mean-token-sum-norm``), so the
+sum of all micro-batch gradients over all ranks is the full-mini-batch gradient; FSDP's
+reduce-scatter SUMs (app/trainer/parallel.py turns its division off) and accumulates the sharded
+fp32 gradient over micro-batches.
 
 Every rank runs the same number of micro-batches (the group's maximum; a rank with fewer runs
 one-row dummy micro-batches whose loss is 0 but whose forward and backward take part in the
@@ -13,18 +34,16 @@ all-gathers, reduce-scatters and EP all-to-alls), and every rank agrees, before 
 whether the loss is finite: a rank that skipped a backward would strand the others in a
 collective.
 
-Old-policy logprobs: one optimizer step per batch, so "old" is the current policy detached
-(ratio 1); truncated importance sampling weighs each token by ``min(exp(old - rollout),
-tis_cap)`` against the engine's logprobs (app/trainer/grpo.py).
-
 PPO: a first, gradient-free pass of the critic over every micro-batch gives the values, then
-GAE and whitening over the whole batch (app/trainer/ppo.py), then the training pass trains the
-policy and the critic per micro-batch (their parameters are disjoint, so one backward serves both).
+GAE and whitening over the whole batch (app/trainer/ppo.py), then each optimizer step trains the
+policy and the critic per micro-batch (their parameters are disjoint, so one backward serves
+both); the value clip, like the ratio clip, binds from the batch's second step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import torch
@@ -38,6 +57,7 @@ from app.model.policy import moe_blocks, real_tokens, routing_replay
 from app.model.router import expert_counts
 from app.trainer.batch import TrainBatch, plan_micro_batches, select_rows
 from app.trainer.grpo import finish_stats, grpo_loss
+from app.trainer.ppo import PPOTargets, ppo_policy_loss, ppo_targets, value_loss
 
 
 def build_optimizer(params, lr: float, betas: tuple[float, float], weight_decay: float,
@@ -150,11 +170,12 @@ def train_step(
     ref_model: nn.Module | None = None,
     critic=None,
 ) -> tuple[bool, dict[str, float]]:
-    """One step on this rank's share of the batch (see the module docstring). Collective.
+    """One rollout batch on this rank's share of it (see the module docstring): ``trainer.ppo_epochs``
+    passes over its mini-batches (`TrainBatch.mini_batch`), one optimizer step each. Collective.
 
     Args:
         cfg: the run config (``trainer``: loss, micro_batch_tokens, logprob_chunk_tokens,
-            grad_clip; ``rollout.temperature`` for the logprobs).
+            grad_clip, ppo_epochs, use_rollout_log_probs; ``rollout.temperature`` for the logprobs).
         model: the policy (sharded by app/trainer/parallel.py, or a plain module on one rank);
             it must have ``sequence_logprobs`` (app/model/policy.py).
         optimizer: AdamW over the policy's parameters.
@@ -165,29 +186,104 @@ def train_step(
         critic: PPO's `app.trainer.critic.CriticParts`, or None for GRPO.
 
     Returns:
-        ``(applied, stats)``: ``applied`` is False (on every rank) when a loss or the gradient
-        norm was not finite; the optimizer step is then skipped and the gradients dropped.
-        ``stats`` are whole-batch figures, identical on every rank: ``loss`` (full-batch),
-        ``grad_norm`` (before clipping; NaN when skipped), ``entropy`` (with
-        ``trainer.log_entropy``), ``micro_batches``, ``routing_replay_mismatch`` (with
-        ``rollout.routing_replay``: the fraction of replayed (token, MoE layer) pairs whose
-        experts this router would not have chosen), the per-token means of
-        `grpo.finish_stats`; with a critic also ``vf_loss``, ``vf_clip_frac``, ``value``,
-        ``return``, ``value_error`` and ``critic_grad_norm``.
+        ``(applied, stats)``: ``applied`` is False (on every rank) when a loss or a gradient norm
+        was not finite; that optimizer step is then skipped, its gradients dropped, and so are the
+        batch's remaining steps. ``stats`` are whole-batch figures, identical on every rank:
+        ``loss`` (full-batch; the mean over the batch's optimizer steps), ``grad_norm`` (before
+        clipping; NaN when skipped; the mean over the steps), ``entropy`` (with
+        ``trainer.log_entropy``), ``micro_batches`` (over all steps), ``optimizer_steps`` (applied),
+        ``routing_replay_mismatch`` (with ``rollout.routing_replay``: the fraction of replayed
+        (token, MoE layer) pairs whose experts this router would not have chosen), the per-token
+        means of `grpo.finish_stats` over every step's tokens; with a critic also ``vf_loss``,
+        ``vf_clip_frac``, ``value``, ``return``, ``value_error`` and ``critic_grad_norm``. With
+        more than one optimizer step, ``mini_batch_stats``: one dict per step (``epoch``,
+        ``mini_batch`` and its `PER_UPDATE` figures).
     """
     t = cfg.trainer
-    temp = cfg.rollout.temperature
+    kw = dict(temperature=cfg.rollout.temperature, chunk=t.logprob_chunk_tokens)
+    rows_total = batch.input_ids.shape[0]
+    mini = batch.mini_batch if batch.mini_batch is not None else torch.zeros(rows_total, dtype=torch.int64)
+    local = torch.tensor([int(mini.max()) + 1 if rows_total else 1], dtype=torch.int64)
+    n_mini = int(_all_reduce(local, dist.ReduceOp.MAX))
+    steps = t.ppo_epochs * n_mini
+
+    # The old policy of the clip: the engine's logprobs, or the trainer's own before the batch's
+    # first optimizer step (one gradient-free pass; with one step per batch they are the current
+    # logprobs, detached, and no pass is needed).
+    recompute = steps > 1 and not t.use_rollout_log_probs
+    micro = _micro_batches(batch, t.micro_batch_tokens, pad_id, device) if recompute or critic is not None else []
+    targets = _ppo_targets(cfg, critic.module, batch, micro, device) if critic is not None else None
+    if t.use_rollout_log_probs:
+        batch = dataclasses.replace(batch, old_logprobs=batch.rollout_logprobs)
+    elif recompute:
+        batch = dataclasses.replace(batch, old_logprobs=_old_logprobs(model, batch, micro, kw))
+    del micro  # its device copies of the rows
+
+    applied = True
+    done: list[tuple[int, int, dict]] = []
+    for epoch in range(t.ppo_epochs):
+        for j in range(n_mini):
+            sub, sub_targets = batch, targets
+            if n_mini > 1:
+                rows = (mini == j).nonzero().squeeze(1)
+                sub = select_rows(batch, rows, batch.input_ids.shape[1])
+                sub_targets = None if targets is None else _rows_of_targets(targets, rows)
+            ok, stats = _update(cfg, model, optimizer, sub, pad_id, device, ref_model, critic, sub_targets, kw)
+            done.append((epoch, j, stats))
+            if not ok:
+                applied = False  # every rank agrees; the batch's remaining steps are skipped too
+                break
+        if not applied:
+            break
+    stats = _combine([s for _, _, s in done])
+    stats["optimizer_steps"] = float(len(done) - (0 if applied else 1))
+    if steps > 1:
+        stats["mini_batch_stats"] = [{"epoch": e, "mini_batch": j, **{k: s[k] for k in PER_UPDATE if k in s}}
+                                     for e, j, s in done]
+    return applied, stats
+
+
+# The figures of each optimizer step that train_step lists under mini_batch_stats.
+PER_UPDATE = ("loss", "grad_norm", "tokens", "clip_frac", "dual_clip_frac", "approx_kl", "ratio", "ratio_max",
+              "tis", "vf_clip_frac")
+# Figures of one optimizer step that are not per-token means (`_combine`).
+_STEP_MEANS = ("loss", "grad_norm", "critic_grad_norm", "routing_replay_mismatch")
+
+
+def _combine(steps: list[dict]) -> dict:
+    """The batch's figures from its optimizer steps' (one step: its own): ``_max`` keys the maximum,
+    ``tokens`` and ``micro_batches`` the sum, `_STEP_MEANS` the mean over steps, and every other
+    (per-token) mean weighted by the step's tokens."""
+    if len(steps) == 1:
+        return dict(steps[0])
+    tokens = sum(s["tokens"] for s in steps)
+    out = {}
+    for k in steps[0]:
+        values = [s[k] for s in steps]
+        if k.endswith("_max"):
+            out[k] = max(values)
+        elif k in ("tokens", "micro_batches"):
+            out[k] = float(sum(values))
+        elif k in _STEP_MEANS:
+            out[k] = sum(values) / len(values)
+        else:
+            out[k] = sum(v * s["tokens"] for v, s in zip(values, steps)) / max(tokens, 1.0)
+    return out
+
+
+def _update(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer, batch: TrainBatch, pad_id: int,
+            device, ref_model, critic, targets, kw: dict) -> tuple[bool, dict[str, float]]:
+    """One optimizer step on this rank's share of one mini-batch (micro-batched; see the module
+    docstring). Collective. Returns ``(applied, stats)`` as `train_step` does for one step."""
+    t = cfg.trainer
     mask = batch.completion_mask
-    # [completion tokens, sequences with completion tokens, real sequences] of the whole step.
+    # [completion tokens, sequences with completion tokens, real sequences] of the mini-batch (every rank).
     counts = _all_reduce(torch.stack([mask.sum(), (mask.sum(-1) > 0).float().sum(),
                                       (batch.attention_mask.sum(-1) > 0).float().sum()]).float())
-    denominator = counts[0] if t.loss_agg == "token-mean" else counts[1]
+    # Dr. GRPO's constant normaliser counts every sequence, a masked one (overlong_filter) too, as
+    # TRL (its batch size) and verl (seq-mean-token-sum-norm) do.
+    denominator = {"token-mean": counts[0], "seq-mean": counts[1], "seq-mean-token-sum-norm": counts[2]}[t.loss_agg]
     micro = _micro_batches(batch, t.micro_batch_tokens, pad_id, device)
-    kw = dict(temperature=temp, chunk=t.logprob_chunk_tokens)
-
-    targets = None
-    if critic is not None:
-        targets = _ppo_targets(cfg, critic.module, batch, micro, device)
 
     model.train()
     if critic is not None:
@@ -285,14 +381,13 @@ def _micro_step(cfg: RunConfig, model: nn.Module, mb: TrainBatch, rows, denomina
         token_denominator=counts[0], norm_tokens=cfg.max_policy_tokens(),
     )
     vout = None
+    old = logp.detach() if mb.old_logprobs is None else mb.old_logprobs
     if critic is None:
-        out = grpo_loss(logp, logp.detach(), mb.advantages, mb.completion_mask, **policy_kw)
+        out = grpo_loss(logp, old, mb.advantages, mb.completion_mask, **policy_kw)
     else:
-        from app.trainer.ppo import ppo_policy_loss, value_loss
-
         tg = _slice_targets(targets, rows, mb)
         values = critic.module(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
-        out = ppo_policy_loss(logp, logp.detach(), tg.advantages, mb.completion_mask, **policy_kw)
+        out = ppo_policy_loss(logp, old, tg.advantages, mb.completion_mask, **policy_kw)
         vout = value_loss(values, tg.values, tg.returns, mb.completion_mask, t.value_clip, denominator=counts[0])
     loss = out.loss
     aux = [m.last_aux_loss for m in model.modules() if getattr(m, "last_aux_loss", None) is not None]
@@ -316,11 +411,27 @@ def _micro_step(cfg: RunConfig, model: nn.Module, mb: TrainBatch, rows, denomina
     loss.backward()
     return True, sums, maxima, load
 
+
+@torch.no_grad()
+def _old_logprobs(model: nn.Module, batch: TrainBatch, micro: list[tuple], kw: dict) -> Tensor:
+    """The policy's logprobs of every row before the batch's first optimizer step, ``[B, L]`` on the
+    CPU, 0 off the completion mask: one gradient-free pass over the micro-batches (collective,
+    dummies included), with routing replay as in training."""
+    out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32)
+    model.train()  # the training forwards' mode: the first step's ratio is 1
+    for rows, mb in micro:
+        replay = (routing_replay(model, mb.routed_experts.unbind(2)) if mb.routed_experts is not None
+                  else contextlib.nullcontext())
+        with replay:
+            logp = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.completion_mask, **kw)[0]
+        if rows is not None:
+            out[rows, : logp.shape[1]] = logp.float().cpu()
+    return out * batch.completion_mask
+
+
 def _ppo_targets(cfg: RunConfig, critic: nn.Module, batch: TrainBatch, micro: list[tuple], device):
     """Critic values of every row (gradient-free pass over the micro-batches), then GAE and the
     whole-batch whitening (a collective, on ``device``) on this rank's full ``[B, L]`` batch."""
-    from app.trainer.ppo import ppo_targets
-
     t = cfg.trainer
     values = torch.zeros(batch.completion_mask.shape, dtype=torch.float32)
     critic.eval()
@@ -333,10 +444,13 @@ def _ppo_targets(cfg: RunConfig, critic: nn.Module, batch: TrainBatch, micro: li
                        device=device)
 
 
+def _rows_of_targets(targets, rows: Tensor):
+    """The PPO targets of the batch's ``rows`` (a mini-batch)."""
+    return PPOTargets(values=targets.values[rows], returns=targets.returns[rows], advantages=targets.advantages[rows])
+
+
 def _slice_targets(targets, rows: Tensor | None, mb: TrainBatch):
     """The targets of one micro-batch's rows (zeros for a dummy micro-batch)."""
-    from app.trainer.ppo import PPOTargets
-
     shape = mb.completion_mask.shape
     device = mb.completion_mask.device
     if rows is None:

@@ -1,6 +1,6 @@
 """One trainer rank as torchtitan lays it out: `Trainer.__init__` builds (mesh, models, store,
-buffer, resume), `Trainer.train_step` runs one optimizer step and what follows it (ledger line,
-publish, save, metrics), app/trainer/loop.py loops.
+buffer, resume), `Trainer.train_step` runs one step (a rollout batch: its optimizer steps) and what
+follows it (ledger line, publish, save, metrics), app/trainer/loop.py loops.
 
 Each step, rank 0 takes ``groups_per_step`` whole GRPO groups' headers from the buffer and assigns
 them, whole, to the ranks (every rank is a data-parallel rank; app/layout.py); each rank reads and
@@ -42,7 +42,11 @@ Metrics: one JSON line per step in ``<run_dir>/metrics.jsonl`` (rank 0), whole-b
   mismatch_kl (k3, engine||trainer), tis, tis_max, tis_trunc_frac, is_masked_frac (tokens whose
   importance weight a *_mask rollout_is mode zeroed), dual_clip_frac (dual_clip), entropy, kl_ref (kl_coef>0),
   no_signal_skipped, no_signal_admitted (dynamic_sampling, app/trainer/sampling.py),
-  grad_norm (before clipping), lr, micro_batches; PPO: vf_loss, vf_clip_frac, value, return,
+  grad_norm (before clipping), lr, micro_batches; optimizer_steps (this batch's: trainer.ppo_epochs x
+  mini-batches), optimizer_steps_total (the run's, resumed with the state), mini_batch_stats (with more
+  than one optimizer step a batch: each step's epoch, mini_batch, loss, grad_norm, tokens, clip_frac,
+  dual_clip_frac, approx_kl, ratio, ratio_max, tis, vf_clip_frac; the figures above are then over
+  the batch's steps, app/trainer/step.py `train_step`); PPO: vf_loss, vf_clip_frac, value, return,
   value_error, critic_grad_norm; wait_s (waiting for groups; in the background while the
   previous step ran), read_s (rank 0 reading, decoding and collating its share), step_s,
   publish_s, save_s;
@@ -256,8 +260,8 @@ class Trainer:
                                                  "time": time.time()})
 
     def train_step(self) -> None:
-        """One optimizer step on this rank and what follows it: the ledger line, the policy
-        decision (`next_version`), a save when due, the metrics line.
+        """One step (a rollout batch's optimizer steps) on this rank and what follows it: the ledger
+        line, the policy decision (`next_version`), a save when due, the metrics line.
 
         Raises:
             Stop: rank 0 was asked to stop (app/trainer/intake.py).
@@ -277,6 +281,7 @@ class Trainer:
                                     device=self.device, ref_model=self.ref_model, critic=self.critic)
         trainer_version = state.version
         state.step += 1
+        state.optimizer_steps += int(stats["optimizer_steps"])
         step_s = time.perf_counter() - t0
         if applied:
             state.bad_in_row = 0
@@ -334,6 +339,7 @@ class Trainer:
             "time": time.time(), "step": state.step, "policy_version": state.version,
             "objective": self.cfg.trainer.objective(), "applied": applied, "bad_steps": state.bad_steps, **meta,
             **{k: v for k, v in stats.items()}, "lr": lr,
+            "optimizer_steps_total": state.optimizer_steps,
             "wait_s": taken.wait_s, "step_s": step_s, "publish_s": publish_s, "save_s": save_s, **push_meta,
             "samples_total": state.samples, "overstale_dropped": state.overstale,
             "malformed_groups": state.malformed, "error_groups": state.error_groups,
