@@ -492,7 +492,8 @@ def progress_loop(loop: EmbeddedLoop, feeder: TaskFeeder, steps: int) -> None:
     buf = loop.buffer()
     plain_at = time.monotonic()
     try:
-        with Progress(*columns, console=console, transient=False) as bar:
+        # Not a terminal: plain lines below instead (rich would print one frame cut at 80 columns).
+        with Progress(*columns, console=console, transient=False, disable=not console.is_terminal) as bar:
             task = bar.add_task("train", total=steps, info="waiting for the first batch")
             while not loop.trainer_done():
                 loop.check_roles()
@@ -511,6 +512,8 @@ def progress_loop(loop: EmbeddedLoop, feeder: TaskFeeder, steps: int) -> None:
             records = loop.metrics()
             if records:
                 bar.update(task, completed=records[-1]["step"])
+                if not console.is_terminal:
+                    console.print(f"step {records[-1]['step']}/{steps}  {training_info(records, None)}", soft_wrap=True)
     finally:
         buf.close()
 
