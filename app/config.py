@@ -20,9 +20,11 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from app.rollout.router import ROUTER_POLICIES
 # The one config-error format and scalar rule (also the deployment config and charts8s/workloads.py).
 from infra.config import error_line, load_yaml, strict_scalar, yaml_error_line
+
+# The --policy choices of SGLang's router (rollout.router_policy; app/rollout/router.py runs it).
+ROUTER_POLICIES = ("cache_aware", "power_of_two", "round_robin", "random")
 
 
 class Section(BaseModel):
@@ -96,7 +98,8 @@ class BufferConfig(Section):
                                                      "its task again).")
     capacity_groups: int = Field(64, ge=1, description="Back-pressure: finished groups the trainer has not "
                                  "taken yet plus leased tasks (taken groups wait in Redis for the next save "
-                                 "without counting). At least trainer.groups_per_step.")
+                                 "without counting); fewer while an engine lags so far that more would be "
+                                 "trained over max_staleness. At least trainer.groups_per_step.")
     lease_ms: int = Field(60_000, ge=100, description="A task lease expires after this idle time.")
     max_failures: int = Field(3, ge=1, description="Failed rollouts of one task (a reward or environment "
                               "call that raised, timed out or answered malformed) before it is dropped, "

@@ -44,9 +44,18 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import httpx
 import typer
 
+from app.buffer import ExperienceBuffer
 from app.config import RunConfig, TaskConfig
+from app.envs.rewards import score_answer_spec
+from app.envs.tasks import make_splits, make_tasks
+from app.ledger import append_issued
+from app.logs import setup_logging
+from app.rollout.engine_client import EngineClient, EngineError
+from app.storage import open_store, read_done
+from app.storage.policy import download_policy, latest_policy_version
 
 log = logging.getLogger("moerl.feed")
 cli = typer.Typer(add_completion=False, help="Queue the run's prompts; measure held-out reward.")
@@ -63,7 +72,6 @@ def resolve_task(task: TaskConfig, cache_dir: Path) -> TaskConfig:
     url = task.jsonl_path
     if task.source != "jsonl" or not url or "://" not in url:
         return task
-    from app.storage import open_store
 
     root, _, key = url.rpartition("/")
     if not key or root.endswith(":/"):
@@ -111,8 +119,6 @@ class TaskFeeder:
         Raises:
             redis.RedisError, ConnectionError: the buffer is unreachable (the next call reconnects).
         """
-        from app.ledger import append_issued
-
         try:
             if self.buf is None:
                 self.buf = self.open_buffer()
@@ -140,7 +146,7 @@ class TaskFeeder:
 def make_feeder(cfg: RunConfig, tokenizer_dir: Path, open_buffer: Callable, ledger: Path | None = None,
                 cache_dir: Path | None = None) -> TaskFeeder:
     """The `TaskFeeder` of ``cfg``: its task's training split, tokenized with ``tokenizer_dir``."""
-    from app.envs.tasks import make_splits, make_tasks
+    # transformers: only once a feeder tokenizes; `moerl run`'s driver imports this module without it
     from app.model.tokenizer import load_tokenizer
 
     task = resolve_task(cfg.task, cache_dir or Path(tokenizer_dir).parent)
@@ -188,8 +194,6 @@ class HeldOutEval:
     def engine_ready(self) -> bool:
         """The engine answers ``/health_generate`` now (it may still be loading its base model:
         the prompt source never waits for it)."""
-        import httpx
-
         try:
             return httpx.get(self.engine_url.rstrip("/") + "/health_generate", timeout=5.0).status_code == 200
         except httpx.HTTPError:
@@ -203,9 +207,8 @@ class HeldOutEval:
             EngineError: the engine failed, or did not load the version.
             FileNotFoundError: the version is not (or no longer) in the store.
         """
+        # transformers: only once a feeder tokenizes; `moerl run`'s driver imports this module without it
         from app.model.tokenizer import load_tokenizer
-        from app.rollout.engine_client import EngineClient, EngineError
-        from app.storage.policy import download_policy
 
         r = self.cfg.rollout
         t0 = time.time()
@@ -251,8 +254,6 @@ class HeldOutEval:
     async def _mean(self, engine, ids: list[list[int]], n: int, temperature: float) -> float:
         """Mean reward of ``n`` completions per prompt; a truncated completion earns
         ``rollout.overlong_reward`` (as in rollouts), others the task's verifier."""
-        from app.envs.rewards import score_answer_spec
-
         r = self.cfg.rollout
         chunk = max(1, r.inflight_tasks())
         total, count = 0.0, 0
@@ -280,8 +281,6 @@ def check_new_or_same_run(run_dir: Path, store, run_id: str) -> None:
     Raises:
         ValueError: naming the directory.
     """
-    from app.storage.policy import latest_policy_version
-
     ledger = Path(run_dir) / "issued.jsonl"
     if ledger.is_file() and ledger.stat().st_size and latest_policy_version(store, run_id) is None:
         raise ValueError(f"--run-dir {run_dir}: its issued.jsonl is an earlier run's (this store has no policy "
@@ -290,8 +289,6 @@ def check_new_or_same_run(run_dir: Path, store, run_id: str) -> None:
 
 def wait_for_policy(store, run_id: str, stop: Callable[[], bool], poll_s: float) -> int | None:
     """Block until the store holds a policy version (the trainer's v0); None if stopped first."""
-    from app.storage.policy import latest_policy_version
-
     while not stop():
         version = latest_policy_version(store, run_id)
         if version is not None:
@@ -308,11 +305,6 @@ def run_feed(cfg: RunConfig, run_dir: Path, engine_url: str | None = None, when_
         ValueError, FileNotFoundError: bad task settings or dataset (named).
         BufferConnectionError: Redis unreachable at start.
     """
-    from app.buffer import ExperienceBuffer
-    from app.envs.tasks import make_splits
-    from app.storage import open_store, read_done
-    from app.storage.policy import download_policy
-
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     store = open_store(cfg.store_url)
@@ -365,8 +357,6 @@ def run_feed(cfg: RunConfig, run_dir: Path, engine_url: str | None = None, when_
 
 
 def _latest(store, run_id: str) -> int | None:
-    from app.storage.policy import latest_policy_version
-
     try:
         return latest_policy_version(store, run_id)
     except OSError as e:
@@ -395,7 +385,6 @@ def feed(
     """Queue the run's prompts until the trainer is done; measure held-out reward on the way."""
     if when_done not in ("exit", "idle"):
         raise typer.BadParameter(f"{when_done!r}: must be 'exit' or 'idle'", param_hint="--when-done")
-    from app.logs import setup_logging
 
     setup_logging("%(asctime)s feed %(message)s")
     cfg = RunConfig.load(config)

@@ -49,6 +49,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prometheus_client import REGISTRY, Gauge, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from infra.config import DIAG_TAINT_KEY, HEALTH_ANNOTATION, HEALTH_LABEL, UNHEALTHY_TAINT_KEY
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -250,8 +253,6 @@ def record(kube: Kube, node: str, results: list[CheckResult], diag_running: bool
 
 def efa_collector(sys_root: str | Path):
     """A prometheus_client collector of the node's EFA hw_counters (module docstring)."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
     class EfaCollector:
         def collect(self):
             devices = efa_devices(sys_root)
@@ -346,7 +347,6 @@ def main(argv: list[str] | None = None) -> int:
         print("app.nodehealth: --node (or NODE_NAME), --expected-gpus >= 0, --expected-efa >= 0 and --interval > 0 "
               "are required", file=sys.stderr)
         return 2
-    from prometheus_client import REGISTRY, Gauge, start_http_server
 
     REGISTRY.register(efa_collector(args.sys_root))
     gauge = Gauge("moerl_node_health_check", "Last result of each node health check (1 pass, 0 fail).", ["check"])

@@ -22,7 +22,9 @@ import sys
 
 import torchx.specs as specs
 
+from app.config import EngineProfile
 from app.names import CLUSTER_CONFIG
+from app.rollout.engine_args import EngineLayout, builtin_command, sglang_command
 
 TRAINER_ROLE = "trainer"
 ROLLOUT_ROLE = "rollout"
@@ -79,9 +81,6 @@ def engine_command(engine: str, model_path: str | None, port: int, tp_size: int,
     Raises:
         ValueError: unknown engine, or no model_path.
     """
-    from app.config import EngineProfile
-    from app.rollout.engine_args import EngineLayout, builtin_command, sglang_command
-
     if engine not in ("sglang", "builtin"):
         raise ValueError(f"engine must be 'sglang' or 'builtin', got {engine!r}")
     if not model_path:
@@ -206,6 +205,7 @@ def trainer(
     if efa:
         env.update(EFA_ENV)
     if gpus:
+        # torch: charts8s renders this component without it
         from app.model.parallel import deepep_gin_env
 
         env.update(GPU_ALLOC_ENV)

@@ -14,7 +14,7 @@ A/B (e.g. all-to-all vs DeepEP) is applied, read and deleted on its own.
 
 The engines serve on the pod network, so SGLang asks for a key on every route but its health
 checks (``--api-key``: generation; ``--admin-api-key``: weight updates, profiling, cache control),
-read from each leader's keys file (charts8s/rollout.py `keyed_engine`): the API key from the
+read from each leader's keys file (charts8s/keys.py `keyed_engine`): the API key from the
 Secret ``bench_rollout.api_key_secret`` made outside dist/ (docs/cluster.md), the admin key
 derived per engine from its ``admin-api-key`` (app/rollout/keys.py); the Job holds the API key only.
 """
@@ -31,8 +31,8 @@ from charts8s.kube import api_object, k8s_module
 from charts8s.lws import leader_worker_set
 from charts8s.contract import BENCH_ENGINE, BENCH_JOB, bench_fleet, contract_policies
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
-from charts8s.rollout import (API_KEY, NO_PROBE_SKIPS, POD_NAME_ENV, ROLLOUT_SKIPS, UID, engine_container, engine_pod,
-                              keyed_engine, keys_init_container)
+from charts8s.keys import API_KEY, keyed_engine, keys_init_container
+from charts8s.rollout import NO_PROBE_SKIPS, POD_NAME_ENV, ROLLOUT_SKIPS, UID, engine_container, engine_pod
 from charts8s.workloads import Plan
 
 WAIT_S = 3600  # how long the Job waits for the engines to load the model and answer

@@ -14,8 +14,9 @@ clients, commands, AOF); its container port "metrics" is what the moerl-buffer P
 (charts8s/monitoring.py) scrapes. It also exports the length of the run's keys
 (app.buffer.keys.buffer_keys): ``redis_key_size`` of the task and sample streams and the
 sets, and for the two streams ``redis_stream_length`` and, per consumer group,
-``redis_stream_group_messages_pending`` (the tasks leased by rollout workers) and
-``redis_stream_group_lag``. Its /scrape endpoint, which would make it connect to any address a
+``redis_stream_group_messages_pending`` (group "rollout": the tasks leased by rollout workers;
+group "trainer": the groups taken and not yet committed) and ``redis_stream_group_lag`` (group
+"trainer": the finished groups not yet taken). Its /scrape endpoint, which would make it connect to any address a
 caller names with the buffer's password, is off.
 """
 

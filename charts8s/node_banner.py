@@ -46,6 +46,7 @@ def stderr_sink(reader) -> None:
 def install() -> None:
     """Use `stderr_sink` for the jsii Node process started from now on (a no-op without jsii)."""
     try:
+        # jsii: optional (a no-op without it)
         from jsii._kernel.providers import process
     except ImportError:
         return

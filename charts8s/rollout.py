@@ -6,7 +6,7 @@ engine profile (``rollout.engine``: tp | ep | ep-deepep, nodes per engine).
   on loopback.
 - An engine over several nodes: a LeaderWorkerSet (charts8s/lws.py), one group per engine. The
   leader pod runs SGLang's node rank 0 (the HTTP server, on the pod network, so with an admin key
-  of its own: `keyed_engine`); the other pods run
+  of its own: charts8s/keys.py `keyed_engine`); the other pods run
   the other node ranks (``--node-rank $(LWS_WORKER_INDEX)``, no HTTP server, so no probe). Every
   pod of the group also runs a fetcher (app/rollout/group.py) that puts each policy version on
   its own node's disk, since SGLang loads a disk update on every rank. The workers are a
@@ -18,15 +18,7 @@ engine profile (``rollout.engine``: tp | ep | ep-deepep, nodes per engine).
   completions or none) and waits for the engine to answer again.
 
 Keys of an engine on the pod network (multi-node engines, and one-node engines behind the router):
-each engine has its own admin key, ``HMAC(master, its leader pod's name)`` (app/rollout/keys.py),
-written by an init container ("keys", the only container that sees the Secret's master
-``admin-api-key``) into an in-memory volume, as SGLang's ``--config`` YAML: the engine reads it
-there (argv holds the path), and so does its worker (``MOERL_ENGINE_KEYS_FILE``), which thus holds
-its own engine's key and no other; a multi-node engine's worker pod derives its engine's key the
-same way. No API key: the router sends none on to the engines (app/rollout/router.py), and SGLang's
-admin key alone still guards every weight-update, pause, flush and abort route. SGLang would hand
-the keys out in ``/server_info`` and its startup log; the moerl plugin in the rollout image
-(app/rollout/keys.py `sglang_plugin`) redacts both.
+charts8s/keys.py.
 
 Probes (leader only): `app.rollout.probe`, which passes while the worker holds the engine paused
 for a weight update (its pause marker on a shared in-memory volume; for a multi-node engine the
@@ -55,12 +47,13 @@ from constructs import Construct
 from app.model.source import store_copy_dir
 from app.names import (CLUSTER_CONFIG, ENGINE_KEYS_FILE_ENV, METRICS_PORT, ROUTER_API_KEY_ENV,
                        ROUTER_CONTROL_KEY_ENV)
-from app.rollout.keys import ADMIN_MASTER_ENV, API_KEY_SOURCE_ENV
 from app.rollout.engine_args import LWS_GROUP_SIZE, LWS_LEADER_ADDRESS, LWS_WORKER_INDEX, EngineLayout, sglang_command
 from app.torchx_component import (EFA_ENV, EFA_RESOURCE, ENGINE_NCCL_ENV, HUGEPAGES_RESOURCE, NVSHMEM_EFA_ENV,
                                   worker_command)
 from charts8s.buffer import redis_credentials
 from charts8s.fsx import fsx_model_path, mount_fsx
+from charts8s.keys import (API_KEY, CONTROL_KEY, KEYS_FILE, KEYS_VOLUME_SPEC, keyed_engine, keys_init_container,
+                           keys_mount, secret_env)
 from charts8s.cluster import ROLLOUT, ROLLOUT_WORKER, run_config_volume
 from charts8s.contract import ENGINE, ENGINE_HTTP, FETCHER, WORKER, contract_policies
 from charts8s.kube import api_object, k8s_module
@@ -77,12 +70,6 @@ BASE_MODEL_DIR = "/models/base"  # an s3:// base model's copy on each engine nod
 STATE_DIR = "/run/moerl"  # shared by engine and worker: the worker's pause marker
 PAUSE_MARKER = f"{STATE_DIR}/engine-paused"
 PROBE_TIMEOUT_S = 25  # longer than SGLang's own 20 s /health_generate wait
-# The Secret's keys (docs/cluster.md: kubectl create secret): the router's API key (workers ->
-# router), the master of the engines' admin keys, the router's control-plane key (workers register engines).
-API_KEY, ADMIN_API_KEY, CONTROL_KEY = "api-key", "admin-api-key", "control-plane-api-key"
-# One engine's keys file, on an in-memory volume of its pod (module doc).
-KEYS_VOLUME, KEYS_DIR = "keys", "/run/moerl/keys"
-KEYS_FILE = f"{KEYS_DIR}/engine.yaml"
 
 
 def grace_seconds(drain_s: float, margin_s: int) -> int:
@@ -190,46 +177,9 @@ def engine_container(plan: Plan, layout: EngineLayout, *, leader: bool, host: st
     return c
 
 
-def secret_env(secret: str, names: dict[str, str]) -> list[dict]:
-    """Container variables ``names`` (Secret key -> variable) from Secret ``secret``."""
-    return [{"name": var, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}} for key, var in names.items()]
-
-
-def keyed_engine(container: dict) -> dict:
-    """An engine container serving on the pod network: SGLang reads its keys from the pod's keys
-    file (``--config``; `keys_init_container` writes it), so argv names only the file."""
-    container["command"] = [*container["command"], "--config", KEYS_FILE]
-    container["volumeMounts"] = [*container["volumeMounts"], keys_mount()]
-    return container
-
-
-def keys_mount() -> dict:
-    return {"name": KEYS_VOLUME, "mountPath": KEYS_DIR, "readOnly": True}
-
-
-def keys_init_container(plan: Plan, secret: str, engine: str, env: list[dict], api_key: bool = False) -> dict:
-    """The init container "keys": writes engine ``engine``'s keys file (app/rollout/keys.py: its
-    own admin key from the Secret's master, and with ``api_key`` the Secret's API key too) into
-    the pod's keys volume. The only container that holds the master.
-
-    engine: the engine's name, a ``$(VAR)`` of ``env`` for the kubelet to expand.
-    """
-    res = {"cpu": "100m", "memory": "128Mi"}
-    names = {ADMIN_API_KEY: ADMIN_MASTER_ENV, **({API_KEY: API_KEY_SOURCE_ENV} if api_key else {})}
-    return {
-        "name": "keys", "image": plan.images["rollout"], "imagePullPolicy": "IfNotPresent",
-        "command": ["python3", "-m", "app.rollout.keys", "--engine", engine, "--out", KEYS_FILE],
-        "env": [*env, *secret_env(secret, names)],
-        "resources": {"requests": res, "limits": res},
-        "securityContext": container_security(),
-        "volumeMounts": [{"name": KEYS_VOLUME, "mountPath": KEYS_DIR}],
-    }
-
-
 POD_NAME_ENV = {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
 POD_INDEX_ENV = {"name": "POD_INDEX", "valueFrom": {"fieldRef": {
     "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}}
-KEYS_VOLUME_SPEC = {"name": KEYS_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}
 
 
 def engine_volumes(plan: Plan) -> list[dict]:

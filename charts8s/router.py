@@ -29,6 +29,7 @@ from constructs import Construct
 
 from app.rollout.router import rollout_router_command
 from charts8s.cluster import ROLLOUT, ROUTER
+from charts8s.keys import API_KEY, CONTROL_KEY, secret_env
 from charts8s.kube import api_object, k8s_module
 from charts8s.contract import ROUTER_POD, contract_policies
 from charts8s.placement import checkov_skips, container_security, labels, on_pool, pod_security
@@ -47,8 +48,6 @@ def router_url(plan: Plan) -> str:
 
 def router_container(plan: Plan) -> dict:
     wl = plan.wl.rollout
-    from charts8s.rollout import API_KEY, CONTROL_KEY, secret_env
-
     cmd = rollout_router_command(plan.run.rollout, host="0.0.0.0", port=wl.router_port,
                                  prometheus_port=wl.router_metrics_port, api_key=f"$({KEY_ENV[API_KEY]})",
                                  control_key=f"$({KEY_ENV[CONTROL_KEY]})", log_level="info")

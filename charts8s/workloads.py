@@ -406,6 +406,7 @@ def _check_tag(role: str, ref: str, field: str | None = None) -> None:
 def _check_ports(plan: Plan) -> None:
     """Raise WorkloadError unless every fixed port is outside NCCL's range (the pods' ephemeral
     ports, charts8s/netpol.py) and the weight-update group's port is not torchrun's."""
+    # charts8s.netpol loads cdk8s: the workloads document is read without it
     from charts8s.netpol import NCCL_PORTS, WEIGHT_GROUP_PORT
 
     wl = plan.wl

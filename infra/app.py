@@ -9,6 +9,8 @@ of its built-in config.
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import PurePosixPath
 
 from aws_cdk import App, Environment
@@ -56,9 +58,6 @@ def build_app(env: str = "dev", overrides: str | None = None, app: App | None = 
 def main() -> None:
     """`cdk synth|deploy` entry (cdk.json): a bad config, or a Kubernetes version this checkout has no
     kubectl layer or add-on pins for, is one line on stderr and exit 2, not a traceback."""
-    import os
-    import sys
-
     app = App()
     try:
         build_app(app.node.try_get_context("env") or "dev", app.node.try_get_context("config"), app)

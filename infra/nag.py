@@ -11,6 +11,7 @@ from aws_cdk import Acknowledgment, Stack, Validations
 from cdk_nag import AwsSolutionsChecks
 from constructs import Construct
 
+from infra.cluster import trainer_write_resources
 from infra.config import DeploymentConfig, PipelineConfig
 
 _AWS_POLICY = "AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{}]"
@@ -62,7 +63,6 @@ def acknowledgements(kind: str, cfg: DeploymentConfig) -> dict[str, str]:
                 "system's root squash (one fsx:UpdateFileSystem call on that file system)."} if cfg.fsx.enabled else {}
     if kind != "cluster":
         return {}
-    from infra.cluster import trainer_write_resources
 
     bucket = f"arn:<AWS::Partition>:s3:::{cfg.checkpoint_bucket}"
     prefixes = {f"{bucket}/{p}/*": f"the '{p}/' prefix" for p in (cfg.run_prefix, cfg.models_prefix, cfg.data_prefix)}

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import sys
 
+import boto3
+
 from infra.config import DeploymentConfig, config_of_args, config_parser
 
 
@@ -69,7 +71,6 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_of_args(args, "infra.preflight")
     if cfg is None:
         return 2
-    import boto3
 
     iam = boto3.client("iam", region_name=cfg.region)
     problems = [f"admin_role_arns: {arn} does not exist in account {cfg.account} (create it, or leave the default "

@@ -240,12 +240,13 @@ def test_where_the_time_goes():
 
 
 def test_device_cuda_without_a_gpu_is_refused_before_work(tmp_path, monkeypatch):
+    import app.bench.loop as bench_loop
     import app.local.machine as machine
     from typer.testing import CliRunner
 
     from app.bench.cli import cli
 
-    monkeypatch.setattr(machine, "detect_machine", lambda: machine.Machine(cores=2, gpus=0))
+    monkeypatch.setattr(bench_loop, "detect_machine", lambda: machine.Machine(cores=2, gpus=0))
     r = CliRunner().invoke(cli, ["loop", "--device", "cuda", "--out-dir", str(tmp_path / "out"),
                                  "--work-dir", str(tmp_path / "work")])
     assert r.exit_code == 2 and "--device cuda: torch sees no GPU" in r.output, r.output
@@ -259,11 +260,12 @@ def test_device_cuda_without_a_gpu_is_refused_before_work(tmp_path, monkeypatch)
 def test_the_gpu_legs_plan_the_machines_layout(monkeypatch):
     """`--device cuda --task gpu` on a (faked) one-GPU, 16-core machine: moerl as `moerl run`
     lays it out there, and TRL's arguments on the GPU with bf16 autocast."""
+    import app.bench.loop as bench_loop
     import app.local.machine as machine
     from app.bench.loop import LoopBench, grpo_args, grpo_kwargs, load_config, plan_legs
 
     monkeypatch.delenv("MOERL_SHARED_GPU", raising=False)
-    monkeypatch.setattr(machine, "detect_machine", lambda: machine.Machine(cores=16, gpus=1))
+    monkeypatch.setattr(bench_loop, "detect_machine", lambda: machine.Machine(cores=16, gpus=1))
     bench = LoopBench(seconds=60, task="gpu", device="cuda")
     bench.validate()
     cfg, layout = plan_legs(bench, load_config(bench))

@@ -66,6 +66,8 @@ def test_every_role_does_its_own_work_as_its_own_user(acl_redis):
     assert len(leased) == 4 and rollout.has_capacity()
     assert rollout.extend(leased[:1]) == leased[:1]
     assert rollout.publish(leased[0], _samples(leased[0]))
+    # the same group made twice (its lease expired and was taken over): a duplicate, acked
+    assert not rollout.publish(leased[0], _samples(leased[0])) and rollout.stats()["duplicates"] == 1
     rollout.fail(leased[1:2])
     rollout.note_failures(["environment: no answer to step within 10 s"])  # why (app/buffer/health.py)
     rollout.note_waiting("w0", "environment", "http://env:8090", "ConnectError")
@@ -78,7 +80,7 @@ def test_every_role_does_its_own_work_as_its_own_user(acl_redis):
     got = trainer.take_batch(2, trainer_version=1, timeout_s=0)  # v0 groups at v1: stale -> requeued
     assert got == [] and trainer.stats()["requeued"] == 2
     assert trainer.announce_policy(1, "s3://b/v1") and rollout.current_policy() == (1, "s3://b/v1")
-    leased = rollout.lease("w0", count=4, block_ms=0)
+    leased = rollout.lease("w0", count=4, block_ms=0, engine_version=1)  # staleness admission
     assert leased and all(rollout.publish(t, _samples(t, version=1)) for t in leased)
     trainer.max_staleness = 1
     assert len(trainer.take_batch(len(leased), trainer_version=1, timeout_s=0)) == len(leased)

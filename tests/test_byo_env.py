@@ -400,6 +400,7 @@ def test_moerl_run_trains_a_users_environment_at_its_url(tmp_path):
     assert server.made > 200 + 2 * 200 + 4 * 8 * 8, server.made
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["task"].endswith("in env guess-number")
+    assert 0.0 <= summary["stale_share"] <= 1.0  # finished groups thrown away as too stale
     for key in ("held_out_reward_before", "held_out_reward_after", "held_out_greedy_before", "held_out_greedy_after"):
         assert 0.0 <= summary[key] <= 1.0
     steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

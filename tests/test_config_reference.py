@@ -28,6 +28,13 @@ def test_committed_reference_is_current():
     assert why is None, why
 
 
+def test_the_reference_is_the_same_from_any_checkout():
+    """A default that is a file of the repository (the workloads file's run_config) is shown
+    relative to it, so the committed reference is current in a clone anywhere."""
+    text = ref.render()
+    assert str(ROOT) not in text and "`\"recipes/dev-tiny-grpo.yaml\"`" in text
+
+
 def test_a_stale_reference_is_caught_with_the_command_to_fix_it(tmp_path):
     current = ref.render()
     assert ref.stale_message(current) is None

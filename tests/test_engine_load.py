@@ -89,7 +89,7 @@ def test_a_new_version_of_the_served_model_skips_the_checks_not_the_weights(chec
     """A weight update whose config and tensor headers equal the served checkpoint's skips the
     policy checks (they passed already) and reuses the tokenizer; its weights are the new ones.
     A checkpoint that differs in any of those is checked in full."""
-    import app.model.checkpoint as ckpt_mod
+    import app.engine.load as load_mod
     from safetensors.torch import load_file, save_file
 
     from app.model.tokenizer import save_tokenizer
@@ -105,7 +105,7 @@ def test_a_new_version_of_the_served_model_skips_the_checks_not_the_weights(chec
     def refuse(*a, **k):
         raise AssertionError("check_checkpoint ran for an unchanged structure")
 
-    monkeypatch.setattr(ckpt_mod, "check_checkpoint", refuse)
+    monkeypatch.setattr(load_mod, "check_checkpoint", refuse)
     new = load_checkpoint(v2, like=served)
     assert new.tokenizer is served.tokenizer and new.signature == served.signature
     embed = "model.embed_tokens.weight"

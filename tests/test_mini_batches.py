@@ -295,7 +295,7 @@ def test_two_ranks_take_the_same_mini_batch_steps_as_one_process(tmp_path):
 
 def test_the_loop_counts_optimizer_steps_and_resumes_the_count(tmp_path, redis_server, monkeypatch):
     from app.storage import open_store
-    from app.trainer.loop import run_training
+    from app.trainer.trainer import Trainer
     from app.trainer.state import latest_state
 
     run_id = "mini"
@@ -311,10 +311,10 @@ def test_the_loop_counts_optimizer_steps_and_resumes_the_count(tmp_path, redis_s
     producer = threading.Thread(target=fake_producer, args=(redis_server, run_id, stop, 4), daemon=True)
     producer.start()
     try:
-        run_training(cfg, tmp_path / "run")
+        Trainer(cfg, tmp_path / "run").train()
         dist.destroy_process_group()
         cfg.trainer.steps = 3
-        state = run_training(cfg, tmp_path / "run", resume=True)
+        state = Trainer(cfg, tmp_path / "run", resume=True).train()
     finally:
         stop.set()
         producer.join(timeout=10)

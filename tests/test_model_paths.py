@@ -37,7 +37,7 @@ from sglang_oracle import _function_node, function_strings, parse_launch_server,
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOK = "srt/arg_groups/model_path_hook.py"
-# what the kubelet puts in: LWS's variables and the keys of an engine on the pod network (charts8s/rollout.py)
+# what the kubelet puts in: LWS's variables and the keys of an engine on the pod network (charts8s/keys.py)
 LWS_ENV = {"LWS_WORKER_INDEX": "1", "LWS_LEADER_ADDRESS": "moerl-rollout-0.moerl-rollout.moerl", "LWS_GROUP_SIZE": "2",
            "SGLANG_API_KEY": "k-api", "SGLANG_ADMIN_API_KEY": "k-admin"}
 os.environ.setdefault("JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION", "1")

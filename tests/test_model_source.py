@@ -189,7 +189,7 @@ def test_the_trainer_starts_from_an_s3_model_path(s3_model, hf_dir, tmp_path, re
     from app.config import RunConfig
     from app.storage import open_store
     from app.storage.policy import download_policy
-    from app.trainer.loop import run_training
+    from app.trainer.trainer import Trainer
     from helpers import fake_producer, single_rank_env
 
     cfg = RunConfig.model_validate({
@@ -203,7 +203,7 @@ def test_the_trainer_starts_from_an_s3_model_path(s3_model, hf_dir, tmp_path, re
     producer = threading.Thread(target=fake_producer, args=(redis_server, "s3-start", stop, 2), daemon=True)
     producer.start()
     try:
-        run_training(cfg, tmp_path / "run")
+        Trainer(cfg, tmp_path / "run").train()
     finally:
         stop.set()
         producer.join(10)

@@ -609,7 +609,7 @@ def _flat_and_signal_producer(url: str, run_id: str, stop: threading.Event) -> N
 
 
 def test_the_loop_trains_on_groups_with_signal_and_records_the_rest(tmp_path, redis_server, monkeypatch):
-    from app.trainer.loop import run_training
+    from app.trainer.trainer import Trainer
 
     run_id = "ds-loop"
     cfg = RunConfig.model_validate({
@@ -624,7 +624,7 @@ def test_the_loop_trains_on_groups_with_signal_and_records_the_rest(tmp_path, re
     producer = threading.Thread(target=_flat_and_signal_producer, args=(redis_server, run_id, stop), daemon=True)
     producer.start()
     try:
-        run_training(cfg, tmp_path / "run")
+        Trainer(cfg, tmp_path / "run").train()
     finally:
         stop.set()
         producer.join(timeout=10)

@@ -3,8 +3,10 @@ and runs every container of every pod as a local process, with the manifest's ow
 args and environment (app/replica/).
 
 Substituted, and nothing else: the image (this venv and repository), the engine (`moerl engine`
-for SGLang), GPU counts (torchrun's processes per node: 2 for the node's 8 GPUs) and the S3
-endpoint (moto, with credentials from the Pod Identity stand-in). The model is the warm-up
+for SGLang), GPU counts (torchrun's processes per node: 2 for the node's 8 GPUs), torchrun's
+rendezvous port (one free on the host: its c10d store listens on every address, so another
+torchrun on port 29500 can take the gang into its own rendezvous) and the S3 endpoint (moto, with
+credentials from the Pod Identity stand-in). The model is the warm-up
 checkpoint as a local directory, standing for one baked into the image.
 
 The short version (100 steps, ~2-3 min on 2 cores) with SGLang's router in front of the engines
@@ -21,6 +23,7 @@ twice or over-stale.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,10 +31,22 @@ from pathlib import Path
 import pytest
 import yaml
 
+from app.replica import small_run_config
 from app.replica.kubelet import NOT_RUN, Substitutions
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 600  # the replica's limit for the trainer's Job
+
+
+def warmup_cache() -> Path:
+    """The warm-up cache of `make run` (ROOT/runs/cache), or, for a checkout under /tmp, the
+    user's cache directory: `moerl replica` refuses a model under /tmp, which every pod mounts
+    over the image's."""
+    cache = ROOT / "runs" / "cache"
+    if not cache.resolve().is_relative_to("/tmp"):
+        return cache
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moerl" / "cache"
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +54,7 @@ def replica(tmp_path_factory) -> tuple[dict, Path, Path]:
     tmp = tmp_path_factory.mktemp("replica")
     dist, out = tmp / "dist", tmp / "run"
     proc = subprocess.run([sys.executable, "-m", "app.cli", "replica", str(dist), "--out", str(out), "--steps", "100",
-                           "--router",
-                           # the warm-up cache of `make run`; not under /tmp, which every pod mounts over
-                           "--cache", str(ROOT / "runs" / "cache"), "--timeout-s", "600"],
+                           "--router", "--cache", str(warmup_cache()), "--timeout-s", str(TIMEOUT_S)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     (tmp / "replica.out").write_text(proc.stdout + proc.stderr)
     assert (out / "replica.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -56,6 +69,7 @@ def test_replica_learns_and_loses_nothing_through_both_faults(replica):
     assert (a["lost"], a["duplicated"], a["overstale"]) == (0, 0, 0), a
     assert a["steps"] == 100 and a["samples_trained"] == 100 * 8 * 8
     assert a["completed"] + a["pending"] == a["issued"]
+    assert s["buffer"]["finished"] >= 800 and 0.0 <= s["stale_share"] < 1.0
     assert [e["kind"] for e in s["chaos"]] == ["delete-rollout-pod", "kill-trainer-pod"]
     assert s["job_restarts"] == 1 and a["resumes"] == 2  # the first start and the RestartJob, both --resume
     # The final measurement is of the trainer's last version: 100 steps, plus the version a
@@ -84,7 +98,8 @@ def test_replica_ran_what_dist_holds(replica):
     metrics_at = "network: --metrics-addr {} (its pod's address)".format
     assert set(s["substitutions"]) == {
         "engine: engine: SGLang -> moerl engine (dropped --tp-size)",
-        *(f"trainer-0: {metrics_at(p['ip'])}; GPUs: 8 per pod -> torchrun --nproc-per-node 2"
+        *(f"trainer-0: {metrics_at(p['ip'])}; GPUs: 8 per pod -> torchrun --nproc-per-node 2; network: rendezvous "
+          "port 29500 -> one free on the host (torchrun's c10d store listens on every address)"
           for p in s["pods"] if p["name"] == "moerl-trainer-trainer-0-0"),
         *(f"worker: {metrics_at(p['ip'])}" for p in s["pods"] if p["name"].startswith("moerl-rollout-")),
         f"redis: network: redis-server --bind {next(p['ip'] for p in s['pods'] if p['name'] == 'moerl-buffer-0')} (its pod's address)",
@@ -144,3 +159,10 @@ def test_replica_shows_its_progress_and_no_byte_reprs(replica):
     steps = [int(m) for m in __import__("re").findall(r"trainer step (\d+)/100", text)]
     assert len(steps) >= 10 and steps == sorted(steps) and steps[-1] == 100, text[-3000:]
     assert "b'" not in text
+
+
+def test_a_starved_trainer_reports_its_own_error_before_the_replica_gives_up():
+    """The replica's trainer waits at most trainer.batch_timeout_s for a batch, well within the
+    replica's own limit: a trainer that gets no groups fails with its own message (which groups
+    it waited for, from where) instead of being stopped by the replica's timeout."""
+    assert small_run_config(100, Path("/unused")).trainer.batch_timeout_s <= TIMEOUT_S / 4

@@ -69,6 +69,13 @@ def test_substitutions_engine_gpus_and_listen_address():
     assert note.startswith("network: --metrics-addr 127.10.0.5") and "8 per pod" in note
     kept = ["moerl", "rollout", "--metrics-port", "9464", "--metrics-addr", "0.0.0.0"]
     assert s.argv(kept, {}, "127.10.0.4") == (kept, None)
+    # torchrun's rendezvous on a port of the run's own (its c10d store listens on every address of the host)
+    s.rdzv_port = 41234
+    line = "torchrun --rdzv-backend=c10d --rdzv-endpoint=${TORCHX_RANK0_HOST:=127.10.0.5}:29500 --nproc-per-node=8 x"
+    argv, note = s.argv(["bash", "-c", line], gpu, "127.10.0.5")
+    assert argv[2] == "torchrun --rdzv-backend=c10d --rdzv-endpoint=${TORCHX_RANK0_HOST:=127.10.0.5}:41234 --nproc-per-node=2 x"
+    assert note == ("GPUs: 8 per pod -> torchrun --nproc-per-node 2; network: rendezvous port 29500 -> one free on "
+                    "the host (torchrun's c10d store listens on every address)")
 
 
 def _pod(name: str, containers: list[dict], **spec) -> dict:

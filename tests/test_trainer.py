@@ -153,7 +153,7 @@ def test_two_rank_run_publishes_versions(tmp_path, redis_server):
 
 def test_nan_losses_skip_then_stop(tmp_path, redis_server, monkeypatch):
     from app.model import logprobs
-    from app.trainer.loop import run_training
+    from app.trainer.trainer import Trainer
 
     run_id = "nan-test"
     cfg = RunConfig.model_validate({
@@ -174,7 +174,7 @@ def test_nan_losses_skip_then_stop(tmp_path, redis_server, monkeypatch):
     producer.start()
     try:
         with pytest.raises(RuntimeError, match=r"3 steps in a row.*max_bad_steps=3"):
-            run_training(cfg, tmp_path / "run")
+            Trainer(cfg, tmp_path / "run").train()
     finally:
         stop.set()
         producer.join(timeout=10)

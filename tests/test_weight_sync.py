@@ -320,13 +320,13 @@ def _answers(url: str) -> bool:
 
 
 def train_beside(cfg: RunConfig, run_dir: Path, redis_url: str, monkeypatch, stop, helper):
-    """`run_training` as one rank in this process, beside a stand-in rollout worker that publishes
+    """`Trainer.train` as one rank in this process, beside a stand-in rollout worker that publishes
     groups (tests/helpers.py `fake_producer`) and ``helper`` in threads, until both are stopped."""
     import threading
 
     import torch.distributed as dist
 
-    from app.trainer.loop import run_training
+    from app.trainer.trainer import Trainer
     from helpers import fake_producer, single_rank_env
 
     single_rank_env(monkeypatch)
@@ -335,7 +335,7 @@ def train_beside(cfg: RunConfig, run_dir: Path, redis_url: str, monkeypatch, sto
     for t in threads:
         t.start()
     try:
-        return run_training(cfg, run_dir)
+        return Trainer(cfg, run_dir).train()
     finally:
         stop.set()
         for t in threads:

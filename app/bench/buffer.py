@@ -38,11 +38,19 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import time
 from dataclasses import asdict, dataclass, replace
 
+import numpy as np
+import redis
+
 from app.bench.results import check_out_dir, print_notes_and_write
+from app.buffer import ExperienceBuffer, LocalRedis, Task
+from app.buffer.records import Sample, routed_experts_of_moe_layers
+from app.model.config import deepseek_v3_config, moe_layer_ids, num_routed_experts, tiny_config
+from app.trainer.batch import collate_groups, split_groups
 
 RUN_ID = "bench-buffer"
 MODELS = ("deepseek-v3", "tiny")
@@ -85,8 +93,6 @@ class BufferBench:
 def model_shape(name: str) -> dict:
     """Routing shape of ``--model``: decoder layers, MoE layer indices, experts per token K, experts E
     and the vocabulary (token ids are drawn below it)."""
-    from app.model.config import deepseek_v3_config, moe_layer_ids, num_routed_experts, tiny_config
-
     config = deepseek_v3_config() if name == "deepseek-v3" else tiny_config("tiny-deepseek-v3")
     return {"layers": int(config.num_hidden_layers), "moe_layers": moe_layer_ids(config),
             "topk": int(config.num_experts_per_tok), "experts": num_routed_experts(config),
@@ -95,10 +101,6 @@ def model_shape(name: str) -> dict:
 
 def template_samples(bench: BufferBench, shape: dict, replay: bool, seed: int) -> list:
     """One group's G samples of the seed's size (ids and routing random, fixed per writer)."""
-    import numpy as np
-
-    from app.buffer.records import Sample
-
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, shape["vocab"], bench.prompt_len).tolist()
     out = []
@@ -119,8 +121,6 @@ def template_samples(bench: BufferBench, shape: dict, replay: bool, seed: int) -
 def routed_for_sample(ids, moe_layers: list[int]):
     """What a rollout worker stores in `Sample.routed_experts` for the engine's ``[T, layers, K]`` ids
     (app/rollout/worker.py): the MoE layers' rows, one byte per id for 256 experts."""
-    from app.buffer.records import routed_experts_of_moe_layers
-
     return routed_experts_of_moe_layers(ids, moe_layers)
 
 
@@ -132,10 +132,6 @@ def trainer_take(buf, n: int, moe_layers: list[int] | None, num_experts: int) ->
     `broadcast_object_list` (``broadcast_bytes``); each rank's part (``decode_s``): read its
     groups' payloads, decode, check and collate them (here: all of them).
     """
-    import pickle
-
-    from app.trainer.batch import collate_groups, split_groups
-
     t0 = time.perf_counter()
     headers = buf.take_headers(n, trainer_version=0, timeout_s=5.0)
     for h in headers:
@@ -154,8 +150,6 @@ def trainer_take(buf, n: int, moe_layers: list[int] | None, num_experts: int) ->
 def writer(url: str, bench: BufferBench, shape: dict, replay: bool, index: int, results) -> None:
     """A writer process: lease one task at a time, publish the template group for it, until the
     queue stays empty. Puts ``{"latency_s": [...], "cpu_s": [...]}`` on `results`."""
-    from app.buffer import ExperienceBuffer
-
     samples = template_samples(bench, shape, replay, seed=index)
     buf = ExperienceBuffer(url, RUN_ID, capacity_groups=bench.capacity, max_staleness=10**6)
     latency, cpu = [], []
@@ -207,10 +201,6 @@ def redis_info(client) -> dict:
 
 def run_leg(bench: BufferBench, replay: bool) -> tuple[dict, list[dict]]:
     """One leg on a fresh redis-server; returns (its figures row, per-command rows)."""
-    import redis
-
-    from app.buffer import ExperienceBuffer, LocalRedis, Task
-
     shape = model_shape(bench.model)
     leg = "replay" if replay else "plain"
     load_start = os.getloadavg()[0]

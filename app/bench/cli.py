@@ -1,8 +1,17 @@
-"""`moerl bench ...`: benchmark scripts (each prints its figures and writes runs/bench/*.json)."""
+"""`moerl bench ...`: benchmark scripts (each prints its figures and writes runs/bench/*.json).
+
+Each bench's module is imported by its command, when it runs: most import torch, and `moerl bench
+--help` lists them all.
+"""
 
 from __future__ import annotations
 
+import signal
+import threading
+
 import typer
+
+from app.local.procs import sigterm_as_interrupt
 
 cli = typer.Typer(help="Benchmarks: figures against a baseline of the same run (bench/README.md).", no_args_is_help=True)
 
@@ -10,11 +19,6 @@ cli = typer.Typer(help="Benchmarks: figures against a baseline of the same run (
 @cli.callback()
 def _group(ctx: typer.Context) -> None:
     """Benchmarks: each prints a table with ratios against a baseline and writes a JSON result."""
-    import signal
-    import threading
-
-    from app.local.procs import sigterm_as_interrupt
-
     # SIGTERM (timeout, kill, a pod's stop) would end this process without running the finally
     # blocks that stop its engines, redis-server and trainer gang: make it an interrupt instead,
     # for the command's duration.
@@ -27,7 +31,7 @@ def close_group() -> None:
     """End a multi-rank bench cleanly: wait until every rank is done (rank 0 writes the result
     last), then destroy the process group. Without it a rank that finished first exited with gloo
     still connected to a busy peer, and the C++ runtime sometimes aborted it at exit."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch: only the multi-rank benches; `moerl bench --help` stays fast
 
     if dist.is_initialized():
         dist.barrier()
@@ -50,6 +54,7 @@ def moe(
     out_dir: str = typer.Option("runs/bench", help="Where the JSON result goes."),
 ) -> None:
     """One MoE layer forward+backward: ours vs transformers' sparse MoE block vs a dense GEMM baseline."""
+    # the bench's module, when it runs (module doc)
     from app.bench.moe import Shape, run
 
     try:
@@ -84,6 +89,7 @@ def train_step(
     out_dir: str = typer.Option("runs/bench", help="Where the JSON result goes."),
 ) -> None:
     """One GRPO trainer step (the trainer's layout) vs stock transformers: tokens/s, MFU, memory."""
+    # the bench's module, when it runs (module doc)
     from app.bench.train_step import TrainStepBench, run
 
     try:
@@ -110,6 +116,7 @@ def lm_head(
     out_dir: str = typer.Option("runs/bench", help="Where the JSON result goes."),
 ) -> None:
     """The LM head and the loss's logit passes: ours vs plain torch vs liger-kernel's fused linear CE."""
+    # the bench's module, when it runs (module doc)
     from app.bench.lm_head import LMHeadBench, run
 
     try:
@@ -133,6 +140,7 @@ def engine(
     out_dir: str = typer.Option("runs/bench", help="Where the JSON result goes."),
 ) -> None:
     """Built-in engine: generation tokens/s per batch size; policy-load s/GB vs the disk's read speed."""
+    # the bench's module, when it runs (module doc)
     from app.bench.engine import EngineBench, run
 
     try:
@@ -166,6 +174,7 @@ def loop(
 ) -> None:
     """The embedded loop vs TRL's GRPOTrainer, same model, task and recipe, equal wall-clock;
     records the machine's load during each leg and warns when it was not quiet."""
+    # the bench's module, when it runs (module doc)
     from app.bench.loop import LoopBench, run
     from app.local.embedded import RoleFailed
 
@@ -208,9 +217,11 @@ def rollout(
 ) -> None:
     """N SGLang-compatible engines driven with a run's prompts: aggregate tokens/s, per GPU, latency;
     or (--partial-ab) a worker through weight updates with and without partial rollout."""
+    # the bench's module, when it runs (module doc)
     from app.bench.rollout import RolloutBench, run
 
     if partial_ab:
+        # the bench's module, when it runs (module doc)
         from app.bench.partial import PartialBench
         from app.bench.partial import run as run_partial
 
@@ -247,6 +258,7 @@ def dispatch(
     out_dir: str = typer.Option("runs/bench", help="Where rank 0 writes the JSON result."),
 ) -> None:
     """EP dispatch+combine per-rank GB/s for each backend vs NVLink (start with torchrun, 2+ ranks)."""
+    # the bench's module, when it runs (module doc)
     from app.bench.dispatch import DispatchBench, run
 
     try:
@@ -273,6 +285,7 @@ def ep_train_step(
     out_dir: str = typer.Option("runs/bench", help="Where rank 0 writes the JSON result."),
 ) -> None:
     """Multi-rank GRPO train step on the trainer's layout: tokens/s and dispatch/combine share per backend."""
+    # the bench's module, when it runs (module doc)
     from app.bench.ep_train_step import EPTrainStepBench, run
 
     try:
@@ -298,6 +311,7 @@ def weight_sync(
     out_dir: str = typer.Option("runs/bench", help="Where the JSON result goes."),
 ) -> None:
     """Seconds per policy version: the network path (SGLang's weight-update group) vs the store path."""
+    # the bench's module, when it runs (module doc)
     from app.bench.weight_sync import WeightSyncBench, run
 
     try:
@@ -326,6 +340,7 @@ def buffer(
 ) -> None:
     """The experience buffer under the seed's traffic on a real redis-server: groups/s, bytes, memory and
     Redis CPU per group, publish and take latency, with and without routing replay."""
+    # the bench's module, when it runs (module doc)
     from app.bench.buffer import BufferBench, run
 
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -112,8 +113,6 @@ def profile_top(fn, device: torch.device, top: int = 15, prefix: str = "profile"
     ``<prefix>_total:wall`` (the summed self time, and the wall-clock of the profiled call:
     where wall exceeds kernels on CUDA the device waited on the host).
     """
-    from torch.profiler import ProfilerActivity, profile
-
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         start = time.perf_counter()

@@ -49,6 +49,10 @@ from torch import Tensor
 
 from app.bench.common import DTYPES, clock, seconds_between
 from app.bench.results import print_notes_and_write
+from app.model.dispatch import make_dispatcher
+from app.model.dispatch.deepep import deepep_unavailable_reason, get_buffer
+from app.model.parallel import EPContext
+from app.trainer.parallel import init_distributed
 
 NVLINK_GBPS = 450.0  # H200 NVLink 4: 18 links x 25 GB/s per direction
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -172,8 +176,6 @@ class _Fp8DeepEP:
     """deepep-fp8: DeepEP V1 Buffer calls with FP8 rows (module docstring); dispatch/combine pair."""
 
     def __init__(self, group, hidden: int, topk: int, num_experts: int, max_tokens: int):
-        from app.model.dispatch.deepep import get_buffer
-
         self.buffer = get_buffer(group, hidden, hidden * 2, max_tokens, topk)  # sized for bf16 rows
         self.num_experts = num_experts
 
@@ -201,9 +203,6 @@ def _time_backend(name: str, bench: DispatchBench, group, x: Tensor, topk_idx: T
     Raises:
         RuntimeError: the round trip did not give back topk x the input (a broken backend).
     """
-    from app.model.dispatch import make_dispatcher
-    from app.model.parallel import EPContext
-
     if name == "deepep-fp8":
         fp8 = _Fp8DeepEP(group, bench.hidden, bench.topk, bench.experts, bench.tokens)
         x_in = per_token_cast_to_fp8(x)
@@ -259,8 +258,6 @@ def _time_backend(name: str, bench: DispatchBench, group, x: Tensor, topk_idx: T
 
 def resolve_backends(names: list[str], fp8: bool, group) -> tuple[list[str], list[str]]:
     """Backends to time, in order, and notes on the ones left out and why."""
-    from app.model.dispatch.deepep import deepep_unavailable_reason
-
     reason = deepep_unavailable_reason(group)
     out, notes = ["alltoall"] if "auto" in names or "alltoall" in names else [], []
     if "auto" in names or "deepep" in names:
@@ -297,8 +294,6 @@ def run(bench: DispatchBench, out_dir: str = "runs/bench") -> dict | None:
             before the process group is joined); deepep asked for where it cannot run.
         RuntimeError: a backend's round trip gave wrong rows.
     """
-    from app.trainer.parallel import init_distributed
-
     world = world_size_from_env()
     names = bench.check(world)
     check_multicast_off(torch.cuda.is_available())

@@ -37,10 +37,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from app.bench.results import print_notes_and_write
 from app.bench.common import DTYPES, check_at_least_one, check_device
 from app.bench.train_step import check_model_and_dtype, check_seq_len, model_config
+from app.config import RouterConfig
+from app.engine.load import load_checkpoint
+from app.engine.sampler import SamplingParams, generate
+from app.model.checkpoint import save_policy
+from app.model.parallel import EPContext
+from app.model.policy import build_policy
+from app.storage.file import FileStore
+from app.storage.policy import download_policy, publish_policy
 
 CHUNK = 16 << 20
 
@@ -91,8 +100,6 @@ def engine_loader():
     """The engine's checkpoint loader and its name: `app.engine.load.load_checkpoint`, what
     ``/update_weights_from_disk`` runs. It needs torch and transformers only, not the server's
     FastAPI, so the GPU image runs the engine's own load."""
-    from app.engine.load import load_checkpoint
-
     return load_checkpoint, "app.engine.load.load_checkpoint"
 
 
@@ -144,16 +151,7 @@ def run(bench: EngineBench, out_dir: str = "runs/bench") -> dict:
     Raises:
         ValueError: a bad flag (see `EngineBench.check`).
     """
-    from app.config import RouterConfig
-    from app.model.checkpoint import save_policy
-    from app.model.parallel import EPContext
-    from app.model.policy import build_policy
-    from app.engine.sampler import SamplingParams, generate
-    from app.storage.file import FileStore
-    from app.storage.policy import download_policy, publish_policy
-
     bench.check()
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per load clutters the log
     device = torch.device(bench.device)

@@ -37,6 +37,14 @@ from app.bench.common import DTYPES, check_at_least_one, clock, seconds_between
 from app.bench.dispatch import check_multicast_off, world_size_from_env
 from app.bench.results import print_notes_and_write
 from app.bench.train_step import MODELS, check_model_and_dtype, check_seq_len, model_config, synthetic_groups
+from app.config import ParallelConfig, RunConfig
+from app.layout import resolve_layout
+from app.model.config import num_routed_experts
+from app.model.dispatch.deepep import deepep_unavailable_reason
+from app.model.policy import build_policy, moe_blocks
+from app.trainer.batch import collate_groups
+from app.trainer.parallel import build_mesh, init_distributed, parallelize
+from app.trainer.step import train_step
 
 SPANS = ("dispatch", "combine", "dispatch_backward", "combine_backward")
 
@@ -171,14 +179,6 @@ class EPTrainStepBench:
 
 def _time_backend(backend: str, bench: EPTrainStepBench, rank: int, world: int, device: torch.device) -> dict:
     """Build the sharded policy for one backend and time its steps on this rank (collective)."""
-    from app.config import ParallelConfig, RunConfig
-    from app.layout import resolve_layout
-    from app.model.config import num_routed_experts
-    from app.model.policy import build_policy, moe_blocks
-    from app.trainer.batch import collate_groups
-    from app.trainer.parallel import build_mesh, parallelize
-    from app.trainer.step import train_step
-
     cuda = device.type == "cuda"
     cfg = RunConfig()
     cfg.model.dtype = bench.dtype
@@ -239,9 +239,6 @@ def run(bench: EPTrainStepBench, out_dir: str = "runs/bench") -> dict | None:
         ValueError: a bad flag, fewer than 2 ranks, or NVLink multicast not off on CUDA (before
             the process group is joined); deepep asked for where it cannot run.
     """
-    from app.model.dispatch.deepep import deepep_unavailable_reason
-    from app.trainer.parallel import init_distributed
-
     world = world_size_from_env()
     names = bench.check(world)
     check_multicast_off(torch.cuda.is_available())

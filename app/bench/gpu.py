@@ -141,6 +141,7 @@ class GpuMonitor:
 def _nvml():
     """The ``pynvml`` module if installed (nvidia-ml-py), else None."""
     try:
+        # optional: NVIDIA's NVML bindings, where the machine has them
         import pynvml
     except ImportError:
         return None

@@ -30,6 +30,7 @@ import torch
 
 from app.bench.common import DTYPES, Marks, check_device
 from app.bench.results import check_out_dir, print_notes_and_write
+from app.model.logprobs import chunked_logprobs
 
 WIDTHS = {"qwen3-30b-a3b": (2048, 151936), "deepseek-v3": (7168, 129280), "tiny": (64, 128)}  # (hidden, vocab)
 
@@ -64,8 +65,6 @@ class LMHeadBench:
 
 def _contenders(bench: LMHeadBench) -> dict:
     """name -> fn(hidden, weight, targets) returning per-token logprobs [N] (fp32) with gradient."""
-    from app.model.logprobs import chunked_logprobs
-
     t = bench.temperature
 
     def ours(h, w, y):
@@ -76,6 +75,7 @@ def _contenders(bench: LMHeadBench) -> dict:
 
     out = {"ours": ours, "torch": plain}
     try:
+        # optional: Liger's kernel, a contender only where it is installed
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
     except ImportError:
         return out

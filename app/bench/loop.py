@@ -83,14 +83,32 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import httpx
+import torch
 from rich.console import Console
+from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
+from transformers.utils import logging as hf_logging
 
+from app.bench.gpu import GpuMonitor
+from app.bench.loop_profile import LoopProfiler, per_step_table
+from app.bench.machine import QUIET_SHARE, LoadMonitor, LoadWindow, wait_quiet
 from app.bench.results import check_out_dir, write_result
+from app.config import RunConfig
+from app.envs.rewards import score_answer_spec
+from app.envs.tasks import make_splits
+from app.feed import make_feeder
+from app.local.embedded import EmbeddedLoop, RoleFailed
+from app.local.machine import Machine, detect_machine, plan_run
+from app.local.run import TASKS, held_out_reward, latest_local_policy, start_from_base, task_preset
+from app.model.tokenizer import load_tokenizer, save_tokenizer
+from app.storage import open_store
+from app.storage.policy import latest_policy_version
 
 console = Console(soft_wrap=True)  # table rows stay one line each when piped
 
@@ -139,7 +157,6 @@ class LoopBench:
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.task and self.config:
             raise ValueError("--task: give --config or --task, not both")
-        from app.local.run import TASKS
 
         if self.task and self.task not in TASKS:
             raise ValueError(f"--task: {self.task!r} is not one of {', '.join(TASKS)}")
@@ -172,9 +189,6 @@ def load_config(bench: LoopBench):
     Raises:
         ValueError: the config file is invalid (the message names the file and field).
     """
-    from app.config import RunConfig
-    from app.local.run import task_preset
-
     cfg = RunConfig.load(bench.config) if bench.config else task_preset(bench.task or "spell_backward")
     cfg.trainer.steps = bench.step_cap()
     return cfg
@@ -187,8 +201,6 @@ def plan_legs(bench: LoopBench, cfg):
     Raises:
         ValueError: ``--device cuda`` without a GPU, or a layout that cannot work (one line).
     """
-    from app.local.machine import Machine, detect_machine, plan_run
-
     found = detect_machine()
     if bench.device == "cuda" and found.gpus == 0:
         raise ValueError("--device cuda: torch sees no GPU on this machine")
@@ -204,6 +216,7 @@ def load_now() -> float:
 def tree_cpu_s(pids: list[int]) -> float:
     """CPU seconds (user + system) used so far by the processes ``pids`` and all their live
     descendants (psutil). A process that is gone counts 0."""
+    # psutil: the bench extra (pyproject.toml)
     import psutil
 
     total = 0.0
@@ -260,10 +273,6 @@ def wait_initial_policy(loop, timeout_s: float = 600.0) -> None:
     Raises:
         RoleFailed: the trainer exited or published nothing within ``timeout_s``.
     """
-    from app.local.embedded import RoleFailed
-    from app.storage import open_store
-    from app.storage.policy import latest_policy_version
-
     store = open_store(loop.cfg.store_url)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -280,6 +289,7 @@ def wait_initial_policy(loop, timeout_s: float = 600.0) -> None:
 def role_pids(loop) -> dict[str, int]:
     """Role name -> pid of every live role process of ``loop`` that runs Python: the trainer's
     ranks (torchrun's children, ``trainer-rank<i>`` in start order), ``engine-<i>``, ``worker-<i>``."""
+    # psutil: the bench extra (pyproject.toml)
     import psutil
 
     out = {}
@@ -302,8 +312,6 @@ def role_pids(loop) -> dict[str, int]:
 def phase_medians(records: list[dict]) -> dict:
     """Median seconds per trainer step of each phase in metrics.jsonl (wait for groups, step,
     publish, save) and of the whole step-to-step interval."""
-    import statistics
-
     out = {}
     for k in ("wait_s", "step_s", "publish_s", "save_s"):
         vals = [r[k] for r in records if r.get(k) is not None]
@@ -346,8 +354,6 @@ class EngineSampler:
         return self
 
     def _run(self) -> None:
-        import httpx
-
         with httpx.Client(timeout=2.0) as client:
             while not self._stop.wait(self.period_s):
                 for url in self.urls:
@@ -387,11 +393,6 @@ def run_moerl(loop, feeder, base: Path, seconds: float, before: dict, profile_di
     Raises:
         RoleFailed: a role failed (the message carries its log tail).
     """
-    from app.bench.gpu import GpuMonitor
-    from app.bench.machine import LoadMonitor
-    from app.local.embedded import RoleFailed
-    from app.local.run import held_out_reward, latest_local_policy
-
     t_setup = time.monotonic()
     loop.start_trainer()
     wait_initial_policy(loop)
@@ -400,8 +401,6 @@ def run_moerl(loop, feeder, base: Path, seconds: float, before: dict, profile_di
     pids = [p.pid for p in loop.sup.procs.values() if p.alive()] + [loop.redis.proc.pid]
     profiler = None
     if profile_dir is not None:
-        from app.bench.loop_profile import LoopProfiler
-
         profiler = LoopProfiler(role_pids(loop), profile_dir)
         # py-spy starts once every role has settled (first imports, first reward call, first
         # weight load): a quarter of the window, at most 20 s.
@@ -415,6 +414,7 @@ def run_moerl(loop, feeder, base: Path, seconds: float, before: dict, profile_di
         return tree_cpu_s(pids + sorted(spy_pids())) + time.process_time()
 
     def own_pids() -> set[int]:
+        # psutil: the bench extra (pyproject.toml)
         import psutil
 
         found = set(pids) | spy_pids()
@@ -497,8 +497,6 @@ def profile_summary(profiles, extra_cpu_s: dict[str, float], records: list[dict]
     """The ``profile`` of a result row: CPU ms per trainer step per role and activity (both
     engines, both workers and both ranks summed; ``extra_cpu_s``: CPU-only processes), each role
     process's split, and the window."""
-    from app.bench.loop_profile import per_step_table
-
     steps = len(records)
     return {
         "steps": steps,
@@ -521,8 +519,6 @@ def trl_reward_fn(eos_ids: list[int], overlong_reward: float | None):
     "length"``) it gets ``rollout.overlong_reward`` instead of the verifier's partial credit
     (unless that is None); every other one gets ``app.envs.rewards`` on its text.
     """
-    from app.envs.rewards import score_answer_spec
-
     stops = set(eos_ids)
 
     def reward(prompts, completions, completion_ids, spec, **kwargs) -> list[float]:
@@ -541,6 +537,7 @@ def grpo_args(cfg, out_dir: Path, max_steps: int, device: str = "cpu"):
     Raises:
         ValueError: see `grpo_kwargs`; TRL refuses the arguments on this machine.
     """
+    # trl: the bench extra, for TRL's leg only
     from trl import GRPOConfig
 
     return GRPOConfig(**grpo_kwargs(cfg, out_dir, max_steps, device))
@@ -602,16 +599,9 @@ def run_trl(cfg, base: Path, out_dir: Path, seconds: float, before: dict, device
     loss's forward and backward, the optimizer), no weight update (one model), and the time
     between steps.
     """
-    import torch
+    # datasets and trl: the bench extra, for TRL's leg only
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
     from trl import GRPOTrainer
-
-    from app.bench.gpu import GpuMonitor
-    from app.bench.machine import LoadMonitor
-    from app.envs.tasks import make_splits
-    from app.model.tokenizer import load_tokenizer, save_tokenizer
-    from app.local.run import held_out_reward
 
     t = cfg.trainer
     batch = t.groups_per_step * cfg.rollout.group_size
@@ -759,10 +749,6 @@ def moerl_leg(bench: LoopBench, cfg, layout, run_dir: Path, base: Path | None, b
     ``layout`` (app/local/machine.py). The first leg makes (or reuses) the warm-up checkpoint and
     measures its held-out reward; later ones reuse both. Returns ``(row, base, before, the leg's
     config)``."""
-    from app.local.embedded import EmbeddedLoop
-    from app.feed import make_feeder
-    from app.local.run import start_from_base
-
     cfg = cfg.model_copy(deep=True)
     cfg.store_url = f"file://{run_dir / 'store'}"
     cfg.rollout.policy_cache_dir = str(run_dir / "policy-cache")
@@ -793,18 +779,12 @@ def run(bench: LoopBench, out_dir: str | os.PathLike = "runs/bench") -> Path:
         RoleFailed: a moerl role failed.
         FileNotFoundError: ``profile`` without py-spy installed.
     """
-    from transformers.utils import logging as hf_logging
-
-    from app.bench.machine import QUIET_SHARE, LoadWindow, wait_quiet
-
     bench.validate()
     check_out_dir(out_dir)  # the result is written after the last leg: refuse a bad one now
     cfg, layout = plan_legs(bench, load_config(bench))
     hf_logging.disable_progress_bar()  # weight-loading bars of every evaluation
     grpo_args(cfg, Path(out_dir) / "unused", 1, bench.device)  # refuse what TRL cannot mirror, before any work
     if bench.profile:
-        from app.bench.loop_profile import LoopProfiler
-
         LoopProfiler({}, Path(out_dir))  # py-spy missing: say so before any work
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     work = Path(bench.work_dir or Path(out_dir) / f"loop-{stamp}").resolve()

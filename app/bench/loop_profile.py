@@ -64,7 +64,7 @@ RULES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     "worker": [
         ("policy download (copy, fsync) + cache pruning", ("RolloutWorker._download (app/rollout/worker.py",)),
         ("weight update calls (pause, update, continue)", ("RolloutWorker.sync_policy (app/rollout/worker.py",)),
-        ("back-pressure polling (wait_for_capacity)", ("ExperienceBuffer.wait_for_capacity",)),
+        ("leasing within back-pressure (lease, its polling included)", ("ExperienceBuffer.lease",)),
         ("Redis calls (lease, publish, extend, policy)", ("redis/", "app/buffer/")),
         ("reward function", ("app/envs/", "reasoning_gym/", "RewardPool")),
         ("HTTP client (httpx)", ("httpx/", "httpcore/", "anyio/", "h11/", "app/rollout/engine_client.py")),
@@ -132,6 +132,7 @@ def parse_raw(path: Path, kind: str) -> dict[int, tuple[str, collections.Counter
 
 def thread_cpu_s(pid: int) -> tuple[float, dict[int, float]]:
     """(process CPU seconds, {thread id: CPU seconds}) now; (0, {}) if the process is gone."""
+    # psutil: the bench extra (pyproject.toml)
     import psutil
 
     try:

@@ -34,6 +34,7 @@ def affinity_cores() -> list[int]:
 def busy_cpu_s(cpus: list[int]) -> float:
     """CPU seconds the cores ``cpus`` have spent busy since boot (psutil per-CPU times: user,
     nice, system, irq, softirq and steal; guest time is already inside user)."""
+    # psutil: the bench extra (pyproject.toml)
     import psutil
 
     total = 0.0
@@ -47,6 +48,7 @@ def busy_cpu_s(cpus: list[int]) -> float:
 
 def process_cpu_s() -> dict[int, tuple[str, float]]:
     """Every visible process: pid -> (name, CPU seconds user + system so far)."""
+    # psutil: the bench extra (pyproject.toml)
     import psutil
 
     out = {}

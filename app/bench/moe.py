@@ -32,6 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import DeepseekV3Config, Qwen3MoeConfig
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from app.bench.common import DTYPES, Marks, check_at_least_one, check_device, dense_matmul_tflops, profile_top
 from app.bench.results import print_notes_and_write
@@ -62,8 +65,6 @@ def make_config(shape: Shape):
     DeepSeek-V3 gets one shared expert and the largest n_group in (8, 4, 2, 1) that divides the
     experts into groups of at least 2 with top-k reachable from half the groups.
     """
-    from transformers import DeepseekV3Config, Qwen3MoeConfig
-
     common = dict(hidden_size=shape.hidden, moe_intermediate_size=shape.intermediate,
                   num_experts_per_tok=shape.topk, norm_topk_prob=True, hidden_act="silu",
                   num_attention_heads=1, num_key_value_heads=1)
@@ -193,9 +194,6 @@ def accuracy_vs_fp32(module: nn.Module, x: torch.Tensor) -> dict:
 
 
 def stock_block(config, implementation: str) -> nn.Module:
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-
     config = copy.deepcopy(config)
     config._experts_implementation = implementation
     return (Qwen3MoeSparseMoeBlock if config.model_type == "qwen3_moe" else DeepseekV3MoE)(config)

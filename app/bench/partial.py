@@ -29,7 +29,21 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import httpx
+import torch
+from transformers import AutoModelForCausalLM
+
+from app.bench.results import print_notes_and_write
 from app.buffer.records import Task
+from app.config import RunConfig
+from app.engine.load import load_checkpoint
+from app.engine.scheduler import Engine
+from app.engine.server import create_app
+from app.envs.tasks import make_splits, make_tasks
+from app.model.config import tiny_config
+from app.model.tokenizer import build_tokenizer, save_tokenizer
+from app.rollout.engine_client import EngineClient
+from app.rollout.worker import RolloutWorker
 
 
 class MemoryBuffer:
@@ -45,13 +59,7 @@ class MemoryBuffer:
     def current_policy(self):
         return (self.version, f"memory://policy/v{self.version}")
 
-    def has_capacity(self) -> bool:
-        return True
-
-    def wait_for_capacity(self, timeout_s: float) -> None:
-        time.sleep(min(timeout_s, 0.05))
-
-    def lease(self, worker_id: str, count: int = 1, block_ms: int = 0) -> list[Task]:
+    def lease(self, worker_id: str, count: int = 1, block_ms: int = 0, engine_version: int | None = None) -> list[Task]:
         out = []
         for _ in range(count):
             t = self.tasks[self.next % len(self.tasks)]
@@ -76,12 +84,6 @@ class MemoryBuffer:
 
 def make_checkpoints(cfg, out: Path) -> tuple[Path, Path]:
     """Two checkpoints of the run's preset (seeds 0 and 1) with the character tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from app.model.tokenizer import save_tokenizer
-    from app.model.config import tiny_config
-
     dirs = []
     for seed in (0, 1):
         d = out / f"seed{seed}"
@@ -96,14 +98,6 @@ def make_checkpoints(cfg, out: Path) -> tuple[Path, Path]:
 async def run_arm(cfg, tasks: list[Task], ckpts: tuple[Path, Path], seconds: float, update_every_s: float,
                   partial: bool, max_batch: int) -> dict:
     """One arm: the engine, a worker, a version every ``update_every_s`` for ``seconds``."""
-    import httpx
-
-    from app.engine.load import load_checkpoint
-    from app.engine.scheduler import Engine
-    from app.engine.server import create_app
-    from app.rollout.engine_client import EngineClient
-    from app.rollout.worker import RolloutWorker
-
     cfg = cfg.model_copy(deep=True)
     cfg.rollout.partial_rollout = partial
     cfg.rollout.policy_poll_s = min(cfg.rollout.policy_poll_s, update_every_s / 4)
@@ -176,11 +170,6 @@ def run(bench: PartialBench, out_dir: str = "runs/bench") -> dict:
         ValueError: a bad flag or run config (named), or a run config that sets model.path (the
             A/B builds its checkpoints from the preset).
     """
-    from app.bench.results import print_notes_and_write
-    from app.config import RunConfig
-    from app.envs.tasks import make_splits, make_tasks
-    from app.model.tokenizer import build_tokenizer
-
     bench.check()
     cfg = RunConfig.load(bench.config) if bench.config else RunConfig()
     if cfg.model.path:

@@ -25,6 +25,7 @@ import socket
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 DEFAULT_DIR = Path("runs/bench")
@@ -32,6 +33,7 @@ DEFAULT_DIR = Path("runs/bench")
 
 def machine_info() -> dict:
     """Host name, OS, CPU model and core count, and the CUDA device if any."""
+    # torch and transformers: only their versions; the buffer and rollout benches run without them
     import torch
 
     cpu = platform.processor() or platform.machine()
@@ -58,6 +60,7 @@ def machine_info() -> dict:
 
 def versions() -> dict:
     """Versions of the software that decides the numbers."""
+    # torch and transformers: only their versions; the buffer and rollout benches run without them
     import torch
     import transformers
 
@@ -65,8 +68,6 @@ def versions() -> dict:
     if torch.version.cuda:
         out["cuda"] = torch.version.cuda
     try:
-        from importlib.metadata import version
-
         out["moerl"] = version("moerl")
     except Exception:  # noqa: BLE001 - not installed as a distribution (e.g. a plain checkout)
         pass

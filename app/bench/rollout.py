@@ -40,11 +40,16 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import random
 import time
 from dataclasses import asdict, dataclass, field
 
 from app.bench.results import print_notes_and_write
-from app.names import ROUTER_API_KEY_ENV
+from app.config import RunConfig
+from app.envs.tasks import make_splits
+from app.names import API_KEY_ENV, ROUTER_API_KEY_ENV
+from app.rollout.engine_client import EngineClient, EngineError
+
 
 @dataclass
 class RolloutBench:
@@ -114,8 +119,6 @@ class Tally:
 async def drive(clients, prompts: list[str], seconds: float, concurrency: int, gen_kwargs: dict) -> tuple[list[Tally], float]:
     """Keep ``concurrency`` requests in flight on each client for ``seconds``; the ones in flight
     then finish. Returns (one Tally per client, wall seconds from start to the last answer)."""
-    from app.rollout.engine_client import EngineError
-
     tallies = [Tally() for _ in clients]
     counter = iter(range(1 << 62))
     start = time.perf_counter()
@@ -162,10 +165,6 @@ async def drive_layout(lane_clients, engines, prompts: list[str], seconds: float
     """One lane per entry of ``lane_clients`` (the client its requests go to): wait on the
     environment (exponential, mean ``env_wait_s[lane]``), send one group, repeat for ``seconds``.
     Returns latencies (s), sequences, errors, wall seconds and the engines' idle fractions."""
-    import random
-
-    from app.rollout.engine_client import EngineError
-
     rng = random.Random(seed)  # the same waits for both layouts
     waits = [[rng.expovariate(1 / w) if w else 0.0 for _ in range(4096)] for w in env_wait_s]
     lat: list[float] = []
@@ -207,8 +206,6 @@ def pool(runs: list[dict]) -> dict:
 
 
 async def _compare_async(bench: RolloutBench, cfg, prompts: list[str], concurrency: int) -> tuple[dict, dict, dict]:
-    from app.rollout.engine_client import API_KEY_ENV, EngineClient
-
     r = cfg.rollout
     gen_kwargs = dict(n=r.group_size, max_new_tokens=bench.max_new_tokens or r.max_new_tokens,
                       temperature=r.temperature, top_p=r.top_p, return_logprob=True)
@@ -275,9 +272,6 @@ def compare(bench: RolloutBench, cfg, prompts: list[str], concurrency: int, out_
 
 
 async def _run_async(bench: RolloutBench, cfg, prompts: list[str], concurrency: int, baseline_s: float):
-    from app.names import API_KEY_ENV
-    from app.rollout.engine_client import EngineClient
-
     r = cfg.rollout
     gen_kwargs = dict(n=r.group_size, max_new_tokens=bench.max_new_tokens or r.max_new_tokens,
                       temperature=r.temperature, top_p=r.top_p, return_logprob=True)
@@ -310,9 +304,6 @@ def run(bench: RolloutBench, out_dir: str = "runs/bench") -> dict:
     Raises:
         ValueError: a bad flag or run config (named); TimeoutError: an engine never answered.
     """
-    from app.config import RunConfig
-    from app.envs.tasks import make_splits
-
     bench.check()
     cfg = RunConfig.load(bench.config) if bench.config else RunConfig()
     prompts = [p.text for p in make_splits(cfg.task)[0]]

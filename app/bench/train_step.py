@@ -41,6 +41,7 @@ steps (CUDA only), printed beside `moerl plan`'s prediction for the same layout.
 
 from __future__ import annotations
 
+import copy
 import gc
 import math
 import os
@@ -48,10 +49,23 @@ from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoModelForCausalLM
 
 from app.bench.common import (DTYPES, Marks, check_at_least_one, check_device, dense_matmul_tflops,
                               profile_top)
 from app.bench.results import check_out_dir, print_notes_and_write
+from app.config import ParallelConfig, RunConfig
+from app.layout import resolve_layout
+from app.model.config import deepseek_v3_config, num_routed_experts, qwen3_30b_a3b_config, tiny_config, validate_config
+from app.model.experts import grouped_mm_supported, local
+from app.model.parallel import EPContext
+from app.model.policy import build_policy, moe_blocks
+from app.plan.memory import PlanInput, plan_memory
+from app.trainer.batch import collate_groups, plan_micro_batches, select_rows
+from app.trainer.parallel import build_mesh, init_distributed, parallelize
+from app.trainer.step import build_optimizer, train_step
 
 # Qwen3-MoE-style policies built in code (tests and quick runs).
 MODELS: dict[str, dict] = {
@@ -84,13 +98,10 @@ def model_config(name: str, layers: int | None = None, experts: int | None = Non
     Raises:
         ValueError: unknown name, counts above the real model's, or counts the config rejects.
     """
-    from app.model.config import tiny_config, validate_config
-
     if name in MODELS:
         return tiny_config("tiny-qwen3-moe", **MODELS[name])
     if name not in REAL:
         raise ValueError(f"--model must be one of {sorted(MODELS) + list(REAL)}, got {name!r}")
-    from app.model.config import deepseek_v3_config, num_routed_experts, qwen3_30b_a3b_config
 
     # The flags cut the real model down; more than it has would build (or fail to allocate) a
     # model that is not the one named.
@@ -137,8 +148,6 @@ def param_counts(model: torch.nn.Module) -> dict:
         dict with ``total`` (all parameters) and ``active`` (per token, for the FLOPs count: routed
         expert tensors scaled by top_k / num_experts; input embedding and 1-D norm weights left out).
     """
-    from app.model.policy import moe_blocks
-
     expert = {}
     for _, block in moe_blocks(model):
         for p in block.experts.parameters():
@@ -233,8 +242,6 @@ class TrainStepBench:
 
     def run_config(self):
         """The RunConfig of our step: defaults plus the flags that shape the step."""
-        from app.config import RunConfig
-
         cfg = RunConfig()
         t = cfg.trainer
         t.micro_batch_tokens = self.micro_batch_tokens or None
@@ -246,12 +253,6 @@ class TrainStepBench:
 
 def _ours(bench: TrainStepBench, config, device: torch.device):
     """The trainer's model and optimizer on a one-rank layout; returns (step(), model)."""
-    from app.layout import resolve_layout
-    from app.model.parallel import EPContext
-    from app.model.policy import build_policy
-    from app.trainer.parallel import build_mesh, parallelize
-    from app.trainer.step import build_optimizer, train_step
-
     cfg = bench.run_config()
     mesh = build_mesh(resolve_layout(cfg.trainer.parallel, 1), device.type)
     model = build_policy(config, cfg.router, EPContext.local(), device=device, dtype=torch.float32, seed=bench.seed)
@@ -267,8 +268,6 @@ def _ours(bench: TrainStepBench, config, device: torch.device):
 
 
 def _batch(bench: TrainStepBench, config, cfg):
-    from app.trainer.batch import collate_groups
-
     groups = synthetic_groups(bench.groups, bench.group_size, bench.prompt_len, bench.completion_len,
                               config.vocab_size, bench.seed)
     return collate_groups(groups, pad_id=config.pad_token_id or 0, scale_by_std=cfg.trainer.scale_by_std)
@@ -277,13 +276,6 @@ def _batch(bench: TrainStepBench, config, cfg):
 def _peer(bench: TrainStepBench, config, device: torch.device, fsdp2: bool = False):
     """Stock transformers' model and a plain GRPO step (module docstring): bf16 parameters, or
     with ``fsdp2`` fp32 parameters under FSDP2 mixed precision; returns step()."""
-    import copy
-
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM
-
-    from app.trainer.batch import plan_micro_batches, select_rows
-
     cfg = bench.run_config()
     config = copy.deepcopy(config)
     config._experts_implementation = "grouped_mm" if device.type == "cuda" else "eager"
@@ -351,10 +343,6 @@ def _predicted(bench: TrainStepBench, config) -> dict:
     """`moerl plan`'s prediction for this step's one-GPU layout (app/plan/memory.py): live tensors
     at the peak (compare with max_memory_allocated) and device memory (with the allocator's
     fragmentation and CUDA's overhead; compare with max_memory_reserved), GB."""
-    from app.config import ParallelConfig
-    from app.layout import resolve_layout
-    from app.plan.memory import PlanInput, plan_memory
-
     try:
         plan = plan_memory(PlanInput(
         config=config, layout=resolve_layout(ParallelConfig(), 1), gpus_per_node=1,
@@ -376,12 +364,6 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
     Raises:
         ValueError: a bad flag (see `TrainStepBench.check`), or a config the model rejects.
     """
-    import torch.distributed as dist
-
-    from app.model.experts import grouped_mm_supported
-    from app.model.policy import moe_blocks
-    from app.trainer.parallel import init_distributed
-
     bench.check()
     check_out_dir(out_dir)
     device = torch.device(bench.device)
@@ -403,8 +385,6 @@ def run(bench: TrainStepBench, out_dir: str = "runs/bench") -> dict:
         n_rows = bench.groups * bench.group_size
         counts = param_counts(model)
         blocks = moe_blocks(model)
-        from app.model.experts import local
-
         experts_impl = "grouped_mm" if blocks and grouped_mm_supported(local(blocks[0][1].experts.gate_up_proj).to(dtype)) else "loop"
         ours_s, ours_peak, (applied, stats) = _time(step, bench, device)
         profiled = profile_top(step, device, top=20, families=True) if bench.profile else []

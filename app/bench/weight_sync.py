@@ -41,13 +41,26 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import httpx
 import torch
 
 from app.bench.common import DTYPES, check_device
 from app.bench.results import check_out_dir, print_notes_and_write
+from app.bench.train_step import MODELS
+from app.bench.weight_sync_gpu import run_gpu
+from app.config import RouterConfig, RunConfig
+from app.model.config import tiny_config
+from app.model.parallel import EPContext
+from app.model.policy import build_policy
+from app.rollout.engine_client import wait_until_healthy
+from app.storage import open_store
+from app.storage.policy import download_policy
+from app.trainer.publish import publish_version
+from app.trainer.weight_sync import WeightPusher
 
 MEDIUM = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
               num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256, vocab_size=32768,
@@ -72,9 +85,6 @@ class WeightSyncBench:
 
 def cpu_model_config(name: str):
     """The transformers config of a CPU ``--model``."""
-    from app.bench.train_step import MODELS
-    from app.model.config import tiny_config
-
     if name == "tiny":
         return tiny_config("tiny-qwen3-moe")
     if name == "medium":
@@ -110,8 +120,6 @@ def run(b: WeightSyncBench, out_dir: str = "runs/bench") -> dict:
     scratch.mkdir(parents=True, exist_ok=True)
     try:
         if b.device.startswith("cuda"):
-            from app.bench.weight_sync_gpu import run_gpu
-
             shape, figures, ratios, notes = run_gpu(b, scratch)
         else:
             shape, figures, ratios, notes = run_cpu(b, scratch)
@@ -138,19 +146,10 @@ def _perturb(model: torch.nn.Module) -> None:
 
 def run_cpu(b: WeightSyncBench, work: Path):
     """The CPU measurement (module doc). Returns (shape, figures, ratios, notes)."""
-    import httpx
-
+    # redis: the CPU mode's buffer only; the GPU image, where the GPU mode runs, has none
     from app.buffer import ExperienceBuffer
     from app.buffer.redis_server import LocalRedis, free_port
     from app.buffer.weight_sync import SyncBoard
-    from app.config import RouterConfig, RunConfig
-    from app.model.parallel import EPContext
-    from app.model.policy import build_policy
-    from app.rollout.engine_client import wait_until_healthy
-    from app.storage import open_store
-    from app.storage.policy import download_policy
-    from app.trainer.publish import publish_version
-    from app.trainer.weight_sync import WeightPusher
 
     dtype = DTYPES[b.dtype]
     config = cpu_model_config(b.model)
@@ -252,11 +251,6 @@ def _popen(work: Path, name: str, env: dict, *args: str) -> subprocess.Popen:
 
 def _store_version(model, version: int, store, cfg, work: Path, urls: list[str], client, dtype) -> dict:
     """One version by the store path: publish, then every engine downloads and loads it at once."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from app.storage.policy import download_policy
-    from app.trainer.publish import publish_version
-
     t0 = time.perf_counter()
     publish_version(model, None, version, store=store, run_id=cfg.run_id, work_dir=work / "publish", keep=2,
                     dtype=dtype)

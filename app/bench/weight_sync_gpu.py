@@ -18,33 +18,27 @@ import time
 from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from app.bench.common import DTYPES
+from app.bench.train_step import model_config
+from app.engine.receive import hf_slots, load_named
+from app.storage import open_store
+from app.storage.policy import download_policy
+from app.trainer.publish import plan_version, publish_version
+from app.trainer.weight_sync import _piece
+from app.weight_group import bucket_bytes, dtype_name, open_group, pack_bucket, parse_dtype, plan_buckets, unpack_bucket
 
 
 def real_width_config(layers: int):
-    """Qwen3-30B-A3B at its published widths with ``layers`` decoder layers: the repository's
-    own definition (`app.bench.train_step.model_config`) where it exists, else built here from
-    the published config.json values (hidden 2048, 128 experts of 768, top-8, 32 query / 4 kv
-    heads of 128, vocabulary 151936)."""
-    try:
-        from app.bench.train_step import model_config
-
-        return model_config("qwen3-30b-a3b", layers=layers)
-    except ImportError:  # app.model.config.real_config is not on this branch yet
-        from transformers import Qwen3MoeConfig
-
-        return Qwen3MoeConfig(
-            vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-            num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-            num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, norm_topk_prob=True,
-            max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
-            architectures=["Qwen3MoeForCausalLM"])
+    """Qwen3-30B-A3B at its published widths with ``layers`` decoder layers
+    (`app.bench.train_step.model_config`)."""
+    return model_config("qwen3-30b-a3b", layers=layers)
 
 
 def _model(config, dtype: torch.dtype, device: str):
-    from transformers import AutoModelForCausalLM
-
     with torch.device(device):
         return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
@@ -60,21 +54,12 @@ def _host_buffer(nbytes: int) -> torch.Tensor:
 
 
 def _check_sums(model, names: list[str]) -> list[float]:
-    from app.engine.receive import hf_slots
-
     slots = hf_slots(model)
     return [float(slots[n][0][slots[n][1]].float().sum()) for n in names]
 
 
 def _receiver(config, dtype_name: str, inbox, outbox, work: str, device: str) -> None:
     """The second process: a model on the GPU that takes versions by each path."""
-    from safetensors.torch import load_file
-
-    from app.engine.receive import hf_slots, load_named
-    from app.storage import open_store
-    from app.storage.policy import download_policy
-    from app.weight_group import bucket_bytes, open_group, parse_dtype, unpack_bucket
-
     if device.startswith("cuda"):
         torch.cuda.set_device(0)
     model = _model(config, DTYPES[dtype_name], device)
@@ -148,12 +133,6 @@ def run_gpu(b, work: Path, device: str = "cuda", config=None):
 
     ``device`` and ``config`` exist for the tests, which run the same two processes on the CPU
     with a tiny model (default: the GPU and `real_width_config(b.layers)`)."""
-    import torch.multiprocessing as mp
-
-    from app.storage import open_store
-    from app.trainer.publish import plan_version, publish_version
-    from app.weight_group import dtype_name, open_group, pack_bucket, plan_buckets
-
     dtype = DTYPES[b.dtype if b.dtype != "float32" else "bfloat16"]
     config = config or real_width_config(b.layers)
     ctx = mp.get_context("spawn")
@@ -176,8 +155,6 @@ def run_gpu(b, work: Path, device: str = "cuda", config=None):
     assert outbox.get(timeout=600) == "ready"
 
     def piece(i: int) -> torch.Tensor:
-        from app.trainer.weight_sync import _piece
-
         return _piece(state[tensors[i].source].detach(), tensors[i], 0)
 
     def perturb() -> None:

@@ -46,14 +46,14 @@ TRANSACTIONS = ["+multi", "+exec", "+discard"]
 # Commands per role: what its code calls (redis-py) and what its Lua scripts call inside.
 COMMANDS = {
     "trainer": CONNECT + SCRIPTS + TRANSACTIONS + [
-        "+xgroup|create", "+xread", "+xrange", "+xrevrange", "+xdel", "+xlen", "+xpending", "+xadd",
+        "+xgroup|create", "+xread", "+xreadgroup", "+xrange", "+xrevrange", "+xdel", "+xlen", "+xpending", "+xadd",
         "+hincrby", "+hgetall", "+hget", "+hset", "+sadd", "+smembers", "+srem", "+sismember",
         "+get", "+set", "+mget", "+expire", "+unlink", "+hmget", "+exists", "+persist", "+xautoclaim",
         "+xack"],
     "rollout": CONNECT + SCRIPTS + TRANSACTIONS + [
         "+xgroup|create", "+xautoclaim", "+xreadgroup", "+xack", "+xclaim", "+xdel", "+xlen", "+xpending",
         "+xadd", "+xread", "+xrevrange", "+hincrby", "+hgetall", "+hset", "+expire", "+sadd", "+srem",
-        "+sismember", "+get", "+set", "+del", "+mget", "+hmget", "+exists", "+persist", "+unlink"],
+        "+sismember", "+get", "+set", "+del", "+mget", "+hmget", "+exists", "+persist", "+pttl", "+unlink"],
     "feed": CONNECT + SCRIPTS + [
         "+xgroup|create", "+xlen", "+xpending", "+xadd", "+xdel", "+hincrby", "+hgetall", "+sadd"],
 }

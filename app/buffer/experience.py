@@ -1,17 +1,20 @@
-"""The experience buffer and task queue of one run, on Redis Streams with a consumer group.
+"""The experience buffer and task queue of one run, on Redis Streams with consumer groups.
 
 Layout (every key under ``{prefix}:{run_id}:``):
 
     tasks     stream: one entry per prompt attempt to generate; consumer group "rollout".
               An entry is leased by XREADGROUP, stays in the group's pending list (PEL) while a
               worker holds it, and is XACK'ed and XDEL'ed when its group is published. A lease
-              idle for more than `lease_ms` is taken over by the next `lease()` (XAUTOCLAIM).
+              idle for more than `lease_ms` is taken over by the next `lease()` (XAUTOCLAIM),
+              whatever the back-pressure.
     samples   stream: one entry per finished GRPO group: {meta: the group's header (JSON, a few
               hundred bytes: ids, versions, rewards, lengths; app/buffer/encoding.py), task: the
-              task (JSON), blob: the key of its payload, seq: its sequence number}. The trainer
-              reads it in order with a client-side cursor; taken entries (and their payloads)
-              are deleted when committed (by default when the next batch is taken), so a
-              trainer that dies mid-step reads its last batch again after a restart.
+              task (JSON), blob: the key of its payload}; consumer group "trainer", read by one
+              consumer, "trainer". A take is an XREADGROUP: the entry moves into the trainer's
+              PEL in the same step. Taken entries (and their payloads) are XACK'ed and XDEL'ed
+              together when committed (the trainer commits after a save), dropped stale,
+              requeued or dead-lettered, so a trainer that dies mid-step reads its PEL again
+              after a restart (XREADGROUP from id 0) and then what is new (">").
     blob:<id> string per group: the group's payload (token ids, logprobs, masks, routed experts;
               binary, app/buffer/encoding.py), written by a plain SET with a time to live that
               the publish script removes once the entry references it; a writer that dies
@@ -25,15 +28,32 @@ Layout (every key under ``{prefix}:{run_id}:``):
     issued    set of "task_id/attempt" already queued (put_tasks and requeue are idempotent).
     seen      set of published sample ids: a replayed task's group is not added twice.
     dropped   set of "task_id/attempt" dropped after ``max_failures`` failed rollouts (`fail`).
-    stats     hash of counters, and ``taken_seq``: the sequence number (the ``finished`` count
-              when it was published) of the newest samples entry the trainer has read, so that
-              back-pressure counts finished groups not yet taken (``finished - taken_seq``).
+    stats     hash of counters, and the trainer's newest take: ``take_version``, the policy
+              version it trains at, and ``take_room``, the groups it still lacks (staleness
+              admission, below).
     policy    hash {version, uri} of the newest announced policy.
     health    hash: failed groups per reason and which worker waits on what (app/buffer/health.py).
 
+Back-pressure counts what exists, never sequence numbers: untaken groups are the samples
+entries not yet delivered to the trainer (``XLEN samples`` minus the trainer's PEL: every
+delivered entry stays pending until it is acked and deleted in one atomic step, and nothing
+else deletes a pending one), and leases are the rollout group's PEL. A trainer killed between
+any two Redis commands leaves both counts true; taken but uncommitted groups are pending, so
+they do not throttle the fleet, and the group's last-delivered id only moves forward. `lease`
+checks the room and leases in one script (`_LEASE`), so N workers cannot overshoot
+``capacity_groups``, and it takes over expired leases before it looks at the room, so workers
+lost holding every lease cannot close the gate for good.
+
+Staleness admission: a group leased now is trained after the groups ahead of it (untaken and
+leased): at ``take_version`` if they are fewer than ``take_room``, else in a later take, one
+policy version per ``groups_per_version`` groups. `lease` admits no more groups than that
+engine (its version given) can still make within ``max_staleness`` of the version they will be
+trained at, if groups finish in the order they were leased: a group that the take would throw
+away is not generated. The estimate errs towards generating (the most groups a step may take).
+
 The PEL, the streams and the sets are plain Redis data, so with append-only persistence a
-restarted redis-server still holds the leases (reclaimed after `lease_ms` as usual) and every
-published group.
+restarted redis-server still holds the leases (reclaimed after `lease_ms` as usual), the
+trainer's taken groups and every published group.
 
 Why the payload is not in the stream entry: the publish must check the sample ids and ack the
 lease atomically (a Lua script), and a script's arguments are copied into Lua strings: a
@@ -73,6 +93,9 @@ if TYPE_CHECKING:
     from app.config import RunConfig
 
 ROLLOUT_GROUP = "rollout"
+# The trainer's consumer group on the samples stream, and its one consumer (a resumed trainer
+# reads the pending entries of the same name again).
+TRAINER_GROUP = TRAINER = "trainer"
 STAT_NAMES = ("issued", "finished", "taken", "consumed", "dropped_stale", "requeued",
               "duplicates", "released", "failed_requeued", "failed_dropped", "dead_lettered")
 # Dead letters kept (approximately: XADD MAXLEN ~), and the characters of each field kept in one.
@@ -81,15 +104,14 @@ DEAD_LETTER_FIELD_CHARS = 4096
 # A payload SET before its publish script ran expires after this unless the script keeps it: only
 # a writer that died between the two (or a duplicate group's payload) leaves one behind.
 PAYLOAD_TTL_MS = 600_000
+# lease() without a task polls the gate this often at most (a script cannot block).
+LEASE_POLL_MAX_S = 0.2
 
-# put_tasks / requeue: queue a task attempt only if it was never queued before.
-# KEYS: tasks, issued, stats, samples; ARGV: samples entry to delete ('' for none), its payload
-# key ('' for none), then (issue key, task json) pairs. Returns how many were queued.
+# put_tasks: queue a task attempt only if it was never queued before.
+# KEYS: tasks, issued, stats; ARGV: (issue key, task json) pairs. Returns how many were queued.
 _PUT_TASKS = """
-if ARGV[1] ~= '' then redis.call('XDEL', KEYS[4], ARGV[1]) end
-if ARGV[2] ~= '' then redis.call('UNLINK', ARGV[2]) end
 local added = 0
-for i = 3, #ARGV, 2 do
+for i = 1, #ARGV, 2 do
   if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then
     redis.call('XADD', KEYS[1], '*', 'task', ARGV[i + 1])
     added = added + 1
@@ -99,12 +121,30 @@ redis.call('HINCRBY', KEYS[3], 'issued', added)
 return added
 """
 
+# stale: a taken group too stale to train leaves in one step: its entry acked and deleted, its
+# payload deleted, and (stale_policy requeue) its task queued as the next attempt, unless that
+# attempt was queued before: a newer attempt of the prompt exists, so the group is dropped.
+# KEYS: samples, stats, tasks, issued, payload; ARGV: trainer group, entry id[, issue key, task json].
+# Returns 1 if requeued, 0 if dropped.
+_STALE = """
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('UNLINK', KEYS[5])
+if ARGV[3] and redis.call('SADD', KEYS[4], ARGV[3]) == 1 then
+  redis.call('XADD', KEYS[3], '*', 'task', ARGV[4])
+  redis.call('HINCRBY', KEYS[2], 'issued', 1)
+  redis.call('HINCRBY', KEYS[2], 'requeued', 1)
+  return 1
+end
+redis.call('HINCRBY', KEYS[2], 'dropped_stale', 1)
+return 0
+"""
+
 # publish: add a finished group (its payload already SET at KEYS[5] with a time to live) unless
 # one of its sample ids was published before; in both cases the task's lease is acked and its
 # entry deleted (the task is done). A duplicate's payload is deleted unless it has no time to live
 # left: then it is this very call's, retried after its reply was lost, and an entry holds it. A
-# payload that is gone (expired) changes nothing and returns -1. The entry carries its sequence
-# number (the finished count), which back-pressure compares with stats.taken_seq.
+# payload that is gone (expired) changes nothing and returns -1.
 # KEYS: tasks, samples, seen, stats, payload; ARGV: group name, task entry id, header json, task
 # json, ids...
 _PUBLISH = """
@@ -121,10 +161,65 @@ if dup then
   return 0
 end
 redis.call('PERSIST', KEYS[5])
-local seq = redis.call('HINCRBY', KEYS[4], 'finished', 1)
-redis.call('XADD', KEYS[2], '*', 'meta', ARGV[3], 'task', ARGV[4], 'blob', KEYS[5], 'seq', seq)
+redis.call('HINCRBY', KEYS[4], 'finished', 1)
+redis.call('XADD', KEYS[2], '*', 'meta', ARGV[3], 'task', ARGV[4], 'blob', KEYS[5])
 for i = 5, #ARGV do redis.call('SADD', KEYS[3], ARGV[i]) end
 return 1
+"""
+
+# What back-pressure counts, from what exists: untaken = samples entries not delivered to the
+# trainer's group (every delivered one is pending until acked and deleted together), leased =
+# the rollout group's pending entries. KEYS: tasks, samples; ARGV: rollout group, trainer group.
+_BACKLOG = """
+local function backlog()
+  local untaken = redis.call('XLEN', KEYS[2]) - redis.call('XPENDING', KEYS[2], ARGV[2])[1]
+  return untaken, redis.call('XPENDING', KEYS[1], ARGV[1])[1]
+end
+"""
+_COUNTS = _BACKLOG + """
+local untaken, leased = backlog()
+return {untaken, leased}
+"""
+
+# lease: take over expired leases (whatever the room: they are counted already), then lease new
+# tasks up to the room left under capacity and, given the engine's version, under staleness
+# admission (module docstring), all in one step. A task entry deleted while pending (Redis 6.2
+# returns it without fields) is acked and skipped. The counts come first: taking over changes
+# neither, and a missing group fails the script before it wrote anything.
+# KEYS: tasks, samples, stats; ARGV: rollout group, trainer group, consumer, count, lease_ms,
+# capacity, engine version ('' unknown), max_staleness, groups per version.
+# Returns the entries taken over or read: {{id, {field, value, ...}}, ...}.
+_LEASE = _BACKLOG + """
+local untaken, leased = backlog()
+local count = tonumber(ARGV[4])
+local out = {}
+local start = '0-0'
+for _ = 1, 8 do
+  local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[3], ARGV[5], start, 'COUNT', count - #out)
+  start = r[1]
+  for _, e in ipairs(r[2]) do
+    if e[2] then table.insert(out, e) else redis.call('XACK', KEYS[1], ARGV[1], e[1]) end
+  end
+  if #out >= count or start == '0-0' then break end
+end
+local room = tonumber(ARGV[6]) - untaken - leased
+local take = redis.call('HMGET', KEYS[3], 'take_version', 'take_room')
+if ARGV[7] ~= '' and take[1] then
+  local lag = tonumber(take[1]) - tonumber(ARGV[7])
+  local fresh = 0
+  if lag <= tonumber(ARGV[8]) then
+    fresh = tonumber(take[2] or '0') + (tonumber(ARGV[8]) - lag) * tonumber(ARGV[9]) - untaken - leased
+  end
+  room = math.min(room, fresh)
+end
+local want = math.min(count - #out, room)
+if want > 0 then
+  local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[3], 'COUNT', want, 'STREAMS', KEYS[1], '>')
+  if r then
+    for _, e in ipairs(r[1][2]) do table.insert(out, e) end
+  end
+end
+return out
 """
 
 # release / extend: act only on leases this consumer still holds (another worker may have
@@ -211,6 +306,9 @@ class ExperienceBuffer:
             plus leased tasks.
         lease_ms: a lease idle for longer than this is taken over by the next lease() call.
         max_staleness: the trainer takes a group only if trainer_version - group version <= this.
+        groups_per_version: groups the trainer takes per policy version (groups_per_step x
+            publish_every), for staleness admission (module docstring); None: admission by
+            capacity only.
         stale_policy: "drop" (count and discard stale groups) or "requeue" (discard and queue the
             task again with attempt + 1).
         password: AUTH password; overrides the one in the URL.
@@ -239,6 +337,7 @@ class ExperienceBuffer:
         username: str | None = None,
         autocommit: bool = True,
         max_failures: int = 3,
+        groups_per_version: int | None = None,
     ):
         if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"url must be redis://, rediss:// or unix://, got {redact_url(url)!r}")
@@ -251,6 +350,8 @@ class ExperienceBuffer:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         if max_failures < 1:
             raise ValueError(f"max_failures must be >= 1, got {max_failures}")
+        if groups_per_version is not None and groups_per_version < 1:
+            raise ValueError(f"groups_per_version must be >= 1, got {groups_per_version}")
         if stale_policy not in ("drop", "requeue"):
             raise ValueError(f"stale_policy must be 'drop' or 'requeue', got {stale_policy!r}")
         self.url = url
@@ -262,8 +363,11 @@ class ExperienceBuffer:
         self.stale_policy = stale_policy
         self.autocommit = autocommit
         self.max_failures = max_failures
+        self.groups_per_version = groups_per_version
         self.blob_prefix = blob_key_prefix(run_id, prefix)
-        self._cursor = "0-0"  # last samples entry read by take_batch (this process only)
+        # take_headers reads the trainer's pending entries (an earlier incarnation's taken groups)
+        # from _cursor on, then only new ones (">").
+        self._cursor: str | None = "0-0"
         self._taken: list[tuple[str, str]] = []  # (entry, payload key) taken but not yet committed
         self._lock = threading.Lock()  # _taken: a take in a prefetch thread, a commit in the loop
 
@@ -284,11 +388,14 @@ class ExperienceBuffer:
             retry_on_error=[redis.ConnectionError, redis.TimeoutError], **{**kwargs, "decode_responses": False},
         )
         self._put_tasks = self.r.register_script(_PUT_TASKS)
+        self._stale_script = self.r.register_script(_STALE)
+        self._lease_script = self.r.register_script(_LEASE)
+        self._counts = self.r.register_script(_COUNTS)
         self._publish = self.r.register_script(_PUBLISH)
         self._owned = self.r.register_script(_OWNED)
         self._fail = self.r.register_script(_FAIL)
         self._announce = self.r.register_script(_ANNOUNCE)
-        self._ensure_group()
+        self._ensure_groups()
 
     @staticmethod
     def _check_reachable(url: str, kwargs: dict) -> None:
@@ -329,22 +436,39 @@ class ExperienceBuffer:
         (a Kubernetes Secret in the cluster), never from the config document; the ACL user of
         the role from MOERL_REDIS_USER (app/buffer/acl.py), else the URL's, else "default".
         """
-        b = cfg.buffer
+        b, t = cfg.buffer, cfg.trainer
+        # The most groups a step may take (dynamic sampling skips some): staleness admission
+        # errs towards generating.
+        per_step = t.groups_per_step + (t.dynamic_sampling_max_skipped if t.dynamic_sampling else 0)
         kwargs = dict(
             prefix=b.run_prefix, capacity_groups=b.capacity_groups, lease_ms=b.lease_ms,
             max_staleness=b.max_staleness, stale_policy=b.stale_policy, max_failures=b.max_failures,
+            groups_per_version=per_step * t.publish_every,
             password=os.environ.get(PASSWORD_ENV) or None, username=os.environ.get(USER_ENV) or None,
         )
         kwargs.update(overrides)
         return cls(b.redis_url, cfg.run_id, **kwargs)
 
-    def _ensure_group(self) -> None:
+    def _ensure_groups(self) -> None:
+        """Create the rollout group on tasks and the trainer's on samples (every role does: the
+        gate counts both). Id 0: entries added before a group existed are delivered too."""
+        for stream, group in (("tasks", ROLLOUT_GROUP), ("samples", TRAINER_GROUP)):
+            try:
+                self.r.xgroup_create(self.keys[stream], group, id="0", mkstream=True)
+            except redis.ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+
+    def _with_groups(self, call):
+        """``call()``, once more after creating the groups if Redis lost them (a restart without
+        persistence answers NOGROUP)."""
         try:
-            # Id 0: tasks queued before the group existed are delivered too.
-            self.r.xgroup_create(self.keys["tasks"], ROLLOUT_GROUP, id="0", mkstream=True)
+            return call()
         except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
+            if "NOGROUP" not in str(e):
                 raise
+            self._ensure_groups()
+            return call()
 
     def close(self) -> None:
         self.r.close()
@@ -381,20 +505,25 @@ class ExperienceBuffer:
                 raise ValueError(f"tasks[{i}].attempt must be >= 0, got {t.attempt}")
         added = 0
         for start in range(0, len(tasks), 500):  # bounded script calls
-            args: list[str] = ["", ""]
+            args: list[str] = []
             for t in tasks[start:start + 500]:
                 args += [f"{t.task_id}/{t.attempt}", t.to_json()]
-            added += int(self._put_tasks(keys=self._k("tasks", "issued", "stats", "samples"), args=args))
+            added += int(self._put_tasks(keys=self._k("tasks", "issued", "stats"), args=args))
         return added
 
     def _k(self, *names: str) -> list[str]:
         return [self.keys[n] for n in names]
 
-    def lease(self, consumer: str, count: int = 1, block_ms: int = 1000) -> list[Task]:
-        """Lease up to `count` tasks for rollout worker `consumer`.
+    def lease(self, consumer: str, count: int = 1, block_ms: int = 1000, *,
+              engine_version: int | None = None) -> list[Task]:
+        """Lease up to `count` tasks for rollout worker `consumer`, within back-pressure.
 
-        Leases idle for more than `lease_ms` (their worker died or hung) are taken over first
-        (XAUTOCLAIM); then new tasks are read (XREADGROUP), waiting up to `block_ms` if none
+        Leases idle for more than `lease_ms` (their worker died or hung) are taken over first,
+        whatever the back-pressure (they are counted already); then new tasks are leased while
+        untaken groups plus leases stay below ``capacity_groups`` and, with `engine_version` (the
+        version the worker's engine serves), while a group made now can still be trained within
+        ``max_staleness`` (module docstring). Check and lease are one script: workers leasing at
+        once cannot overshoot. With nothing to lease, it polls again until `block_ms` passed
         (0: do not wait).
 
         Returns:
@@ -408,38 +537,26 @@ class ExperienceBuffer:
             raise ValueError(f"count must be >= 1, got {count}")
         if not 0 <= block_ms <= 20_000:
             raise ValueError(f"block_ms must be in 0..20000, got {block_ms}")
-        try:
-            return self._lease(consumer, count, block_ms)
-        except redis.ResponseError as e:
-            if "NOGROUP" not in str(e):
-                raise
-            self._ensure_group()  # Redis lost its data (no persistence): start the group again
-            return self._lease(consumer, count, block_ms)
-
-    def _lease(self, consumer: str, count: int, block_ms: int) -> list[Task]:
-        out: list[Task] = []
-        start = "0-0"
-        for _ in range(8):  # XAUTOCLAIM scans a bounded slice of the PEL per call
-            start, entries, *_ = self.r.xautoclaim(
-                self.keys["tasks"], ROLLOUT_GROUP, consumer, self.lease_ms,
-                start_id=start, count=count - len(out))
-            out += self._tasks(entries, consumer)
-            if len(out) >= count or start == "0-0":
-                break
-        if len(out) < count:
-            block = block_ms if (not out and block_ms > 0) else None
-            resp = self.r.xreadgroup(ROLLOUT_GROUP, consumer, {self.keys["tasks"]: ">"},
-                                     count=count - len(out), block=block)
-            for _, entries in resp or []:
-                out += self._tasks(entries, consumer)
-        return out
+        admit = "" if engine_version is None or self.groups_per_version is None else str(int(engine_version))
+        args = [ROLLOUT_GROUP, TRAINER_GROUP, consumer, count, self.lease_ms, self.capacity_groups, admit,
+                self.max_staleness, self.groups_per_version or 1]
+        deadline = time.monotonic() + block_ms / 1000
+        pause = 0.02
+        while True:
+            entries = self._with_groups(lambda: self._lease_script(keys=self._k("tasks", "samples", "stats"),
+                                                                   args=args))
+            tasks = self._tasks(entries, consumer)
+            left = deadline - time.monotonic()
+            if tasks or left <= 0:
+                return tasks
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, LEASE_POLL_MAX_S)
 
     def _tasks(self, entries, consumer: str) -> list[Task]:
+        """Tasks of the lease script's entries ({id, {field, value, ...}})."""
         tasks = []
-        for entry_id, fields in entries:
-            if not fields:  # deleted while pending (Redis 6.2 returns it with no fields)
-                self.r.xack(self.keys["tasks"], ROLLOUT_GROUP, entry_id)
-                continue
+        for entry_id, flat in entries:
+            fields = dict(zip(flat[::2], flat[1::2]))
             t = Task.from_json(fields["task"])
             t.entry_id, t.consumer = entry_id, consumer
             tasks.append(t)
@@ -566,19 +683,19 @@ class ExperienceBuffer:
 
     # ---- back-pressure ----------------------------------------------------------------------
 
-    def _backlog(self) -> int:
-        """Finished groups the trainer has not taken yet plus leased tasks. Groups taken but not
-        yet committed (the trainer commits after a save) do not count: they are the trainer's, and
-        counting them throttled the fleet to almost nothing just before each save."""
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hmget(self.keys["stats"], "finished", "taken_seq")
-        pipe.xpending(self.keys["tasks"], ROLLOUT_GROUP)
-        (finished, taken_seq), pending = pipe.execute()
-        return _untaken(finished, taken_seq) + pending["pending"]
+    def _backlog(self) -> tuple[int, int]:
+        """(untaken, leased): finished groups the trainer has not taken yet, and leased tasks
+        (`_BACKLOG`). Groups taken but not yet committed (the trainer commits after a save) do
+        not count: they are the trainer's, and counting them throttled the fleet to almost
+        nothing just before each save."""
+        untaken, leased = self._with_groups(lambda: self._counts(keys=self._k("tasks", "samples"),
+                                                                 args=[ROLLOUT_GROUP, TRAINER_GROUP]))
+        return int(untaken), int(leased)
 
     def has_capacity(self) -> bool:
-        """True while finished groups not yet taken by the trainer plus leased tasks < capacity_groups."""
-        return self._backlog() < self.capacity_groups
+        """True while finished groups not yet taken by the trainer plus leased tasks < capacity_groups
+        (what `lease` checks, staleness admission aside)."""
+        return sum(self._backlog()) < self.capacity_groups
 
     def wait_for_capacity(self, timeout_s: float) -> bool:
         """Wait (polling, 20 ms growing to 0.5 s) until has_capacity(); False on timeout."""
@@ -624,6 +741,12 @@ class ExperienceBuffer:
         well-formed group (its header, its task or its payload key) is dead-lettered
         (`dead_letter`) and skipped.
 
+        Every entry read is taken in the same step (XREADGROUP puts it in the trainer's
+        pending list), and leaves that list only with the entry itself (commit, stale, dead
+        letter): a kill between any two calls loses no group and leaves the back-pressure count
+        true. A new `ExperienceBuffer` first reads the entries an earlier trainer took and did
+        not commit, in order, then new ones.
+
         Returns:
             between 0 and n_groups headers (fewer only when `timeout_s` ran out), each with
             `entry_id` and `blob` set. The groups stay in Redis until commit() (autocommit: the
@@ -637,39 +760,56 @@ class ExperienceBuffer:
             raise ValueError(f"timeout_s must be >= 0, got {timeout_s}")
         if self.autocommit:
             self.commit()
+        # Where the trainer takes now and how much: what staleness admission counts from (`lease`).
+        self.r.hset(self.keys["stats"], mapping={"take_version": trainer_version, "take_room": n_groups})
         deadline = time.monotonic() + timeout_s
         headers: list[GroupHeader] = []
-        seq = 0  # newest sequence number read (stats.taken_seq)
         while len(headers) < n_groups:
             left_ms = int((deadline - time.monotonic()) * 1000)
             block = min(left_ms, 1000) if left_ms >= 1 else None  # BLOCK 0 would wait forever
-            resp = self.r.xread({self.keys["samples"]: self._cursor},
-                                count=n_groups - len(headers), block=block)
-            for _, entries in resp or []:
-                for entry_id, fields in entries:
-                    self._cursor = entry_id
-                    try:
-                        h = self._header(entry_id, fields)
-                        stale = overstale(trainer_version, h.policy_version, self.max_staleness)
-                    except (KeyError, TypeError, ValueError) as e:  # JSONDecodeError is a ValueError
-                        self.dead_letter(entry_id, fields, f"{type(e).__name__}: {e}")
-                        continue
-                    seq = max(seq, _seq(fields))  # a malformed entry's own number is not trusted
-                    if stale:
-                        self._stale(h, fields["task"])
-                    else:
-                        headers.append(h)
-                        with self._lock:
-                            self._taken.append((entry_id, h.blob))
+            entries = self._read(n_groups - len(headers), block)
+            if entries is None:
+                continue  # the earlier incarnation's pending entries are all read: now new ones
+            for entry_id, fields in entries:
+                if not fields:  # deleted while pending: nothing to take (never left so by this class)
+                    self.r.xack(self.keys["samples"], TRAINER_GROUP, entry_id)
+                    continue
+                try:
+                    h = self._header(entry_id, fields)
+                    stale = overstale(trainer_version, h.policy_version, self.max_staleness)
+                except (KeyError, TypeError, ValueError) as e:  # JSONDecodeError is a ValueError
+                    self.dead_letter(entry_id, fields, f"{type(e).__name__}: {e}")
+                    continue
+                if stale:
+                    self._stale(h, fields["task"])
+                else:
+                    headers.append(h)
+                    with self._lock:
+                        self._taken.append((entry_id, h.blob))
             if block is None:
                 break
         pipe = self.r.pipeline(transaction=False)
-        if headers:
-            pipe.hincrby(self.keys["stats"], "taken", len(headers))
-        if seq > 0:
-            pipe.hset(self.keys["stats"], "taken_seq", seq)
+        pipe.hset(self.keys["stats"], "take_room", n_groups - len(headers))
+        pipe.hincrby(self.keys["stats"], "taken", len(headers))
         pipe.execute()
         return headers
+
+    def _read(self, count: int, block: int | None) -> list | None:
+        """The next samples entries for the trainer: first its own pending ones (an earlier
+        incarnation's taken groups) from the cursor on, then new ones, waiting up to `block` ms.
+        None when the pending ones have just run out."""
+        def read(cursor: str, block: int | None):
+            resp = self.r.xreadgroup(TRAINER_GROUP, TRAINER, {self.keys["samples"]: cursor}, count=count, block=block)
+            return resp[0][1] if resp else []
+
+        if self._cursor is None:
+            return self._with_groups(lambda: read(">", block))
+        entries = self._with_groups(lambda: read(self._cursor, None))
+        if not entries:
+            self._cursor = None
+            return None
+        self._cursor = entries[-1][0]
+        return entries
 
     def _header(self, entry_id: str, fields: dict) -> GroupHeader:
         """The header of samples entry `entry_id`. Raises KeyError, TypeError or ValueError (named)
@@ -729,6 +869,7 @@ class ExperienceBuffer:
         pipe.xadd(self.keys["dead"], {"entry": entry_id, "reason": reason[:DEAD_LETTER_FIELD_CHARS],
                                       "fields": json.dumps(kept), "time": f"{time.time():.3f}"},
                   maxlen=DEAD_LETTERS_KEPT, approximate=True)
+        pipe.xack(self.keys["samples"], TRAINER_GROUP, entry_id)
         pipe.xdel(self.keys["samples"], entry_id)
         blob = (fields or {}).get("blob")
         if isinstance(blob, str) and blob.startswith(self.blob_prefix):  # never a key of someone else
@@ -741,19 +882,15 @@ class ExperienceBuffer:
         return [f for _, f in reversed(self.r.xrevrange(self.keys["dead"], count=count))]
 
     def _stale(self, g: GroupHeader, task_json: str) -> None:
-        if self.stale_policy == "drop":
-            pipe = self.r.pipeline(transaction=True)
-            pipe.xdel(self.keys["samples"], g.entry_id)
-            pipe.unlink(g.blob)
-            pipe.hincrby(self.keys["stats"], "dropped_stale", 1)
-            pipe.execute()
-            return
-        task = Task.from_json(task_json)
-        task.attempt = g.attempt + 1
-        task.failures = 0  # failures are counted per attempt
-        args = [g.entry_id, g.blob, f"{task.task_id}/{task.attempt}", task.to_json()]
-        added = int(self._put_tasks(keys=self._k("tasks", "issued", "stats", "samples"), args=args))
-        self.r.hincrby(self.keys["stats"], "requeued", added)
+        """Drop a taken stale group, or (stale_policy requeue) queue its task's next attempt, in
+        one step (`_STALE`)."""
+        args = [TRAINER_GROUP, g.entry_id]
+        if self.stale_policy == "requeue":
+            task = Task.from_json(task_json)
+            task.attempt = g.attempt + 1
+            task.failures = 0  # failures are counted per attempt
+            args += [f"{task.task_id}/{task.attempt}", task.to_json()]
+        self._stale_script(keys=[*self._k("samples", "stats", "tasks", "issued"), g.blob], args=args)
 
     def commit(self, upto: str | None = None) -> int:
         """Delete the groups taken so far (the trainer has trained on them) and their payloads;
@@ -768,6 +905,7 @@ class ExperienceBuffer:
         if not done:
             return 0
         pipe = self.r.pipeline(transaction=True)
+        pipe.xack(self.keys["samples"], TRAINER_GROUP, *[e for e, _ in done])
         pipe.xdel(self.keys["samples"], *[e for e, _ in done])
         pipe.unlink(*[b for _, b in done])
         pipe.hincrby(self.keys["stats"], "consumed", len(done))
@@ -785,10 +923,11 @@ class ExperienceBuffer:
             blobs = [f["blob"] for _, f in entries
                      if isinstance((f or {}).get("blob"), str) and f["blob"].startswith(self.blob_prefix)]
             pipe = self.r.pipeline(transaction=True)
+            pipe.xack(self.keys["samples"], TRAINER_GROUP, *[e for e, _ in entries])
             pipe.xdel(self.keys["samples"], *[e for e, _ in entries])
             if blobs:
                 pipe.unlink(*blobs)
-            deleted += int(pipe.execute()[0])
+            deleted += int(pipe.execute()[1])
 
     # ---- policy versions --------------------------------------------------------------------
 
@@ -815,14 +954,13 @@ class ExperienceBuffer:
         dropped_stale, requeued, duplicates, released, failed_requeued, failed_dropped,
         dead_lettered: totals since the run started.
         """
+        untaken, leased = self._backlog()
         pipe = self.r.pipeline(transaction=False)
         pipe.xlen(self.keys["tasks"])
-        pipe.xpending(self.keys["tasks"], ROLLOUT_GROUP)
         pipe.xlen(self.keys["samples"])
         pipe.hgetall(self.keys["stats"])
-        n_tasks, pending, ready, counters = pipe.execute()
-        out = {"queued": n_tasks - pending["pending"], "leased": pending["pending"], "ready": ready,
-               "untaken": _untaken(counters.get("finished"), counters.get("taken_seq"))}
+        n_tasks, ready, counters = pipe.execute()
+        out = {"queued": n_tasks - leased, "leased": leased, "ready": ready, "untaken": untaken}
         out.update({n: int(counters.get(n, 0)) for n in STAT_NAMES})
         return out
 
@@ -846,17 +984,11 @@ class ExperienceBuffer:
         return RolloutHealth.from_hash(self.r.hgetall(self.keys["health"]))
 
 
-def _seq(fields: dict) -> int:
-    """The sequence number of a samples entry (0 when it has none or a bad one)."""
-    try:
-        return int((fields or {}).get("seq", 0))
-    except (TypeError, ValueError):
-        return 0
-
-
-def _untaken(finished, taken_seq) -> int:
-    """Finished groups with a sequence number above the trainer's ``taken_seq`` (never < 0)."""
-    return max(int(finished or 0) - int(taken_seq or 0), 0)
+def stale_share(stats: dict) -> float | None:
+    """Of the finished groups in ``stats`` (`ExperienceBuffer.stats`), the share thrown away at
+    the take as too stale (requeued or dropped); None before any finished."""
+    finished = int(stats.get("finished", 0))
+    return (int(stats.get("requeued", 0)) + int(stats.get("dropped_stale", 0))) / finished if finished else None
 
 
 def _entry_order(entry_id: str) -> tuple[int, int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
@@ -272,6 +273,49 @@ def decode_routed_experts(stored: dict[str, Any]) -> np.ndarray:
     return raw.reshape(shape).astype(np.int64)
 
 
+def check_group(group, moe_layers: list[int] | None = None) -> None:
+    """What the trainer needs of a group before it collates it (one definition: `Group.check`,
+    and so the intake's `usable`, and app/trainer/batch.py `collate_groups`). ``group`` has
+    ``task_id`` and ``samples`` with the fields of `Sample` (duck-typed: app/bench/train_step.py
+    builds its own).
+
+    Raises:
+        ValueError: no samples; a sample has no prompt tokens, a logprob count or a loss_mask
+            length that differs from its completion length, a loss_mask value other than 0
+            or 1, a non-finite reward or logprob; with ``moe_layers``, a sample has no
+            routed experts or ones that are not ``[P + C - 1, len(moe_layers), K]``. The
+            message names the sample id.
+    """
+    if not group.samples:
+        raise ValueError(f"group {group.task_id!r} has no samples")
+    for s in group.samples:
+        c = len(s.completion_ids)
+        if not len(s.prompt_ids):
+            raise ValueError(f"sample {s.sample_id!r}: empty prompt_ids")
+        if len(s.logprobs) != c:
+            raise ValueError(f"sample {s.sample_id!r}: {len(s.logprobs)} logprobs for {c} completion tokens")
+        if not math.isfinite(s.reward):
+            raise ValueError(f"sample {s.sample_id!r}: reward {s.reward} is not finite")
+        if c and not np.isfinite(np.asarray(s.logprobs, dtype=np.float64)).all():
+            raise ValueError(f"sample {s.sample_id!r}: non-finite rollout logprob")
+        if getattr(s, "loss_mask", None) is not None:
+            mask = np.asarray(s.loss_mask)
+            if mask.shape != (c,):
+                raise ValueError(f"sample {s.sample_id!r}: loss_mask has {mask.size} values for {c} "
+                                 "completion tokens")
+            if c and not np.isin(mask, (0, 1)).all():
+                raise ValueError(f"sample {s.sample_id!r}: loss_mask values must be 0 or 1")
+        if moe_layers is not None:
+            if getattr(s, "routed_experts", None) is None:
+                raise ValueError(f"sample {s.sample_id!r}: routing replay is on but the sample has no "
+                                 "routed_experts")
+            shape = tuple(np.shape(s.routed_experts))
+            fed = len(s.prompt_ids) + c - 1
+            if len(shape) != 3 or shape[:2] != (fed, len(moe_layers)):
+                raise ValueError(f"sample {s.sample_id!r}: routed_experts of shape {list(shape)}, expected "
+                                 f"[{fed}, {len(moe_layers)}, K] (the MoE layers)")
+
+
 @dataclass
 class Group:
     """The G samples of one prompt attempt: trained on whole or not at all (docs/ARCHITECTURE.md, "GRPO group").
@@ -298,10 +342,8 @@ class Group:
         return sum(len(s.prompt_ids) + len(s.completion_ids) for s in self.samples)
 
     def check(self, moe_layers: list[int] | None = None) -> None:
-        """What the trainer needs of a group before it collates it (`app.trainer.batch.check_group`,
-        the one definition; imported here only when called). Raises ValueError naming the sample."""
-        from app.trainer.batch import check_group
-
+        """What the trainer needs of a group before it collates it (`check_group`). Raises
+        ValueError naming the sample."""
         check_group(self, moe_layers)
 
     def to_dict(self) -> dict[str, Any]:

@@ -5,12 +5,18 @@ reuses the tokenizer (`load_checkpoint`'s ``like``)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from app.model.checkpoint import check_checkpoint
+
 
 @dataclass
 class LoadedModel:
@@ -38,8 +44,6 @@ def checkpoint_signature(path: Path) -> tuple | None:
     """config.json (parsed) and every tensor's (name, dtype, shape) from the safetensors
     headers of ``path``: all that `check_checkpoint` decides on. None if a file cannot be read
     (the full checks then run and name the problem)."""
-    from safetensors import safe_open
-
     try:
         config = json.loads((path / "config.json").read_text())
         tensors = []
@@ -52,8 +56,6 @@ def checkpoint_signature(path: Path) -> tuple | None:
 
 
 def _tokenizer_digest(path: Path) -> str | None:
-    import hashlib
-
     files = [path / n for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")]
     if not any(f.is_file() for f in files):
         return None
@@ -82,8 +84,6 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32
         ValueError: the config is invalid, or a tensor is missing, unexpected or of the wrong
             shape (named); OSError: transformers cannot read the files.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model_path {str(path)!r}: no config.json (expected an HF checkpoint dir)")
@@ -94,7 +94,6 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32
     if model_type in POLICY_MODEL_TYPES and not same:
         # Our policy families: the trainer's own checks (config fields, shards, every tensor's
         # name and shape) before anything is loaded, with the offending field or tensor named.
-        from app.model.checkpoint import check_checkpoint
 
         check_checkpoint(path)
     model, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, output_loading_info=True)

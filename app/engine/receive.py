@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from app.model.checkpoint import hf_pieces
-from app.weight_group import BUCKET_FORMAT, GroupError, UpdateGroup, open_group, parse_dtype, unpack_bucket
+from app.weight_group import (BUCKET_FORMAT, GroupError, UpdateGroup, bucket_bytes, open_group, parse_dtype,
+                              unpack_bucket)
 
 # SGLang's answers, word for word where the worker or a test reads them.
 NO_SESSION = "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
@@ -147,8 +148,6 @@ class EngineWeightGroups:
         if any(not isinstance(s, list) or any(not isinstance(d, int) or d < 0 for d in s) for s in shapes):
             raise ValueError("shapes must be lists of non-negative integers")
         if load_format == BUCKET_FORMAT:
-            from app.weight_group import bucket_bytes
-
             flat = torch.empty(bucket_bytes(shapes, types), dtype=torch.uint8, device=self.device)
             group.broadcast(flat)
             tensors = unpack_bucket(flat, shapes, types)

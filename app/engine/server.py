@@ -67,13 +67,16 @@ from typing import Any
 
 import torch
 import typer
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from transformers.utils import logging as hf_logging
 
 from app.engine import auth
 from app.engine.load import LoadedModel, load_checkpoint
 from app.engine.sampler import Completion, SamplingParams
 from app.engine.scheduler import ABORT_RUNNING, ABORT_WAITING, PAUSE_MODES, DuplicateRid, Engine
+from app.logs import setup_logging
 
 log = logging.getLogger("moerl.engine")
 
@@ -640,10 +643,6 @@ def serve(
                                 "line win, as in SGLang."),
 ) -> None:
     """Load MODEL_PATH and serve /generate, /update_weights_from_disk and friends on HOST:PORT."""
-    import uvicorn
-
-    from app.logs import setup_logging
-
     setup_logging()
     if dtype not in ("float32", "bfloat16", "auto"):
         raise typer.BadParameter(f"--dtype must be float32, bfloat16 or auto, got {dtype!r}")
@@ -655,7 +654,6 @@ def serve(
         raise typer.BadParameter(f"--device {device}: CUDA is not available on this machine")
     if threads:
         torch.set_num_threads(threads)
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per reload clutters the log
     try:

@@ -27,14 +27,15 @@ import hashlib
 import json
 
 from app.config import RunConfig
+from app.envs.env_client import EnvSession
+from app.envs.episodes_remote import spec_text
+from app.envs.tasks import make_splits
 
 RESETS = 16  # reset observations per split in the fingerprint of a user's environment
 
 
 def problems_digest(cfg: RunConfig) -> str:
     """sha256 of the task's train and held-out problems (text, answer, spec), in order."""
-    from app.envs.tasks import make_splits
-
     h = hashlib.sha256()
     for split in make_splits(cfg.task):
         for p in split:
@@ -44,8 +45,6 @@ def problems_digest(cfg: RunConfig) -> str:
 
 
 async def _resets(url: str, specs: list[str], timeout_s: float) -> list[dict]:
-    from app.envs.env_client import EnvSession
-
     out = []
     async with EnvSession(url, step_timeout_s=timeout_s) as env:
         for i, spec in enumerate(specs):
@@ -61,9 +60,6 @@ def environment_digest(cfg: RunConfig, url: str) -> str:
     Raises:
         EnvError: a reset failed (the server's own error, named).
     """
-    from app.envs.episodes_remote import spec_text
-    from app.envs.tasks import make_splits
-
     train, heldout = make_splits(cfg.task)
     specs = [spec_text(p.spec) for p in train[:RESETS] + heldout[:RESETS]]
     seen = asyncio.run(_resets(url, specs, cfg.env.step_timeout_s))

@@ -38,9 +38,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
 import typer
 
 from app.config import RunConfig
+from app.envs.tasks import make_splits, make_tasks as to_tasks
 from app.local.embedded import EmbeddedLoop, RoleFailed
 from app.ledger import Audit, append_issued, audit, pending_prompts, read_issued, read_lineage
 
@@ -138,6 +140,7 @@ def chaos_config(steps: int, seed: int, run_dir: Path, *, group_size: int, group
 
 def make_base_policy(cfg: RunConfig, out: Path) -> Path:
     """A tiny random policy (``model.preset``, seed ``task.seed``) with the character tokenizer."""
+    # torch and transformers for the base policy only: the chaos driver runs without them
     from app.model.tokenizer import save_tokenizer
     from app.model.checkpoint import save_policy
     from app.model.config import tiny_config
@@ -155,7 +158,7 @@ def make_base_policy(cfg: RunConfig, out: Path) -> Path:
 
 def make_tasks(cfg: RunConfig, base: Path) -> list:
     """The training prompts of ``cfg.task`` as Task records (ids "train-NNNNNN")."""
-    from app.envs.tasks import make_splits, make_tasks as to_tasks
+    # transformers for the prompts only: the chaos driver runs without it
     from app.model.tokenizer import load_tokenizer
 
     train, _ = make_splits(cfg.task)
@@ -205,8 +208,6 @@ class Feeder:
 
     def feed(self) -> None:
         """Top the queue up to ``2 * low_water``; a Redis error is left for the next call."""
-        import redis
-
         try:
             if self.buf is None:
                 self.buf = self.loop.buffer()

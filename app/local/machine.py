@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 from app.config import RunConfig
 from app.layout import default_world, resolve_layout
+from app.model.source import resolve_model_path
 from app.rollout.engine_args import EngineLayout, sglang_command
 
 # Engines per GPU at most: each is one process with its own CUDA context and model copy.
@@ -322,8 +323,8 @@ def plan_run(cfg: RunConfig, *, preset: bool, workers: int | None = None,
     Raises:
         ValueError, FileNotFoundError: see `plan_local`; the policy's config unreadable.
     """
+    # torch and transformers: only here (module doc); `moerl run` plans before any role starts
     from app.model.config import num_routed_experts
-    from app.model.source import resolve_model_path
     from app.plan.params import count_params
     from app.trainer.models import policy_config
     from app.trainer.parallel import shared_gpu

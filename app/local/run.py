@@ -28,6 +28,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from app.buffer.experience import stale_share
 from app.config import RolloutConfig, RunConfig
 from app.feed import TaskFeeder, make_feeder
 from app.local.embedded import EmbeddedLoop, RoleFailed
@@ -821,6 +822,7 @@ def summarize(loop: EmbeddedLoop, before: dict, after: dict | Exception | None, 
         "samples_per_s": rate,
         "train_s": elapsed,
         "buffer": last.get("buffer", {}),
+        "stale_share": stale_share(last.get("buffer", {})),  # finished groups thrown away as too stale
         "failures": rollout_failures(loop),
         "note": greedy_note(loop.cfg, before, measured),
         "wall_s": time.time() - started,

@@ -457,6 +457,7 @@ def load_policy(
 def local_block(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """``(local tensor, global offset, local shape)`` of a parameter: for a DTensor (FSDP2 shard,
     experts also sharded over EP) its block of the global tensor; a plain tensor is all of itself."""
+    # torch.distributed.tensor: only where torch has distributed (the engine and warm-up load here too)
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MLP
 
 from app.config import RouterConfig
 from app.model.dispatch import make_dispatcher
+from app.model.dispatch.deepep import check_hidden_size
 from app.model.experts import GroupedExperts
 from app.model.parallel import BACKENDS, EPContext
 from app.model.router import Router, load_balancing_loss
@@ -111,8 +113,6 @@ class MoEBlock(nn.Module):
         if router.bias_update_rate > 0 and s["family"] != "deepseek_v3":
             raise ValueError("router.bias_update_rate > 0 needs a DeepSeek-V3 router (e_score_correction_bias)")
         if ep.backend == "deepep":
-            from app.model.dispatch.deepep import check_hidden_size
-
             check_hidden_size(config.hidden_size, "config.hidden_size")
         self.config = config
         self.router_cfg = router
@@ -133,8 +133,6 @@ class MoEBlock(nn.Module):
             config.hidden_act, experts_implementation,
         )
         if s["n_shared_experts"] > 0:
-            from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MLP
-
             self.shared_experts = DeepseekV3MLP(
                 config, intermediate_size=config.moe_intermediate_size * s["n_shared_experts"]
             )

@@ -18,17 +18,21 @@ first, so the others wait for it and then find the finished directory.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import re
 import shutil
+import sys
 import uuid
 from fnmatch import fnmatch
 from pathlib import Path
 from urllib.parse import quote
 
 from filelock import FileLock, Timeout
+
+from app.storage import open_store
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +172,6 @@ def config_source(path: str, cache_dir: str | os.PathLike) -> str:
     local = mirrored(path)
     if local:
         return str(local)
-    from app.storage import open_store
 
     dest = Path(cache_dir) / "s3-config" / quote(path.rstrip("/")[len("s3://"):], safe="")
     if not (dest / "config.json").is_file():
@@ -181,9 +184,8 @@ def config_source(path: str, cache_dir: str | os.PathLike) -> str:
 
 
 def _from_store(url: str, cache_dir: Path) -> Path:
+    # botocore: only for an s3:// model
     from botocore.exceptions import BotoCoreError, ClientError
-
-    from app.storage import open_store
 
     url = url.rstrip("/")
     dest = store_copy_dir(url, cache_dir)
@@ -214,6 +216,7 @@ def _from_store(url: str, cache_dir: Path) -> Path:
 
 
 def _from_hub(repo_id: str, cache_dir: Path) -> Path:
+    # huggingface_hub: only for a Hub id
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError
 
@@ -247,9 +250,6 @@ def main(argv: list[str] | None = None) -> int:
     `resolve_model_path`) into DIR and print the local directory; one line on stderr and exit
     2 when it cannot be had. The rollout pods' init container runs it on every node of an
     engine, so that SGLang loads a local directory (charts8s/rollout.py)."""
-    import argparse
-    import sys
-
     p = argparse.ArgumentParser(prog="python3 -m app.model.source", description=main.__doc__.splitlines()[0])
     p.add_argument("path")
     p.add_argument("--cache-dir", required=True)

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, processors
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
@@ -81,8 +81,6 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
     Raises:
         FileNotFoundError: ``path`` has no tokenizer.json.
     """
-    from transformers import AutoTokenizer
-
     if not (Path(path) / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{path}: no tokenizer.json (expected a saved tokenizer)")
     return AutoTokenizer.from_pretrained(str(path))

@@ -16,9 +16,17 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from app.config import ParallelConfig, RunConfig
+from app.layout import resolve_layout
+from infra.instances import instance_spec
 
 cli = typer.Typer(add_completion=False, help="Per-GPU memory of the trainer for a model and layout "
                   "(and, with --traffic, the weight-sync traffic budget).")
@@ -31,6 +39,7 @@ def _fail(message: str) -> None:
 
 def _model(model: str | None, run, num_layers: int | None, overrides: list[str]):
     """The HF config of ``--model`` or of the run config's model section, with overrides applied."""
+    # transformers and the plan's modules load when a plan runs: `moerl plan --help` stays fast
     from huggingface_hub.errors import StrictDataclassError
 
     from app.model.config import PRESETS, REAL_PRESETS, load_hf_config, real_config, tiny_config, validate_config
@@ -134,10 +143,7 @@ def plan(
                                          "(with --fsx-tib; default 1000)."),
 ) -> None:
     """Print the per-GPU memory budget (exit 0 fits, 1 does not, 2 bad input)."""
-    from pydantic import ValidationError
-
-    from app.config import ParallelConfig, RunConfig
-    from app.layout import resolve_layout
+    # transformers: when a plan runs (see _model)
     from app.model.config import num_routed_experts
 
     try:
@@ -178,9 +184,9 @@ def _plan_input(cfg, run, layout, gpus_per_node, ep_backend, micro_batch_tokens,
                 logprob_chunk_tokens, rollouts_per_gpu, seq_len, algorithm, gpu_memory_gib, fragmentation,
                 expert_imbalance, collectives, kl_coef):
     """The `PlanInput` of the flags over the run config, and why the dispatcher is the one it is."""
+    # transformers and torchx: when a plan runs (see _model)
     from app.plan.memory import EXPERT_IMBALANCE, PlanInput, fragmentation_for, resolve_ep_backend
     from app.torchx_component import GPU_ALLOC_ENV
-    from infra.instances import instance_spec
 
     t = run.trainer
     if collectives not in ("nccl", "gloo"):
@@ -209,9 +215,7 @@ def _plan_input(cfg, run, layout, gpus_per_node, ep_backend, micro_batch_tokens,
 def _print_memory(cfg, run, layout, gpus_per_node, parallel, micro_batch_tokens, activation_checkpointing,
                   logprob_chunk_tokens, rollouts_per_gpu, seq_len, algorithm, gpu_memory_gib, fragmentation,
                   json_out, detail, expert_imbalance=None, collectives="nccl", kl_coef=None):
-    from rich.console import Console
-    from rich.table import Table
-
+    # transformers: when a plan runs (see _model)
     from app.plan.memory import constants, plan_memory
 
     inp, reason = _plan_input(cfg, run, layout, gpus_per_node, parallel.ep_backend, micro_batch_tokens,
@@ -288,9 +292,7 @@ def _print_search(cfg, run, nodes, gpus_per_node, parallel, rollouts_per_gpu, se
                   json_out):
     """``--search``: every candidate of `app.plan.search.candidates` planned; those that fit,
     best first (`app.plan.search.rank_key` says what best means). Exit 0 if one fits, else 1."""
-    from rich.console import Console
-    from rich.table import Table
-
+    # transformers: when a plan runs (see _model)
     from app.plan import search as sr
 
     world = nodes * gpus_per_node
@@ -332,9 +334,7 @@ def _print_search(cfg, run, nodes, gpus_per_node, parallel, rollouts_per_gpu, se
 
 def _print_traffic(cfg, run, nodes, rollout_nodes, link_gbps, s3_gbps_per_node, step_s, publish_every,
                    max_staleness, generation_s, load_s, json_out, fsx_tib=0.0, fsx_mbps_per_tib=1000, seq_len=None):
-    from rich.console import Console
-    from rich.table import Table
-
+    # transformers: when a plan runs (see _model)
     from app.plan import traffic as tr
 
     dtype_bytes = 2 if run.model.dtype == "bfloat16" else 4
@@ -413,8 +413,7 @@ def _print_traffic(cfg, run, nodes, rollout_nodes, link_gbps, s3_gbps_per_node, 
 def _buffer_traffic(cfg, run, seq_len: int, step_s: float) -> list[dict]:
     """`app.plan.traffic.buffer_traffic` without and with routing replay; prompts of
     ``seq_len - rollout.max_new_tokens`` tokens."""
-    from dataclasses import asdict
-
+    # transformers: when a plan runs (see _model)
     from app.plan import traffic as tr
 
     prompt = seq_len - run.rollout.max_new_tokens
@@ -425,8 +424,6 @@ def _buffer_traffic(cfg, run, seq_len: int, step_s: float) -> list[dict]:
 
 
 def _print_buffer_table(console, run, seq_len: int, rows: list[dict]) -> None:
-    from rich.table import Table
-
     t = run.trainer
     if not rows:
         console.print(f"experience buffer: --seq-len {seq_len} leaves no prompt beside rollout.max_new_tokens "

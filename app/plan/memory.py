@@ -346,6 +346,7 @@ def resolve_ep_backend(requested: str, ep: int, hidden: int, collectives: str = 
     Raises:
         ValueError: ``deepep`` asked for where the trainer refuses it, or ``local`` with ep > 1.
     """
+    # torch: `moerl plan` runs without it
     from app.model.dispatch.deepep import hidden_size_error
 
     if ep == 1:

@@ -27,6 +27,7 @@ from transformers import PretrainedConfig
 
 from app.layout import Layout, resolve_layout
 from app.model.config import num_routed_experts
+from app.plan.memory import plan_memory
 
 RANKING = ("least recomputation (checkpointing none < selective on alltoall < full), then fewest micro-batches, then "
            "smallest ep, then fewest FSDP shards (dp_shard), then most headroom")
@@ -67,8 +68,6 @@ def candidates(config: PretrainedConfig, world: int, rollouts_per_gpu: int, seq_
 
 def evaluate(inp, reason: str) -> dict:
     """One candidate's plan as a row (``fits`` False, with ``error``, where the plan refuses it)."""
-    from app.plan.memory import plan_memory
-
     lay = inp.layout
     row = dict(ep=lay.ep, dp_shard=lay.dp_shard, dp_replicate=lay.dp_replicate, efsdp=lay.efsdp,
                ep_backend=inp.ep_backend, ep_backend_reason=reason, micro_batch_tokens=inp.micro_batch_tokens,

@@ -22,7 +22,8 @@
    the substitutions made, the events.
 
 Substituted, and nothing else: the image (this venv and repository), the engine (the built-in
-`moerl engine` for SGLang), GPU counts (torchrun processes per node), the S3 endpoint (moto).
+`moerl engine` for SGLang), GPU counts (torchrun processes per node), torchrun's rendezvous port
+(one free on the host), the S3 endpoint (moto).
 The model is the warm-up checkpoint as a local directory, standing for one baked into the image.
 """
 
@@ -40,6 +41,18 @@ from pathlib import Path
 import typer
 import yaml
 
+from app.buffer import ExperienceBuffer
+from app.buffer.experience import stale_share
+from app.config import RunConfig
+from app.ledger import audit, pending_prompts, read_issued, read_lineage
+from app.local.procs import sigterm_as_interrupt
+from app.local.report import read_metrics
+from app.local.run import embedded_default, warmup_dir
+from app.replica.cluster import Cluster
+from app.replica.kubelet import PodError
+from app.replica.manifests import ManifestError, read_manifests, secret_keys
+from infra.config import load_config
+
 cli = typer.Typer(add_completion=False, help="Run every pod of synthesized manifests (dist/) as local processes.")
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,12 +63,14 @@ def pod_path(pod, path: str) -> Path:
 
 
 def trainer_run_dir(pod) -> Path:
+    # charts8s needs the infra extra (cdk8s, torchx): only where the replica reads or renders charts
     from charts8s.trainer import RUN_DIR
 
     return pod_path(pod, RUN_DIR)
 
 
 def feed_run_dir(pod) -> Path:
+    # charts8s needs the infra extra (cdk8s, torchx): only where the replica reads or renders charts
     from charts8s.feed import RUN_DIR
 
     return pod_path(pod, RUN_DIR)
@@ -67,8 +82,6 @@ def small_run_config(steps: int, base: Path, router: bool = False):
     deleted pod's work returns within the run, and held-out evaluation at the start and end;
     with ``router``, SGLang's router in front of the engines (its Deployment runs the real
     sglang-router binary)."""
-    from app.local.run import embedded_default
-
     cfg = embedded_default()
     cfg.run_id = "replica"
     cfg.model.path = str(base)
@@ -84,6 +97,9 @@ def small_run_config(steps: int, base: Path, router: bool = False):
     cfg.rollout.drain_grace_s = 5.0
     cfg.rollout.request_timeout_s = 30.0
     cfg.rollout.weight_update_timeout_s = 60.0
+    # A trainer that gets no groups says so (its TimeoutError names what it waited for) long
+    # before the replica's --timeout-s stops the run (the test's is 600 s).
+    cfg.trainer.batch_timeout_s = 120.0
     cfg.feed.eval_every = steps  # v0 and the final version
     cfg.feed.eval_samples = 8  # 1600 completions per measurement: ~1 point of standard error
     cfg.feed.poll_s = 0.5
@@ -110,8 +126,6 @@ def write_workload(out: Path, steps: int, base: Path, router: bool = False) -> t
 def warm_base(cache: Path, steps: int) -> Path:
     """The warm-up checkpoint of the replica's recipe (`moerl warmup`, cached by recipe as
     `moerl run` caches it)."""
-    from app.local.run import warmup_dir
-
     cfg = small_run_config(steps, Path("/unused"))
     cfg.model.path = None
     out = warmup_dir(cfg, cache.resolve())
@@ -126,8 +140,6 @@ def warm_base(cache: Path, steps: int) -> Path:
 
 def progress(cluster) -> int:
     """The trainer's newest step over every trainer pod incarnation (metrics.jsonl)."""
-    from app.local.report import read_metrics
-
     step = 0
     for pod in cluster.history:
         if cluster.owner[pod.name].kind == "Job":
@@ -179,22 +191,14 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
         TimeoutError: the trainer's Job did not complete within ``timeout_s``.
         RuntimeError: the trainer's Job failed.
     """
-    import redis
-
-    from app.config import RunConfig
-    from app.ledger import audit, pending_prompts, read_issued, read_lineage
-    from app.replica.cluster import Cluster
-    from app.replica.manifests import ManifestError, read_manifests
-    from infra.config import load_config
-
     cfg = load_config(env, overrides)
     m = read_manifests(dist)
+    # charts8s needs the infra extra (cdk8s, torchx): only where the replica reads or renders charts
     from charts8s.cluster import RUN_CONFIG_KEY, RUN_CONFIG_MAP
 
     run = RunConfig.model_validate(yaml.safe_load(m.config_maps[RUN_CONFIG_MAP][RUN_CONFIG_KEY]))
     if not run.store_url.startswith("s3://"):
         raise ManifestError(f"the mounted run config's store_url is {run.store_url!r}; the cluster's is s3://")
-    from app.replica.manifests import secret_keys
 
     # What `kubectl create secret` makes (docs/cluster.md): a random value for every key the pods read.
     secret_values = {name: {key: pysecrets.token_hex(16) for key in keys or {"password"}}
@@ -205,6 +209,7 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
                       # the bucket the mounted run config names (store_url: s3://bucket/prefix)
                       bucket=run.store_url.removeprefix("s3://").split("/")[0], region=cfg.region,
                       associations={cfg.trainer_service_account_of(run.run_id), cfg.rollout_service_account})
+    # charts8s (cdk8s, torchx): see trainer_run_dir
     from charts8s.feed import NAME as FEED
     from charts8s.rollout import NAME as ROLLOUT
 
@@ -257,17 +262,18 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
         say(f"  {time.time() - started:5.0f}s trainer Job completed at step {progress(cluster)}; draining")
         # Rollout pods drain (their unfinished tasks go back to the queue) before Redis is read.
         # (With the router the rollout pods are a StatefulSet too: the buffer is told by name.)
+        # charts8s (cdk8s): see trainer_run_dir
         from charts8s.cluster import BUFFER_SERVICE
 
         cluster.delete_workloads([w.name for w in m.workloads if w.kind != "Job" and w.name != BUFFER_SERVICE])
         buffer_pod = next(p for p in cluster.pods.values() if cluster.owner[p.name].name == BUFFER_SERVICE)
+        # charts8s (cdk8s): see trainer_run_dir
         from charts8s.buffer import ADMIN_KEY
 
         password = next(v[ADMIN_KEY] for v in secret_values.values() if ADMIN_KEY in v)  # the default user's
-        from app.buffer import ExperienceBuffer
-
         with ExperienceBuffer(f"redis://:{password}@{buffer_pod.ip}:6379/0", run.run_id, prefix=run.buffer.run_prefix) as buf:
             pending = pending_prompts(buf)
+            counters = buf.stats()
     finally:
         cluster.stop()
     trainers = [p for p in cluster.history if cluster.owner[p.name].kind == "Job"]
@@ -287,6 +293,8 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
         "heldout_greedy_before": heldout[0]["greedy"] if heldout else None,
         "heldout_greedy_after": final_eval["greedy"] if final_eval else None,
         "ledger": a.to_dict(), "ok": a.ok(),
+        # the buffer's counters once the workers drained; stale_share: finished groups thrown away as too stale
+        "buffer": counters, "stale_share": stale_share(counters),
         "job_restarts": cluster.job_state.get(job, {}).get("retries", 0),
         "pods": [{"name": p.name, "ip": p.ip, "phase": p.phase, "dir": str(p.root),
                   "restarts": {c.name: c.restarts for c in p.containers}} for p in cluster.history],
@@ -301,8 +309,6 @@ def run_replica(dist: Path, out: Path, *, env: str = "dev", overrides: Path | No
 
 
 def _heldout(cluster, feed: str | None) -> list[dict]:
-    from app.local.report import read_metrics
-
     recs = []
     for p in cluster.history:
         if cluster.owner[p.name].name == feed:
@@ -328,6 +334,8 @@ def format_summary(s: dict) -> str:
              f"ledger: issued {a['issued']}, completed {a['completed']}, pending {a['pending']}, lost {a['lost']}, "
              f"trained twice {a['duplicated']}, over-stale {a['overstale']}; {a['samples_trained']} samples over "
              f"{a['steps']} steps ({a['rolled_back_steps']} rolled back by {a['resumes']} resumes)",
+             f"buffer: {s['buffer']['finished']} groups finished, {100 * (s['stale_share'] or 0):.1f} % of them "
+             "thrown away as too stale",
              "substituted: " + "; ".join(s["substitutions"]),
              "OK: nothing lost, trained twice or over-stale" if s["ok"] else "FAIL"]
     return "\n".join(lines)
@@ -348,15 +356,12 @@ def replica(
                                 "(rollout.router; the real sglang-router binary, with its keys)."),
 ) -> None:
     """Synthesize a small workload and run every pod of it locally; exit 1 if the ledger is not clean."""
-    from app.replica.manifests import ManifestError
-    from app.replica.kubelet import PodError
-    from app.local.procs import sigterm_as_interrupt
-
     out = (out or Path("runs") / f"replica-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     if out.exists() and any(out.iterdir()):
         raise typer.BadParameter(f"{out} is not empty", param_hint="--out")
     overrides = None
     if synth:
+        # charts8s (cdk8s, torchx): see trainer_run_dir
         from charts8s.main import build
         from charts8s.workloads import load_workloads
 
@@ -367,7 +372,6 @@ def replica(
         base = warm_base(cache, steps)
         typer.echo(f"replica: synthesizing the small workload into {dist}")
         workloads, overrides = write_workload(out / "workload", steps, base, router)
-        from infra.config import load_config
 
         build(load_workloads(load_config("dev", overrides), workloads), dist)
     signal.signal(signal.SIGTERM, sigterm_as_interrupt)  # run_replica's finally stops every pod

@@ -14,6 +14,7 @@ association gets no credentials, as on EKS. botocore accepts plain http for a lo
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import threading
 from datetime import datetime, timedelta, timezone
@@ -81,8 +82,7 @@ class MotoS3:
     """moto's S3 server (ThreadedMotoServer) on a loopback port, with the bucket created."""
 
     def __init__(self, bucket: str, region: str):
-        import logging
-
+        # moto: the test extra; boto3 with it
         import boto3
         from moto.server import ThreadedMotoServer
 

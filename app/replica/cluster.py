@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+from app.buffer.redis_server import free_port
 from app.replica.aws import MotoS3, PodIdentityAgent
 from app.replica.kubelet import Pod, PodError, Substitutions
 from app.replica.manifests import Manifests, Workload, selects
@@ -50,7 +51,7 @@ class Cluster:
         self.addr = Addresses()
         self.s3 = MotoS3(bucket, region)
         self.agent = PodIdentityAgent(self.addr.service(), associations)
-        self.subs = Substitutions(s3_endpoint=self.s3.url, **subs_kw)
+        self.subs = Substitutions(s3_endpoint=self.s3.url, rdzv_port=free_port(), **subs_kw)
         self.pods: dict[str, Pod] = {}  # live (not deleted) pods by name
         self.history: list[Pod] = []  # every pod ever made, in order
         self.owner: dict[str, Workload] = {}

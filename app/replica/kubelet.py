@@ -20,7 +20,9 @@ What the kubelet does and this module does the same way (Kubernetes docs: "Pod L
 What is substituted (`Substitutions`): the image (the local venv and repository on PATH and
 PYTHONPATH), the engine (SGLang's command becomes `moerl engine` with its model, host and port),
 GPU counts (torchrun's ``--nproc-per-node`` of a GPU container becomes the replica's processes
-per node), the S3 endpoint (moto). Not run (`NOT_RUN`): the buffer pod's Redis exporter sidecar
+per node), torchrun's rendezvous port (a port free on this host: its c10d store listens on every
+address of the host, so another torchrun on the same port would take the gang into its own
+rendezvous), the S3 endpoint (moto). Not run (`NOT_RUN`): the buffer pod's Redis exporter sidecar
 (oliver006/redis_exporter), a Go binary outside this venv that only Prometheus reads; the pod's
 other containers run and its readiness is theirs. Not reproduced: cgroup CPU and memory limits (each container
 gets ``OMP_NUM_THREADS=1`` instead), a read-only root filesystem, user ids, network policies.
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import Callable
 
 from app.local.procs import descendants
+from app.replica.aws import TOKEN_PATH
 from app.replica.network import Rewriter
 
 BACKOFF_S, BACKOFF_MAX_S = 10.0, 300.0
@@ -65,6 +68,8 @@ class Substitutions:
         repo: the repository root (PYTHONPATH; the image installs it).
         procs_per_gpu_node: torchrun ``--nproc-per-node`` for a container that asks for GPUs.
         s3_endpoint: moto's URL (``AWS_ENDPOINT_URL_S3``).
+        rdzv_port: the port torchrun's ``--rdzv-endpoint`` gets instead of the manifest's (the
+            same for every pod of the run); 0: the manifest's.
         log: list of (pod, container, what was substituted), filled as containers start.
     """
 
@@ -72,6 +77,7 @@ class Substitutions:
     repo: str
     procs_per_gpu_node: int
     s3_endpoint: str
+    rdzv_port: int = 0
     log: list[tuple[str, str, str]] = field(default_factory=list)
 
     @staticmethod
@@ -115,7 +121,7 @@ class Substitutions:
         if argv[:3] == ["python3", "-m", "sglang.launch_server"] or argv[:2] == ["sglang", "serve"]:
             keep = {"--model-path": None, "--host": "127.0.0.1", "--port": "30000"}
             # The SGLang flags the built-in engine shares (app/engine/server.py `serve`); --config
-            # holds the engine's keys (charts8s/rollout.py `keyed_engine`).
+            # holds the engine's keys (charts8s/keys.py `keyed_engine`).
             shared = {"--weight-version", "--max-running-requests", "--enable-return-routed-experts", "--config",
                       "--api-key", "--admin-api-key"}
             carried: list[str] = []
@@ -136,14 +142,23 @@ class Substitutions:
             new = ["moerl", "engine", "--model-path", keep["--model-path"], "--host", keep["--host"],
                    "--port", keep["--port"], "--threads", "1", *carried]
             return new, f"engine: SGLang -> moerl engine (dropped {' '.join(dropped) or 'nothing'})"
+        notes = []
         gpus = int(container.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0))
         if gpus:
             n = str(self.procs_per_gpu_node)
             pattern = re.compile(r"--nproc[-_]per[-_]node(=| )" + str(gpus) + r"\b")
             out = [pattern.sub(lambda m: f"--nproc-per-node{m.group(1)}{n}", a) for a in argv]
             if out != argv:
-                return out, f"GPUs: {gpus} per pod -> torchrun --nproc-per-node {n}"
-        return argv, None
+                argv, notes = out, [f"GPUs: {gpus} per pod -> torchrun --nproc-per-node {n}"]
+        if self.rdzv_port:
+            # HOST:PORT, HOST maybe a shell default with a colon of its own (${TORCHX_RANK0_HOST:=ip})
+            pattern = re.compile(r"(--rdzv[-_]endpoint[= ]\S*?:)(\d+)(?!\d)")
+            ports = sorted({m.group(2) for a in argv for m in pattern.finditer(a)})
+            if ports:
+                argv = [pattern.sub(lambda m: f"{m.group(1)}{self.rdzv_port}", a) for a in argv]
+                notes.append(f"network: rendezvous port {', '.join(ports)} -> one free on the host (torchrun's c10d "
+                             "store listens on every address)")
+        return argv, "; ".join(notes) or None
 
 
 def expand_vars(text: str, env: dict[str, str]) -> str:
@@ -317,7 +332,6 @@ class Pod:
             d = self.root / "volumes" / "eks-pod-identity-token"
             d.mkdir(parents=True, exist_ok=True)
             (d / "eks-pod-identity-token").write_text(token)
-            from app.replica.aws import TOKEN_PATH
 
             mounts[str(Path(TOKEN_PATH).parent)] = str(d)
         self.pod_identity = token is not None
@@ -349,8 +363,6 @@ class Pod:
                # The replica's S3 is moto; the node's instance metadata is out of a pod's reach on EKS.
                "AWS_ENDPOINT_URL_S3": s.s3_endpoint, "AWS_EC2_METADATA_DISABLED": "true"}
         if self.pod_identity:
-            from app.replica.aws import TOKEN_PATH
-
             env["AWS_CONTAINER_CREDENTIALS_FULL_URI"] = self.cluster.agent.url
             env["AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"] = self.rewrite(TOKEN_PATH)  # the mounted token
         env.update(self.cluster.service_links())

@@ -14,6 +14,7 @@ see `Rewriter`.
 from __future__ import annotations
 
 import itertools
+import random
 import re
 import socket
 import threading
@@ -27,8 +28,6 @@ class Addresses:
     127.<net>.0.1, Services from 127.<net>.200.1."""
 
     def __init__(self, net: int | None = None):
-        import random
-
         self.net = random.SystemRandom().randrange(30, 250) if net is None else net
         self._pods = itertools.count(1)
         self._services = itertools.count(1)

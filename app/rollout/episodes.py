@@ -37,13 +37,15 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Callable
 
+import httpx
+
 from app.buffer.health import failure_reason
 from app.buffer.records import Sample, Task
 from app.config import RunConfig
 from app.envs.chat import ChatTemplateError
 from app.envs.contract import RewardOutOfRange, episode_reward
 from app.envs.env_client import EnvError, EnvSession, StepResult
-from app.envs.wire import WireError, WireFormat
+from app.envs.wire import WireError, WireFormat, fetch_wire_format, http_base
 from app.rollout.engine_client import EngineError, GenOutput
 
 
@@ -170,10 +172,6 @@ class EpisodeRunner:
     async def health_problem(self, timeout_s: float = 5.0) -> str | None:
         """None when the environment server answers ``GET /health`` with 200, else what it did
         (``/health answered 503``, ``ConnectError: ...``)."""
-        import httpx
-
-        from app.envs.wire import http_base
-
         try:
             async with httpx.AsyncClient(timeout=timeout_s) as http:
                 status = (await http.get(http_base(self.url) + "/health")).status_code
@@ -188,7 +186,5 @@ class EpisodeRunner:
         Raises:
             WireError: the schema has no usable text field (named); ConnectionError: no schema.
         """
-        from app.envs.wire import fetch_wire_format
-
         self.wire = await asyncio.to_thread(fetch_wire_format, self.url, timeout_s)
         return self.wire

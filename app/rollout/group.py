@@ -30,9 +30,15 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
+
+from app.buffer import ExperienceBuffer
+from app.config import RunConfig
+from app.storage import open_store
+from app.storage.policy import download_policy
 
 log = logging.getLogger("moerl.rollout.group")
 
@@ -117,8 +123,6 @@ class Fetcher:
 
     def __init__(self, cfg, buffer, group: EngineGroup, index: int, marker: str | os.PathLike | None = None,
                  store=None):
-        from app.storage import open_store
-
         self.cfg, self.buffer, self.group, self.index = cfg, buffer, group, index
         self.marker = Path(marker) if marker else None
         self.store = store or open_store(cfg.store_url)
@@ -135,8 +139,6 @@ class Fetcher:
 
     def fetch_current(self) -> None:
         """Download the current version if it is not here, keep it and the one before, report."""
-        from app.storage.policy import download_policy
-
         current = self.buffer.current_policy()
         if current is not None:
             version = int(current[0])
@@ -172,11 +174,6 @@ class Fetcher:
 
 def main(argv: list[str] | None = None) -> int:
     """``python3 -m app.rollout.group --config RUN --engine ADDR --index I --size N [--marker F]``."""
-    import signal
-
-    from app.buffer import ExperienceBuffer
-    from app.config import RunConfig
-
     p = argparse.ArgumentParser(prog="python3 -m app.rollout.group", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
     p.add_argument("--engine", required=True, help="the engine's leader address (LWS_LEADER_ADDRESS)")

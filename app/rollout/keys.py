@@ -103,6 +103,7 @@ def redact_logged_args(result, server_args=None, *args, **kwargs):
 
 def sglang_plugin() -> None:
     """SGLang general plugin (pyproject.toml entry point): register the redacting hooks."""
+    # sglang: only inside an SGLang process
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(SERVER_INFO_TARGET, redact_server_info, HookType.AFTER)

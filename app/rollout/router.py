@@ -44,12 +44,13 @@ import sys
 
 import httpx
 
+from app.config import ROUTER_POLICIES
+
 log = logging.getLogger("moerl.rollout")
 
 # The router's Python package and version, the same as images/versions.toml's SGLANG_ROUTER_VERSION
 # (the rollout image; tests/test_engine_router.py checks they agree) and pyproject's `router` extra.
 ROUTER_PACKAGE = "sglang-router"
-ROUTER_POLICIES = ("cache_aware", "power_of_two", "round_robin", "random")
 # The control-plane key's id and name in the router's ``--control-plane-api-keys`` ("id:name:role:key").
 CONTROL_KEY_ID = "moerl-workers"
 REGISTER_EVERY_S = 15.0  # how often a worker checks that the router still lists its engine

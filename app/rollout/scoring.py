@@ -14,6 +14,7 @@ from typing import Callable
 
 from app.buffer.records import Task
 from app.config import RunConfig
+from app.envs.reward_model import RemoteReward
 
 log = logging.getLogger("moerl.rollout")
 
@@ -28,8 +29,6 @@ def score_fn_for(cfg: RunConfig) -> ScoreFn:
         ValueError: ``rollout.reward_fn`` cannot be imported.
     """
     if cfg.task.reward_model:
-        from app.envs.reward_model import RemoteReward
-
         return RemoteReward(cfg.rollout.reward_url, timeout_s=cfg.rollout.reward_timeout_s)
     return load_score_fn(cfg.rollout.reward_fn)
 

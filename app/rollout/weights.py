@@ -40,6 +40,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from app.config import RunConfig
 from app.rollout.engine_client import EngineClient, EngineError
+from app.rollout.group import group_cache_dir
+from app.storage import open_store
+from app.storage.policy import download_policy
 
 log = logging.getLogger("moerl.rollout")
 
@@ -133,7 +136,6 @@ class EngineWeights:
         if group is None:
             self.cache_dir = Path(cfg.rollout.policy_cache_dir).resolve() / worker_id
         else:  # the path on the engine's nodes (app/rollout/group.py), not on this pod
-            from app.rollout.group import group_cache_dir
 
             self.cache_dir = group_cache_dir(cfg.rollout.policy_cache_dir, group.engine)
         self.version: int | None = None  # what the engine serves, as far as known
@@ -264,8 +266,6 @@ class EngineWeights:
                 raise GroupNotReady(f"engine {self.group.engine}: pod(s) {missing} of {self.group.size} do not "
                                     f"hold policy v{version} yet")
             return self.cache_dir / f"v{version}"
-        from app.storage import open_store
-        from app.storage.policy import download_policy
 
         if self.store is None:
             self.store = open_store(self.cfg.store_url)

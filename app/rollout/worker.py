@@ -5,7 +5,8 @@ engine (our built-in engine or SGLang, through `app.rollout.engine_client.Engine
 experience buffer (`app.buffer.ExperienceBuffer`). One asyncio loop:
 
 1. back-pressure: lease nothing while finished groups the trainer has not taken plus leased tasks
-   reach ``buffer.capacity_groups``;
+   reach ``buffer.capacity_groups``, nor groups the engine's version cannot make fresh enough
+   to be trained (`ExperienceBuffer.lease`, one script);
 2. lease prompt groups up to ``rollout.inflight_tasks()`` (the engine profile's in-flight
    sequences in whole groups); each becomes one batched /generate of G = ``task.group_size``
    completions (``n = G``) on one shared HTTP connection pool, so the engine batches across
@@ -70,17 +71,28 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import typer
 
+from app.buffer import ExperienceBuffer
 from app.buffer.health import MAX_REASONS_PER_WORKER, OTHER, failure_reason
-from app.buffer.records import Sample, Task
+from app.buffer.records import Sample, Task, routed_experts_of_moe_layers
 from app.config import RunConfig
+from app.engine.auth import read_config_keys
+from app.envs.chat import renderer_for
+from app.envs.contract import check_reset_async
+from app.logs import setup_logging
+from app.metrics import RunMetrics, serve
+from app.model.source import config_source
 from app.names import ENGINE_KEYS_FILE_ENV, ROUTER_API_KEY_ENV, ROUTER_CONTROL_KEY_ENV
 from app.rollout.engine_client import ADMIN_API_KEY_ENV, API_KEY_ENV, EngineClient, EngineError, GenOutput
-from app.rollout.episodes import GroupFailed
-from app.rollout.router import REGISTER_EVERY_S
+from app.rollout.episodes import EpisodeRunner, GroupFailed
+from app.rollout.group import EngineGroup
+from app.rollout.router import REGISTER_EVERY_S, RouterRegistration
 from app.rollout.scoring import RewardPool, ScoreFn, score_fn_for
+from app.rollout.weight_sync import PushMember
 from app.rollout.weights import EngineWeights
+from app.storage import open_store
 
 log = logging.getLogger("moerl.rollout")
 
@@ -190,9 +202,8 @@ class RolloutWorker:
 
     # -- multi-turn episodes and reward warm-up (issue 16) ---------------------------------
     def _episode_runner(self):
-        from app.envs.chat import renderer_for
+        # transformers: only for a tokenizer; the worker module loads without it
         from app.model.tokenizer import build_tokenizer, load_tokenizer
-        from app.rollout.episodes import EpisodeRunner
 
         path = self.cfg.model.path
         tokenizer = load_tokenizer(path) if path and (Path(path) / "tokenizer.json").is_file() else build_tokenizer()
@@ -225,8 +236,6 @@ class RolloutWorker:
             await self._say_waiting(None)
             wire = await self.episodes.read_wire()  # a schema without text fields ends the worker here
             if not self.cfg.env.served_by_moerl():  # a user's server: reset must take spec (app/envs/contract.py)
-                from app.envs.contract import check_reset_async
-
                 await check_reset_async(self.episodes.url, wire, max_sessions=self.cfg.env.max_sessions)
             return
         warm = getattr(self.score_fn, "warm", None)
@@ -356,8 +365,6 @@ class RolloutWorker:
             raise EngineError(f"task {task.task_id}: the prompt's routing came from v{head.weight_version}, the "
                               f"group from v{outs[0].weight_version}; the task is leased again")
         if prompt_routing is not None:
-            import numpy as np
-
             for o in outs:  # the prompt's rows, then the sample's own: every token fed, P + C - 1 rows
                 o.routed_experts = np.concatenate([prompt_routing, o.routed_experts])
         return outs
@@ -424,6 +431,7 @@ class RolloutWorker:
         engine decodes one completion (``skip_special_tokens``); the pieces' texts joined when
         there is no tokenizer here (a character split across an abort may then differ)."""
         if self._tokenizer is None:
+            # transformers: only for a tokenizer; the worker module loads without it
             from app.model.tokenizer import build_tokenizer, load_tokenizer
 
             path = self.cfg.model.path
@@ -445,8 +453,6 @@ class RolloutWorker:
         Raises:
             EngineMisconfigured: the id count does not fit the model's layers and top_k.
         """
-        from app.buffer.records import routed_experts_of_moe_layers
-
         layers, top_k, moe_layers = self._routing_shape or self._model_routing_shape()
         tokens = len(task.prompt_ids) + len(out.token_ids) - 1
         ids = out.routed_experts[: max(tokens, 0) * layers * top_k]  # a 0-token completion: P - 1 rows
@@ -459,18 +465,15 @@ class RolloutWorker:
     def _model_routing_shape(self) -> tuple[int, int, list[int]]:
         """(num_hidden_layers, num_experts_per_tok, MoE layer indices) of the run's model (its
         config.json, or the preset)."""
+        # transformers: only for the model's routing shape (routing replay)
+        from transformers import AutoConfig
+
+        from app.model.config import moe_layer_ids, tiny_config
+
         if self.cfg.model.path:
-            from transformers import AutoConfig
-
-            from app.model.source import config_source
-
             config = AutoConfig.from_pretrained(config_source(self.cfg.model.path, self.cfg.model.cache_dir))
         else:
-            from app.model.config import tiny_config
-
             config = tiny_config(self.cfg.model.preset)
-        from app.model.config import moe_layer_ids
-
         self._routing_shape = (int(config.num_hidden_layers), int(config.num_experts_per_tok), moe_layer_ids(config))
         return self._routing_shape
 
@@ -620,8 +623,6 @@ class RolloutWorker:
         next_extend = time.monotonic() + self.cfg.buffer.lease_ms / 3000
         pushes = None
         if self.cfg.weight_sync.mode == "network":
-            from app.rollout.weight_sync import PushMember
-
             pushes = asyncio.create_task(PushMember(self.weights, buffer=self.buffer).run())
         next_register = 0.0
         try:
@@ -684,10 +685,11 @@ class RolloutWorker:
                         await asyncio.sleep(0.05)
                     continue
                 try:
-                    if not await self._buf("has_capacity"):
-                        await self._buf("wait_for_capacity", 0.5)
-                        continue
-                    tasks = await self._buf("lease", self.worker_id, count=free, block_ms=200 if inflight else 500)
+                    # One script checks back-pressure and leases (nothing while the gate is shut:
+                    # it polls within block_ms); the engine's version lets it admit only groups
+                    # that can still be trained within buffer.max_staleness.
+                    tasks = await self._buf("lease", self.worker_id, count=free, block_ms=200 if inflight else 500,
+                                            engine_version=self.engine_version)
                 except Exception as e:  # noqa: BLE001 - Redis restart or hiccup: back off
                     self.stats.buffer_errors += 1
                     log.warning("%s: buffer error while leasing: %s", self.worker_id, e)
@@ -738,8 +740,6 @@ def router_clients(cfg: RunConfig, router_url: str, engine_url: str) -> tuple[En
     Raises:
         ValueError: no control-plane key.
     """
-    from app.rollout.router import RouterRegistration
-
     control_key = os.environ.get(ROUTER_CONTROL_KEY_ENV)
     if not control_key:
         raise ValueError(f"rollout.router is on but ${ROUTER_CONTROL_KEY_ENV} is empty: the worker registers its "
@@ -777,10 +777,6 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
         ConnectionError (or the buffer's own error): Redis unreachable; names the URL.
         TimeoutError: the engine is not healthy within ``rollout.request_timeout_s``.
     """
-    from app.buffer import ExperienceBuffer
-    from app.engine.auth import read_config_keys
-    from app.storage import open_store
-
     score_fn = score_fn_for(cfg)
     # Open the store now: a bad store_url must fail at start, not at the first policy version.
     store = open_store(cfg.store_url)
@@ -803,14 +799,10 @@ async def run_worker(cfg: RunConfig, engine_url: str, worker_id: str, *, max_gro
     )
     metrics = server = reporter = None
     if metrics_port:
-        from app.metrics import RunMetrics, serve
-
         metrics = RunMetrics(cfg.run_id)
         server = serve(metrics, metrics_port, metrics_addr)  # OSError (port taken) before any task is leased
     group = None
     if engine_group:
-        from app.rollout.group import EngineGroup
-
         group = EngineGroup.of(buffer, engine_group, group_size or 1)
     worker = RolloutWorker(cfg, buffer, client, worker_id, score_fn=score_fn, store=store, max_groups=max_groups,
                            pause_marker=pause_marker, metrics=metrics, group=group, gen_client=gen_client,
@@ -879,8 +871,6 @@ def rollout(
                                 "passes the `moerl env` it started)."),
 ) -> None:
     """Lease prompt groups, generate through the engine, score, publish; drain on SIGTERM."""
-    from app.logs import setup_logging
-
     setup_logging()
     try:
         cfg = RunConfig.load(config)

@@ -4,6 +4,7 @@
 that no backend module imports another one back."""
 
 from app.storage.done import mark_done, read_done
+from app.storage.file import FileStore
 from app.storage.policy import (download_policy, latest_policy_version, policy_versions,
                                 prune_policies, publish_policy)
 from app.storage.store import ObjectStore
@@ -23,8 +24,6 @@ def open_store(url: str, **kwargs) -> ObjectStore:
         ValueError: an unknown scheme or an empty path/bucket, naming the URL.
     """
     if url.startswith("file://"):
-        from app.storage.file import FileStore
-
         path = url[len("file://"):]
         if not path:
             raise ValueError(f"store URL {url!r} has no path")
@@ -32,6 +31,7 @@ def open_store(url: str, **kwargs) -> ObjectStore:
             raise ValueError(f"file store {url!r} takes no options, got {sorted(kwargs)}")
         return FileStore(path)
     if url.startswith("s3://"):
+        # boto3: only for an s3:// store
         from app.storage.s3 import S3Store
 
         bucket, _, prefix = url[len("s3://"):].partition("/")

@@ -1,7 +1,7 @@
 """The GRPO and PPO trainer: the policy losses (grpo.py), PPO's critic, GAE and value loss
 (ppo.py, critic.py), DAPO's dynamic sampling (sampling.py), batch intake and collation (intake.py,
 batch.py), the device mesh and sharded models (parallel.py, models.py), one optimizer step
-(step.py), the trainer (trainer.py, looped by loop.py, started by train.py), training state
+(step.py), the trainer (trainer.py: build, step and loop; started by train.py), training state
 (state.py), policy publishing (publish.py) and the network weight push (weight_sync.py)."""
 
 

@@ -13,7 +13,6 @@ app/trainer/grpo.py and ppo.py weights tokens by this mask), and their rollout l
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from app.buffer.records import check_group
 from app.trainer.grpo import group_advantages, soft_overlong_penalty
 
 
@@ -87,49 +87,6 @@ def sample_rewards(samples: list, soft_overlong: tuple[int, int, float] | None =
                                 for s in samples])
         rewards = rewards + soft_overlong_penalty(lengths, *soft_overlong)
     return rewards
-
-
-def check_group(group, moe_layers: list[int] | None = None) -> None:
-    """What the trainer needs of a group before it collates it (one definition: `collate_groups`,
-    `Group.check` and so the intake's `usable`). ``group`` has ``task_id`` and ``samples`` with the
-    fields of `app.buffer.records.Sample` (duck-typed: app/bench/train_step.py builds its own,
-    without the buffer, whose package needs redis-py).
-
-    Raises:
-        ValueError: no samples; a sample has no prompt tokens, a logprob count or a loss_mask
-            length that differs from its completion length, a loss_mask value other than 0
-            or 1, a non-finite reward or logprob; with ``moe_layers``, a sample has no
-            routed experts or ones that are not ``[P + C - 1, len(moe_layers), K]``. The
-            message names the sample id.
-    """
-    if not group.samples:
-        raise ValueError(f"group {group.task_id!r} has no samples")
-    for s in group.samples:
-        c = len(s.completion_ids)
-        if not len(s.prompt_ids):
-            raise ValueError(f"sample {s.sample_id!r}: empty prompt_ids")
-        if len(s.logprobs) != c:
-            raise ValueError(f"sample {s.sample_id!r}: {len(s.logprobs)} logprobs for {c} completion tokens")
-        if not math.isfinite(s.reward):
-            raise ValueError(f"sample {s.sample_id!r}: reward {s.reward} is not finite")
-        if c and not np.isfinite(np.asarray(s.logprobs, dtype=np.float64)).all():
-            raise ValueError(f"sample {s.sample_id!r}: non-finite rollout logprob")
-        if getattr(s, "loss_mask", None) is not None:
-            mask = np.asarray(s.loss_mask)
-            if mask.shape != (c,):
-                raise ValueError(f"sample {s.sample_id!r}: loss_mask has {mask.size} values for {c} "
-                                 "completion tokens")
-            if c and not np.isin(mask, (0, 1)).all():
-                raise ValueError(f"sample {s.sample_id!r}: loss_mask values must be 0 or 1")
-        if moe_layers is not None:
-            if getattr(s, "routed_experts", None) is None:
-                raise ValueError(f"sample {s.sample_id!r}: routing replay is on but the sample has no "
-                                 "routed_experts")
-            shape = tuple(np.shape(s.routed_experts))
-            fed = len(s.prompt_ids) + c - 1
-            if len(shape) != 3 or shape[:2] != (fed, len(moe_layers)):
-                raise ValueError(f"sample {s.sample_id!r}: routed_experts of shape {list(shape)}, expected "
-                                 f"[{fed}, {len(moe_layers)}, K] (the MoE layers)")
 
 
 def collate_groups(

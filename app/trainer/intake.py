@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from app.buffer import ExperienceBuffer
 from app.buffer.health import starved_because
 from app.config import RunConfig
 from app.trainer import TrainingError
@@ -357,8 +358,6 @@ class BatchIntake:
             return [], {}, None
         try:
             if self._reader is None:
-                from app.buffer import ExperienceBuffer
-
                 self._reader = ExperienceBuffer.from_config(self.cfg, autocommit=False)
             groups, bad = self._reader.read_groups(mine, num_experts=self.num_experts)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, not wait for this one

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import AutoModel, PretrainedConfig
 
 from app.config import RunConfig
+from app.model.checkpoint import load_policy_shards, read_config
+from app.model.config import tiny_config, validate_config
 from app.model.parallel import EPContext
+from app.model.policy import MODEL_CLASSES, _rebuild_rotary, build_policy
+from app.trainer.critic import Critic, CriticParts
 from app.trainer.parallel import TrainerMesh, parallelize
+from app.trainer.step import build_optimizer
 
 
 def policy_config(cfg: RunConfig, path: str | None) -> PretrainedConfig:
@@ -24,20 +29,12 @@ def policy_config(cfg: RunConfig, path: str | None) -> PretrainedConfig:
     Raises:
         FileNotFoundError, ValueError: naming the file or field.
     """
-    from app.model.checkpoint import read_config
-    from app.model.config import tiny_config
-
     return read_config(path) if path else tiny_config(cfg.model.preset)
 
 
 def _built(cfg: RunConfig, config: PretrainedConfig, path: str | None, ep: EPContext, mesh: TrainerMesh,
            device: torch.device, critic: bool = False) -> nn.Module:
     """Build (on the meta device for a checkpoint), wrap as a critic if asked, shard, materialise, fill."""
-    from app.model.checkpoint import load_policy_shards
-    from app.model.config import validate_config
-    from app.model.policy import _rebuild_rotary, build_policy
-    from app.trainer.critic import Critic
-
     validate_config(config, ep.size)
     compute = getattr(torch, cfg.model.dtype)
     where = "meta" if path else device
@@ -83,27 +80,20 @@ def build_critic_parts(cfg: RunConfig, path: str | None, ep: EPContext, mesh: Tr
         FileNotFoundError: ``trainer.critic_path`` has no config.json (named).
         ValueError: the critic's MoE layout does not fit ``trainer.parallel``.
     """
-    from app.trainer.critic import CriticParts
-
     t = cfg.trainer
     critic_path = t.critic_path or path
     try:
         config = policy_config(cfg, critic_path)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"trainer.critic_path: {e}") from None
-    from app.model.policy import MODEL_CLASSES
 
     if config.model_type in MODEL_CLASSES:
         critic = _built(cfg, config, critic_path, ep, mesh, device, critic=True)
     else:  # a dense model (e.g. a small reward-model-sized trunk): every rank loads it, FSDP shards it
-        from transformers import AutoModel
-
-        from app.trainer.critic import Critic
 
         trunk = AutoModel.from_pretrained(critic_path, dtype=torch.float32).to(device)
         critic = parallelize(Critic(trunk, config.hidden_size).to(device), mesh, getattr(torch, cfg.model.dtype),
                              t.activation_checkpointing)
-    from app.trainer.step import build_optimizer
 
     optimizer = build_optimizer(critic.parameters(), t.critic_lr or t.lr, t.adam_betas, t.weight_decay, device)
     return CriticParts(module=critic, optimizer=optimizer)

@@ -40,6 +40,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from app.layout import Layout
+from app.model.dispatch.exchange_cache import checkpoint_contexts
+from app.model.moe import MoEBlock
 from app.model.parallel import EPContext
 from app.trainer import TrainingError
 
@@ -253,8 +255,6 @@ def build_mesh(layout: Layout, device_type: str) -> TrainerMesh:
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
     """Every MoE layer's routed experts (`app.model.experts.GroupedExperts`), in a policy or a critic."""
-    from app.model.moe import MoEBlock
-
     return [m.experts for m in model.modules() if isinstance(m, MoEBlock)]
 
 
@@ -293,8 +293,6 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         return
     kwargs: dict = {"use_reentrant": False}
     if mode == "selective":
-        from app.model.dispatch.exchange_cache import checkpoint_contexts
-
         kwargs["context_fn"] = checkpoint_contexts
     elif mode != "full":
         raise ValueError(f"trainer.activation_checkpointing must be none, full or selective, got {mode!r}")
@@ -322,7 +320,6 @@ def parallelize(model: nn.Module, mesh: TrainerMesh, compute_dtype: torch.dtype,
     bad = next(((n, p.dtype) for n, p in model.named_parameters() if p.dtype != torch.float32), None)
     if bad:
         raise ValueError(f"master weights must be float32; {bad[0]} is {bad[1]}")
-    from app.model.moe import MoEBlock
 
     causal_lm = hasattr(model, "lm_head")
     trunk = model.model if causal_lm else model.trunk

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from app.model.parallel import collective_device
 from app.trainer.grpo import LossOutput, grpo_loss
 
 
@@ -140,7 +141,6 @@ def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, distributed: bool = True,
     if device is not None:
         dev = torch.device(device)
     else:  # NCCL refuses host tensors: reduce on the group's device
-        from app.model.parallel import collective_device
 
         dev = collective_device() if reduce else x.device
     x, mask = x.detach().double(), mask.double()

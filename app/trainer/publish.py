@@ -34,6 +34,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from app.model.checkpoint import DEFAULT_MAX_SHARD_BYTES, INDEX_NAME, _FUSED_EXPERT, write_metadata
+from app.model.tokenizer import save_tokenizer
+from app.storage.policy import finish_version, prune_policies, version_prefix
 from app.trainer import TrainingError
 from app.trainer.parallel import gather
 
@@ -107,7 +109,6 @@ def add_tokenizer(out_dir: Path, source_dir: str | Path | None) -> None:
             if (src / name).is_file():
                 shutil.copy2(src / name, out_dir / name)
         return
-    from app.model.tokenizer import save_tokenizer
 
     save_tokenizer(out_dir)
 
@@ -272,8 +273,6 @@ def publish_version(
         TrainingError: on every rank, if any rank failed to write or upload, or rank 0 failed to
             finish the version (the message carries the first error), so no rank is left waiting.
     """
-    from app.storage.policy import finish_version, prune_policies, version_prefix
-
     t0 = time.perf_counter()
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1

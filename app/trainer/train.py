@@ -3,7 +3,7 @@ process) of the trainer gang.
 
 The pieces, as torchtitan lays them out: the parallel layout (app/layout.py, app/trainer/parallel.py),
 the modules (models.py), the step (step.py: loss, backward, clip, optimizer; the losses in
-grpo.py and ppo.py), the trainer (trainer.py: build, step, ledger and metrics; loop.py loops;
+grpo.py and ppo.py), the trainer (trainer.py: build, step, ledger and metrics, and the loop;
 intake.py: batches from the buffer), training state (state.py) and publishing (publish.py).
 """
 
@@ -19,7 +19,11 @@ import torch.distributed as dist
 import typer
 
 from app.config import RunConfig
+from app.logs import setup_logging
+from app.metrics import export_forever
+from app.model.dispatch.deepep import release_buffers
 from app.trainer import TrainingError
+from app.trainer.trainer import Trainer
 
 cli = typer.Typer(add_completion=False, help="Run a GRPO trainer rank (start with torchrun).")
 
@@ -36,10 +40,6 @@ def train(
 ) -> None:
     """Run one trainer rank. Start every rank with torchrun (world = trainer.parallel's
     dp_replicate x dp_shard; app/layout.py)."""
-    from app.trainer.loop import run_training
-
-    from app.logs import setup_logging
-
     setup_logging(f"%(asctime)s rank{os.environ.get('RANK', '0')} %(message)s")
     state = None
     stop_export, exporter = threading.Event(), None
@@ -47,14 +47,10 @@ def train(
         cfg = RunConfig.load(config)
         run_dir = run_dir or Path("runs") / cfg.run_id
         if metrics_port and int(os.environ.get("RANK", "0")) == 0:
-            from app.metrics import export_forever
-
             exporter = threading.Thread(target=export_forever, args=(run_dir, cfg.run_id, metrics_port, cfg.store_url),
                                         kwargs={"stop": stop_export, "addr": metrics_addr}, daemon=True, name="metrics")
             exporter.start()
-        state = run_training(cfg, run_dir, resume=resume)
-        from app.model.dispatch.deepep import release_buffers
-
+        state = Trainer(cfg, run_dir, resume).train()
         release_buffers()  # DeepEP's destroy is collective: every rank, before the group goes
     except (TrainingError, ValueError, ConnectionError, TimeoutError, FileNotFoundError) as e:
         # Bad input or a run-ending condition: one clear line, no traceback.

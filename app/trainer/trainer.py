@@ -1,6 +1,7 @@
 """One trainer rank as torchtitan lays it out: `Trainer.__init__` builds (mesh, models, store,
 buffer, resume), `Trainer.train_step` runs one step (a rollout batch: its optimizer steps) and what
-follows it (ledger line, publish, save, metrics), app/trainer/loop.py loops.
+follows it (ledger line, publish, save, metrics), `Trainer.train` loops; `moerl train`
+(app/trainer/train.py) runs ``Trainer(cfg, run_dir, resume).train()`` on every rank.
 
 Each step, rank 0 takes ``groups_per_step`` whole GRPO groups' headers from the buffer and assigns
 them, whole, to the ranks (every rank is a data-parallel rank; app/layout.py); each rank reads and
@@ -66,6 +67,7 @@ from pathlib import Path
 import torch
 
 from app.buffer import ExperienceBuffer
+from app.buffer.weight_sync import SyncBoard
 from app.config import RunConfig
 from app.layout import resolve_layout
 from app.model.config import moe_layer_ids, num_routed_experts
@@ -74,12 +76,13 @@ from app.model.source import resolve_model_path
 from app.storage import mark_done, open_store
 from app.storage.policy import latest_policy_version
 from app.trainer import TrainingError
-from app.trainer.intake import BatchIntake
+from app.trainer.intake import BatchIntake, Stop
 from app.trainer.models import build_critic_parts, build_policy_model, build_reference, policy_config
 from app.trainer.parallel import broadcast_from_rank0, build_mesh, init_distributed, on_rank0
 from app.trainer.publish import first_version, next_version, publish_version
 from app.trainer.state import TrainState, drop_committed, latest_state, load_state, newer_entry, save_state
 from app.trainer.step import build_optimizer, step_lr, train_step
+from app.trainer.weight_sync import WeightPusher
 
 log = logging.getLogger("moerl.train")
 
@@ -107,7 +110,7 @@ def open_trained_log(path: Path):
 class Trainer:
     """This rank's part of a run: built once, then stepped (see the module docstring).
 
-    Raises (from `__init__`, `start` and `train_step`): see `app.trainer.loop.run_training`.
+    Raises (from `__init__`, `start` and `train_step`): see `train`.
     """
 
     def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool = False):
@@ -176,9 +179,6 @@ class Trainer:
         # and only every store_every-th (and the last) goes to the store (app/trainer/weight_sync.py).
         self.pusher = None
         if cfg.weight_sync.mode == "network":
-            from app.buffer.weight_sync import SyncBoard
-            from app.trainer.weight_sync import WeightPusher
-
             board = SyncBoard.of(self.buffer) if self.rank == 0 else None
             self.pusher = WeightPusher(cfg.weight_sync, self.rank, self.device, board=board)
         self.metrics_file = self.trained_file = None
@@ -265,7 +265,7 @@ class Trainer:
 
         Raises:
             Stop: rank 0 was asked to stop (app/trainer/intake.py).
-            TrainingError: see `app.trainer.loop.run_training`.
+            TrainingError: see `train`.
         """
         cfg, t, state = self.cfg, self.cfg.trainer, self.state
         taken = self.intake.next(state, self.trained, lambda: self.stop_requested)
@@ -379,3 +379,34 @@ class Trainer:
         """Rank 0, after the last step: mark the run done (the feeder, app/feed.py, stops on it)."""
         if self.rank == 0 and self.state.step >= self.cfg.trainer.steps:
             mark_done(self.store, self.cfg.run_id, self.state.step, self.state.version)
+
+    def train(self) -> TrainState:
+        """Train for ``trainer.steps`` steps (this rank's part): `start`, `train_step` until the last
+        step or a stop, then `close` and `finish`. Returns the final state.
+
+        The run directory gets metrics.jsonl and trained.jsonl (rank 0) and this rank's scratch
+        (``trainer-publish/``) for files on their way to the store. With ``resume`` it continues
+        from the newest complete training state in the store (without one, from the initial
+        weights); either way the first version published is one after the newest in the store.
+
+        Raises:
+            ValueError: ``trainer.parallel`` does not fit the world or the model (app/layout.py);
+                ``buffer.capacity_groups`` is smaller than ``trainer.groups_per_step``; the store
+                already holds policy versions of this run and ``resume`` is False; ``run_dir``
+                holds metrics.jsonl or trained.jsonl while the store has no version of this run
+                (an earlier run's records).
+            TrainingError: no batch in time, too many non-finite steps in a row, a failed publish
+                or save, Redis unreachable: raised on every rank with the same message (rank 0
+                may raise the original exception instead, e.g. BufferConnectionError naming the URL).
+        """
+        try:
+            self.start()
+            while self.state.step < self.cfg.trainer.steps:
+                self.train_step()
+        except Stop:
+            log.info("stop requested: ending at step %d, policy v%d", self.state.step, self.state.version)
+            self.store_last()
+        finally:
+            self.close()
+        self.finish()
+        return self.state

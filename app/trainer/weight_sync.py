@@ -95,7 +95,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from app.trainer.parallel import p2p_group, recv_block, send_block
+from app.trainer.parallel import p2p_group, recv_block, send_block, shared_gpu
 from app.trainer.publish import _gathered, plan_version
 from app.weight_group import BUCKET_FORMAT, GroupError, UpdateGroup, dtype_name, open_group, pack_bucket, plan_buckets
 
@@ -140,7 +140,6 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         if device.type != "cuda":
             return "gloo"
-        from app.trainer.parallel import shared_gpu
 
         return "cuda:gloo" if shared_gpu() else "nccl"
     return backend

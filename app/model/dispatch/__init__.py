@@ -108,14 +108,17 @@ def make_dispatcher(ep: EPContext, num_experts: int) -> Dispatcher:
     if ep.backend == "local":
         if ep.size != 1:
             raise ValueError(f"the local dispatcher needs ep.size=1, got {ep.size}")
+        # the backends import this package's types: a circle at the top
         from app.model.dispatch.local import LocalDispatcher
 
         return LocalDispatcher(num_experts)
     if ep.backend == "alltoall":
+        # the backends import this package's types: a circle at the top
         from app.model.dispatch.alltoall import AllToAllDispatcher
 
         return AllToAllDispatcher(ep, num_experts)
     if ep.backend == "deepep":
+        # the backends import this package's types: a circle at the top
         from app.model.dispatch.deepep import DeepEPDispatcher
 
         return DeepEPDispatcher(ep, num_experts)

@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from packaging.requirements import Requirement
+from packaging.version import Version
 from torch import Tensor
 
 from app.model.dispatch import Dispatched
@@ -152,9 +154,6 @@ def deepep_pin_mismatch(deepep_version: str, deepep_requires: list[str], torch_v
         torch_version / torch_requires: the installed torch's version and Requires-Dist lines.
         loaded_nccl: (major, minor, patch) of the NCCL this process loaded (`loaded_nccl_version`).
     """
-    from packaging.requirements import Requirement
-    from packaging.version import Version
-
     def pins(lines: list[str]) -> dict[str, Requirement]:
         reqs = (Requirement(line) for line in lines)
         return {r.name.lower(): r for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})}
