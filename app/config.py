@@ -9,17 +9,19 @@ Each section belongs to the package that uses it; add a field to your own sectio
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # The one config-error format and scalar rule (also the deployment config and charts8s/workloads.py).
-from infra.config import error_line, strict_scalar, yaml_error_line
+from infra.config import error_line, load_yaml, strict_scalar, yaml_error_line
 
 # The --policy choices of SGLang's router (rollout.router_policy; app/rollout/router.py runs it).
 ROUTER_POLICIES = ("cache_aware", "power_of_two", "round_robin", "random")
@@ -229,6 +231,24 @@ class RolloutConfig(Section):
     )
     reward_url: str = Field("http://127.0.0.1:8080", description="`moerl reward` server; used when "
                             "task.reward_model is set.")
+    reward_range: tuple[float, float] = Field(
+        (0.0, 1.0), description="[low, high] of the rewards the verifier, rollout.reward_fn or the environment "
+        "may give, both paths alike: a reward outside it fails its group (never trained, counted with its "
+        "reason). Declare a wider range here to train on one, e.g. [-1, 10].")
+
+    @field_validator("reward_range")
+    @classmethod
+    def _range_ordered(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not v[0] < v[1]:
+            raise ValueError(f"[{v[0]:g}, {v[1]:g}]: low must be below high")
+        return v
+
+    def reward_in_range(self, reward: float) -> bool:
+        """Whether ``reward`` is a finite number within ``reward_range``."""
+        return math.isfinite(reward) and self.reward_range[0] <= reward <= self.reward_range[1]
+
+    def reward_range_text(self) -> str:
+        return f"rollout.reward_range [{self.reward_range[0]:g}, {self.reward_range[1]:g}]"
 
     @model_validator(mode="before")
     @classmethod
@@ -499,6 +519,23 @@ class EnvConfig(Section):
     max_sessions: int = Field(256, ge=1, description="Concurrent episodes one env server holds.")
     attempts: int = Field(2, ge=1, description="spell-retry: answers accepted, the first and each retry after feedback.")
 
+    @field_validator("url")
+    @classmethod
+    def _url_parses(cls, v: str | None) -> str | None:
+        # A malformed address fails here, at load, not after a wait for a server that cannot answer.
+        if v is None:
+            return v
+        parts = urlsplit(v)
+        try:
+            port = parts.port
+        except ValueError:
+            raise ValueError(f"{v!r}: the port is not a number in 1-65535") from None
+        if parts.scheme not in ("http", "https", "ws", "wss") or not parts.hostname:
+            raise ValueError(f"{v!r} is not an http(s):// or ws(s):// URL with a host, e.g. http://127.0.0.1:8091")
+        if port == 0 or parts.query or parts.fragment:
+            raise ValueError(f"{v!r}: give the server's base URL, http(s)://host:port (moerl adds /ws itself)")
+        return v
+
     def builtin(self) -> bool:
         """Whether ``name`` is one of the environments moerl ships (played in process when
         moerl evaluates or demonstrates them)."""
@@ -677,13 +714,17 @@ class RunConfig(Section):
             raise ValueError(_describe(e)) from None
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "RunConfig":
-        """Read a YAML run configuration.
+    def load(cls, path: str | os.PathLike, sets: list[str] | None = None) -> "RunConfig":
+        """Read a YAML run configuration, then apply ``--set key=value`` overrides (`with_sets`).
+
+        A key given twice in one mapping is refused (PyYAML would keep the last silently), and
+        so is a file with no fields: it would run the built-in default task, which a run that
+        meant its own config did not ask for (leave out ``--config`` for the default).
 
         Raises:
             FileNotFoundError: the file does not exist.
-            ValueError: the YAML does not parse or a field is invalid; the message names the
-                file and the field path (e.g. ``trainer.lr``).
+            ValueError: the YAML does not parse, repeats a key, is empty, or a field is invalid;
+                the message names the file and the line or the field path (e.g. ``trainer.lr``).
         """
         path = Path(path)
         if path.is_dir():
@@ -693,13 +734,51 @@ class RunConfig(Section):
         except UnicodeDecodeError:
             raise ValueError(f"{path}: not a text (UTF-8) YAML file") from None
         try:
-            data = yaml.safe_load(text) or {}
+            data = load_yaml(text)
         except yaml.YAMLError as e:
             raise ValueError(f"{path}: not valid YAML: {yaml_error_line(e)}") from None
+        if data is None or data == {}:
+            raise ValueError(f"{path}: the run config is empty (no field set); for the default task leave out "
+                             "--config, or write the fields to change")
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a run config is a YAML mapping of sections, not a {type(data).__name__}")
         try:
-            return cls.model_validate(data)
+            cfg = cls.model_validate(data)
         except ValidationError as e:
             raise ValueError(f"{path}: {_describe(e)}") from None
+        return cfg.with_sets(sets) if sets else cfg
+
+    def with_sets(self, sets: list[str]) -> "RunConfig":
+        """This config with ``key=value`` overrides (``trainer.lr=1e-4``, ``env.max_turns=3``,
+        ``task.params={min_word_len: 4}``): the key is a field's dotted path, the value YAML (as
+        in a run config file), and the result is validated by this same model.
+
+        Raises:
+            ValueError: ``--set`` without ``=``, a path through a field that is not a section, or
+                an invalid result; the message names ``--set`` and the field.
+        """
+        data = self.model_dump()
+        for item in sets:
+            key, eq, text = item.partition("=")
+            key = key.strip()
+            if not eq or not key:
+                raise ValueError(f"--set {item!r}: expected key=value, e.g. --set trainer.lr=1e-4")
+            try:
+                value = load_yaml(text)  # empty: null, as ``key:`` in a file
+            except yaml.YAMLError as e:
+                raise ValueError(f"--set {key}: the value is not valid YAML: {yaml_error_line(e)}") from None
+            node, parts = data, key.split(".")
+            for i, part in enumerate(parts[:-1]):
+                node = node.setdefault(part, {}) if isinstance(node, dict) else None
+                if not isinstance(node, dict):
+                    raise ValueError(f"--set {key}: {'.'.join(parts[:i + 1])} is not a section of the run config")
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {key}: not a field of the run config")
+            node[parts[-1]] = value
+        try:
+            return type(self).model_validate(data)
+        except ValidationError as e:
+            raise ValueError(f"--set: {_describe(e)}") from None
 
     def save(self, path: str | os.PathLike) -> None:
         """Write this configuration as YAML atomically (temporary name, then rename)."""

@@ -22,7 +22,7 @@ from app.config import EngineProfile, RunConfig
 from app.layout import resolve_layout
 from app.rollout.engine_args import EngineLayout
 from app.storage import open_store
-from infra.config import DeploymentConfig, NodePool, error_line, strict_scalar, yaml_error_line
+from infra.config import DeploymentConfig, NodePool, error_line, load_yaml, strict_scalar, yaml_error_line
 
 Role = Literal["trainer", "rollout", "env"]
 # The run config synthesized when a workloads file names none (docs/cluster.md, "Recipes").
@@ -569,7 +569,7 @@ def load_workloads(cfg: DeploymentConfig, path: str | Path | None = None, read_s
     if path is not None:
         source = str(path)
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
+            data = load_yaml(Path(path).read_text()) or {}
         except OSError as e:
             raise WorkloadError(f"{path}: cannot read workloads: {e}") from None
         except yaml.YAMLError as e:

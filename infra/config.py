@@ -766,6 +766,37 @@ def yaml_error_line(e: yaml.YAMLError) -> str:
     return f"{where}{problem}" + (f" ({context})" if context else "")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping: plain PyYAML keeps the
+    last value silently (``steps: 3`` then ``steps: 400`` ran 400 steps)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}  # key -> the line it was first given on
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *base``: its keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (first given on line {seen[key]})", key_node.start_mark)
+                seen[key] = key_node.start_mark.line + 1
+            except TypeError:  # an unhashable key: PyYAML's own error follows
+                continue
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (a ``yaml.YAMLError``
+    whose `yaml_error_line` names both lines). The deployment config, the run config and the
+    workloads file are read with it.
+
+    Raises:
+        yaml.YAMLError: not valid YAML, or a duplicate key.
+    """
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def load_config(env: str, overrides: str | Path | None = None) -> DeploymentConfig:
     """Build and validate the config of `env` ("dev" | "staging" | "prod").
 
@@ -798,7 +829,7 @@ def config_of_args(args: argparse.Namespace, prog: str) -> DeploymentConfig | No
 
 def _read_mapping(path: Path) -> dict:
     try:
-        over = yaml.safe_load(path.read_text()) or {}
+        over = load_yaml(path.read_text()) or {}
     except OSError as e:
         raise ConfigError(f"{path}: cannot read overrides: {e}") from None
     except yaml.YAMLError as e:

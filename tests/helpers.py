@@ -185,10 +185,11 @@ def assert_params_match(got: dict, ref: dict, atol: float, rtol: float) -> None:
 
 
 class EnvServer:
-    """`moerl env`'s app (app/envs/openenv_server.py ``build_app(cfg)``) served by uvicorn on a
-    free loopback port in a daemon thread; ``url`` is its base URL."""
+    """`moerl env`'s app (app/envs/openenv_server.py ``build_app(cfg)``), or another ASGI ``app``
+    (an OpenEnv server of a test's own), served by uvicorn on a free loopback port in a daemon
+    thread; ``url`` is its base URL."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg=None, app=None):
         import time
 
         import uvicorn
@@ -196,7 +197,7 @@ class EnvServer:
         from app.envs.openenv_server import build_app
 
         self.port = free_port()
-        self.app = build_app(cfg)
+        self.app = app if app is not None else build_app(cfg)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -268,3 +269,34 @@ def keys_files(pod: dict, pod_env: dict[str, str], secret_values: dict[str, str]
     with patch.dict(os.environ, env):
         assert keys.main(argv) == 0
     return {in_pod: here}
+
+
+def guess_number_at(tmp_path: Path, url: str, **task) -> Path:
+    """examples/guess_number/run.yaml with ``env.url`` a server at ``url`` (a test's own) instead of
+    `moerl env`, without its demonstrations file, ``task`` fields changed; written to
+    ``tmp_path/run.yaml``, whose path is returned."""
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = yaml.safe_load((root / "examples/guess_number/run.yaml").read_text())
+    cfg["env"] = {**cfg["env"], "name": "guess-number", "url": url}
+    cfg["env"].pop("demos_path")
+    cfg["task"].update(task)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    return tmp_path / "run.yaml"
+
+
+def moerl_run_fails_in_one_line(tmp_path: Path, config: Path, timeout_s: float = 600) -> str:
+    """Run ``moerl run --config CONFIG --out tmp_path/run --cache tmp_path/cache`` and return its
+    one stderr line, after checking that it exited 2 and left no run directory and nothing in the
+    warm-up cache."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "run", "--config", str(config), "--out",
+                           str(tmp_path / "run"), "--cache", str(tmp_path / "cache")],
+                          capture_output=True, text=True, timeout=timeout_s, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stdout, proc.stdout[-3000:] + proc.stderr
+    assert not (tmp_path / "run").exists() and not list((tmp_path / "cache").glob("*"))
+    return lines[0]

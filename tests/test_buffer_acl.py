@@ -69,10 +69,14 @@ def test_every_role_does_its_own_work_as_its_own_user(acl_redis):
     # the same group made twice (its lease expired and was taken over): a duplicate, acked
     assert not rollout.publish(leased[0], _samples(leased[0])) and rollout.stats()["duplicates"] == 1
     rollout.fail(leased[1:2])
+    rollout.note_failures(["environment: no answer to step within 10 s"])  # why (app/buffer/health.py)
+    rollout.note_waiting("w0", "environment", "http://env:8090", "ConnectError")
     rollout.release(leased[2:3])
     assert rollout.publish(leased[3], _samples(leased[3], version=0))
 
     trainer = _buffer(server, pw, "trainer", autocommit=False, stale_policy="requeue", max_staleness=0)
+    health = trainer.health()
+    assert health.failures == {"environment: no answer to step within 10 s": 1} and health.waiting["w0"]["why"] == "ConnectError"
     got = trainer.take_batch(2, trainer_version=1, timeout_s=0)  # v0 groups at v1: stale -> requeued
     assert got == [] and trainer.stats()["requeued"] == 2
     assert trainer.announce_policy(1, "s3://b/v1") and rollout.current_policy() == (1, "s3://b/v1")

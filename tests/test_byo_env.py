@@ -13,7 +13,6 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -29,7 +28,7 @@ from app.config import RunConfig
 from app.envs.environments import TextAction, TextObservation
 from app.envs.wire import WireError, wire_format
 from examples.guess_number.env import GuessAction, GuessNumberEnv, GuessObservation, bisect, secret_of
-from helpers import EnvServer
+from helpers import EnvServer, guess_number_at, moerl_run_fails_in_one_line
 
 ROOT = Path(__file__).resolve().parents[1]
 GUESS = "examples.guess_number.env:GuessNumberEnv"
@@ -147,16 +146,13 @@ def test_moerl_env_serves_an_import_path_and_every_episode_gets_its_spec():
         server.stop()
 
 
-class CountingServer:
+class CountingServer(EnvServer):
     """examples/guess_number/server.py's app (OpenEnv's own server over the author's classes;
     ``env_cls`` another environment of the same action and observation) on a free loopback port
     in this process, counting the environments its sessions made."""
 
-    def __init__(self, env_cls=GuessNumberEnv):
-        import uvicorn
+    def __init__(self, env_cls=GuessNumberEnv, openenv_defaults: bool = False):
         from openenv.core.env_server import create_fastapi_app
-
-        from app.buffer.redis_server import free_port
 
         self.made = 0
 
@@ -164,19 +160,12 @@ class CountingServer:
             self.made += 1
             return env_cls()
 
-        app = create_fastapi_app(factory, GuessAction, GuessObservation, max_concurrent_envs=512,
-                                 env_name="guess-number", mode="production")
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+        if openenv_defaults:  # OpenEnv's quick start: create_fastapi_app(Env, Action, Observation)
+            app = create_fastapi_app(factory, GuessAction, GuessObservation)
+        else:
+            app = create_fastapi_app(factory, GuessAction, GuessObservation, max_concurrent_envs=512,
+                                     env_name="guess-number", mode="production")
+        super().__init__(app=app)
 
 
 class NoEpisodeIdEnv(GuessNumberEnv):
@@ -249,29 +238,61 @@ def test_a_rollout_worker_refuses_an_external_server_whose_reset_drops_spec_at_s
 def test_moerl_run_refuses_an_external_server_whose_reset_drops_spec(tmp_path):
     """One line, exit 2, naming 'spec'; no warm-up, no run directory left."""
     server = CountingServer(NoSpecEnv)
-    cfg = yaml.safe_load((ROOT / "examples/guess_number/run.yaml").read_text())
-    cfg["env"] = {**cfg["env"], "name": "guess-number", "url": server.url}
-    cfg["env"].pop("demos_path")
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    out = tmp_path / "run"
     try:
-        proc = subprocess.run([sys.executable, "-m", "app.cli", "run", "--config", str(tmp_path / "run.yaml"),
-                               "--out", str(out), "--cache", str(tmp_path / "cache")],
-                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+        line = moerl_run_fails_in_one_line(tmp_path, guess_number_at(tmp_path, server.url))
     finally:
         server.stop()
-    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [x for x in proc.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and "drops 'spec'" in lines[0], proc.stderr
-    assert not out.exists() and not (tmp_path / "cache").exists()
+    assert "drops 'spec'" in line
+
+
+class OneSessionEnv(GuessNumberEnv):
+    """An environment as OpenEnv's template writes it: ``SUPPORTS_CONCURRENT_SESSIONS`` left at
+    OpenEnv's default, False (its server then holds one session)."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = False
+
+
+def test_the_probe_finds_a_server_that_holds_one_session_and_says_what_to_set():
+    """OpenEnv's own quick-start server (create_fastapi_app with its defaults) answers a second
+    session CAPACITY_REACHED and closes it; `moerl run` failed later with a 120-line traceback
+    ("session closed during reset (code 1000): no reason"). The probe opens two sessions and
+    says in one line what to set."""
+    from app.envs.contract import check_reset
+    from app.envs.wire import fetch_wire_format
+
+    server = CountingServer(OneSessionEnv, openenv_defaults=True)
+    try:
+        with pytest.raises(WireError) as e:
+            check_reset(server.url, fetch_wire_format(server.url), spec=heldout_spec(), max_sessions=64)
+        with pytest.raises(WireError, match="SUPPORTS_CONCURRENT_SESSIONS"):  # the workers' start (no spec)
+            check_reset(server.url, fetch_wire_format(server.url))
+    finally:
+        server.stop()
+    msg = str(e.value)
+    assert "\n" not in msg
+    for part in ("refused a second concurrent session", "CAPACITY_REACHED", "SUPPORTS_CONCURRENT_SESSIONS = True",
+                 "max_concurrent_envs=N) with N >= 64", "env.max_sessions=64"):
+        assert part in msg, msg
+
+
+def test_moerl_env_refuses_a_class_that_does_not_support_concurrent_sessions():
+    from app.envs.openenv_server import user_environment
+
+    with pytest.raises(ValueError, match=r"OneSessionEnv\.SUPPORTS_CONCURRENT_SESSIONS is False"):
+        user_environment(f"{__name__}:OneSessionEnv")
+
+
+def test_moerl_run_against_openenvs_one_session_server_is_one_line_and_exit_2(tmp_path):
+    server = CountingServer(OneSessionEnv, openenv_defaults=True)
+    try:
+        line = moerl_run_fails_in_one_line(tmp_path, guess_number_at(tmp_path, server.url))
+    finally:
+        server.stop()
+    assert "SUPPORTS_CONCURRENT_SESSIONS = True" in line
 
 
 def _unreachable_env_config(tmp_path) -> Path:
-    cfg = yaml.safe_load((ROOT / "examples/guess_number/run.yaml").read_text())
-    cfg["env"] = {**cfg["env"], "name": "guess-number", "url": f"http://127.0.0.1:{free_port()}"}
-    cfg["env"].pop("demos_path")
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    return tmp_path / "run.yaml"
+    return guess_number_at(tmp_path, f"http://127.0.0.1:{free_port()}")
 
 
 def test_moerl_run_with_an_unreachable_env_url_is_one_line_and_exit_2(tmp_path):
@@ -310,7 +331,7 @@ def test_sigterm_while_moerl_run_waits_for_env_url_leaves_no_run_directory(tmp_p
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, text[-3000:]
+    assert proc.returncode == 143, text[-3000:]  # 128 + SIGTERM, the shell's convention (SIGINT: 130)
     assert "interrupted" in text
     assert not out.exists(), sorted(p.name for p in out.iterdir())
 

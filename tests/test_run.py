@@ -66,20 +66,20 @@ def warm_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
-def run_small(tmp_path: Path, config: Path, cache: Path, timeout_s: float) -> tuple[Path, dict]:
-    """`moerl run` on ``config`` into tmp_path/run; (run dir, summary)."""
+def run_small(tmp_path: Path, config: Path, cache: Path, timeout_s: float) -> tuple[Path, dict, str]:
+    """`moerl run` on ``config`` into tmp_path/run; (run dir, summary, its stdout)."""
     out = tmp_path / "run"
     proc = subprocess.run(
         moerl("run", "--config", str(config), "--out", str(out), "--cache", str(cache)),
         capture_output=True, text=True, timeout=timeout_s,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, json.loads((out / "summary.json").read_text())
+    return out, json.loads((out / "summary.json").read_text()), proc.stdout
 
 
 def test_run_end_to_end(tmp_path, warm_cache):
     config = small_config(tmp_path, steps=4)
-    out, summary = run_small(tmp_path, config, warm_cache, 600)
+    out, summary, stdout = run_small(tmp_path, config, warm_cache, 600)
     assert summary["steps"] == 4
     # A version every trainer.publish_every steps and after the last step (v0 is the start).
     every = embedded_default().trainer.publish_every
@@ -113,6 +113,19 @@ def test_run_end_to_end(tmp_path, warm_cache):
     # the warm-up checkpoint was cached for the next run
     cfg = embedded_default().model_validate(__import__("yaml").safe_load(config.read_text()))
     assert (warmup_dir(cfg, warm_cache) / "config.json").exists()
+    # no silent minutes: each stage says it started and ended (plain lines: stdout is not a terminal),
+    # and the held-out figure before RL is the warm-up's own (measured once, not twice)
+    if "warm-up: reusing" not in stdout:  # this module's first run makes the warm-up
+        for line in ("warm-up: started", "warm-up: done, 20/20 steps, held-out evaluation 200/200"):
+            assert line in stdout, stdout[-3000:]
+    for line in ("start-up: trainer, 2 engines and 2 rollout workers: done",
+                 "held-out evaluation after RL: done, 200/200 completions"):
+        assert line in stdout, stdout[-3000:]
+    assert "held-out evaluation before RL" not in stdout
+    warm = json.loads((warmup_dir(cfg, warm_cache) / "warmup.json").read_text())["heldout"]
+    assert (summary["held_out_reward_before"], summary["held_out_greedy_before"]) == (warm["sampled"], warm["greedy"])
+    assert summary["failures"] == {"failed": 0, "requeued": 0, "dropped": 0, "top_reasons": []}
+    assert "failed rollout groups: 0 (0 requeued, 0 dropped after buffer.max_failures)" in stdout
 
 
 def test_run_with_the_router(tmp_path, warm_cache):
@@ -120,7 +133,7 @@ def test_run_with_the_router(tmp_path, warm_cache):
     control-plane key, in front of the built-in engines; the router starts with no engines,
     each worker registers its own, every /generate goes through the router (a worker sends it
     nowhere else), and the run trains as without it."""
-    out, summary = run_small(tmp_path, small_config(tmp_path, steps=2, router=True), warm_cache, 900)
+    out, summary, _ = run_small(tmp_path, small_config(tmp_path, steps=2, router=True), warm_cache, 900)
     assert summary["steps"] == 2 and summary["samples_trained"] == 2 * 8 * 8
     router = (out / "logs" / "router.log").read_text()
     assert "--api-key" not in router  # the keys are in neither run.yaml nor the log
@@ -133,20 +146,24 @@ def test_run_with_the_router(tmp_path, warm_cache):
         assert stats["groups_published"] > 0 and stats["engine_errors"] == 0
 
 
-def test_run_ctrl_c_stops_every_process(tmp_path):
+def test_run_ctrl_c_stops_every_process_and_the_run_resumes(tmp_path, warm_cache):
+    """Ctrl-C after step 2 (a saved state: trainer.save_every is 2) stops every process, writes the
+    summary and plot of what was trained and prints the command that continues the run; `moerl run
+    --resume` then continues from the saved state (the buffer from its append-only file, the
+    held-out figure before RL the first start's) and ends with its summary."""
     config = small_config(tmp_path, steps=1000)
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        moerl("run", "--config", str(config), "--out", str(out), "--cache", str(tmp_path / "cache")),
+        moerl("run", "--config", str(config), "--out", str(out), "--cache", str(warm_cache)),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
-        # Wait until the trainer has made a step: every role is up by then.
+        # Wait until the trainer has made two steps: every role is up by then, and a state is saved.
         deadline = time.monotonic() + 300
         metrics = out / "metrics.jsonl"
-        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+        while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
             assert proc.poll() is None, proc.stdout.read()[-3000:]
-            time.sleep(1)
+            time.sleep(0.5)
         assert metrics.exists(), "the trainer made no step within 300 s"
         children = descendants(proc.pid)
         assert len(children) >= 6  # redis, 2 engines, 2 workers, torchrun + 2 ranks
@@ -162,6 +179,25 @@ def test_run_ctrl_c_stops_every_process(tmp_path):
     alive = [pid for pid in children if Path(f"/proc/{pid}").exists() and
              Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
     assert alive == [], f"processes left running after Ctrl-C: {alive}"
+    # What was trained is summarized and plotted, and the command that continues the run is printed.
+    text = proc.stdout.read()
+    assert f"continue it with:  moerl run --resume {out.resolve()}" in text, text[-3000:]
+    first = json.loads((out / "summary.json").read_text())
+    assert not first["finished"] and first["held_out_reward_after"] is None and first["steps"] >= 2
+    assert (out / "plot.png").exists()
+
+    done = first["steps"]
+    resumed = subprocess.run(moerl("run", "--resume", str(out), "--steps", str(done + 2)),
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["finished"] and summary["steps"] == done + 2
+    assert summary["held_out_reward_before"] == first["held_out_reward_before"]
+    trained = [json.loads(x) for x in (out / "trained.jsonl").read_text().splitlines()]
+    resumes = [t for t in trained if "resume_from_step" in t]
+    assert len(resumes) == 1 and resumes[0]["resume_from_step"] >= 2  # from a saved state, not from scratch
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(set(steps)) == list(range(1, done + 3))
 
 
 def test_the_first_interrupt_ignores_the_next_before_anything_unwinds():

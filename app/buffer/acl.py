@@ -16,7 +16,8 @@ and app/buffer/weight_sync.py):
 - ``rollout``: read-write the task queue and what its Lua scripts touch (tasks, samples, seen,
   stats, dropped, and the group payloads ``blob:*``, app/buffer/encoding.py: Redis checks a
   script's declared keys for read and write), and a multi-node engine's fetchers' reports
-  (``group:*``, app/rollout/group.py); read-only the policy
+  (``group:*``, app/rollout/group.py) and its failure reasons and waits (``health``,
+  app/buffer/health.py); read-only the policy
   hash and ``wsync:push``, ``wsync:plan:*``, ``wsync:events``; write-only the registrations
   (``wsync:engine:*``, ``wsync:engine-ids``: it cannot list the other engines) and the acks
   (``wsync:acks:*``, ``wsync:ack-events``);
@@ -71,7 +72,8 @@ def key_rules(role: str, run_id: str, prefix: str = "moerl") -> list[str]:
     if role == "trainer":
         return [f"~{run}*"]
     if role == "rollout":
-        return ([f"~{keys[n]}" for n in ("tasks", "samples", "seen", "stats", "dropped")] + [f"~{run}blob:*", f"~{run}group:*"]
+        return ([f"~{keys[n]}" for n in ("tasks", "samples", "seen", "stats", "dropped", "health")]
+                + [f"~{run}blob:*", f"~{run}group:*"]
                 + [f"%R~{keys['policy']}", f"%R~{ws}push", f"%R~{ws}plan:*", f"%R~{ws}events"]
                 + [f"%W~{ws}engine:*", f"%W~{ws}engine-ids", f"%W~{ws}acks:*", f"%W~{ws}ack-events"])
     if role == "feed":

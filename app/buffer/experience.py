@@ -32,6 +32,7 @@ Layout (every key under ``{prefix}:{run_id}:``):
               version it trains at, and ``take_room``, the groups it still lacks (staleness
               admission, below).
     policy    hash {version, uri} of the newest announced policy.
+    health    hash: failed groups per reason and which worker waits on what (app/buffer/health.py).
 
 Back-pressure counts what exists, never sequence numbers: untaken groups are the samples
 entries not yet delivered to the trainer (``XLEN samples`` minus the trainer's PEL: every
@@ -73,6 +74,7 @@ import os
 import threading
 import time
 import uuid
+from collections import Counter
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
@@ -81,6 +83,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from app.buffer.encoding import GroupHeader, decode_group, encode_group
+from app.buffer.health import FAIL_PREFIX, WAIT_PREFIX, RolloutHealth
 from app.buffer.keys import blob_key_prefix, buffer_keys
 from app.buffer.records import FINISH_REASONS, Group, Sample, Task, check_version_segments, sample_id
 from app.names import PASSWORD_ENV, USER_ENV
@@ -960,6 +963,25 @@ class ExperienceBuffer:
         out = {"queued": n_tasks - leased, "leased": leased, "ready": ready, "untaken": untaken}
         out.update({n: int(counters.get(n, 0)) for n in STAT_NAMES})
         return out
+
+    # ---- rollout health (app/buffer/health.py) ----------------------------------------------
+
+    def note_failures(self, reasons: list[str]) -> None:
+        """Count failed groups by reason (`app.buffer.health.failure_reason`)."""
+        pipe = self.r.pipeline(transaction=False)
+        for reason, n in Counter(reasons).items():
+            pipe.hincrby(self.keys["health"], FAIL_PREFIX + reason, n)
+        pipe.execute()
+
+    def note_waiting(self, worker_id: str, on: str | None, what: str = "", why: str = "") -> None:
+        """Say that ``worker_id`` leases nothing because ``on`` ("environment", "engine") at
+        ``what`` does not answer (``why``: its error); ``on=None``: it answers again."""
+        value = json.dumps({"on": on, "what": what, "why": why, "since": time.time()}) if on else ""
+        self.r.hset(self.keys["health"], WAIT_PREFIX + worker_id, value)
+
+    def health(self) -> RolloutHealth:
+        """The workers' failure reasons and waits (`app.buffer.health.RolloutHealth`)."""
+        return RolloutHealth.from_hash(self.r.hgetall(self.keys["health"]))
 
 
 def stale_share(stats: dict) -> float | None:

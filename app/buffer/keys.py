@@ -11,7 +11,7 @@ _ID_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # The keys of one run, by Redis type.
 STREAM_KEYS = ("tasks", "samples", "dead")
 SET_KEYS = ("issued", "seen", "dropped")
-HASH_KEYS = ("stats", "policy")
+HASH_KEYS = ("stats", "policy", "health")
 KEY_NAMES = STREAM_KEYS + SET_KEYS + HASH_KEYS
 
 

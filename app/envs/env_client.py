@@ -37,7 +37,18 @@ from websockets.protocol import State
 
 
 class EnvError(RuntimeError):
-    """An environment call failed (see the module docstring); the message names the URL."""
+    """An environment call failed (see the module docstring); the message names the URL.
+    ``code`` is the server's error code (OpenEnv's ``WSErrorCode``, e.g. ``CAPACITY_REACHED``)
+    when it answered with an error, else None."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+# OpenEnv's error code of a session refused because the server holds its most sessions
+# (``WSErrorCode.CAPACITY_REACHED``, core/env_server/types.py).
+CAPACITY_REACHED = "CAPACITY_REACHED"
 
 
 @dataclass
@@ -76,7 +87,8 @@ def parse_observation(message: Any, where: str) -> StepResult:
         raise EnvError(f"{where}: answer is not a JSON object")
     if message.get("type") == "error":
         data = message.get("data") or {}
-        raise EnvError(f"{where}: server error {data.get('code', '?')}: {str(data.get('message', ''))[:300]}")
+        raise EnvError(f"{where}: server error {data.get('code', '?')}: {str(data.get('message', ''))[:300]}",
+                       code=str(data.get("code")) if data.get("code") is not None else None)
     data = message.get("data")
     if message.get("type") != "observation" or not isinstance(data, dict):
         raise EnvError(f"{where}: expected an observation, got {str(message)[:200]}")
@@ -131,13 +143,25 @@ class EnvSession:
             await self._abandon()
             raise EnvError(f"{self.url}: no answer to {what} within {self.timeout_s:.0f} s") from None
         except ConnectionClosed as e:
+            # OpenEnv answers a session it refuses (at capacity, a failed factory) with an error
+            # and closes at once, often before our message is sent: read that answer, if any.
+            last = await self._last_words()
             self._ws = None
+            if last is not None:
+                return last
             code, reason = (e.rcvd.code, e.rcvd.reason) if e.rcvd else (None, "")
             raise EnvError(f"{self.url}: session closed during {what} (code {code}): {reason or 'no reason'}") from None
         except OSError as e:
             await self._abandon()
             raise EnvError(f"{self.url}: {what} failed: {type(e).__name__}: {e}") from None
         return raw
+
+    async def _last_words(self) -> str | None:
+        """A message the server sent before it closed the socket, or None."""
+        try:
+            return await asyncio.wait_for(self._ws.recv(), 1.0)
+        except (ConnectionClosed, asyncio.TimeoutError, OSError):
+            return None
 
     async def reset(self, **kwargs: Any) -> StepResult:
         """Start the episode (OpenEnv ``reset``; kwargs go to the environment's ``reset``)."""

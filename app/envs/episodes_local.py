@@ -118,12 +118,12 @@ def _generate(model, pad_id: int, eos_id: int, seqs: list[list[int]], temperatur
 
 
 def play(model, tokenizer, prompts: list[Prompt], cfg: EnvConfig, temperature: float, max_new_tokens: int,
-         overlong_reward: float | None = 0.0, batch_size: int = 128) -> list[float]:
+         overlong_reward: float | None = 0.0, batch_size: int = 128, progress=None) -> list[float]:
     """The reward of one episode per prompt, ``model`` generating each turn.
 
     A turn with no ``<eos>`` within ``max_new_tokens`` ends the episode with
     ``overlong_reward`` (as in rollouts; None: the environment scores it); an episode that runs
-    out of ``cfg.max_turns`` turns gets 0.
+    out of ``cfg.max_turns`` turns gets 0. ``progress(n)`` is called as ``n`` episodes end.
 
     Returns:
         One reward per prompt, in order.
@@ -158,5 +158,9 @@ def play(model, tokenizer, prompts: list[Prompt], cfg: EnvConfig, temperature: f
                 seqs[i] = seqs[i] + turn + renderer.observation_ids(histories[i], new)
                 histories[i] += [{"role": "assistant", "content": text}] + new
                 still.append(i)
+        if progress is not None:
+            progress(len(active) - len(still))
         active = still
+    if progress is not None and active:
+        progress(len(active))  # out of turns
     return rewards

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from app.envs.chat import renderer_for
+from app.envs.contract import episode_reward
 from app.envs.env_client import EnvError, EnvSession, StepResult
 from app.envs.wire import WireError, WireFormat
 
@@ -48,7 +49,7 @@ def spec_text(spec: Any) -> str:
 
 
 async def _play_chunk(model, tokenizer, specs: list[str], env_cfg, url: str, wire: WireFormat, temperature: float,
-                      max_new_tokens: int, overlong_reward: float | None) -> list[float]:
+                      max_new_tokens: int, overlong_reward: float | None, rollout) -> list[float]:
     from app.envs.episodes_local import _generate
 
     renderer = renderer_for(tokenizer)
@@ -65,8 +66,11 @@ async def _play_chunk(model, tokenizer, specs: list[str], env_cfg, url: str, wir
         for _ in range(env_cfg.max_turns):
             if not active:
                 break
-            turns = _generate(model, pad, tokenizer.eos_token_id, [seqs[i] for i in active], temperature,
-                              max_new_tokens)
+            # In a thread: the event loop must keep answering the sessions' keepalive pings while the
+            # model generates (a loaded CPU took longer than the server's ping timeout, which then
+            # closed every session: "keepalive ping timeout", code 1011).
+            turns = await asyncio.to_thread(_generate, model, pad, tokenizer.eos_token_id, [seqs[i] for i in active],
+                                            temperature, max_new_tokens)
             sending = []
             for i, (turn, finished) in zip(active, turns):
                 if not finished and overlong_reward is not None:
@@ -77,9 +81,10 @@ async def _play_chunk(model, tokenizer, specs: list[str], env_cfg, url: str, wir
             active = []
             for (i, turn, text), result in zip(sending, results):
                 if result.done:
-                    if result.reward is None:
-                        raise EnvError(f"{url}: an episode ended without a reward")
-                    rewards[i] = float(result.reward)
+                    try:
+                        rewards[i] = episode_reward(result, rollout)
+                    except EnvError as e:
+                        raise EnvError(f"env.url {url}: {e}") from None
                     continue
                 new = [_msg(wire, result)]
                 seqs[i] = seqs[i] + turn + renderer.observation_ids(histories[i], new)
@@ -91,21 +96,29 @@ async def _play_chunk(model, tokenizer, specs: list[str], env_cfg, url: str, wir
 
 
 def play(model, tokenizer, prompts, env_cfg, url: str, wire: WireFormat, temperature: float, max_new_tokens: int,
-         overlong_reward: float | None = 0.0, batch_size: int = 64) -> list[float]:
+         overlong_reward: float | None = 0.0, batch_size: int = 64, rollout=None, progress=None) -> list[float]:
     """The reward of one episode per prompt (``Prompt.spec`` is each reset's spec), in order;
-    ``batch_size`` episodes (sessions) at a time, their turns generated as one batch.
+    ``batch_size`` episodes (sessions) at a time, their turns generated as one batch. Each
+    reward must be a number within ``rollout.reward_range`` (a `RolloutConfig`; default its
+    default), as in training (`app.envs.contract.episode_reward`). ``progress(n)`` is called as
+    each batch of ``n`` episodes ends.
 
     Raises:
-        EnvError: an environment call failed or answered malformed.
+        EnvError: an environment call failed or answered malformed, or a reward broke the rule.
     """
     import torch
 
+    from app.config import RolloutConfig
+
+    rollout = rollout or RolloutConfig()
     rewards: list[float] = []
     with torch.no_grad():
         for start in range(0, len(prompts), batch_size):
             chunk = [p.spec for p in prompts[start:start + batch_size]]
             rewards += asyncio.run(_play_chunk(model, tokenizer, chunk, env_cfg, url, wire, temperature,
-                                               max_new_tokens, overlong_reward))
+                                               max_new_tokens, overlong_reward, rollout))
+            if progress is not None:
+                progress(len(chunk))
     return rewards
 
 

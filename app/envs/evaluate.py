@@ -73,32 +73,37 @@ def generate(model, tokenizer, texts: list[str], temperature: float, max_new_tok
 
 
 def mean_reward(model, tokenizer, prompts: list[Prompt], temperature: float, max_new_tokens: int,
-                samples: int = 1, batch_size: int = 128) -> float:
-    """Mean reward of ``samples`` completions per prompt at ``temperature`` (0 = greedy)."""
+                samples: int = 1, batch_size: int = 128, progress=None) -> float:
+    """Mean reward of ``samples`` completions per prompt at ``temperature`` (0 = greedy);
+    ``progress(n)`` after each batch of ``n``."""
     items = [p for p in prompts for _ in range(samples)]
     total = 0.0
     for i in range(0, len(items), batch_size):
         chunk = items[i : i + batch_size]
         for p, c in zip(chunk, generate(model, tokenizer, [p.text for p in chunk], temperature, max_new_tokens)):
             total += score_answer_spec(p.spec, c)
+        if progress is not None:
+            progress(len(chunk))
     return total / len(items)
 
 
 def mean_episode_reward(model, tokenizer, prompts: list[Prompt], env, temperature: float, max_new_tokens: int,
-                        samples: int = 1, overlong_reward: float | None = 0.0, env_url: str | None = None) -> float:
+                        samples: int = 1, overlong_reward: float | None = 0.0, env_url: str | None = None,
+                        rollout=None, progress=None) -> float:
     """Mean reward of ``samples`` episodes per prompt of environment ``env`` (an EnvConfig):
     played in process for moerl's environments, against the server at ``env_url`` (default
-    ``env.url``) for any other (app/envs/episodes_remote.py).
+    ``env.url``) for any other (app/envs/episodes_remote.py), whose rewards must lie in
+    ``rollout.reward_range`` (a `RolloutConfig`). ``progress(n)`` as ``n`` episodes end.
 
     Raises:
         ValueError: a user's environment and no server address.
-        EnvError, WireError: the server failed or has no text fields.
+        EnvError, WireError: the server failed or has no text fields, or a reward broke the rule.
     """
     items = [p for p in prompts for _ in range(samples)]
     if env.builtin():
         from app.envs.episodes_local import play
 
-        rewards = play(model, tokenizer, items, env, temperature, max_new_tokens, overlong_reward)
+        rewards = play(model, tokenizer, items, env, temperature, max_new_tokens, overlong_reward, progress=progress)
     else:
         from app.envs import episodes_remote
         from app.envs.wire import fetch_wire_format
@@ -107,14 +112,22 @@ def mean_episode_reward(model, tokenizer, prompts: list[Prompt], env, temperatur
         if not url:
             raise ValueError(f"env.url: the held-out episodes of {env.name!r} need its server's address")
         rewards = episodes_remote.play(model, tokenizer, items, env, url, fetch_wire_format(url), temperature,
-                                       max_new_tokens, overlong_reward)
+                                       max_new_tokens, overlong_reward, rollout=rollout, progress=progress)
     return sum(rewards) / len(items)
+
+
+def evaluation_size(prompts: list, samples: int = 4, greedy: bool = True) -> int:
+    """Completions (or episodes) `evaluate` makes: ``samples`` sampled and one greedy per prompt."""
+    return len(prompts) * (samples + int(greedy))
 
 
 def evaluate(model, tokenizer, prompts: list[Prompt], temperature: float = 1.0, max_new_tokens: int = 8,
              greedy: bool = True, seed: int = 0, samples: int = 4, env=None,
-             overlong_reward: float | None = 0.0, env_url: str | None = None) -> EvalResult:
+             overlong_reward: float | None = 0.0, env_url: str | None = None, rollout=None,
+             progress=None) -> EvalResult:
     """Held-out mean reward of ``model`` (sampled at ``temperature``, and greedy if asked).
+    ``progress(n)`` is called as ``n`` more of the `evaluation_size` completions are scored;
+    ``rollout`` (a `RolloutConfig`) gives the reward range a user environment's rewards must keep.
 
     ``samples`` completions per prompt (default 4) halve the sampling noise of the sampled figure
     (the part of its standard error that comes from which completions were drawn, ~0.03 with one
@@ -135,10 +148,10 @@ def evaluate(model, tokenizer, prompts: list[Prompt], temperature: float = 1.0, 
         if env is not None:
             def score(temp: float, n: int) -> float:
                 return mean_episode_reward(model, tokenizer, prompts, env, temp, max_new_tokens, n, overlong_reward,
-                                           env_url)
+                                           env_url, rollout, progress)
         else:
             def score(temp: float, n: int) -> float:
-                return mean_reward(model, tokenizer, prompts, temp, max_new_tokens, n)
+                return mean_reward(model, tokenizer, prompts, temp, max_new_tokens, n, progress=progress)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             sampled = score(temperature, samples)
@@ -150,7 +163,8 @@ def evaluate(model, tokenizer, prompts: list[Prompt], temperature: float = 1.0, 
 
 def evaluate_checkpoint(path: str | os.PathLike, prompts: list[Prompt], temperature: float = 1.0,
                         max_new_tokens: int = 8, greedy: bool = True, seed: int = 0, samples: int = 4,
-                        env=None, overlong_reward: float | None = 0.0, env_url: str | None = None) -> EvalResult:
+                        env=None, overlong_reward: float | None = 0.0, env_url: str | None = None,
+                        rollout=None, progress=None) -> EvalResult:
     """`evaluate` a checkpoint directory loaded with stock transformers (model and tokenizer), in
     fp32, on the GPU when there is one.
 
@@ -171,11 +185,38 @@ def evaluate_checkpoint(path: str | os.PathLike, prompts: list[Prompt], temperat
         model = model.to("cuda")
     try:
         return evaluate(model, tokenizer, prompts, temperature, max_new_tokens, greedy, seed, samples, env,
-                        overlong_reward, env_url)
+                        overlong_reward, env_url, rollout, progress)
     finally:
         del model
         if cuda:  # give the GPU memory back: the caller goes on beside the run's trainer and engines
             torch.cuda.empty_cache()
+
+
+def evaluation_key(cfg) -> dict:
+    """What a run's held-out figure depends on besides the checkpoint and the task's problems
+    (the warm-up cache's key holds those): a figure recorded with an equal key is the same
+    measurement (`moerl run` reuses the warm-up's own instead of measuring it twice)."""
+    r = cfg.rollout
+    return {"temperature": r.temperature, "max_new_tokens": r.max_new_tokens, "overlong_reward": r.overlong_reward,
+            "reward_range": list(r.reward_range), "samples": 4, "eval_size": cfg.task.eval_size,
+            "seed": cfg.task.seed, "env": cfg.env.model_dump(exclude={"url"}) if cfg.env.name else None}
+
+
+def evaluate_run_policy(cfg, model_dir: str | os.PathLike, env_url: str | None = None, progress=None) -> EvalResult:
+    """The held-out figure of a run (a `RunConfig`): the checkpoint in ``model_dir`` loaded with
+    stock transformers, the task's held-out problems (episodes of ``env.name``, its server at
+    ``env_url`` for a user's), sampled at ``rollout.temperature`` (4 per problem) and greedy.
+    The warm-up and `moerl run` (before and after RL) measure it alike."""
+    from transformers.utils import logging as hf_logging
+
+    from app.envs.tasks import make_splits
+
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar in logs and between the run's own lines
+    _, heldout = make_splits(cfg.task)
+    return evaluate_checkpoint(model_dir, heldout, temperature=cfg.rollout.temperature,
+                               max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.task.seed,
+                               env=cfg.env if cfg.env.name else None, overlong_reward=cfg.rollout.overlong_reward,
+                               env_url=env_url, rollout=cfg.rollout, progress=progress)
 
 
 cli = typer.Typer(add_completion=False, help="Held-out mean reward of a checkpoint.")

@@ -124,7 +124,8 @@ def user_environment(path: str):
 
     Raises:
         ValueError: the module or class cannot be imported, is not an ``Environment``, its types
-            cannot be found, or its ``reset`` does not take ``spec`` (each named).
+            cannot be found, it does not support concurrent sessions, or its ``reset`` does not
+            take ``spec`` (each named).
     """
     import importlib
     import typing
@@ -161,6 +162,10 @@ def user_environment(path: str):
         raise ValueError(f"env.name: {path!r} names no Action and Observation types: subclass "
                          "Environment[YourAction, YourObservation, State], or annotate step(self, action: "
                          "YourAction) -> YourObservation")
+    if not getattr(env_cls, "SUPPORTS_CONCURRENT_SESSIONS", False):
+        raise ValueError(f"env.name: {path}.SUPPORTS_CONCURRENT_SESSIONS is False (OpenEnv's default): moerl plays up "
+                         "to env.max_sessions episodes at once on one server, one instance each; set "
+                         "SUPPORTS_CONCURRENT_SESSIONS = True on the class (its instances must share no state)")
     if not takes_spec(env_cls):
         raise ValueError(f"env.name: {path}.reset takes no 'spec': moerl sends each episode's problem as "
                          "reset(spec=...), and the G episodes of a GRPO group must play the same one; OpenEnv "

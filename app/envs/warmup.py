@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -136,7 +138,7 @@ def warm_up(model, tokenizer, train: list[Prompt], steps: int, lr: float, batch_
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
-        if log and (step % 25 == 0 or step == steps - 1):
+        if log and (step % 5 == 0 or step == steps - 1):  # `moerl run` shows them as a bar
             log(f"warmup step {step + 1}/{steps} loss {losses[-1]:.3f}")
     return losses
 
@@ -202,7 +204,7 @@ def run_warmup(cfg: RunConfig, out: Path, threads: int | None = 1, log=print, en
         ValueError: bad task config (see `make_splits`); ``out`` exists and is not a directory,
             or is a non-empty directory that is not an earlier warm-up checkpoint.
     """
-    from app.envs.evaluate import evaluate
+    from app.envs.evaluate import evaluate_run_policy, evaluation_key, evaluation_size
     from app.model.checkpoint import save_policy
     from app.model.parallel import EPContext
 
@@ -240,16 +242,33 @@ def run_warmup(cfg: RunConfig, out: Path, threads: int | None = 1, log=print, en
         losses = warm_up(model, tokenizer, train, t.warmup_steps, t.warmup_lr, t.warmup_batch_size, t.seed, log,
                          env_cfg=cfg.env, examples=examples)
     wall = time.monotonic() - t0
-    result = evaluate(model, tokenizer, heldout, cfg.rollout.temperature, cfg.rollout.max_new_tokens, seed=t.seed,
-                      env=cfg.env if cfg.env.name else None, overlong_reward=cfg.rollout.overlong_reward,
-                      env_url=env_url)
-    save_policy(model, out, EPContext.local(), overwrite=True)
-    save_tokenizer(out, tokenizer)
-    summary = dict(task=t.name, steps=t.warmup_steps if fitted else 0, first_loss=losses[0], last_loss=losses[-1],
-                   wall_s=round(wall, 2), heldout=asdict(result), checkpoint=str(out))
-    tmp = out / ".warmup.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1))
-    tmp.replace(out / "warmup.json")
+    # Written beside `out` and renamed once its evaluation is in warmup.json: a warm-up whose
+    # evaluation failed (a user environment's null rewards) leaves nothing `moerl run` would reuse.
+    staging = out.parent / f".{out.name}.staging"
+    try:
+        save_policy(model, staging, EPContext.local(), overwrite=True)
+        save_tokenizer(staging, tokenizer)
+        del model  # the evaluation loads the saved checkpoint: no second copy on a GPU
+        # The held-out figure as `moerl run` measures it (from the saved checkpoint), so that it
+        # can take this one as its "before RL" instead of measuring the same thing again.
+        total, done = evaluation_size(heldout), [0, 0]
+
+        def progress(n: int) -> None:
+            done[0] += n
+            if done[0] >= done[1] + total / 10 or done[0] == total:
+                done[1] = done[0]
+                log(f"warmup: held-out evaluation {done[0]}/{total}")
+
+        result = evaluate_run_policy(cfg, staging, env_url, progress=progress)
+        summary = dict(task=t.name, steps=t.warmup_steps if fitted else 0, first_loss=losses[0],
+                       last_loss=losses[-1], wall_s=round(wall, 2), heldout=asdict(result),
+                       evaluation=evaluation_key(cfg), checkpoint=str(out))
+        (staging / "warmup.json").write_text(json.dumps(summary, indent=1))
+        if out.exists():  # an earlier warm-up (checked above): replaced
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     log(f"warmup done in {wall:.1f}s: loss {losses[0]:.3f} -> {losses[-1]:.3f}; held-out mean reward "
         f"sampled(T={result.temperature}) {result.sampled:.3f}, greedy {result.greedy:.3f}; saved {out}")
     return summary
@@ -266,5 +285,10 @@ def main(
     env_url: str = typer.Option(None, "--env-url", help="A user environment's server (default: env.url)."),
 ) -> None:
     """Warm up the policy on the task's training examples and save it as an HF checkpoint."""
+    from app.envs.env_client import EnvError
+
     cfg = RunConfig.load(config) if config else RunConfig()
-    run_warmup(cfg, out, threads=threads, env_url=env_url)
+    try:
+        run_warmup(cfg, out, threads=threads, env_url=env_url)
+    except EnvError as e:  # a user's environment failed its episodes: one line, exit 2 (app/cli.py)
+        raise ValueError(str(e)) from None

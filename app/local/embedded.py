@@ -382,8 +382,8 @@ class EmbeddedLoop:
     # -- metrics ------------------------------------------------------------------------------
 
     def metrics(self) -> list[dict]:
-        """The trainer's metrics so far (rank 0's metrics.jsonl)."""
-        from app.local.report import read_metrics
+        """The trainer's metrics so far (rank 0's metrics.jsonl; a resumed run's newest line per step)."""
+        from app.local.report import read_steps
 
         path = self.run_dir / "metrics.jsonl"
-        return read_metrics(path) if path.exists() else []
+        return read_steps(path) if path.exists() else []

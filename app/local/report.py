@@ -13,9 +13,19 @@ from pathlib import Path
 
 # Scalars worth a TensorBoard curve; others stay in metrics.jsonl.
 SCALARS = (
-    "reward_mean", "loss", "grad_norm", "clip_frac", "tis", "kl", "entropy", "staleness_mean",
-    "staleness_max", "policy_version", "completion_len_mean", "step_s", "wait_s", "publish_s",
+    "reward_mean", "loss", "grad_norm", "clip_frac", "tis", "approx_kl", "mismatch_kl", "kl_ref", "entropy",
+    "staleness_mean", "staleness_max", "policy_version", "completion_len_mean", "step_s", "wait_s", "publish_s",
 )
+# The plot's training panels, what TRL and verl users look at first: (title, metrics.jsonl keys).
+PANELS = (
+    ("loss", ("loss",)),
+    ("KL (k3)", ("approx_kl", "mismatch_kl", "kl_ref")),
+    ("token entropy", ("entropy",)),
+    ("clipped token fraction", ("clip_frac",)),
+    ("gradient norm (before clipping)", ("grad_norm",)),
+)
+# Steps in the moving windows of the plot (rolling means, throughput).
+WINDOW = 20
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
@@ -33,13 +43,39 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return records
 
 
-def throughput(records: list[dict]) -> list[float]:
-    """Samples per second between consecutive steps (trained samples over wall-clock seconds)."""
+def read_steps(path: str | os.PathLike) -> list[dict]:
+    """The trainer's steps in metrics.jsonl, the newest line of each in step order: a trainer
+    resumed from the state of step S writes steps S+1.. again after the lines of those it lost.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+    """
+    by_step = {}
+    for r in read_metrics(path):
+        if isinstance(r, dict) and "step" in r and "time" in r:
+            by_step[r["step"]] = r
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def samples_per_s(records: list[dict]) -> float | None:
+    """Trained samples per second over ``records`` (in step order): the samples trained between
+    the first and the last record over the wall-clock seconds between them. The one definition
+    of the run's throughput: the summary takes it over the whole run, the live line and the plot
+    over a window of recent steps. None with fewer than two records."""
+    if len(records) < 2:
+        return None
+    dt = records[-1]["time"] - records[0]["time"]
+    ds = records[-1].get("samples_total", 0) - records[0].get("samples_total", 0)
+    return ds / dt if dt > 0 else None
+
+
+def throughput(records: list[dict], window: int = 1) -> list[float]:
+    """`samples_per_s` over the ``window`` steps up to each record from the second on (NaN where
+    it measures nothing)."""
     out = []
-    for prev, cur in zip(records, records[1:]):
-        dt = cur["time"] - prev["time"]
-        ds = cur.get("samples_total", 0) - prev.get("samples_total", 0)
-        out.append(ds / dt if dt > 0 else float("nan"))
+    for i in range(1, len(records)):
+        v = samples_per_s(records[max(0, i - window):i + 1])
+        out.append(float("nan") if v is None else v)
     return out
 
 
@@ -70,15 +106,28 @@ def write_tensorboard(records: list[dict], out_dir: str | os.PathLike) -> Path:
     return out_dir
 
 
-def write_plot(records: list[dict], path: str | os.PathLike, evals: dict[str, float] | None = None) -> Path:
-    """Plot batch reward and throughput over wall-clock time to a PNG (atomic write).
+def _values(records: list[dict], key: str) -> list[float]:
+    out = []
+    for r in records:
+        v = r.get(key)
+        out.append(float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else float("nan"))
+    return out
+
+
+def write_plot(records: list[dict], path: str | os.PathLike, evals: dict[str, float | None] | None = None,
+               samples_per_s_run: float | None = None) -> Path:
+    """Plot a run to a PNG (atomic write): the batch reward with the held-out figures, the
+    training panels of `PANELS`, and the throughput, over wall-clock minutes. Legends sit beside
+    the axes, never over the curves.
 
     Args:
         records: metrics.jsonl records, in step order.
         path: the PNG to write.
-        evals: optional held-out figures drawn as horizontal lines, e.g. {"held-out sampled before
-            RL": 0.3, "held-out greedy before RL": 0.6}: greedy ones in blue, others in green,
-            dotted when the name says "before", dashed otherwise.
+        evals: held-out figures drawn as horizontal lines, e.g. {"held-out sampled before RL": 0.3,
+            "held-out greedy before RL": 0.6}: greedy ones in blue, others in green, dotted when
+            the name says "before", dashed otherwise; None values (not measured) are left out.
+        samples_per_s_run: the summary's throughput (`samples_per_s` of the whole run), drawn as a
+            line in the throughput panel, whose curve is the same figure over `WINDOW` steps.
     """
     import matplotlib
 
@@ -88,24 +137,49 @@ def write_plot(records: list[dict], path: str | os.PathLike, evals: dict[str, fl
     path = Path(path)
     t0 = records[0]["time"] if records else 0.0
     minutes = [(r["time"] - t0) / 60 for r in records]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    rewards = [r.get("reward_mean", float("nan")) for r in records]
-    ax1.plot(minutes, rewards, alpha=0.35, label="batch mean reward")
-    ax1.plot(minutes, rolling_mean(rewards, 20), label="batch mean reward, 20-step mean")
+    fig = plt.figure(figsize=(12, 11), layout="constrained")
+    grid = fig.add_gridspec(4, 2)
+    ax = fig.add_subplot(grid[0, :])
+    rewards = _values(records, "reward_mean")
+    ax.plot(minutes, rewards, alpha=0.35, label="batch mean reward")
+    ax.plot(minutes, rolling_mean(rewards, WINDOW), label=f"batch mean reward, {WINDOW}-step mean")
     for name, value in (evals or {}).items():
+        if value is None:
+            continue
         # Sampled and greedy side by side: one colour each, dotted before RL, dashed after.
         color = "tab:blue" if "greedy" in name else "tab:green"
-        ax1.axhline(value, linestyle=":" if "before" in name else "--", color=color, label=name)
-    ax1.set_ylabel("reward")
-    ax1.legend(loc="lower right", fontsize="small")
-    ax1.grid(alpha=0.3)
-    ax2.plot(minutes[1:], rolling_mean(throughput(records), 20), color="tab:orange")
-    ax2.set_ylabel("trained samples / s (20-step mean)")
-    ax2.set_xlabel("minutes since first step")
-    ax2.grid(alpha=0.3)
-    fig.tight_layout()
+        ax.axhline(value, linestyle=":" if "before" in name else "--", color=color, label=name)
+    ax.set_ylabel("reward")
+    ax.set_title("reward")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", borderaxespad=0)
+    ax.grid(alpha=0.3)
+    axes = [fig.add_subplot(grid[1 + i // 2, i % 2], sharex=ax) for i in range(len(PANELS) + 1)]
+    for a, (title, keys) in zip(axes, PANELS):
+        drawn = False
+        for key in keys:
+            values = _values(records, key)
+            if any(math.isfinite(v) for v in values):
+                a.plot(minutes, values, alpha=0.35 if len(keys) == 1 else 0.8, label=key)
+                drawn = True
+        if len(keys) == 1 and drawn:
+            a.plot(minutes, rolling_mean(_values(records, keys[0]), WINDOW), color="tab:red", label=f"{WINDOW}-step mean")
+        if drawn:
+            a.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="x-small", borderaxespad=0)
+        else:
+            a.text(0.5, 0.5, "not in metrics.jsonl", ha="center", va="center", transform=a.transAxes, color="gray")
+        a.set_title(title)
+        a.grid(alpha=0.3)
+    tp = axes[len(PANELS)]
+    tp.plot(minutes[1:], throughput(records, WINDOW), color="tab:orange", label=f"over the last {WINDOW} steps")
+    if samples_per_s_run is not None:
+        tp.axhline(samples_per_s_run, color="tab:orange", linestyle="--", label="whole run (the summary's)")
+    tp.set_title("trained samples / s")
+    tp.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="x-small", borderaxespad=0)
+    tp.grid(alpha=0.3)
+    for a in axes[-2:]:
+        a.set_xlabel("minutes since first step")
     tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
+    fig.savefig(tmp, dpi=90)
     plt.close(fig)
     os.replace(tmp, path)
     return path

@@ -25,7 +25,8 @@ None, in which case the turn goes to the environment like any other. An episode 
 of turns without ``done`` gets reward 0.
 
 Failures: any environment failure (no connection, the session closed mid-episode, no answer in
-``env.step_timeout_s``, an error answer, a malformed answer, ``done`` without a reward) raises
+``env.step_timeout_s``, an error answer, a malformed answer, ``done`` without a reward or with one
+outside ``rollout.reward_range``) raises
 `GroupFailed`: the worker returns the task to the queue with its failures counted and publishes
 nothing (app/buffer/experience.py ``fail``), so a failed episode never becomes training signal.
 Engine failures raise `EngineError` as single-turn generation does (the task is released).
@@ -34,14 +35,15 @@ Engine failures raise `EngineError` as single-turn generation does (the task is 
 from __future__ import annotations
 
 import asyncio
-import math
 from typing import Awaitable, Callable
 
 import httpx
 
+from app.buffer.health import failure_reason
 from app.buffer.records import Sample, Task
 from app.config import RunConfig
 from app.envs.chat import ChatTemplateError
+from app.envs.contract import RewardOutOfRange, episode_reward
 from app.envs.env_client import EnvError, EnvSession, StepResult
 from app.envs.wire import WireError, WireFormat, fetch_wire_format, http_base
 from app.rollout.engine_client import EngineError, GenOutput
@@ -49,7 +51,13 @@ from app.rollout.engine_client import EngineError, GenOutput
 
 class GroupFailed(RuntimeError):
     """A reward or environment call of a group failed: the group must not be trained; its
-    task goes back to the queue with its failures counted (`ExperienceBuffer.fail`)."""
+    task goes back to the queue with its failures counted (`ExperienceBuffer.fail`).
+    ``reason``: the cause, short and the same for equal causes (`app.buffer.health.failure_reason`),
+    counted in the run's health hash."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason or failure_reason("failed", message)
 
 
 Generate = Callable[[list[int]], Awaitable[GenOutput]]
@@ -104,7 +112,7 @@ class EpisodeRunner:
                 await env.close()
             return sample
         except (EnvError, ChatTemplateError) as e:
-            raise GroupFailed(f"episode {sid}: {e}") from None
+            raise GroupFailed(f"episode {sid}: {e}", failure_reason("environment", e.reason if isinstance(e, RewardOutOfRange) else str(e))) from None
 
     async def _play(self, env: EnvSession, task: Task, index: int, sid: str) -> Sample:
         first = await env.reset(spec=task.answer, episode_id=sid)
@@ -131,9 +139,7 @@ class EpisodeRunner:
             text = self.renderer.decode(out.token_ids)
             result = await env.step(self.wire.action(text))
             if result.done:
-                if result.reward is None or not math.isfinite(result.reward):
-                    raise EnvError(f"the episode ended without a reward: {result}")
-                reward, finish = result.reward, "stop"
+                reward, finish = episode_reward(result, self.r), "stop"
                 break
             new = [_message(result, self.wire)]
             obs = self.renderer.observation_ids(history, new)  # history: before this turn
@@ -163,13 +169,15 @@ class EpisodeRunner:
                 e.cancel()
             await asyncio.gather(*episodes, return_exceptions=True)
 
-    async def healthy(self, timeout_s: float = 5.0) -> bool:
-        """True when the environment server answers ``GET /health`` with 200."""
+    async def health_problem(self, timeout_s: float = 5.0) -> str | None:
+        """None when the environment server answers ``GET /health`` with 200, else what it did
+        (``/health answered 503``, ``ConnectError: ...``)."""
         try:
             async with httpx.AsyncClient(timeout=timeout_s) as http:
-                return (await http.get(http_base(self.url) + "/health")).status_code == 200
-        except httpx.HTTPError:
-            return False
+                status = (await http.get(http_base(self.url) + "/health")).status_code
+        except httpx.HTTPError as e:
+            return f"{type(e).__name__}: {e}"[:200] if str(e) else type(e).__name__
+        return None if status == 200 else f"/health answered {status}"
 
     async def read_wire(self, timeout_s: float = 10.0) -> WireFormat:
         """Read the server's text fields from its ``/schema`` (`app.envs.wire.wire_format`) and

@@ -65,6 +65,7 @@ import logging
 import os
 import signal
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -74,6 +75,7 @@ import numpy as np
 import typer
 
 from app.buffer import ExperienceBuffer
+from app.buffer.health import MAX_REASONS_PER_WORKER, OTHER, failure_reason
 from app.buffer.records import Sample, Task, routed_experts_of_moe_layers
 from app.config import RunConfig
 from app.engine.auth import read_config_keys
@@ -178,6 +180,9 @@ class RolloutWorker:
         self._stop = asyncio.Event()
         self._finished: list[tuple[Task, list[Sample]]] = []
         self._to_fail: list[Task] = []  # tasks whose group failed (reward / environment), to requeue
+        self._fail_reasons: list[str] = []  # ... and why, for the run's health hash (app/buffer/health.py)
+        self._reasons_seen: set[str] = set()
+        self._waiting_on: tuple[str, str, str] | None = None  # (on, what, why) said to the health hash
         self._env_suspect = False
         # The engine's weights: the lock, admission, pause marker, version, loads (app/rollout/weights.py).
         self.weights = EngineWeights(cfg, client, worker_id, stats=self.stats, stop=self._stop,
@@ -220,13 +225,18 @@ class RolloutWorker:
         limit = self.r.reward_warmup_timeout_s
         if self.episodes is not None:
             deadline = time.monotonic() + limit
-            while not await self.episodes.healthy():
+            while (problem := await self.episodes.health_problem()) is not None:
+                await self._say_waiting("environment", self.episodes.url, problem)
+                if self._stop.is_set():  # SIGTERM while waiting: nothing leased, nothing to drain
+                    return
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"environment server {self.episodes.url} not healthy after {limit:.0f} s")
+                    raise TimeoutError(f"environment server {self.episodes.url} not healthy after {limit:.0f} s: "
+                                       f"{problem}")
                 await self._sleep_or_stop(0.5)
+            await self._say_waiting(None)
             wire = await self.episodes.read_wire()  # a schema without text fields ends the worker here
             if not self.cfg.env.served_by_moerl():  # a user's server: reset must take spec (app/envs/contract.py)
-                await check_reset_async(self.episodes.url, wire)
+                await check_reset_async(self.episodes.url, wire, max_sessions=self.cfg.env.max_sessions)
             return
         warm = getattr(self.score_fn, "warm", None)
         if callable(warm):
@@ -235,10 +245,16 @@ class RolloutWorker:
             log.info("%s: reward function warmed in %.1f s", self.worker_id, time.monotonic() - t0)
 
     async def _fail_tasks(self) -> None:
-        """Requeue (or drop) the tasks whose group failed; nothing of them was published."""
+        """Requeue (or drop) the tasks whose group failed; nothing of them was published. Their
+        reasons are counted in the run's health hash."""
         tasks, self._to_fail = self._to_fail, []
         if not tasks:
             return
+        reasons, self._fail_reasons = self._fail_reasons, []
+        try:
+            await self._buf("note_failures", reasons)
+        except Exception as e:  # noqa: BLE001 - the figures are for people; the tasks matter
+            log.warning("%s: could not count failure reasons (%s)", self.worker_id, e)
         try:
             dropped = await self._buf("fail", tasks)
         except Exception as e:  # noqa: BLE001 - their leases expire and they return anyway
@@ -250,6 +266,24 @@ class RolloutWorker:
         for t in dropped:
             log.error("%s: task %s/%s dropped after %d failed rollouts", self.worker_id, t.task_id, t.attempt,
                       t.failures + 1)
+
+    def _reason_key(self, reason: str) -> str:
+        """``reason``, or "other" once this worker has counted `MAX_REASONS_PER_WORKER` others."""
+        if reason not in self._reasons_seen and len(self._reasons_seen) >= MAX_REASONS_PER_WORKER:
+            return OTHER
+        self._reasons_seen.add(reason)
+        return reason
+
+    async def _say_waiting(self, on: str | None, what: str = "", why: str = "") -> None:
+        """Tell the run's health hash what this worker waits on (None: nothing), once per change."""
+        cause = (on, what, why) if on else None
+        if cause == self._waiting_on:
+            return
+        try:
+            await self._buf("note_waiting", self.worker_id, on, what, why)
+            self._waiting_on = cause
+        except Exception as e:  # noqa: BLE001 - the figures are for people; retried at the next change
+            log.warning("%s: could not say what it waits on (%s)", self.worker_id, e)
 
     # -- helpers ---------------------------------------------------------------------------
     async def _buf(self, method: str, *args, **kwargs):
@@ -477,8 +511,12 @@ class RolloutWorker:
         rewards = await asyncio.gather(
             *(self.rewards.score(self.score_fn, task, o.text, self.r.reward_timeout_s) for o in outs)
         )
-        samples = []
+        samples, failed = [], []
         for j, (o, (reward, problem), ids) in enumerate(zip(outs, rewards, routed)):
+            if problem is None and not self.r.reward_in_range(reward):
+                problem = "range"  # the rule of environment rewards too (app/rollout/episodes.py)
+            if problem is not None and not (o.finish_reason == "length" and self.r.overlong_reward is not None):
+                failed.append(problem)
             if problem == "timeout":
                 self.stats.reward_timeouts += 1
             elif problem == "error":
@@ -497,10 +535,12 @@ class RolloutWorker:
                 finish_reason=o.finish_reason if o.finish_reason in ("stop", "length") else "error",
                 routed_experts=ids, version_segments=o.version_segments,
             ))
-        failed = [problem for (o, (_, problem)) in zip(outs, rewards) if problem is not None
-                  and not (o.finish_reason == "length" and self.r.overlong_reward is not None)]
         if failed:
-            raise GroupFailed(f"task {task.task_id}: {len(failed)} reward call(s) failed ({', '.join(sorted(set(failed)))})")
+            worst = Counter(failed).most_common(1)[0][0]
+            reason = (f"reward outside {self.r.reward_range_text()}" if worst == "range"
+                      else f"reward function: {'timed out' if worst == 'timeout' else 'raised or gave a non-number'}")
+            raise GroupFailed(f"task {task.task_id}: {len(failed)} reward call(s) failed "
+                              f"({', '.join(sorted(set(failed)))})", failure_reason(reason, ""))
         return samples
 
     # -- publishing ------------------------------------------------------------------------
@@ -560,6 +600,7 @@ class RolloutWorker:
                 self.stats.groups_failed += 1
                 log.warning("%s: group of %s failed: %s", self.worker_id, task.task_id, err)
                 self._to_fail.append(task)
+                self._fail_reasons.append(self._reason_key(err.reason))
                 if self.episodes is not None:
                     self._env_suspect = True
             elif isinstance(err, EngineMisconfigured):
@@ -602,17 +643,23 @@ class RolloutWorker:
                             break
                     if sick is not None:
                         log.warning("%s: engine %s unhealthy; not leasing", self.worker_id, sick.url)
+                        await self._say_waiting("engine", sick.url, "/health_generate failed")
                         await self._sleep_or_stop(self.r.retry_backoff_s * 4)
                         continue
+                    await self._say_waiting(None)
                     self.weights.suspect = False
                     next_poll = 0.0  # a restarted engine must load the current version first
                     # It generates again, so no load holds it: its version now says what to do.
                     self.weights.unanswered = None
                 if self._env_suspect:
-                    if not await self.episodes.healthy():
-                        log.warning("%s: environment %s unhealthy; not leasing", self.worker_id, self.episodes.url)
+                    problem = await self.episodes.health_problem()
+                    if problem is not None:
+                        log.warning("%s: environment %s unhealthy (%s); not leasing", self.worker_id,
+                                    self.episodes.url, problem)
+                        await self._say_waiting("environment", self.episodes.url, problem)
                         await self._sleep_or_stop(self.r.retry_backoff_s * 4)
                         continue
+                    await self._say_waiting(None)
                     self._env_suspect = False
                 if time.monotonic() >= next_poll:
                     await self.sync_policy()

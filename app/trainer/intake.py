@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from app.buffer import ExperienceBuffer
+from app.buffer.health import starved_because
 from app.config import RunConfig
 from app.trainer import TrainingError
 from app.trainer.batch import TrainBatch, collate_groups, split_mini_batches
@@ -74,11 +75,21 @@ def take_groups(buffer, cfg: RunConfig, version: int, should_stop, keep) -> tupl
             raise TimeoutError(
                 f"only {len(groups)}/{n} GRPO groups arrived within trainer.batch_timeout_s="
                 f"{cfg.trainer.batch_timeout_s:g}s from {cfg.buffer.redis_url} "
-                f"(run {cfg.run_id!r}): are rollout workers running?"
+                f"(run {cfg.run_id!r}): {why_starved(buffer)}"
             )
         got = buffer.take_headers(n - len(groups), trainer_version=version, timeout_s=1.0)
         groups.extend(g for g in got if keep(g))
     return groups, time.monotonic() - t0
+
+
+def why_starved(buffer) -> str:
+    """What the rollout workers reported in the run's health hash (app/buffer/health.py): who
+    waits on what, or why groups failed; else the question of old."""
+    try:
+        health = buffer.health()
+    except Exception:  # noqa: BLE001 - the timeout is the error; its explanation is best effort
+        health = None
+    return starved_because(health)
 
 
 def scatter_groups(payload: dict | None, rank: int) -> dict:
@@ -273,7 +284,7 @@ class BatchIntake:
             n = self.cfg.trainer.groups_per_step
             taken.error = TimeoutError(
                 f"fewer than {n} GRPO groups arrived within trainer.batch_timeout_s={timeout:g}s "
-                f"from {self.cfg.buffer.redis_url} (run {self.cfg.run_id!r}): are rollout workers running?")
+                f"from {self.cfg.buffer.redis_url} (run {self.cfg.run_id!r}): {why_starved(self.buffer)}")
         return taken
 
     def version_of_next(self, state) -> int:
