@@ -640,7 +640,8 @@ def run_trl(cfg, base: Path, out_dir: Path, seconds: float, before: dict, device
     torch.set_num_threads(cores())
     train, _ = make_splits(cfg.task)
     dataset = Dataset.from_list([{"prompt": p.text, "spec": p.spec} for p in train])
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)  # fp32 master weights
+    # fp32 master weights; the same layers as moerl's leg, no Hub kernels (app/engine/load.py)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32, use_kernels=False)
     if device == "cuda":  # before the optimizer is made over its parameters
         model = model.to("cuda")
     tokenizer = load_tokenizer(base)

@@ -96,7 +96,11 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: str = "float32
         # name and shape) before anything is loaded, with the offending field or tensor named.
 
         check_checkpoint(path)
-    model, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, output_loading_info=True)
+    # use_kernels=False: transformers would otherwise swap layers for kernels fetched from the Hub at
+    # load time (it needs the kernels package and, on a GPU, the Hub; the layers
+    # would differ from the trainer's). Every from_pretrained of a model in app/ passes it.
+    model, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, output_loading_info=True,
+                                                       use_kernels=False)
     problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if problems:
         # transformers would fill missing weights with random ones and serve nonsense.

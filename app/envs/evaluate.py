@@ -179,7 +179,8 @@ def evaluate_checkpoint(path: str | os.PathLike, prompts: list[Prompt], temperat
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
     tokenizer = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    # no Hub kernels: app/engine/load.py says why
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, use_kernels=False)
     cuda = torch.cuda.is_available()
     if cuda:  # a GPU-sized policy's generations take minutes on a CPU
         model = model.to("cuda")

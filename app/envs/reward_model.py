@@ -218,7 +218,9 @@ def fit_reward_model(cfg: RunConfig, base: str | os.PathLike, out: str | os.Path
     train, heldout = make_splits(cfg.task)
     examples = labelled_examples(train, seed=cfg.task.seed)
     tokenizer = build_tokenizer()
-    model = AutoModelForSequenceClassification.from_pretrained(str(base), num_labels=1, pad_token_id=PAD_ID)
+    # no Hub kernels: app/engine/load.py says why
+    model = AutoModelForSequenceClassification.from_pretrained(str(base), num_labels=1, pad_token_id=PAD_ID,
+                                                               use_kernels=False)
     model.config.pad_token_id = PAD_ID
     before = check_reward_model(model, tokenizer, heldout)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)

@@ -90,7 +90,8 @@ class ModelScorer:
             raise FileNotFoundError(f"task.reward_model: {path} has no config.json (expected an HF checkpoint "
                                     "directory or a Hub id 'org/name')")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = AutoModelForSequenceClassification.from_pretrained(str(path)).to(self.device).eval()
+        # no Hub kernels: app/engine/load.py says why
+        self.model = AutoModelForSequenceClassification.from_pretrained(str(path), use_kernels=False).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         cfg = self.model.config
         if cfg.num_labels != 1:

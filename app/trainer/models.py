@@ -91,7 +91,8 @@ def build_critic_parts(cfg: RunConfig, path: str | None, ep: EPContext, mesh: Tr
         critic = _built(cfg, config, critic_path, ep, mesh, device, critic=True)
     else:  # a dense model (e.g. a small reward-model-sized trunk): every rank loads it, FSDP shards it
 
-        trunk = AutoModel.from_pretrained(critic_path, dtype=torch.float32).to(device)
+        # no Hub kernels: app/engine/load.py says why
+        trunk = AutoModel.from_pretrained(critic_path, dtype=torch.float32, use_kernels=False).to(device)
         critic = parallelize(Critic(trunk, config.hidden_size).to(device), mesh, getattr(torch, cfg.model.dtype),
                              t.activation_checkpointing)
 
