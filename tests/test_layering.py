@@ -20,7 +20,7 @@ PACKAGES = ("app", "charts8s", "infra")
 # its packages; every module must have one.
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("names, versions and facts", ("app", "app.names", "app.versions", "app.logs", "app.layout",
-                                   "infra.instances", "infra.charts", "infra.addons")),
+                                   "app.config_rules", "infra.instances", "infra.charts", "infra.addons")),
     ("the config documents", ("app.config", "infra.config")),
     ("stores, buffer, model", ("app.storage", "app.metrics", "app.ledger", "app.buffer", "app.model",
                                "app.weight_group")),
@@ -174,6 +174,32 @@ def test_no_module_imports_from_a_floor_above():
 def test_no_import_circle():
     found = circles(import_graph(modules()))
     assert found == [], "import circles (each needs the others): " + "; ".join(" <-> ".join(c) for c in found)
+
+
+# The rules the three config documents share (how they are read, which scalars they take, how an
+# error reads), and their one home below all three.
+SHARED_RULES = ("strict_scalar", "error_line", "yaml_error_line", "load_yaml")
+RULES_HOME = "app.config_rules"
+
+
+def test_the_config_documents_take_their_shared_rules_from_one_module():
+    """The run config (app/config.py), the deployment config (infra/config.py) and the workloads
+    document (charts8s/workloads.py) take the rules they share from app/config_rules.py: the run
+    config does not reach into infra/ for them, and no module defines or passes them on besides
+    (issue 43 item 4d)."""
+    mods = modules()
+    elsewhere = []
+    for mod, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in SHARED_RULES and mod != RULES_HOME:
+                elsewhere.append(f"{mod} defines {node.name}")
+            if isinstance(node, ast.ImportFrom) and node.module != RULES_HOME:
+                elsewhere += [f"{mod} imports {a.name} from {node.module}" for a in node.names if a.name in SHARED_RULES]
+    assert elsewhere == [], f"the shared config rules live in {RULES_HOME} only:\n" + "\n".join(elsewhere)
+    graph = import_graph(mods)
+    for document in ("app.config", "infra.config", "charts8s.workloads"):
+        assert RULES_HOME in graph[document], f"{document} does not take its rules from {RULES_HOME}"
+    assert not [m for m in graph["app.config"] if m.startswith("infra")], "the run config imports from infra/"
 
 
 IMPORTS = ("import ", "from ")
