@@ -236,12 +236,7 @@ def test_an_import_in_a_function_without_a_reason_is_found(tmp_path):
     assert [s.rpartition(":")[2] for s in unexplained_imports(modules(tmp_path, ("app",)))] == ["5"]
 
 
-# The newcomer branch's files (issue 43 item 4f is done in them after that branch merges): remove
-# this list then; the test names what is left.
-NOT_YET = ("app/envs/", "app/local/run.py", "app/local/embedded.py", "app/local/report.py", "app/cli.py")
-
-
 def test_every_import_inside_a_function_says_why():
-    found = [f for f in unexplained_imports(modules()) if not f.startswith(NOT_YET)]
+    found = unexplained_imports(modules())
     assert found == [], ("imports inside functions with no reason (lift them to the top, or say why in a "
                          "comment):\n" + "\n".join(found))
