@@ -68,7 +68,7 @@ def load(name: str):
 
 def command(name: str):
     """The click command behind `moerl name` (for introspection, e.g. its options in tests)."""
-    import typer.main
+    import typer.main  # only here: `moerl --help` imports no third-party package (module doc)
 
     return typer.main.get_command(load(name))
 

@@ -20,8 +20,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-# The one config-error format and scalar rule (also the deployment config and charts8s/workloads.py).
-from infra.config import error_line, load_yaml, strict_scalar, yaml_error_line
+from app.config_rules import error_line, load_yaml, strict_scalar, yaml_error_line
 
 # The --policy choices of SGLang's router (rollout.router_policy; app/rollout/router.py runs it).
 ROUTER_POLICIES = ("cache_aware", "power_of_two", "round_robin", "random")

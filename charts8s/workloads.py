@@ -19,10 +19,11 @@ from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from app.config import EngineProfile, RunConfig
+from app.config_rules import error_line, load_yaml, strict_scalar, yaml_error_line
 from app.layout import resolve_layout
 from app.rollout.engine_args import EngineLayout
 from app.storage import open_store
-from infra.config import DeploymentConfig, NodePool, error_line, load_yaml, strict_scalar, yaml_error_line
+from infra.config import DeploymentConfig, NodePool
 
 Role = Literal["trainer", "rollout", "env"]
 # The run config synthesized when a workloads file names none (docs/cluster.md, "Recipes").

@@ -20,7 +20,7 @@ PACKAGES = ("app", "charts8s", "infra")
 # its packages; every module must have one.
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("names, versions and facts", ("app", "app.names", "app.versions", "app.logs", "app.layout",
-                                   "infra.instances", "infra.charts", "infra.addons")),
+                                   "app.config_rules", "infra.instances", "infra.charts", "infra.addons")),
     ("the config documents", ("app.config", "infra.config")),
     ("stores, buffer, model", ("app.storage", "app.metrics", "app.ledger", "app.buffer", "app.model",
                                "app.weight_group")),
@@ -176,6 +176,32 @@ def test_no_import_circle():
     assert found == [], "import circles (each needs the others): " + "; ".join(" <-> ".join(c) for c in found)
 
 
+# The rules the three config documents share (how they are read, which scalars they take, how an
+# error reads), and their one home below all three.
+SHARED_RULES = ("strict_scalar", "error_line", "yaml_error_line", "load_yaml")
+RULES_HOME = "app.config_rules"
+
+
+def test_the_config_documents_take_their_shared_rules_from_one_module():
+    """The run config (app/config.py), the deployment config (infra/config.py) and the workloads
+    document (charts8s/workloads.py) take the rules they share from app/config_rules.py: the run
+    config does not reach into infra/ for them, and no module defines or passes them on besides
+    (issue 43 item 4d)."""
+    mods = modules()
+    elsewhere = []
+    for mod, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in SHARED_RULES and mod != RULES_HOME:
+                elsewhere.append(f"{mod} defines {node.name}")
+            if isinstance(node, ast.ImportFrom) and node.module != RULES_HOME:
+                elsewhere += [f"{mod} imports {a.name} from {node.module}" for a in node.names if a.name in SHARED_RULES]
+    assert elsewhere == [], f"the shared config rules live in {RULES_HOME} only:\n" + "\n".join(elsewhere)
+    graph = import_graph(mods)
+    for document in ("app.config", "infra.config", "charts8s.workloads"):
+        assert RULES_HOME in graph[document], f"{document} does not take its rules from {RULES_HOME}"
+    assert not [m for m in graph["app.config"] if m.startswith("infra")], "the run config imports from infra/"
+
+
 IMPORTS = ("import ", "from ")
 
 
@@ -210,12 +236,7 @@ def test_an_import_in_a_function_without_a_reason_is_found(tmp_path):
     assert [s.rpartition(":")[2] for s in unexplained_imports(modules(tmp_path, ("app",)))] == ["5"]
 
 
-# The newcomer branch's files (issue 43 item 4f is done in them after that branch merges): remove
-# this list then; the test names what is left.
-NOT_YET = ("app/envs/", "app/local/run.py", "app/local/embedded.py", "app/local/report.py", "app/cli.py")
-
-
 def test_every_import_inside_a_function_says_why():
-    found = [f for f in unexplained_imports(modules()) if not f.startswith(NOT_YET)]
+    found = unexplained_imports(modules())
     assert found == [], ("imports inside functions with no reason (lift them to the top, or say why in a "
                          "comment):\n" + "\n".join(found))

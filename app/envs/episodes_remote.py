@@ -30,6 +30,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from app.config import RolloutConfig
 from app.envs.chat import renderer_for
 from app.envs.contract import episode_reward
 from app.envs.env_client import EnvError, EnvSession, StepResult
@@ -50,6 +51,8 @@ def spec_text(spec: Any) -> str:
 
 async def _play_chunk(model, tokenizer, specs: list[str], env_cfg, url: str, wire: WireFormat, temperature: float,
                       max_new_tokens: int, overlong_reward: float | None, rollout) -> list[float]:
+    # torch and openenv (episodes_local): only where episodes are played; `moerl run`'s driver
+    # imports this module (its demonstrations, the warm-up key) without them
     from app.envs.episodes_local import _generate
 
     renderer = renderer_for(tokenizer)
@@ -106,9 +109,7 @@ def play(model, tokenizer, prompts, env_cfg, url: str, wire: WireFormat, tempera
     Raises:
         EnvError: an environment call failed or answered malformed, or a reward broke the rule.
     """
-    import torch
-
-    from app.config import RolloutConfig
+    import torch  # only where episodes are played (see _play_chunk)
 
     rollout = rollout or RolloutConfig()
     rewards: list[float] = []

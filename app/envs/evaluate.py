@@ -18,9 +18,15 @@ from pathlib import Path
 
 import torch
 import typer
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
+from app.config import RunConfig
+from app.envs import episodes_remote
 from app.envs.rewards import score_answer_spec
-from app.envs.tasks import Prompt
+from app.envs.tasks import Prompt, make_splits
+from app.envs.wire import fetch_wire_format
+from app.model.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -101,13 +107,12 @@ def mean_episode_reward(model, tokenizer, prompts: list[Prompt], env, temperatur
     """
     items = [p for p in prompts for _ in range(samples)]
     if env.builtin():
+        # openenv (the env extra, pyproject.toml; environments.py needs it): only for moerl's
+        # environments, so a task without one evaluates where it is not installed
         from app.envs.episodes_local import play
 
         rewards = play(model, tokenizer, items, env, temperature, max_new_tokens, overlong_reward, progress=progress)
     else:
-        from app.envs import episodes_remote
-        from app.envs.wire import fetch_wire_format
-
         url = env_url or env.url
         if not url:
             raise ValueError(f"env.url: the held-out episodes of {env.name!r} need its server's address")
@@ -171,10 +176,6 @@ def evaluate_checkpoint(path: str | os.PathLike, prompts: list[Prompt], temperat
     Raises:
         FileNotFoundError: ``path`` has no config.json or no tokenizer.json.
     """
-    from transformers import AutoModelForCausalLM
-
-    from app.model.tokenizer import load_tokenizer
-
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
@@ -208,10 +209,6 @@ def evaluate_run_policy(cfg, model_dir: str | os.PathLike, env_url: str | None =
     stock transformers, the task's held-out problems (episodes of ``env.name``, its server at
     ``env_url`` for a user's), sampled at ``rollout.temperature`` (4 per problem) and greedy.
     The warm-up and `moerl run` (before and after RL) measure it alike."""
-    from transformers.utils import logging as hf_logging
-
-    from app.envs.tasks import make_splits
-
     hf_logging.disable_progress_bar()  # no "Loading weights" bar in logs and between the run's own lines
     _, heldout = make_splits(cfg.task)
     return evaluate_checkpoint(model_dir, heldout, temperature=cfg.rollout.temperature,
@@ -230,9 +227,6 @@ def main(
     temperature: float | None = typer.Option(None, help="Default: rollout.temperature."),
 ) -> None:
     """Print the held-out mean reward (sampled and greedy) of CHECKPOINT as one JSON line."""
-    from app.config import RunConfig
-    from app.envs.tasks import make_splits
-
     cfg = RunConfig.load(config) if config else RunConfig()
     _, heldout = make_splits(cfg.task)
     temp = cfg.rollout.temperature if temperature is None else temperature

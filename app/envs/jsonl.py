@@ -15,6 +15,9 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.config import TaskConfig
+from app.envs.process_pool import DeadlinePool
+
 
 @dataclass
 class JsonlRows:
@@ -107,6 +110,8 @@ def verify_in_process(completion: str, gold: str) -> float:
     Timeouts inside math-verify are off: they use SIGALRM, which only works in a main thread;
     the pool's deadline bounds the call instead.
     """
+    # math-verify and sympy (seconds): only in the verifier's processes, whose forkserver loads
+    # them once (verify_warm.py); the rollout worker imports this module without them
     from math_verify import parse, verify
 
     gold_parsed = parse(gold, parsing_timeout=None)
@@ -121,15 +126,11 @@ def verifier_pool(deadline_s: float | None = None):
     """The process pool math-verify runs in (app/envs/process_pool.py), created on first use with
     ``deadline_s`` (default: ``task.verify_timeout_s``'s default); a later ``deadline_s`` replaces it."""
     global _pool
-    from app.envs.process_pool import DeadlinePool
-
     with _pool_lock:
         if _pool is None or (deadline_s is not None and deadline_s != _pool.deadline_s):
             if _pool is not None:
                 _pool.close()
             if deadline_s is None:
-                from app.config import TaskConfig
-
                 deadline_s = TaskConfig().verify_timeout_s
             _pool = DeadlinePool("app.envs.jsonl:verify_in_process", VERIFY_PROCESSES, deadline_s,
                                  preload=("app.envs.verify_warm",))

@@ -37,13 +37,20 @@ drops its TCP connection, which ends the session the same way (uvicorn pings idl
 from __future__ import annotations
 
 import asyncio
+import importlib
 import inspect
 import logging
+import os
+import sys
+import typing
 from pathlib import Path
 
 import typer
+import uvicorn
 
 from app.config import IMPORT_PATH, RunConfig
+from app.envs.rewards import _gym_scorer
+from app.logs import setup_logging
 
 log = logging.getLogger("moerl.env")
 
@@ -109,6 +116,7 @@ def takes_spec(env_cls) -> bool:
     """Whether ``env_cls.reset`` (or ``reset_async``, when overridden) accepts ``spec``: OpenEnv's
     server passes a reset only the keyword arguments its signature names (``**kwargs`` takes all),
     and silently drops the rest (``http_server.py`` ``_get_valid_kwargs``)."""
+    # openenv: the env extra (pyproject.toml); `moerl run` imports this module without it
     from openenv.core.env_server.interfaces import Environment
 
     method = env_cls.reset_async if env_cls.reset_async is not Environment.reset_async else env_cls.reset
@@ -127,16 +135,11 @@ def user_environment(path: str):
             cannot be found, it does not support concurrent sessions, or its ``reset`` does not
             take ``spec`` (each named).
     """
-    import importlib
-    import typing
-
+    # openenv: the env extra (see takes_spec)
     from openenv.core.env_server.interfaces import Environment
     from openenv.core.env_server.types import Action, Observation
 
     module_name, _, attr = path.partition(":")
-    import os
-    import sys
-
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.append(os.getcwd())  # as `python -m` has it: the `moerl` script's path lacks it
     try:
@@ -182,10 +185,10 @@ def build_app(cfg: RunConfig):
     Raises:
         ValueError: ``env.name`` unset, or not a built-in nor a usable import path (named).
     """
+    # openenv, the env extra (see takes_spec), and moerl's environments, which are built on it
     from openenv.core.env_server import create_fastapi_app
 
     from app.envs.environments import ENVIRONMENTS, TextAction, TextObservation
-    from app.envs.rewards import _gym_scorer
 
     if cfg.env.name in ENVIRONMENTS:
         env_cls = ENVIRONMENTS[cfg.env.name]
@@ -219,10 +222,6 @@ def env(
     port: int = typer.Option(8090, "--port", min=1, max=65535),
 ) -> None:
     """Serve ``env.name`` on ``host:port`` (``ws://host:port/ws``) until SIGTERM."""
-    import uvicorn
-
-    from app.logs import setup_logging
-
     setup_logging()
     try:
         cfg = RunConfig.load(config)

@@ -24,13 +24,16 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 
+import httpx
 import typer
 
 from app.config import RunConfig
-from app.envs.tasks import Prompt
+from app.envs.rewards import score_answer_spec
+from app.envs.tasks import Prompt, make_splits
 
 # --------------------------------------------------------------------------------------------
 # The reward function of rollout workers
@@ -51,8 +54,6 @@ class RemoteReward:
     """
 
     def __init__(self, url: str, timeout_s: float = 5.0):
-        import httpx
-
         self.url = url.rstrip("/")
         self._client = httpx.Client(timeout=timeout_s)
 
@@ -68,10 +69,6 @@ class RemoteReward:
         Raises:
             TimeoutError: no healthy answer within ``timeout_s``.
         """
-        import time
-
-        import httpx
-
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -116,8 +113,6 @@ def corrupt(answer: str, prompt: str, rng: random.Random) -> str:
 def labelled_examples(prompts: list[Prompt], per_prompt: int = 3, seed: int = 0) -> list[tuple[str, float]]:
     """``(prompt text + candidate answer, verifier score)`` pairs: each prompt's reference answer
     and ``per_prompt`` corruptions of it, scored by `app.envs.rewards.score_answer_spec`."""
-    from app.envs.rewards import score_answer_spec
-
     rng = random.Random(seed)
     out = []
     for p in prompts:
@@ -129,7 +124,7 @@ def labelled_examples(prompts: list[Prompt], per_prompt: int = 3, seed: int = 0)
 def encode(texts: list[str], tokenizer, pad_id: int):
     """Right-padded ``input_ids [B, L] int64`` and ``attention_mask [B, L] int64`` of texts
     (``<bos>`` prepended by the tokenizer)."""
-    import torch
+    import torch  # only to fit or check a model: the rollout worker imports RemoteReward without it
 
     seqs = [tokenizer(t)["input_ids"] for t in texts]
     width = max(map(len, seqs))
@@ -143,7 +138,7 @@ def encode(texts: list[str], tokenizer, pad_id: int):
 
 def predict(model, tokenizer, texts: list[str], batch_size: int = 256) -> list[float]:
     """The model's scalar output for each text (eval mode, no gradient)."""
-    import torch
+    import torch  # only to fit or check a model: the rollout worker imports RemoteReward without it
 
     model.eval()
     out: list[float] = []
@@ -198,14 +193,13 @@ def fit_reward_model(cfg: RunConfig, base: str | os.PathLike, out: str | os.Path
         FileNotFoundError: ``base`` has no config.json.
         FileExistsError: ``out`` exists.
     """
-    import shutil
-
+    # torch and transformers: only to fit a reward model; the rollout worker imports this module
+    # (RemoteReward) without them
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from app.envs.tasks import make_splits
-    from app.model.tokenizer import PAD_ID, build_tokenizer, save_tokenizer
     from app.envs.warmup import lr_at
+    from app.model.tokenizer import PAD_ID, build_tokenizer, save_tokenizer
 
     base, out = Path(base), Path(out)
     if not (base / "config.json").is_file():

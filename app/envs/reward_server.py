@@ -42,7 +42,15 @@ from pathlib import Path
 from typing import Callable
 
 import typer
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+
+from app.config import RunConfig
+from app.envs.rewards import SCORERS, score_answer_spec
+from app.logs import setup_logging
 
 log = logging.getLogger("moerl.reward")
 
@@ -81,6 +89,8 @@ class ModelScorer:
     mode = "model"
 
     def __init__(self, path: str | os.PathLike, max_length: int = 512, device: str | None = None):
+        # torch and transformers: the model mode only; the verifier mode (the env pool's CPU
+        # pods) serves without them
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -129,7 +139,7 @@ class ModelScorer:
 
     def __call__(self, seqs: list[list[int]]) -> list[float]:
         """Rewards of ``seqs`` in one right-padded forward: ``[B]`` float32 -> Python floats."""
-        import torch
+        import torch  # the model mode only (see __init__)
 
         width = max(map(len, seqs))
         ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
@@ -160,8 +170,6 @@ class VerifierScorer:
         if req.answer is None or len(req.answer) != len(req.text):
             n = "none" if req.answer is None else len(req.answer)
             raise BadRequest(f"answer: the verifier needs one answer per text ({len(req.text)}), got {n}")
-        from app.envs.rewards import SCORERS
-
         for i, answer in enumerate(req.answer):
             # The answer spec written by app/envs/tasks.py or jsonl.py; anything else would
             # silently score 0.
@@ -174,8 +182,6 @@ class VerifierScorer:
         return list(zip(req.answer, req.text))
 
     def __call__(self, items: list[tuple[str, str]]) -> list[float]:
-        from app.envs.rewards import score_answer_spec
-
         return [score_answer_spec(answer, text) for answer, text in items]
 
 
@@ -267,10 +273,6 @@ class Batcher:
 
 def make_app(scorer, max_batch: int = 64, max_wait_ms: float = 5.0):
     """The FastAPI app serving ``scorer`` (`ModelScorer` or `VerifierScorer`) with batching."""
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
-
     app = FastAPI(title="moerl reward")
     batcher = Batcher(scorer, max_batch=max_batch, max_wait_s=max_wait_ms / 1000)
     app.state.batcher = batcher
@@ -335,17 +337,11 @@ def serve(
     mode: str = typer.Option("auto", "--mode", help="auto | model | verifier (see the module docstring)."),
 ) -> None:
     """Serve POST /score, GET /health, GET /stats (see the module docstring)."""
-    import uvicorn
-
-    from app.config import RunConfig
-
-    from app.logs import setup_logging
-
     setup_logging()
     try:
         cfg = RunConfig.load(config) if config else RunConfig()
         if threads:
-            import torch
+            import torch  # the model mode's (see ModelScorer)
 
             torch.set_num_threads(threads)
         scorer = make_scorer(cfg, max_length=max_length, mode=mode)

@@ -26,6 +26,9 @@ import threading
 from functools import lru_cache
 from typing import Any, Callable
 
+from app.envs.jsonl import math_verify_reward, verifier_pool
+
+
 def extract_answer(completion: str) -> str:
     """The answer part of a completion: its first non-empty line, stripped ("" if none).
 
@@ -51,6 +54,7 @@ def _gym_scorer(dataset: str) -> Callable[[str | None, dict[str, Any]], float]:
     # registers its datasets, and a thread that looked the name up mid-import saw an empty
     # registry ("Dataset ... not registered"). One import at a time, of the whole package.
     with _IMPORT_LOCK:
+        # reasoning_gym (a second to import): on first use, under the lock (above)
         import reasoning_gym  # noqa: F401  (registers every dataset)
         from reasoning_gym.factory import get_score_answer_fn
 
@@ -65,8 +69,6 @@ def _score_reasoning_gym(spec: dict[str, Any], completion: str) -> float:
 
 
 def _score_jsonl(spec: dict[str, Any], completion: str) -> float:
-    from app.envs.jsonl import math_verify_reward
-
     return math_verify_reward(completion, spec["answer"])
 
 
@@ -109,8 +111,6 @@ def warm(task_cfg) -> None:
     worker before it leases its first task (the first import takes seconds on a busy machine,
     longer than ``rollout.reward_timeout_s``)."""
     if task_cfg.source == "jsonl":
-        from app.envs.jsonl import math_verify_reward, verifier_pool
-
         verifier_pool(task_cfg.verify_timeout_s)  # the deadline of this run's config
         math_verify_reward("1", "1")  # starts the forkserver, which imports math-verify once
     else:

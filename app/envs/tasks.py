@@ -14,10 +14,14 @@ following distinct ones, never equal to a held-out prompt, so the two sets are d
 from __future__ import annotations
 
 import json
+import logging
+import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from app.buffer.records import Task
 from app.config import TaskConfig
+from app.envs.jsonl import answer_json, load_jsonl
 
 # name -> compact prompt from a reasoning-gym entry. Tasks not listed use the question text.
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
@@ -87,11 +91,6 @@ def jsonl_splits(cfg: TaskConfig) -> tuple[list[Prompt], list[Prompt]]:
         ValueError: ``task.jsonl_path`` unset or the file has no valid row;
             FileNotFoundError: the file does not exist.
     """
-    import logging
-    import random
-
-    from app.envs.jsonl import answer_json, load_jsonl
-
     if not cfg.jsonl_path:
         raise ValueError("task.jsonl_path: required when task.source is 'jsonl'")
     data = load_jsonl(cfg.jsonl_path)
@@ -125,6 +124,8 @@ def gym_splits(cfg: TaskConfig) -> tuple[list[Prompt], list[Prompt]]:
         ValueError: unknown dataset name or invalid parameters (naming ``task.name`` /
             ``task.params``), or the task has too few distinct prompts for the sizes asked.
     """
+    # reasoning_gym registers its every dataset on import (a second): only a reasoning-gym task's
+    # prompts need it
     import reasoning_gym
     from reasoning_gym.factory import DATASETS
 
@@ -168,8 +169,6 @@ def make_tasks(prompts: list[Prompt], tokenizer, group_size: int):
     ``prompt_ids`` start with ``<bos>`` (the tokenizer's post-processor adds it), the same ids
     the engine would make from the text. ``answer`` is `Prompt.spec`.
     """
-    from app.buffer.records import Task
-
     return [
         Task(
             task_id=p.prompt_id,

@@ -29,7 +29,16 @@ import torch
 import typer
 
 from app.config import RunConfig
+from app.envs import episodes_remote
+from app.envs.env_client import EnvError
+from app.envs.evaluate import evaluate_run_policy, evaluation_key, evaluation_size
 from app.envs.tasks import Prompt, make_splits
+from app.envs.wire import fetch_wire_format
+from app.model.checkpoint import load_policy, save_policy
+from app.model.config import tiny_config
+from app.model.parallel import EPContext
+from app.model.policy import build_policy
+from app.model.source import resolve_model_path
 from app.model.tokenizer import PAD_ID, build_tokenizer, load_tokenizer, save_tokenizer
 
 
@@ -75,6 +84,8 @@ def pad_examples(examples: list[tuple[list[int], list[int]]], pad: int) -> tuple
 
 def env_batch(prompts: list[Prompt], tokenizer, env_cfg, rng: random.Random):
     """Like `sft_batch`, from environment demonstrations (`app.envs.episodes_local`)."""
+    # openenv (the env extra, pyproject.toml; environments.py needs it): only for moerl's
+    # environments, so a task without one warms up where it is not installed
     from app.envs.episodes_local import demonstration
 
     pad = PAD_ID if tokenizer.pad_token_id is None else tokenizer.pad_token_id
@@ -146,11 +157,6 @@ def warm_up(model, tokenizer, train: list[Prompt], steps: int, lr: float, batch_
 def build_base_policy(cfg: RunConfig):
     """The untrained policy of ``cfg.model`` (preset built in code, or ``model.path`` loaded), EP 1,
     in fp32 (``model.dtype`` is the trainer's compute dtype over fp32 master weights)."""
-    from app.model.checkpoint import load_policy
-    from app.model.config import tiny_config
-    from app.model.parallel import EPContext
-    from app.model.policy import build_policy
-
     dtype = torch.float32
     if cfg.model.path:
         return load_policy(cfg.model.path, cfg.router, EPContext.local(), dtype=dtype)
@@ -171,9 +177,6 @@ def user_env_examples(cfg: RunConfig, tokenizer, env_url: str | None, log=print)
     if not cfg.env.demos_path and not cfg.env.demos_from_env:
         log("warmup: env.demos_path unset: the base policy is the untrained preset (no demonstrations)")
         return None
-    from app.envs import episodes_remote
-    from app.envs.wire import fetch_wire_format
-
     url = env_url or cfg.env.url
     if not url:
         raise ValueError(f"env.url: the demonstrations of {cfg.env.name!r} are played against its server")
@@ -204,10 +207,6 @@ def run_warmup(cfg: RunConfig, out: Path, threads: int | None = 1, log=print, en
         ValueError: bad task config (see `make_splits`); ``out`` exists and is not a directory,
             or is a non-empty directory that is not an earlier warm-up checkpoint.
     """
-    from app.envs.evaluate import evaluate_run_policy, evaluation_key, evaluation_size
-    from app.model.checkpoint import save_policy
-    from app.model.parallel import EPContext
-
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out: {out} exists and is not a directory")
@@ -219,8 +218,6 @@ def run_warmup(cfg: RunConfig, out: Path, threads: int | None = 1, log=print, en
     torch.manual_seed(cfg.task.seed)
     train, heldout = make_splits(cfg.task)
     if cfg.model.path:  # a Hub id or an s3:// prefix: downloaded to the cache first
-        from app.model.source import resolve_model_path
-
         cfg = cfg.model_copy(deep=True)
         cfg.model.path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
     model = build_base_policy(cfg)
@@ -285,8 +282,6 @@ def main(
     env_url: str = typer.Option(None, "--env-url", help="A user environment's server (default: env.url)."),
 ) -> None:
     """Warm up the policy on the task's training examples and save it as an HF checkpoint."""
-    from app.envs.env_client import EnvError
-
     cfg = RunConfig.load(config) if config else RunConfig()
     try:
         run_warmup(cfg, out, threads=threads, env_url=env_url)

@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+
 ACTION_TEXT = ("text", "message")
 OBSERVATION_TEXT = ("content", "text", "message", "prompt", "observation", "feedback")
 _BASE_FIELDS = {"metadata", "done", "reward"}  # OpenEnv's Action/Observation base fields
@@ -123,8 +125,6 @@ def fetch_wire_format(url: str, timeout_s: float = 10.0) -> WireFormat:
         ConnectionError: the server does not answer ``GET /schema`` with 200 (names the URL).
         WireError: see `wire_format`.
     """
-    import httpx
-
     base = http_base(url)
     try:
         r = httpx.get(base + "/schema", timeout=timeout_s)

@@ -31,7 +31,9 @@ from app.config import RunConfig
 from app.layout import default_world
 from app.local.machine import LocalLayout, sglang_argv
 from app.local.procs import Proc, Supervisor, moerl_argv
+from app.local.report import read_steps
 from app.rollout.probe import healthy
+from app.rollout.router import local_router_command
 
 # How long `moerl run` waits for a user's environment server (``env.url``) to answer: it is
 # expected up before the run starts, so this only covers a server still binding its port.
@@ -244,8 +246,6 @@ class EmbeddedLoop:
         Raises:
             RoleFailed: the router exited, or did not answer within `timeout_s`.
         """
-        from app.rollout.router import local_router_command
-
         self.router_port = self.router_port or free_port()
         argv = local_router_command(self.cfg.rollout, self.router_port, free_port(),
                                     api_key=self.router_keys[ROUTER_API_KEY_ENV],
@@ -383,7 +383,5 @@ class EmbeddedLoop:
 
     def metrics(self) -> list[dict]:
         """The trainer's metrics so far (rank 0's metrics.jsonl; a resumed run's newest line per step)."""
-        from app.local.report import read_steps
-
         path = self.run_dir / "metrics.jsonl"
         return read_steps(path) if path.exists() else []

@@ -91,6 +91,8 @@ def rolling_mean(values: list[float], window: int) -> list[float]:
 
 def write_tensorboard(records: list[dict], out_dir: str | os.PathLike) -> Path:
     """Write TensorBoard event files (one scalar per SCALARS key per step) into `out_dir`."""
+    # torch: only to write the events; `moerl run`'s driver and the chaos driver import this
+    # module (read_steps) before torch or without it
     from torch.utils.tensorboard import SummaryWriter
 
     out_dir = Path(out_dir)
@@ -129,10 +131,11 @@ def write_plot(records: list[dict], path: str | os.PathLike, evals: dict[str, fl
         samples_per_s_run: the summary's throughput (`samples_per_s` of the whole run), drawn as a
             line in the throughput panel, whose curve is the same figure over `WINDOW` steps.
     """
+    # matplotlib (half a second): only when a plot is drawn; Agg is chosen before pyplot loads
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg") (above)
 
     path = Path(path)
     t0 = records[0]["time"] if records else 0.0

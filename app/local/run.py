@@ -15,9 +15,11 @@ Ctrl-C stops every process cleanly (SIGTERM, then SIGKILL after the drain grace 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import tempfile
 import time
@@ -30,11 +32,23 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from app.buffer.experience import stale_share
 from app.config import RolloutConfig, RunConfig
+from app.envs.contract import check_reset
+from app.envs.env_client import EnvError
+from app.envs.episodes_remote import load_demos
+from app.envs.fingerprint import warmup_fingerprint
+from app.envs.openenv_server import user_environment
+from app.envs.tasks import make_splits
+from app.envs.wire import fetch_wire_format
 from app.feed import TaskFeeder, make_feeder
 from app.local.embedded import EmbeddedLoop, RoleFailed
 from app.local.machine import plan_run
 from app.local.procs import moerl_argv
+from app.local.report import read_steps, samples_per_s, write_plot, write_tensorboard
 from app.local.status import PLAIN_EVERY_S, Stage, every_rollout_fails, training_info
+from app.model.source import resolve_model_path
+from app.rollout.router import ROUTER_PACKAGE
+from app.storage import open_store
+from app.storage.policy import download_policy, latest_policy_version
 
 console = Console()
 cli = typer.Typer(add_completion=False, help="Run the whole loop on this machine (the embedded default).")
@@ -174,29 +188,21 @@ def check_inputs(cfg: RunConfig) -> None:
         ValueError, FileNotFoundError: naming the field or file (see `make_splits`,
             `validate_config`, `check_checkpoint`).
     """
-    from app.envs.tasks import make_splits
+    # torch and transformers (the model's config, here and below): `moerl run --help` and a bad
+    # run config's error come before they load
     from app.model.config import tiny_config, validate_config
 
     make_splits(cfg.task)
     if cfg.rollout.router:
-        import importlib.util
-
-        from app.rollout.router import ROUTER_PACKAGE
-
         if importlib.util.find_spec("sglang_router") is None:
             raise ValueError(f"rollout.router is on but {ROUTER_PACKAGE} is not installed here "
                              f"(pip install -e '.[router]')")
     if cfg.env.name and cfg.env.served_by_moerl() and not cfg.env.builtin():
-        from app.envs.openenv_server import user_environment
-
         user_environment(cfg.env.name)  # importable, an OpenEnv Environment, reset takes spec
     if cfg.env.demos_path:
-        from app.envs.episodes_remote import load_demos
-
         load_demos(cfg.env.demos_path)
     if cfg.model.path:
-        from app.model.checkpoint import check_checkpoint
-        from app.model.source import resolve_model_path
+        from app.model.checkpoint import check_checkpoint  # torch and transformers (above)
 
         config = check_checkpoint(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
     else:
@@ -296,11 +302,10 @@ def warmup_dir(cfg: RunConfig, cache_root: Path, env_url: str | None = None) -> 
     Raises:
         ValueError, EnvError: an environment of the user's and no server, or a failed reset.
     """
-    from app.envs.fingerprint import warmup_fingerprint
-
     recipe = {"model": cfg.model.model_dump(), "task": cfg.task.model_dump(exclude={"warmup_done"}),
               "ep": cfg.trainer.parallel.ep, "seen": warmup_fingerprint(cfg, env_url)}
     if cfg.env.name:  # the warm-up plays the environment's demonstrations
+        # openenv (the env extra, pyproject.toml; episodes_local needs it): only for an environment
         from app.envs.episodes_local import CALC_TOOL_DEMOS, RETRY_DEMOS
 
         recipe["env"] = cfg.env.model_dump(exclude={"url"})
@@ -369,9 +374,9 @@ def held_out_reward(cfg: RunConfig, model_dir: Path, env_url: str | None = None,
     Raises:
         ValueError: a user's environment failed the episodes or broke the reward rule (one line).
     """
-    from app.envs.env_client import EnvError
+    # torch and transformers: `moerl run --help` and a bad run config's error come before they
+    # load (see check_inputs)
     from app.envs.evaluate import evaluate_run_policy, evaluation_key, evaluation_size
-    from app.envs.tasks import make_splits
 
     recorded = Path(model_dir) / "warmup.json"
     if recorded.is_file():
@@ -452,16 +457,10 @@ def start_environment(loop: EmbeddedLoop, out: Console) -> None:
         out.print(f"environment: {env.name} at {env.url} (env.url): the user's server; moerl starts none",
                   soft_wrap=True)
     if not env.builtin():
-        from app.envs.wire import fetch_wire_format
-
         wire = fetch_wire_format(loop.env_url)
         out.print(f"environment: actions go in {wire.action_field!r}, observations are read from "
                   f"{wire.observation_field!r} (its /schema)", soft_wrap=True)
     if not env.served_by_moerl():  # `moerl env` checked its class in process; a user's server is asked
-        from app.envs.contract import check_reset
-        from app.envs.tasks import make_splits
-        from app.envs.wire import fetch_wire_format
-
         train, _ = make_splits(loop.cfg.task)
         check_reset(loop.env_url, fetch_wire_format(loop.env_url), spec=train[0].spec,
                     max_sessions=loop.cfg.env.max_sessions)
@@ -673,8 +672,6 @@ def load_resumed_config(run_dir: Path, steps: int | None, sets: list[str] | None
     if steps:
         cfg.trainer.steps = steps
     cfg = cfg.validated()
-    from app.local.report import read_steps
-
     done = read_steps(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
     if done and done[-1]["step"] >= cfg.trainer.steps:
         raise ValueError(f"--resume {run_dir}: the run made {done[-1]['step']} steps already (trainer.steps "
@@ -763,8 +760,6 @@ def close_failed(loop: EmbeddedLoop, keep: bool = False) -> None:
     """Stop every process of a failed run; if the trainer never made a step, remove the run
     directory too (it holds nothing worth keeping: the warm-up is cached elsewhere), so a failed
     start leaves nothing half-written. ``keep``: a resumed run's directory stays, always."""
-    import shutil
-
     loop.close()
     if not keep and not loop.metrics():
         shutil.rmtree(loop.run_dir, ignore_errors=True)
@@ -772,9 +767,6 @@ def close_failed(loop: EmbeddedLoop, keep: bool = False) -> None:
 
 def latest_local_policy(loop: EmbeddedLoop) -> Path:
     """Download the newest published policy version to run_dir/final (for the held-out eval)."""
-    from app.storage import open_store
-    from app.storage.policy import download_policy, latest_policy_version
-
     store = open_store(loop.cfg.store_url)
     version = latest_policy_version(store, loop.cfg.run_id)
     if version is None:
@@ -787,8 +779,6 @@ def summarize(loop: EmbeddedLoop, before: dict, after: dict | Exception | None, 
     held-out figure after RL, None when the run stopped before its end, or the error that kept
     the final evaluation from measuring it: the "after" figures are then null (and the error is
     in ``final_evaluation_error``), the rest is written as always."""
-    from app.local.report import samples_per_s, write_plot, write_tensorboard
-
     records = loop.metrics()
     measured = after if isinstance(after, dict) else None
     rate = samples_per_s(records)
