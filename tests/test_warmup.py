@@ -140,3 +140,31 @@ def test_the_warm_up_cache_follows_what_the_environment_serves(tmp_path):
     finally:
         for s in servers:
             s.stop()
+
+
+def test_the_warm_up_cache_follows_the_environments_rewards(tmp_path):
+    """A user's server that pays 10x (same problems, same reset observations) was served the old
+    warm-up and its "before RL" figure; the reward range it broke was found only after start. With
+    env.demos_from_env the key holds the server's answers to the first demonstrations."""
+    from openenv.core.env_server import create_fastapi_app
+
+    from app.local.run import warmup_dir
+    from examples.guess_number.env import GuessAction, GuessNumberEnv, GuessObservation
+    from helpers import EnvServer
+
+    class TenTimes(GuessNumberEnv):
+        def step(self, *args, **kwargs):
+            obs = super().step(*args, **kwargs)
+            obs.reward = 10 * (obs.reward or 0.0)
+            return obs
+
+    servers = [EnvServer(app=create_fastapi_app(cls, GuessAction, GuessObservation, max_concurrent_envs=8))
+               for cls in (GuessNumberEnv, TenTimes)]
+    try:
+        cfg = RunConfig.model_validate({"task": {"source": "env", "train_size": 20, "eval_size": 4},
+                                        "env": {"name": "guess-number", "url": servers[0].url, "demos_from_env": True}})
+        first, again, paid = (warmup_dir(cfg, tmp_path, s.url) for s in (servers[0], servers[0], servers[1]))
+        assert first == again != paid
+    finally:
+        for s in servers:
+            s.stop()

@@ -150,7 +150,7 @@ def load_demos(path: str | Path) -> list[dict]:
     return rows
 
 
-def _own_demonstration(first: StepResult, url: str) -> list[str]:
+def own_demonstration(first: StepResult, url: str) -> list[str]:
     """The turns of the reset observation's ``metadata["demonstration"]`` (``env.demos_from_env``).
 
     Raises:
@@ -178,7 +178,7 @@ async def _demo_chunk(rows: list[dict], tokenizer, env_cfg, url: str, wire: Wire
             history = [_msg(wire, first, reset=True)]
             ids = renderer.prompt_ids(history)
             mask = [0] * len(ids)
-            actions = row["actions"] if row["actions"] is not None else _own_demonstration(first, url)
+            actions = row["actions"] if row["actions"] is not None else own_demonstration(first, url)
             for text in actions:
                 turn = list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
                 ids += turn
