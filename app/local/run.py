@@ -828,24 +828,33 @@ def summarize(loop: EmbeddedLoop, before: dict, after: dict | Exception | None, 
 EVAL_NOISE_POINTS = 3.0
 
 
+LOWER_TEMPERATURE = 0.7  # the rollout temperature that kept greedy on the sorting environment
+
+
 def greedy_note(cfg: RunConfig, before: dict, after: dict | None) -> str | None:
     """What to change when greedy decoding fell (by more than `EVAL_NOISE_POINTS`) while the
     sampled figure rose, or None. Why, as measured on a letter-sorting environment
     (bench/results/run-task.md): rollouts sampled far from the greedy answers (at temperature 1.0
     most were wrong while greedy decoding was right) taught RL answers that moved the greedy one;
     at 0.7 greedy held while sampled still rose, and giving each turn its own share of the reward
-    did not keep it."""
+    did not keep it. On a roman-numeral environment greedy fell at 0.7 and 0.49 alike."""
     if after is None:
         return None
     sampled, greedy = 100 * (after["mean_reward"] - before["mean_reward"]), 100 * (after["greedy"] - before["greedy"])
     if sampled <= 0 or greedy >= -EVAL_NOISE_POINTS:
         return None
     t = cfg.rollout.temperature
-    return (f"greedy fell ({greedy:+.1f} points) while sampled rose ({sampled:+.1f}): RL learned from rollouts sampled at "
-            f"rollout.temperature {t:g}, {'far ' if before['greedy'] - before['mean_reward'] > 0.2 else ''}from the "
-            f"greedy answers (held-out before RL: sampled {before['mean_reward']:.3f}, greedy {before['greedy']:.3f}), "
-            f"and moved them; a lower temperature trains nearer them (--set rollout.temperature={min(0.7, t * 0.7):g}; "
-            "on a sorting environment 1.0 -> 0.7 turned greedy -11.5 into -1.2 points, docs/your-own-environment.md)")
+    cause = (f"greedy fell ({greedy:+.1f} points) while sampled rose ({sampled:+.1f}): RL learned from rollouts sampled at "
+             f"rollout.temperature {t:g}, {'far ' if before['greedy'] - before['mean_reward'] > 0.2 else ''}from the "
+             f"greedy answers (held-out before RL: sampled {before['mean_reward']:.3f}, greedy {before['greedy']:.3f}), "
+             "and moved them; ")
+    if t > LOWER_TEMPERATURE:
+        return cause + (f"a lower temperature trains nearer them (--set rollout.temperature={LOWER_TEMPERATURE:g}; on a "
+                        "sorting environment 1.0 -> 0.7 turned greedy -11.5 into -1.2 points, docs/your-own-environment.md)")
+    # At 0.7 a lower temperature did not help a roman-numeral environment (bench/results/run-task.md):
+    # no setting to name, only where to look.
+    return cause + (f"at {t:g} a lower temperature did not keep greedy on another environment; look at the warm-up "
+                    "(more demonstrations or steps) and how the reward pays near-misses (docs/your-own-environment.md)")
 
 
 def rollout_failures(loop: EmbeddedLoop) -> dict:
