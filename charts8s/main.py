@@ -42,7 +42,8 @@ def build(plan: Plan, outdir: str | Path) -> list[Path]:
     the previous output whole. Returns the written files.
 
     Raises:
-        WorkloadError: `outdir` is a file, or a directory holding anything but ``*.k8s.yaml``.
+        WorkloadError: `outdir` is a file, a directory holding anything but ``*.k8s.yaml``, or one
+            whose parent cannot hold a new directory.
     """
     k8s_module(plan.cfg.k8s_version)  # fail early when the version's generated classes are missing
     outdir = Path(outdir)
@@ -55,8 +56,11 @@ def build(plan: Plan, outdir: str | Path) -> list[Path]:
             raise WorkloadError(f"--outdir: {outdir} holds files that are not synthesized manifests "
                                 f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); "
                                 "choose an empty or a dist/ directory")
-    outdir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=outdir.parent, prefix=f".{outdir.name}."))
+    try:
+        outdir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=outdir.parent, prefix=f".{outdir.name}."))
+    except OSError as e:
+        raise WorkloadError(f"--outdir: {outdir}: cannot make a directory in {outdir.parent}: {e.strerror}") from None
     try:
         app = cdk8s.App(outdir=str(tmp), yaml_output_type=cdk8s.YamlOutputType.FILE_PER_CHART)
         ClusterChart(app, plan)

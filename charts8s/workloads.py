@@ -124,13 +124,20 @@ class BenchRolloutSpec(_Model):
     ep-deepep) are the all-to-all vs DeepEP comparison; each renders to its own file."""
 
     profiles: dict[str, EngineProfile] = Field(description="Name -> engine profile (the run config's "
-                                               "rollout.engine fields) of each fleet.")
+                                               "rollout.engine fields) of each fleet; one at the least.")
     engines: int = Field(2, ge=1, description="Engines of each fleet.")
     seconds: float = Field(600.0, gt=0, description="How long the Job drives each fleet.")
     concurrency: int | None = Field(None, ge=1, description="In-flight requests (prompt groups) per engine; None: "
                                     "the profile's in-flight sequences over rollout.group_size.")
     api_key_secret: str = Field("moerl-bench-api-key", description="Secret with the engines' SGLang keys "
                                 "(``api-key``, ``admin-api-key``), made outside dist/ (docs/cluster.md).")
+
+    @field_validator("profiles")
+    @classmethod
+    def _some_profile(cls, v: dict[str, EngineProfile]) -> dict[str, EngineProfile]:
+        if not v:
+            raise ValueError("no profile: name one or more (e.g. a2a: {kind: ep}), or leave bench_rollout out")
+        return v
 
 
 class FeedSpec(_Model):

@@ -46,6 +46,16 @@ HEALTH_LABEL = "moerl.dev/health"
 HEALTH_ANNOTATION = "moerl.dev/health-results"
 
 POOL_NAMES: tuple[str, ...] = ("train-gpu", "rollout-gpu", "env-cpu", "buffer-mem", "system")
+# Most nodes of one managed node group: EKS's quota "Nodes per managed node group", 450 by default
+# (EKS user guide, "Amazon EKS service quotas"; adjustable: an account with a raised quota raises this).
+MAX_NODES_PER_NODE_GROUP = 450
+# The VPC: an RFC 1918 block of /16 (65,536 addresses) to /28 (16), the sizes CreateVpc accepts
+# (EC2 API reference, CreateVpc). infra/network.py cuts a public /22 and a private /18 per
+# control-plane AZ out of it, in that order, each aligned to its size (as the CDK Vpc does).
+VPC_PRIVATE_RANGES = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
+VPC_PREFIXES = (16, 28)
+PUBLIC_SUBNET_MASK = 22
+PRIVATE_SUBNET_MASK = 18
 # ECR pull-through cache rules (infra/storage.py): upstream registry host -> ECR repository prefix.
 # Upstreams that ECR caches without credentials (ECR API CreatePullThroughCacheRule:
 # upstreamRegistryUrl; Docker Hub and ghcr.io need a Secrets Manager secret, nvcr.io is not an
@@ -138,7 +148,8 @@ class NodePool(Model):
                                       "infra/instances.py, all with the same EFA network-card count.")
     capacity_type: Literal["ON_DEMAND", "SPOT", "CAPACITY_BLOCK"] = Field(description="How the nodes are bought.")
     min_size: int = Field(ge=0, description="Fewest nodes of the group.")
-    max_size: int = Field(ge=1, description="Most nodes of the group (charts8s refuses workloads that need more).")
+    max_size: int = Field(ge=1, description="Most nodes of the group (charts8s refuses workloads that need more); "
+                          "at most 450, EKS's default quota of nodes per managed node group.")
     desired_size: int = Field(ge=0, description="Nodes the group scales to (`python -m infra.scale` for GPU pools).")
     labels: dict[str, str] = Field(description="Kubernetes labels of the nodes; pods select their pool by them.")
     taints: list[Taint] = Field([], description="Taints of the nodes; only the pool's own pods tolerate them.")
@@ -177,6 +188,14 @@ class NodePool(Model):
                                                 "hours; a percentage replaces them in a few rounds.")
     az: str | None = Field(None, description="Leave empty; every pool must run in the deployment's single AZ "
                            "(validated).")
+
+    @field_validator("max_size")
+    @classmethod
+    def _node_group_quota(cls, v: int) -> int:
+        if v > MAX_NODES_PER_NODE_GROUP:
+            raise ValueError(f"{v} exceeds {MAX_NODES_PER_NODE_GROUP}, EKS's default quota of nodes per managed "
+                             "node group (MAX_NODES_PER_NODE_GROUP, infra/config.py)")
+        return v
 
     @field_validator("instance_types")
     @classmethod
@@ -378,14 +397,17 @@ class DeploymentConfig(Model):
     az: str = Field(description="The ONE availability zone of every node group.")
     control_plane_azs: list[str] = Field(min_length=2, description="Subnets for the EKS control plane (two or "
                                          "more, including `az`).")
-    vpc_cidr: str = Field("10.0.0.0/16", description="The VPC's address range.")
+    vpc_cidr: str = Field("10.0.0.0/16", description="The VPC's address range: an IPv4 block of /16 to /28 inside "
+                          "10.0.0.0/8, 172.16.0.0/12 or 192.168.0.0/16 that holds a public /22 and a private /18 "
+                          "subnet per control-plane AZ (a /16 holds three AZs).")
     k8s_version: str = Field(pattern=r"^1\.\d+$", description="The cluster's Kubernetes version (1.31 at the "
                              "least; one with add-on pins in infra/addons.py and a Volcano decision in "
                              "infra/charts.py).")
     pools: dict[str, NodePool] = Field(description="The node pools by name (train-gpu, rollout-gpu, env-cpu, "
                                        "buffer-mem, system); a file's entry is merged over the built-in pool of "
                                        "that name.")
-    checkpoint_bucket: str = Field(description="S3 bucket of runs, base models and datasets.")
+    checkpoint_bucket: str = Field(description="S3 bucket of runs, base models and datasets (each of the three "
+                                   "buckets has a name of its own).")
     artifacts_bucket: str = Field(description="S3 bucket of build and pipeline artifacts.")
     logs_bucket: str = Field(description="S3 bucket of the other buckets' access logs.")
     namespace: str = Field("moerl", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", description="Kubernetes "
@@ -497,6 +519,32 @@ class DeploymentConfig(Model):
     def _bucket(cls, v: str) -> str:
         return check_bucket_name(v)
 
+    @field_validator("vpc_cidr")
+    @classmethod
+    def _vpc_cidr(cls, v: str) -> str:
+        try:
+            net = ipaddress.IPv4Network(v)
+        except ValueError as e:
+            raise ValueError(f"{v!r} is not an IPv4 network ({e})") from None
+        if not any(net.subnet_of(ipaddress.IPv4Network(r)) for r in VPC_PRIVATE_RANGES):
+            raise ValueError(f"{v} is not inside a private range {list(VPC_PRIVATE_RANGES)}")
+        lo, hi = VPC_PREFIXES
+        if not lo <= net.prefixlen <= hi:
+            raise ValueError(f"/{net.prefixlen}: a VPC's block is /{lo} to /{hi}")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_pools(cls, data: Any) -> Any:
+        # Before the pools are validated: a misspelled name would otherwise read as a new pool
+        # missing every required field.
+        pools = data.get("pools") if isinstance(data, dict) else None
+        if isinstance(pools, dict):
+            for name in pools:
+                if name not in POOL_NAMES:
+                    raise ValueError(f"pools.{name}: not a pool; the pools are {list(POOL_NAMES)}")
+        return data
+
     @field_validator("k8s_version")
     @classmethod
     def _k8s(cls, v: str) -> str:
@@ -561,6 +609,23 @@ class DeploymentConfig(Model):
                 if a < b and (pa == pb or pa.startswith(pb + "/") or pb.startswith(pa + "/")):
                     raise ValueError(f"{a} {pa!r} and {b} {pb!r} overlap; the trainer writes under run_prefix only, "
                                      "so models and data need prefixes of their own")
+        buckets = {"checkpoint_bucket": self.checkpoint_bucket, "artifacts_bucket": self.artifacts_bucket,
+                   "logs_bucket": self.logs_bucket}
+        names = list(buckets)
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                if buckets[a] == buckets[b]:
+                    raise ValueError(f"{b}: {buckets[b]!r} is also {a}; the storage stack creates each bucket, "
+                                     "and S3 bucket names are unique")
+        # Every control-plane AZ gets a public and a private subnet (infra/network.py), aligned as the CDK Vpc cuts them.
+        vpc, end, azs = ipaddress.IPv4Network(self.vpc_cidr), 0, len(self.control_plane_azs)
+        for mask in [PUBLIC_SUBNET_MASK] * azs + [PRIVATE_SUBNET_MASK] * azs:
+            size = 2 ** (32 - mask)
+            end = -(-end // size) * size + size
+        if end > vpc.num_addresses:
+            raise ValueError(f"vpc_cidr: {self.vpc_cidr} holds {vpc.num_addresses} addresses; a public /"
+                             f"{PUBLIC_SUBNET_MASK} and a private /{PRIVATE_SUBNET_MASK} subnet in each of the "
+                             f"{azs} control_plane_azs need {end}")
         if len(set(self.image_repos.values())) != 3:
             raise ValueError("image_repos: trainer, rollout and env need three distinct repositories")
         return self

@@ -32,7 +32,7 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_logs as logs
 from constructs import Construct
 
-from infra.config import DeploymentConfig
+from infra.config import PRIVATE_SUBNET_MASK, PUBLIC_SUBNET_MASK, DeploymentConfig
 
 # The rule aws-cdk-lib itself renders for "no outbound traffic" (ICMP type 252, code 86, to the
 # broadcast address): it matches no packet.
@@ -108,11 +108,11 @@ class NetworkStack(Stack):
                 subnet_type=ec2.SubnetType.PUBLIC, availability_zones=[cfg.az]
             ),
             subnet_configuration=[
-                ec2.SubnetConfiguration(name="public", subnet_type=ec2.SubnetType.PUBLIC, cidr_mask=22),
+                ec2.SubnetConfiguration(name="public", subnet_type=ec2.SubnetType.PUBLIC, cidr_mask=PUBLIC_SUBNET_MASK),
                 # Large private subnets: the VPC CNI gives every pod an address, and each EFA
                 # interface of a p5 node takes one.
                 ec2.SubnetConfiguration(
-                    name="private", subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS, cidr_mask=18
+                    name="private", subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS, cidr_mask=PRIVATE_SUBNET_MASK
                 ),
             ],
             restrict_default_security_group=True,

@@ -531,7 +531,9 @@ def _workloads(tmp_path: Path, text: str, run: str | None = None) -> Path:
     ('buffer: {exporter_image: "oliver006/redis_exporter:v1.88.0\\n"}', None, "buffer.exporter_image: 'oliver006"),
     ('buffer: {password_secret: "moerl-redis\\n"}', None, "buffer.password_secret"),
     ("buffer: {image: 'public.ecr.aws/docker/library/redis:7.4.11-alpine'}", None, "buffer.image: 'public.ecr.aws/docker/library/redis:7.4.11-alpine' has no @sha256 digest"),
-    ("bench_rollout: {profiles: {}, api_key_secret: 'Bad Key'}", None, "bench_rollout.api_key_secret"),
+    ("bench_rollout: {profiles: {a2a: {kind: ep}}, api_key_secret: 'Bad Key'}", None, "bench_rollout.api_key_secret"),
+    # profiles are what a bench renders: an empty map rendered no fleet and no Job.
+    ("bench_rollout: {profiles: {}}", None, "bench_rollout.profiles: no profile"),
 ])
 def test_bad_input_fails_before_synth_with_one_message(tmp_path, text, run, message):
     cfg = load_config("dev")
@@ -758,3 +760,17 @@ def test_synth_refuses_an_outdir_with_other_files(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "notes.txt" in err[0]
     assert (out / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("outdir", ["/proc/1/x", "a-file/x"])
+def test_synth_names_an_outdir_it_cannot_make(tmp_path, capsys, outdir):
+    """/proc/1 holds no new directory; a file is no directory's parent: one line naming --outdir
+    (a FileNotFoundError or FileExistsError traceback from tempfile.mkdtemp before)."""
+    from charts8s.main import main
+
+    (tmp_path / "a-file").write_text("kept\n")
+    path = outdir if outdir.startswith("/") else str(tmp_path / outdir)
+    assert main(["--env", "dev", "--outdir", path]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"charts8s: --outdir: {path}: cannot make a directory in "), err
+    assert (tmp_path / "a-file").read_text() == "kept\n"

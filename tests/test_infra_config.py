@@ -89,6 +89,49 @@ def test_bucket_name_breaking_s3_rules_fails(name):
     assert msg.startswith("dev.yaml: checkpoint_bucket:") and "S3 naming rules" in msg
 
 
+@pytest.mark.parametrize("field,other", [("artifacts_bucket", "checkpoint_bucket"), ("logs_bucket", "checkpoint_bucket"),
+                                         ("logs_bucket", "artifacts_bucket")])
+def test_one_bucket_name_for_two_buckets_fails(field, other):
+    """The storage stack creates every bucket the config names: two of one name fail the deploy."""
+    msg = _bad(lambda d: d.update({field: d[other]}))
+    assert msg.startswith(f"dev.yaml: {field}: 'moerl-dev-") and f"is also {other}" in msg
+
+
+@pytest.mark.parametrize("cidr,why", [
+    ("10.0.0.0/99", "not an IPv4 network"), ("10.0.0.1/16", "not an IPv4 network"), ("fd00::/48", "not an IPv4"),
+    ("8.8.0.0/16", "not inside a private range"), ("10.0.0.0/8", "/8: a VPC's block is /16 to /28"),
+    ("10.0.0.0/29", "/29: a VPC's block is /16 to /28"),
+    # /17 and /28 are VPCs, but a public /22 and a private /18 per AZ do not fit them (the CDK Vpc threw).
+    ("10.0.0.0/17", "control_plane_azs need 49152"), ("192.168.0.0/28", "control_plane_azs need 49152"),
+])
+def test_vpc_cidr_rules(cidr, why):
+    msg = _bad(lambda d: d.update(vpc_cidr=cidr))
+    assert msg.startswith("dev.yaml: vpc_cidr: ") and why in msg
+
+
+def test_vpc_subnets_fit_the_control_plane_azs():
+    three = ["us-east-2a", "us-east-2b", "us-east-2c"]
+    assert load_config("dev").vpc_cidr == "10.0.0.0/16"
+    assert validate_config({**default_config("dev"), "control_plane_azs": three}).vpc_cidr == "10.0.0.0/16"
+    msg = _bad(lambda d: d.update(control_plane_azs=[*three, "us-east-2d"]))
+    assert "vpc_cidr: 10.0.0.0/16 holds 65536 addresses" in msg and "4 control_plane_azs need 81920" in msg
+
+
+def test_a_misspelled_pool_names_the_known_pools(tmp_path):
+    f = tmp_path / "o.yaml"
+    f.write_text("pools:\n  gpu-train:\n    max_size: 4\n")
+    with pytest.raises(ConfigError) as e:
+        load_config("dev", f)
+    assert str(e.value) == (f"{f} (env dev): pools.gpu-train: not a pool; the pools are {list(POOL_NAMES)}")
+
+
+def test_node_group_size_is_bounded_by_the_eks_quota():
+    msg = _bad(lambda d: d["pools"]["train-gpu"].update(max_size=1000000))
+    assert msg.startswith("dev.yaml: pools.train-gpu.max_size: 1000000 exceeds 450, EKS's default quota")
+    assert validate_config({**default_config("dev"), "pools": {**default_config("dev")["pools"], "rollout-gpu": {
+        **default_config("dev")["pools"]["rollout-gpu"], "max_size": 450}}}).pools["rollout-gpu"].max_size == 450
+
+
 def test_other_rules():
     assert "CAPACITY_BLOCK needs capacity_reservation_id" in _bad(
         lambda d: d["pools"]["train-gpu"].update(capacity_type="CAPACITY_BLOCK"))

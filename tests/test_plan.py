@@ -565,6 +565,8 @@ def test_cli_does_not_fit_exits_1():
     (("--model", "qwen3-30b-a3b", "--set", "hidden_size=0"), "config.hidden_size"),
     (("--model", "qwen3-30b-a3b", "--set", "vocab_size=-1"), "config.vocab_size"),
     (("--model", "qwen3-30b-a3b", "--num-layers", "1", "--set", "num_hidden_layers=0"), "config.num_hidden_layers"),
+    # --num-layers cuts a model; a deeper one is --set num_hidden_layers.
+    (("--model", "qwen3-30b-a3b", "--num-layers", "49"), "--num-layers 49: qwen3-30b-a3b has 48 decoder layers"),
 ])
 def test_cli_bad_input_exits_2_naming_the_flag(args, message):
     r = _plan(*args)
@@ -715,6 +717,39 @@ def test_lm_head_triton_path_bytes_equal_what_the_kernels_callers_allocate(rows,
     assert bwd == act.logprob_backward(config, chunk, rows, 2, fused=True).bytes
     torch_fwd, _ = _new_bytes(lambda: chunked_logprobs(h, w, t, 1.0, chunk, entropy, fused=False), h, w, t)
     assert torch_fwd - fwd >= 0.9 * 4 * min(chunk, rows) * v  # the torch path does make an fp32 block
+
+
+@pytest.mark.parametrize("rows", [0, 1, 31, 32, 33, 64, 95, 96, 100, 1000])
+@pytest.mark.parametrize("entropy", [False, True])
+def test_lm_head_peaks_from_three_chunks_equal_every_chunk(rows, entropy, monkeypatch):
+    """The LM-head peaks read the first two chunks and the last; listing every chunk (as a
+    10**15-token micro-batch would) gives the same bytes."""
+    config = tiny_config("tiny-qwen3-moe", vocab_size=512, hidden_size=64)
+    short = (act.logprob_forward(config, 32, entropy, rows, 2).bytes, act.logprob_backward(config, 32, rows, 2).bytes)
+    monkeypatch.setattr(act, "_chunks", lambda n, c: [min(c, n - s) for s in range(0, n, c)] or [0])
+    assert short == (act.logprob_forward(config, 32, entropy, rows, 2).bytes,
+                     act.logprob_backward(config, 32, rows, 2).bytes)
+
+
+@pytest.mark.timeout(60)
+def test_cli_plans_a_huge_batch_without_hanging():
+    """10**15 tokens per micro-batch (the LM-head chunks were listed one by one: 2.4 x 10**11 of
+    them) is planned, and does not fit."""
+    r = _plan("--model", "qwen3-30b-a3b", "--seq-len", "1000000000", "--rollouts-per-gpu", "1000000", "--json")
+    assert r.exit_code == 1, r.output
+    out = json.loads(r.output)
+    assert out["batch"]["micro_batch_tokens"] == 10**15 and not out["fits"]
+
+
+@pytest.mark.timeout(60)
+def test_units_of_a_deep_model():
+    """20000 layers (--set num_hidden_layers): the units are found in one pass over the tensors,
+    not one per layer (quadratic: hours)."""
+    config = tiny_config("tiny-qwen3-moe", num_hidden_layers=20000)
+    root, layers = units(config, Layout(world=1, dp_replicate=1, dp_shard=1, ep=1, efsdp=1))
+    assert len(layers) == 20000 and layers[-1].name == "layer 19999"
+    assert (layers[-1].compute, layers[-1].fp32) == (layers[0].compute, layers[0].fp32) and layers[0].fp32 > 0
+    assert root.compute == sum(p.numel for p in param_shapes(config) if p.layer is None)
 
 
 def test_nccl_buffers_per_group_from_nccl_defaults():

@@ -63,6 +63,10 @@ def _model(model: str | None, run, num_layers: int | None, overrides: list[str])
     else:
         raise ValueError(f"--model {model!r} is neither a preset {REAL_PRESETS + PRESETS} nor a local config.json")
     if num_layers is not None:
+        if num_layers > config.num_hidden_layers:
+            source = model or run.model.path or run.model.preset
+            raise ValueError(f"--num-layers {num_layers}: {source} has {config.num_hidden_layers} decoder layers; "
+                             "--num-layers takes fewer (--set num_hidden_layers=N for a deeper model)")
         overrides = [f"num_hidden_layers={num_layers}", *overrides]
     for item in overrides:
         key, sep, raw = item.partition("=")

@@ -235,11 +235,14 @@ def units(config: PretrainedConfig, layout: Layout) -> tuple[Unit, list[Unit]]:
     shapes = param_shapes(config)
     for p in shapes:
         shard_dim(p, layout)
-    root = [p for p in shapes if p.layer is None]
-    root_unit = Unit("root", gathered_numel(root, layout), 0)
+    # One pass over the tensors: filtering the whole list per layer is quadratic in the layers.
+    by_layer: dict[int | None, list[ParamShape]] = {}
+    for p in shapes:
+        by_layer.setdefault(p.layer, []).append(p)
+    root_unit = Unit("root", gathered_numel(by_layer.get(None, []), layout), 0)
     layers = []
     for i in range(config.num_hidden_layers):
-        mine = [p for p in shapes if p.layer == i]
+        mine = by_layer.get(i, [])
         layers.append(Unit(
             f"layer {i}",
             gathered_numel([p for p in mine if p.role != "router"], layout),
