@@ -87,8 +87,8 @@ class ModelConfig(Section):
 class BufferConfig(Section):
     """Experience buffer and task queue (Redis Streams)."""
 
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="The buffer's Redis (charts8s sets the "
-                           "buffer Service's).")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="The buffer's Redis: redis://, rediss:// or "
+                           "unix:// (charts8s sets the buffer Service's; `moerl run` its own redis-server's).")
     run_prefix: str = Field("moerl", description="First part of every Redis key of the run, "
                             "{run_prefix}:{run_id}:... (app/buffer/keys.py).")
     max_staleness: int = Field(1, ge=0, description="Policy versions a sample may lag.")
@@ -103,6 +103,15 @@ class BufferConfig(Section):
     max_failures: int = Field(3, ge=1, description="Failed rollouts of one task (a reward or environment "
                               "call that raised, timed out or answered malformed) before it is dropped, "
                               "counted in failed_dropped; never trained.")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, v: str) -> str:
+        # The schemes redis-py's Redis.from_url reads; anything else fails only when a role connects.
+        parts = urlsplit(v)
+        if parts.scheme not in ("redis", "rediss", "unix") or not (parts.hostname or parts.path.strip("/")):
+            raise ValueError(f"{v!r} is not a redis://, rediss:// or unix:// URL, e.g. redis://127.0.0.1:6379/0")
+        return v
 
 
 # In-flight sequences per data-parallel attention rank of an SGLang engine when the profile
@@ -165,6 +174,9 @@ class EngineProfile(Section):
         return self.max_running_requests or SEQUENCES_PER_DP_RANK * self.attn_dp_size
 
 
+# An import path package.module:attr (rollout.reward_fn; env.name for a class of the user's).
+IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
+
 # The lowest sampling temperature. Logits are divided by it: at 1e-45 (a subnormal) any logit
 # above 3.4e-7 becomes inf in float32 and bfloat16 (max 3.4e38) and the softmax NaN; at 1e-6 a
 # logit must pass 3.4e32 to overflow. SGLang decodes greedily below the same 1e-6
@@ -222,7 +234,8 @@ class RolloutConfig(Section):
         "records its version segments and is as stale as its oldest token. Off: every sequence comes "
         "from one version, the update waits for them to finish.")
     policy_cache_dir: str = Field("runs/policy-cache", description="Local copies of policy versions.")
-    reward_fn: str = Field("app.envs.rewards:score", description="module:attr of score(task, text).")
+    reward_fn: str = Field("app.envs.rewards:score", description="package.module:attr of score(task, text), "
+                           "importable where the workers run (moerl run checks it before it starts).")
     overlong_reward: float | None = Field(
         0.0, description="A fixed overlong penalty: the reward of a completion cut at max_new_tokens, "
         "in place of the verifier's (None: score it normally). Not DAPO's overlong filtering "
@@ -234,6 +247,13 @@ class RolloutConfig(Section):
         (0.0, 1.0), description="[low, high] of the rewards the verifier, rollout.reward_fn or the environment "
         "may give, both paths alike: a reward outside it fails its group (never trained, counted with its "
         "reason). Declare a wider range here to train on one, e.g. [-1, 10].")
+
+    @field_validator("reward_fn")
+    @classmethod
+    def _reward_fn_is_an_import_path(cls, v: str) -> str:
+        if not IMPORT_PATH.match(v):
+            raise ValueError(f"{v!r} is not an import path package.module:attr, e.g. app.envs.rewards:score")
+        return v
 
     @field_validator("reward_range")
     @classmethod
@@ -484,7 +504,6 @@ class TaskConfig(Section):
 # The environments moerl ships (app/envs/environments.py ENVIRONMENTS), and what else env.name
 # may be: an OpenEnv Environment class of the user's, package.module:Class.
 BUILTIN_ENVIRONMENTS = ("spell-retry", "calculator")
-IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 
 
 class EnvConfig(Section):
@@ -577,7 +596,8 @@ class RunConfig(Section):
 
     run_id: str = Field("dev", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$", description="The run's name: its prefix in "
                         "the store and in Redis (and in the deployment config's trainer_runs).")
-    store_url: str = Field("file://runs/store", description="file:// or s3:// root of artifacts.")
+    store_url: str = Field("file://runs/store", description="file:// or s3:// root of artifacts (`moerl run`: "
+                           "its run directory's store/).")
     router: RouterConfig = Field(RouterConfig(), description="The MoE routers' training settings.")
     model: ModelConfig = Field(ModelConfig(), description="The policy.")
     buffer: BufferConfig = Field(BufferConfig(), description="The experience buffer and task queue.")
@@ -589,6 +609,15 @@ class RunConfig(Section):
     weight_sync: WeightSyncConfig = Field(WeightSyncConfig(), description="How policy versions reach the engines.")
     local: LocalConfig = Field(LocalConfig(), description="`moerl run` on one machine: how the trainer and the "
                                "engines split its GPUs (app/local/machine.py).")
+
+    @field_validator("store_url")
+    @classmethod
+    def _store_scheme(cls, v: str) -> str:
+        # The stores app/storage/__init__.py opens; anything else fails only when a role publishes.
+        scheme, sep, rest = v.partition("://")
+        if not sep or scheme not in ("file", "s3") or not rest.strip("/"):
+            raise ValueError(f"{v!r} is not a file://PATH or s3://BUCKET[/PREFIX] URL")
+        return v
 
     @model_validator(mode="before")
     @classmethod
@@ -778,6 +807,21 @@ class RunConfig(Section):
             return type(self).model_validate(data)
         except ValidationError as e:
             raise ValueError(f"--set: {_describe(e)}") from None
+
+    def changed_fields(self, other: "RunConfig") -> list[str]:
+        """Dotted paths of the fields whose value differs in ``other`` (sections compared field by
+        field; a field holding a mapping or list, e.g. ``task.params``, as one value)."""
+        def walk(a: BaseModel, b: BaseModel, prefix: str) -> list[str]:
+            out = []
+            for name in type(a).model_fields:
+                x, y = getattr(a, name), getattr(b, name)
+                if isinstance(x, Section):
+                    out += walk(x, y, f"{prefix}{name}.")
+                elif x != y:
+                    out.append(prefix + name)
+            return out
+
+        return walk(self, other, "")
 
     def save(self, path: str | os.PathLike) -> None:
         """Write this configuration as YAML atomically (temporary name, then rename)."""

@@ -47,6 +47,15 @@ ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PA
 class RoleFailed(RuntimeError):
     """A role process exited with an error; the message carries the tail of its log."""
 
+    code = 1  # `moerl run`'s exit code for it
+
+
+class RoleRefused(RoleFailed):
+    """A rollout role refused its input (exit 2, one line: app/cli.py) twice in a row with the
+    same line: restarting it again would only repeat it (a crash loop, not a failure that passes)."""
+
+    code = 2
+
 
 class EmbeddedLoop:
     """Start, watch and stop the roles of one run on this machine.
@@ -85,6 +94,7 @@ class EmbeddedLoop:
         self._watchdog_stop = threading.Event()
         self._watchdog: threading.Thread | None = None
         self._answered: set[tuple[str, int]] = set()  # (engine name, start count) seen healthy
+        self._refused: dict[str, str] = {}  # a rollout role's last line when it last exited 2 (`check_roles`)
 
     # -- infrastructure -----------------------------------------------------------------------
 
@@ -332,10 +342,12 @@ class EmbeddedLoop:
         self._watchdog.start()
 
     def check_roles(self, restart_rollout: bool = True) -> None:
-        """Restart a rollout worker or engine that exited (the cluster's Deployment does this).
+        """Restart a rollout worker or engine that exited (the cluster's Deployment does this),
+        unless it refused its input twice in a row with the same line (`RoleRefused`).
 
         Raises:
             RoleFailed: the trainer exited with a non-zero code.
+            RoleRefused: a rollout role exited 2 twice in a row with the same last line.
         """
         trainer = self.sup.procs.get("trainer")
         if trainer is not None and trainer.returncode() not in (None, 0):
@@ -344,6 +356,13 @@ class EmbeddedLoop:
             return
         for name, proc in list(self.sup.procs.items()):
             if name.startswith(("engine-", "worker-", "env-", "router")) and not proc.alive():
+                if proc.returncode() == 2:
+                    line = next((x for x in reversed(proc.tail(20).splitlines()) if x.strip()), "")
+                    if self._refused.get(name) == line:
+                        raise RoleRefused(f"{name} exited with 2 twice:\n{line}")
+                    self._refused[name] = line
+                else:
+                    self._refused.pop(name, None)
                 proc.start()
 
     def trainer_done(self) -> bool:

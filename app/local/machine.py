@@ -31,6 +31,8 @@ and weight_sync section, and only its processes and threads are sized):
   size (`ENGINE_PARAMS_PER_GPU`), at most `MAX_ENGINES_PER_GPU`, each decoding at least
   `GPU_RUNNING_REQUESTS` sequences together; the step's batch at least `GPU_GROUPS_PER_RANK` groups
   per trainer rank, two steps' groups in flight over the workers, bf16 compute (fp32 master weights).
+* ``--workers`` (engines, each with its rollout worker) is refused above one per core on the CPU
+  (`max_cpu_engines`) and `MAX_ENGINES_PER_GPU` per engine GPU.
 
 Nothing here imports torch but `detect_machine`.
 """
@@ -185,6 +187,11 @@ def cpu_engines(cores: int) -> int:
     return min(8, max(2, cores // 4))
 
 
+def max_cpu_engines(cores: int) -> int:
+    """Most engines (``--workers``) of the CPU layout: one per core, and the default's 2 on fewer."""
+    return max(cores, cpu_engines(cores))
+
+
 def gpu_engines_per_gpu(cores: int, trainer_ranks: int, engine_gpus: int, params: int) -> int:
     """Engines on each engine GPU: two cores per engine and its worker, out of what the trainer's
     ranks and the rest (redis-server, the supervisor) leave, and `ENGINE_PARAMS_PER_GPU` over the
@@ -248,6 +255,11 @@ def plan_local(cfg: RunConfig, machine: Machine, num_experts: int, *, preset: bo
     if sglang is None:
         sglang = importlib.util.find_spec("sglang") is not None
     per_gpu = gpu_engines_per_gpu(machine.cores, world, len(engine_gpus), params)
+    most = MAX_ENGINES_PER_GPU * len(engine_gpus)
+    if workers is not None and workers > most:
+        raise ValueError(f"--workers {workers}: at most {most} here ({MAX_ENGINES_PER_GPU} engines per engine GPU, "
+                         f"each a process with its own CUDA context and model copy; {len(engine_gpus)} engine "
+                         f"GPU{'s' if len(engine_gpus) > 1 else ''})")
     count = workers or per_gpu * len(engine_gpus)
     devices = tuple(f"cuda:{engine_gpus[i % len(engine_gpus)]}" for i in range(count))
     layout = LocalLayout(machine=machine, trainer_ranks=world, trainer_gpus=trainer_gpus, shared_gpu=shared,
@@ -284,6 +296,11 @@ def _cpu_layout(cfg: RunConfig, machine: Machine, num_experts: int, preset: bool
     """The CPU layout (module doc); scales a preset's batch with the engines."""
     world = default_world(cfg.trainer.parallel)
     resolve_layout(cfg.trainer.parallel, world, num_experts)
+    most = max_cpu_engines(machine.cores)
+    if workers is not None and workers > most:
+        raise ValueError(f"--workers {workers}: at most {most} on {machine.cores} cores (one engine per core, each "
+                         "a process with its own model copy beside its rollout worker; more only time-share the "
+                         "cores the trainer needs)")
     engines = workers or cpu_engines(machine.cores)
     trainer_threads = max(1, machine.cores // 2 // world)
     engine_threads = max(1, (machine.cores - world * trainer_threads) // engines)

@@ -57,24 +57,46 @@ def read_steps(path: str | os.PathLike) -> list[dict]:
     return [by_step[k] for k in sorted(by_step)]
 
 
-def samples_per_s(records: list[dict]) -> float | None:
+def resume_times(path: str | os.PathLike) -> list[float]:
+    """When the trainer resumed (Unix seconds): the ``resume_from_step`` lines of trained.jsonl
+    (app/trainer/trainer.py); none when the file does not exist."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [r["time"] for r in read_metrics(path) if isinstance(r, dict) and "resume_from_step" in r and "time" in r]
+
+
+def trained_span(records: list[dict], restarts: list[float] = ()) -> tuple[float, float]:
+    """``(samples, seconds)`` trained between the first and the last record (in step order),
+    without the intervals between two steps that hold a restart (a time in ``restarts``,
+    `resume_times`): the time between an interrupted run and its resume is not training."""
+    samples = seconds = 0.0
+    for a, b in zip(records, records[1:]):
+        if any(a["time"] < t < b["time"] for t in restarts):
+            continue
+        seconds += b["time"] - a["time"]
+        samples += b.get("samples_total", 0) - a.get("samples_total", 0)
+    return samples, seconds
+
+
+def samples_per_s(records: list[dict], restarts: list[float] = ()) -> float | None:
     """Trained samples per second over ``records`` (in step order): the samples trained between
-    the first and the last record over the wall-clock seconds between them. The one definition
-    of the run's throughput: the summary takes it over the whole run, the live line and the plot
-    over a window of recent steps. None with fewer than two records."""
+    the first and the last record over the wall-clock seconds between them, a resume's gap left
+    out (`trained_span`). The one definition of the run's throughput: the summary takes it over
+    the whole run, the live line and the plot over a window of recent steps. None with fewer
+    than two records."""
     if len(records) < 2:
         return None
-    dt = records[-1]["time"] - records[0]["time"]
-    ds = records[-1].get("samples_total", 0) - records[0].get("samples_total", 0)
-    return ds / dt if dt > 0 else None
+    samples, seconds = trained_span(records, restarts)
+    return samples / seconds if seconds > 0 else None
 
 
-def throughput(records: list[dict], window: int = 1) -> list[float]:
+def throughput(records: list[dict], window: int = 1, restarts: list[float] = ()) -> list[float]:
     """`samples_per_s` over the ``window`` steps up to each record from the second on (NaN where
     it measures nothing)."""
     out = []
     for i in range(1, len(records)):
-        v = samples_per_s(records[max(0, i - window):i + 1])
+        v = samples_per_s(records[max(0, i - window):i + 1], restarts)
         out.append(float("nan") if v is None else v)
     return out
 
@@ -117,7 +139,7 @@ def _values(records: list[dict], key: str) -> list[float]:
 
 
 def write_plot(records: list[dict], path: str | os.PathLike, evals: dict[str, float | None] | None = None,
-               samples_per_s_run: float | None = None) -> Path:
+               samples_per_s_run: float | None = None, restarts: list[float] = ()) -> Path:
     """Plot a run to a PNG (atomic write): the batch reward with the held-out figures, the
     training panels of `PANELS`, and the throughput, over wall-clock minutes. Legends sit beside
     the axes, never over the curves.
@@ -130,6 +152,7 @@ def write_plot(records: list[dict], path: str | os.PathLike, evals: dict[str, fl
             the name says "before", dashed otherwise; None values (not measured) are left out.
         samples_per_s_run: the summary's throughput (`samples_per_s` of the whole run), drawn as a
             line in the throughput panel, whose curve is the same figure over `WINDOW` steps.
+        restarts: when the trainer resumed (`resume_times`): no throughput across them.
     """
     # matplotlib (half a second): only when a plot is drawn; Agg is chosen before pyplot loads
     import matplotlib
@@ -173,7 +196,7 @@ def write_plot(records: list[dict], path: str | os.PathLike, evals: dict[str, fl
         a.set_title(title)
         a.grid(alpha=0.3)
     tp = axes[len(PANELS)]
-    tp.plot(minutes[1:], throughput(records, WINDOW), color="tab:orange", label=f"over the last {WINDOW} steps")
+    tp.plot(minutes[1:], throughput(records, WINDOW, restarts), color="tab:orange", label=f"over the last {WINDOW} steps")
     if samples_per_s_run is not None:
         tp.axhline(samples_per_s_run, color="tab:orange", linestyle="--", label="whole run (the summary's)")
     tp.set_title("trained samples / s")

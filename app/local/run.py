@@ -43,10 +43,11 @@ from app.feed import TaskFeeder, make_feeder
 from app.local.embedded import EmbeddedLoop, RoleFailed
 from app.local.machine import plan_run
 from app.local.procs import moerl_argv
-from app.local.report import read_steps, samples_per_s, write_plot, write_tensorboard
+from app.local.report import read_steps, resume_times, samples_per_s, trained_span, write_plot, write_tensorboard
 from app.local.status import PLAIN_EVERY_S, Stage, every_rollout_fails, training_info
 from app.model.source import resolve_model_path
 from app.rollout.router import ROUTER_PACKAGE
+from app.rollout.scoring import load_score_fn
 from app.storage import open_store
 from app.storage.policy import download_policy, latest_policy_version
 
@@ -199,6 +200,8 @@ def check_inputs(cfg: RunConfig) -> None:
                              f"(pip install -e '.[router]')")
     if cfg.env.name and cfg.env.served_by_moerl() and not cfg.env.builtin():
         user_environment(cfg.env.name)  # importable, an OpenEnv Environment, reset takes spec
+    if not cfg.task.reward_model:  # the workers import it at start (app/rollout/scoring.py score_fn_for)
+        load_score_fn(cfg.rollout.reward_fn)
     if cfg.env.demos_path:
         load_demos(cfg.env.demos_path)
     if cfg.model.path:
@@ -209,6 +212,37 @@ def check_inputs(cfg: RunConfig) -> None:
         config = tiny_config(cfg.model.preset)
     validate_config(config, cfg.trainer.parallel.ep)
     check_context(cfg, config)
+
+
+def check_dispatch(cfg: RunConfig) -> None:
+    """``trainer.parallel.ep_backend: deepep`` where DeepEP cannot run (the trainer's own probe,
+    app/model/dispatch/deepep.py, without the EP group it has only once started): one line now,
+    not after the warm-up and start-up. With ``ep`` 1 the trainer dispatches locally anyway.
+
+    Raises:
+        ValueError: naming the field and the reason.
+    """
+    par = cfg.trainer.parallel
+    if par.ep_backend != "deepep" or par.ep == 1:
+        return
+    # torch: as in check_inputs, after `moerl run --help` and the config's own errors
+    from app.model.dispatch.deepep import deepep_unavailable_reason
+
+    if reason := deepep_unavailable_reason():
+        raise ValueError(f"trainer.parallel.ep_backend='deepep' cannot run here: {reason}")
+
+
+def replaced_fields(cfg: RunConfig) -> list[str]:
+    """``field=value`` of each field a config set that `moerl run` replaces with the run's own:
+    its store (``store_url``, the run directory's store/), its buffer (``buffer.redis_url``, a
+    redis-server of its own) and the engines' policy cache (``rollout.policy_cache_dir``)."""
+    default = RunConfig()
+    fields = (("store_url", cfg.store_url, default.store_url),
+              ("buffer.redis_url", cfg.buffer.redis_url, default.buffer.redis_url),
+              ("rollout.policy_cache_dir", cfg.rollout.policy_cache_dir, default.rollout.policy_cache_dir))
+    # A Redis URL's user and password stay off the console.
+    return [f"{name}={re.sub(r'//[^/@]*@', '//', value)}" for name, value, default_value in fields
+            if value != default_value]
 
 
 def check_context(cfg: RunConfig, config) -> None:
@@ -532,7 +566,8 @@ def run(
     sets: list[str] = typer.Option(None, "--set", help="key=value: set any run config field (dotted path, YAML "
                                    "value), e.g. --set trainer.lr=1e-4; repeatable; checked like the file."),
     resume: Path = typer.Option(None, "--resume", help="Continue the run in this directory from its last saved "
-                                "training state (its run.yaml, store/ and redis/); --steps, --set may change it."),
+                                "training state (its run.yaml, store/ and redis/); --steps, and --set of its saves, "
+                                "timeouts and logging, may change it."),
 ) -> None:
     """Run the embedded loop end to end and print a summary; exit code 0 on success.
 
@@ -549,6 +584,7 @@ def run(
         cfg = load_resumed_config(run_dir, steps, sets)
         check_inputs(cfg)
         cfg, layout = plan_run(cfg, preset=False, workers=workers)
+        replaced = []  # the run's own, from its first start
     else:
         cfg = load_run_config(config, task, steps, algorithm, sets)
         check_inputs(cfg)
@@ -556,9 +592,12 @@ def run(
         # Which roles run where on this machine's cores and GPUs; a layout that cannot work is one line now.
         cfg, layout = plan_run(cfg, preset=config is None, workers=workers)
         run_dir = new_run_dir(cfg, out)
+        replaced = replaced_fields(cfg)
+    check_dispatch(cfg)
     cfg.store_url = f"file://{run_dir / 'store'}"
     cfg.rollout.policy_cache_dir = str(run_dir / "policy-cache")
-    started = time.time()
+    # A resumed run's time in all includes its earlier runs' (their summary's), not the gap between them.
+    started = time.time() - (earlier_wall_s(run_dir) if resume is not None else 0.0)
 
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -566,6 +605,9 @@ def run(
     before = after = None
     try:
         console.print(f"run directory: {run_dir}")
+        if replaced:
+            console.print(f"not used by moerl run (a run keeps its store and buffer in its directory): "
+                          f"{', '.join(replaced)}", soft_wrap=True)
         console.print(f"layout: {layout.describe(loop.cfg)}", soft_wrap=True)
         if resume is not None:
             base, before, feeder = restart_saved(loop)
@@ -590,7 +632,7 @@ def run(
         if kept and log is not None:
             line += f" (log: {log})"
         console.print(f"[red]run failed:[/] {line}", soft_wrap=True)
-        end_unfinished(loop, before, started, resume is not None, e.code if isinstance(e, RunFailed) else 1, "failed")
+        end_unfinished(loop, before, started, resume is not None, e.code, "failed")
     except Exception:
         close_failed(loop, keep=resume is not None)  # bad input found late (app/cli.py: one line)
         raise
@@ -658,25 +700,57 @@ def end_unfinished(loop: EmbeddedLoop, before: dict | None, started: float, resu
     raise typer.Exit(code)
 
 
+# What `moerl run --resume` may change (``--steps``, ``--set``): the step count, how often states
+# are saved and how many are kept, timeouts, retries and logging, as a resume in verl or TRL may.
+# Everything else (the objective, the model, the task, the run's name, the batch, where its
+# buffer and store are) is what the saved state and the buffer's groups were made with.
+RESUME_MAY_CHANGE = (
+    "trainer.steps", "trainer.save_every", "trainer.keep_states", "trainer.keep_versions",
+    "trainer.batch_timeout_s", "trainer.max_bad_steps", "trainer.log_entropy",
+    "rollout.request_timeout_s", "rollout.reward_timeout_s", "rollout.reward_warmup_timeout_s",
+    "rollout.drain_grace_s", "rollout.weight_update_timeout_s", "rollout.flush_timeout_s",
+    "rollout.engine_retries", "rollout.retry_backoff_s", "rollout.policy_poll_s",
+    "env.step_timeout_s", "env.episode_timeout_s", "task.verify_timeout_s",
+    "weight_sync.timeout_s", "weight_sync.ready_timeout_s", "buffer.lease_ms", "feed.poll_s",
+)
+
+
 def load_resumed_config(run_dir: Path, steps: int | None, sets: list[str] | None) -> RunConfig:
-    """The config of ``moerl run --resume RUN_DIR``: its run.yaml with ``--steps`` and ``--set``.
+    """The config of ``moerl run --resume RUN_DIR``: its run.yaml with ``--steps`` and ``--set``
+    changing only `RESUME_MAY_CHANGE` (run.yaml itself is rewritten only once the run starts).
 
     Raises:
-        ValueError: not a run directory, or a run that made its steps already (names --resume).
+        ValueError: not a run directory, a ``--set`` of a field a resume keeps (each named), or a
+            run that made its steps already (names --resume).
     """
     if not (run_dir / "run.yaml").is_file():
         raise ValueError(f"--resume {run_dir}: no run.yaml there (not a moerl run directory)")
     if not (run_dir / "store").is_dir() or not (run_dir / "redis").is_dir():
         raise ValueError(f"--resume {run_dir}: no store/ or redis/ there: nothing saved to continue from")
-    cfg = RunConfig.load(run_dir / "run.yaml", sets)
+    saved = RunConfig.load(run_dir / "run.yaml")
+    cfg = saved.with_sets(sets) if sets else saved.model_copy(deep=True)
     if steps:
         cfg.trainer.steps = steps
     cfg = cfg.validated()
+    kept = [f for f in saved.changed_fields(cfg) if f not in RESUME_MAY_CHANGE]
+    if kept:
+        raise ValueError(f"--resume {run_dir}: --set {', '.join(kept)}: a resumed run keeps the config its saved "
+                         "state was trained with; only the step count, saves, timeouts and logging may change "
+                         "(docs/local-run.md); start a new run for another config")
     done = read_steps(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
     if done and done[-1]["step"] >= cfg.trainer.steps:
         raise ValueError(f"--resume {run_dir}: the run made {done[-1]['step']} steps already (trainer.steps "
                          f"{cfg.trainer.steps}); give --steps N with N > {done[-1]['step']} to train further")
     return cfg
+
+
+def earlier_wall_s(run_dir: Path) -> float:
+    """The seconds the earlier runs of a resumed run directory took in all (its summary.json's
+    ``wall_s``, written when a run ends, is interrupted or fails after a step); 0 without one."""
+    try:
+        return float(json.loads((run_dir / "summary.json").read_text()).get("wall_s") or 0.0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0.0
 
 
 def restart_saved(loop: EmbeddedLoop) -> tuple[Path, dict, TaskFeeder]:
@@ -781,15 +855,16 @@ def summarize(loop: EmbeddedLoop, before: dict, after: dict | Exception | None, 
     in ``final_evaluation_error``), the rest is written as always."""
     records = loop.metrics()
     measured = after if isinstance(after, dict) else None
-    rate = samples_per_s(records)
+    restarts = resume_times(loop.run_dir / "trained.jsonl")
+    rate = samples_per_s(records, restarts)
     evals = {"held-out sampled before RL": before["mean_reward"], "held-out greedy before RL": before["greedy"],
              "held-out sampled after RL": measured and measured["mean_reward"],
              "held-out greedy after RL": measured and measured["greedy"]}
-    plot = write_plot(records, loop.run_dir / "plot.png", evals, samples_per_s_run=rate)
+    plot = write_plot(records, loop.run_dir / "plot.png", evals, samples_per_s_run=rate, restarts=restarts)
     write_tensorboard(records, loop.run_dir / "tensorboard")
     last = records[-1] if records else {}
     # Fewer than two steps measure no rate: null in summary.json (NaN is not JSON).
-    elapsed = max(records[-1]["time"] - records[0]["time"], 1e-9) if len(records) > 1 else None
+    elapsed = max(trained_span(records, restarts)[1], 1e-9) if len(records) > 1 else None
     summary = {
         "run_dir": str(loop.run_dir),
         "task": (loop.cfg.task.name if loop.cfg.task.source != "env" else "its own episodes")

@@ -8,7 +8,9 @@ import asyncio
 import importlib
 import logging
 import math
+import os
 import queue
+import sys
 import threading
 from typing import Callable
 
@@ -43,6 +45,8 @@ def load_score_fn(spec: str) -> ScoreFn:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"rollout.reward_fn must be 'module:attr', got {spec!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())  # as `python -m` (the workers) has it: the `moerl` script's path lacks it
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
