@@ -206,6 +206,8 @@ def test_every_rollout_failing_ends_the_run_naming_the_reason():
                     "environment: reward outside rollout.reward_range [0, 1] (15); other (1)")
     assert every_rollout_fails({**stats, "finished": 1}, health, 8) is None  # some groups train: go on
     assert every_rollout_fails({**stats, "failed_dropped": 0}, health, 8) is None  # still retried
+    one = every_rollout_fails({**stats, "failed_requeued": 15, "failed_dropped": 1}, health, 8)
+    assert "none finished; 1 task dropped after buffer.max_failures" in one  # not "1 tasks"
 
 
 def test_the_summary_says_failed_requeued_and_dropped_groups_and_the_top_reasons(tmp_path, redis_server, capsys):
