@@ -54,6 +54,13 @@ def test_run_directories_are_named_after_the_task():
     assert new_run_dir(user, None).name.startswith("guessnumberenv-")
 
 
+def test_a_run_id_the_config_sets_names_the_run_directory():
+    """runs/roman-399-<time>, not runs/roman-numerals-<time> for every run of one environment."""
+    user = RunConfig.model_validate({"run_id": "roman-399", "env": {"name": "examples.guess_number.env:GuessNumberEnv"}})
+    assert new_run_dir(user, None).name.startswith("roman-399-")
+    assert new_run_dir(task_preset("calculator"), None).name.startswith("calculator-")  # run_id left at its default
+
+
 def test_a_new_trainer_refuses_to_append_to_an_earlier_runs_records(tmp_path, redis_server):
     """A trainer whose store holds no version of its run is a new run: a metrics.jsonl in its
     run directory is another run's, and it says so in one line (exit 1) instead of appending."""

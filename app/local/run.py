@@ -806,14 +806,17 @@ def load_run_config(config: Path | None, task: str | None, steps: int | None, al
 
 
 def task_label(cfg: RunConfig) -> str:
-    """What a run directory is named after: the environment (a user's: its class name) or the
-    task (``calculator``, ``spell-retry``, ``spell-backward``, ``guessnumberenv``)."""
+    """What a run directory is named after: the config's ``run_id`` when it sets one (a user's runs
+    of one environment told apart), else the environment (a user's: its class name) or the task
+    (``calculator``, ``spell-retry``, ``spell-backward``, ``guessnumberenv``)."""
+    if cfg.run_id != RunConfig.model_fields["run_id"].default:
+        return cfg.run_id
     name = cfg.env.name.rpartition(":")[2] if cfg.env.name else cfg.task.name
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "run"
 
 
 def new_run_dir(cfg: RunConfig, out: Path | None) -> Path:
-    """``--out``, or ``runs/<task>-<UTC time>``; never one holding an earlier run's files.
+    """``--out``, or ``runs/<run_id or task>-<UTC time>``; never one holding an earlier run's files.
 
     Raises:
         typer.BadParameter: the directory exists and is not empty.
