@@ -52,6 +52,8 @@ from app.storage import open_store
 from app.storage.policy import download_policy, latest_policy_version
 
 console = Console()
+# Piped or logged (no terminal): whole lines, as the training bar's plain lines, not rich's cut at 80 columns.
+console.soft_wrap = not console.is_terminal
 cli = typer.Typer(add_completion=False, help="Run the whole loop on this machine (the embedded default).")
 
 
