@@ -838,10 +838,13 @@ def new_run_dir(cfg: RunConfig, out: Path | None) -> Path:
 def close_failed(loop: EmbeddedLoop, keep: bool = False) -> None:
     """Stop every process of a failed run; if the trainer never made a step, remove the run
     directory too (it holds nothing worth keeping: the warm-up is cached elsewhere), so a failed
-    start leaves nothing half-written. ``keep``: a resumed run's directory stays, always."""
+    start leaves nothing half-written. ``keep``: a resumed run's directory stays, always. The
+    console named the directory at the start: it says it is gone."""
     loop.close()
     if not keep and not loop.metrics():
         shutil.rmtree(loop.run_dir, ignore_errors=True)
+        console.print(f"run directory {loop.run_dir} removed: the run stopped before its first trainer step",
+                      soft_wrap=True)
 
 
 def latest_local_policy(loop: EmbeddedLoop) -> Path:
