@@ -299,4 +299,6 @@ def moerl_run_fails_in_one_line(tmp_path: Path, config: Path, timeout_s: float =
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "Traceback" not in proc.stdout, proc.stdout[-3000:] + proc.stderr
     assert not (tmp_path / "run").exists() and not list((tmp_path / "cache").glob("*"))
+    if "run directory:" in proc.stdout:  # named at the start: its removal is told too
+        assert f"run directory {tmp_path / 'run'} removed" in proc.stdout, proc.stdout[-3000:]
     return lines[0]

@@ -206,6 +206,8 @@ def test_every_rollout_failing_ends_the_run_naming_the_reason():
                     "environment: reward outside rollout.reward_range [0, 1] (15); other (1)")
     assert every_rollout_fails({**stats, "finished": 1}, health, 8) is None  # some groups train: go on
     assert every_rollout_fails({**stats, "failed_dropped": 0}, health, 8) is None  # still retried
+    one = every_rollout_fails({**stats, "failed_requeued": 15, "failed_dropped": 1}, health, 8)
+    assert "none finished; 1 task dropped after buffer.max_failures" in one  # not "1 tasks"
 
 
 def test_the_summary_says_failed_requeued_and_dropped_groups_and_the_top_reasons(tmp_path, redis_server, capsys):
@@ -230,6 +232,20 @@ def test_the_summary_says_failed_requeued_and_dropped_groups_and_the_top_reasons
     assert ("failed rollout groups: 8 (6 requeued, 2 dropped after buffer.max_failures); top reasons: environment: "
             "session closed during reset (code 1000) (5); environment: no answer to step within 10 s (2); reward "
             "function: timed out (1)") in capsys.readouterr().out
+
+
+def test_the_summary_prints_whole_lines_when_stdout_is_not_a_terminal(tmp_path, capsys):
+    """Piped or logged, rich would cut the header at 80 columns ("... before RL -> after" / "RL")."""
+    now = time.time()
+    records = [{"time": now + i, "step": i + 1, "reward_mean": 0.5, "samples_total": 64 * (i + 1),
+                "policy_version": i // 2} for i in range(3)]
+    loop = SimpleNamespace(run_dir=tmp_path, cfg=embedded_default(), metrics=lambda: records)
+    s = summarize(loop, {"n": 400, "mean_reward": 0.4, "greedy": 0.7}, {"n": 400, "mean_reward": 0.5, "greedy": 0.7},
+                  now)
+    s["task"] = "roman-numerals-of-a-new-user"
+    print_summary(s)
+    header = "task roman-numerals-of-a-new-user: held-out mean reward over 400 prompts, before RL -> after RL"
+    assert len(header) > 80 and header in capsys.readouterr().out.splitlines()
 
 
 def test_a_failed_final_evaluation_still_writes_the_summary_and_plot_of_what_was_trained(tmp_path, capsys):

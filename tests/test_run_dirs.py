@@ -14,12 +14,13 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from app.config import RunConfig
 from app.local.embedded import EmbeddedLoop
-from app.local.run import embedded_default, new_run_dir, start_from_base, task_preset, warmup_dir
+from app.local.run import close_failed, embedded_default, new_run_dir, start_from_base, task_preset, warmup_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,6 +53,26 @@ def test_run_directories_are_named_after_the_task():
     assert new_run_dir(task_preset("spell_backward"), None).name.startswith("spell-backward-")
     user = RunConfig.model_validate({"env": {"name": "examples.guess_number.env:GuessNumberEnv"}})
     assert new_run_dir(user, None).name.startswith("guessnumberenv-")
+
+
+def test_a_run_id_the_config_sets_names_the_run_directory():
+    """runs/roman-399-<time>, not runs/roman-numerals-<time> for every run of one environment."""
+    user = RunConfig.model_validate({"run_id": "roman-399", "env": {"name": "examples.guess_number.env:GuessNumberEnv"}})
+    assert new_run_dir(user, None).name.startswith("roman-399-")
+    assert new_run_dir(task_preset("calculator"), None).name.startswith("calculator-")  # run_id left at its default
+
+
+def test_a_failed_start_says_the_run_directory_it_named_is_removed(tmp_path, capsys):
+    """`moerl run` prints "run directory: PATH" first; a start that fails removes PATH and says so."""
+    run_dir = tmp_path / "roman-399-20261206-094700"
+    (run_dir / "logs").mkdir(parents=True)
+    close_failed(SimpleNamespace(run_dir=run_dir, close=lambda: None, metrics=lambda: []))
+    assert not run_dir.exists()
+    assert f"run directory {run_dir} removed: the run stopped before its first trainer step" in capsys.readouterr().out
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    close_failed(SimpleNamespace(run_dir=trained, close=lambda: None, metrics=lambda: [{"step": 1}]))
+    assert trained.exists() and "removed" not in capsys.readouterr().out  # a run with a step keeps it
 
 
 def test_a_new_trainer_refuses_to_append_to_an_earlier_runs_records(tmp_path, redis_server):

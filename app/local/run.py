@@ -52,6 +52,8 @@ from app.storage import open_store
 from app.storage.policy import download_policy, latest_policy_version
 
 console = Console()
+# Piped or logged (no terminal): whole lines, as the training bar's plain lines, not rich's cut at 80 columns.
+console.soft_wrap = not console.is_terminal
 cli = typer.Typer(add_completion=False, help="Run the whole loop on this machine (the embedded default).")
 
 
@@ -806,14 +808,17 @@ def load_run_config(config: Path | None, task: str | None, steps: int | None, al
 
 
 def task_label(cfg: RunConfig) -> str:
-    """What a run directory is named after: the environment (a user's: its class name) or the
-    task (``calculator``, ``spell-retry``, ``spell-backward``, ``guessnumberenv``)."""
+    """What a run directory is named after: the config's ``run_id`` when it sets one (a user's runs
+    of one environment told apart), else the environment (a user's: its class name) or the task
+    (``calculator``, ``spell-retry``, ``spell-backward``, ``guessnumberenv``)."""
+    if cfg.run_id != RunConfig.model_fields["run_id"].default:
+        return cfg.run_id
     name = cfg.env.name.rpartition(":")[2] if cfg.env.name else cfg.task.name
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "run"
 
 
 def new_run_dir(cfg: RunConfig, out: Path | None) -> Path:
-    """``--out``, or ``runs/<task>-<UTC time>``; never one holding an earlier run's files.
+    """``--out``, or ``runs/<run_id or task>-<UTC time>``; never one holding an earlier run's files.
 
     Raises:
         typer.BadParameter: the directory exists and is not empty.
@@ -833,10 +838,13 @@ def new_run_dir(cfg: RunConfig, out: Path | None) -> Path:
 def close_failed(loop: EmbeddedLoop, keep: bool = False) -> None:
     """Stop every process of a failed run; if the trainer never made a step, remove the run
     directory too (it holds nothing worth keeping: the warm-up is cached elsewhere), so a failed
-    start leaves nothing half-written. ``keep``: a resumed run's directory stays, always."""
+    start leaves nothing half-written. ``keep``: a resumed run's directory stays, always. The
+    console named the directory at the start: it says it is gone."""
     loop.close()
     if not keep and not loop.metrics():
         shutil.rmtree(loop.run_dir, ignore_errors=True)
+        console.print(f"run directory {loop.run_dir} removed: the run stopped before its first trainer step",
+                      soft_wrap=True)
 
 
 def latest_local_policy(loop: EmbeddedLoop) -> Path:

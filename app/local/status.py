@@ -119,5 +119,6 @@ def every_rollout_fails(stats: dict, health: RolloutHealth | None, groups_per_st
     if stats.get("finished", 0) or failed < 2 * groups_per_step or not stats.get("failed_dropped", 0):
         return None
     why = health.top_text() if health is not None and health.failed else "no reason recorded"
-    return (f"every rollout group failed ({failed} groups, none finished; {stats['failed_dropped']} tasks dropped "
-            f"after buffer.max_failures): {why}")
+    dropped = stats["failed_dropped"]
+    return (f"every rollout group failed ({failed} groups, none finished; {dropped} task{'' if dropped == 1 else 's'} "
+            f"dropped after buffer.max_failures): {why}")
