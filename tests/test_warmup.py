@@ -112,59 +112,43 @@ def test_warmup_refuses_a_non_empty_directory_that_is_not_a_checkpoint(tmp_path)
     assert (out / "notes.txt").read_text() == "keep me"
 
 
-def test_the_warm_up_cache_follows_what_the_environment_serves(tmp_path):
-    """Keyed on the config alone, a changed environment (here: the secret's range) was served the
-    old warm-up ("warm-up: reusing ..."; a user's RL then started from 0.049 instead of 0.424).
-    The key holds what the warm-up sees: the problems and the server's reset observations."""
+class _Wider:  # the same config, other problems: the secret now in 1..30
+    def reset(self, *args, **kwargs):
+        obs = super().reset(*args, **kwargs)
+        obs.message = "1-30?"
+        return obs
+
+
+class _TenTimes:  # the same problems and reset observations, 10x the reward
+    def step(self, *args, **kwargs):
+        obs = super().step(*args, **kwargs)
+        obs.reward = 10 * (obs.reward or 0.0)
+        return obs
+
+
+@pytest.mark.parametrize("change", [_Wider, _TenTimes], ids=["problems", "rewards"])
+def test_the_warm_up_cache_follows_what_the_environment_serves(tmp_path, change):
+    """Keyed on the config alone, a changed environment (the secret's range) was served the old
+    warm-up ("warm-up: reusing ..."; a user's RL then started from 0.049 instead of 0.424); a
+    server that paid 10x was served the old warm-up and its "before RL" figure, and the reward
+    range it broke was found only after start. The key holds what the warm-up sees: the problems,
+    the server's reset observations and (env.demos_from_env) its answers to the first demonstrations."""
     from openenv.core.env_server import create_fastapi_app
 
     from app.local.run import warmup_dir
     from examples.guess_number.env import GuessAction, GuessNumberEnv, GuessObservation
     from helpers import EnvServer
 
-    class Wider(GuessNumberEnv):  # the same config, other problems: the secret now in 1..30
-        def reset(self, *args, **kwargs):
-            obs = super().reset(*args, **kwargs)
-            obs.message = "1-30?"
-            return obs
-
+    changed = type("Changed", (change, GuessNumberEnv), {})
     servers = [EnvServer(app=create_fastapi_app(cls, GuessAction, GuessObservation, max_concurrent_envs=8))
-               for cls in (GuessNumberEnv, Wider)]
+               for cls in (GuessNumberEnv, changed)]
     try:
         cfg = RunConfig.model_validate({"task": {"source": "env", "train_size": 20, "eval_size": 4},
                                         "env": {"name": "guess-number", "url": servers[0].url, "demos_from_env": True}})
-        first, again, wider = (warmup_dir(cfg, tmp_path, s.url) for s in (servers[0], servers[0], servers[1]))
-        assert first == again != wider
+        first, again, other = (warmup_dir(cfg, tmp_path, s.url) for s in (servers[0], servers[0], servers[1]))
+        assert first == again != other
         cfg.task.seed = 1  # other problems of the same environment
-        assert warmup_dir(cfg, tmp_path, servers[0].url) not in (first, wider)
-    finally:
-        for s in servers:
-            s.stop()
-
-
-def test_the_warm_up_cache_follows_the_environments_rewards(tmp_path):
-    """A user's server that pays 10x (same problems, same reset observations) was served the old
-    warm-up and its "before RL" figure; the reward range it broke was found only after start. With
-    env.demos_from_env the key holds the server's answers to the first demonstrations."""
-    from openenv.core.env_server import create_fastapi_app
-
-    from app.local.run import warmup_dir
-    from examples.guess_number.env import GuessAction, GuessNumberEnv, GuessObservation
-    from helpers import EnvServer
-
-    class TenTimes(GuessNumberEnv):
-        def step(self, *args, **kwargs):
-            obs = super().step(*args, **kwargs)
-            obs.reward = 10 * (obs.reward or 0.0)
-            return obs
-
-    servers = [EnvServer(app=create_fastapi_app(cls, GuessAction, GuessObservation, max_concurrent_envs=8))
-               for cls in (GuessNumberEnv, TenTimes)]
-    try:
-        cfg = RunConfig.model_validate({"task": {"source": "env", "train_size": 20, "eval_size": 4},
-                                        "env": {"name": "guess-number", "url": servers[0].url, "demos_from_env": True}})
-        first, again, paid = (warmup_dir(cfg, tmp_path, s.url) for s in (servers[0], servers[0], servers[1]))
-        assert first == again != paid
+        assert warmup_dir(cfg, tmp_path, servers[0].url) not in (first, other)
     finally:
         for s in servers:
             s.stop()
