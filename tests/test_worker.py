@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
 from app.buffer import ExperienceBuffer, Task
 from app.buffer.redis_server import free_port
@@ -550,3 +551,30 @@ def test_engine_group_lost_mid_request_returns_leases_and_publishes_no_partial_g
     for (g,) in groups.values():  # whatever was published is whole
         assert [s.index for s in g.samples] == list(range(G))
         assert all(s.completion_ids and s.finish_reason in ("stop", "length") for s in g.samples)
+
+
+class RefusingBuffer(ExperienceBuffer):
+    """Redis answers the publish of one task's group with an error, as it does when the rollout ACL
+    user may not run a command of the publish script (redis-py's own NoPermissionError)."""
+
+    refused = "train-0000"
+
+    def publish(self, task, samples):
+        if task.task_id == self.refused:
+            raise redis.exceptions.NoPermissionError("this user has no permissions to run the 'pttl' command")
+        return super().publish(task, samples)
+
+
+@pytest.mark.timeout(120)  # before: the worker retried the refused group forever and published nothing more
+def test_a_group_redis_refuses_fails_its_task_and_the_worker_goes_on(tmp_path, redis_server, engine):
+    cfg = make_config(tmp_path, redis_server, engine, inflight_sequences=1 * G, publish_every_groups=1)
+    cfg.buffer.max_failures = 2
+    buf = RefusingBuffer.from_config(cfg)
+    buf.put_tasks(make_tasks(3))
+
+    stats = run_until(lambda: RolloutWorker(cfg, buf, EngineClient(engine), "w9", score_fn=lambda t, c: 1.0),
+                      lambda st: st.groups_published >= 2 and st.tasks_dropped >= 1)
+    assert stats.groups_failed >= 2 and stats.tasks_dropped == 1  # refused twice, then dropped
+    groups, queued = drain_buffer(buf)
+    assert set(groups) == {"train-0001", "train-0002"} and queued == []
+    assert any(r.startswith("buffer refused the group: ") for r in buf.health().failures)

@@ -72,6 +72,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import redis
 import typer
 
 from app.buffer import ExperienceBuffer
@@ -109,7 +110,7 @@ class WorkerStats:
     rejected_tasks: int = 0
     reward_errors: int = 0
     reward_timeouts: int = 0
-    groups_failed: int = 0  # reward / environment failures: task requeued (or dropped), nothing published
+    groups_failed: int = 0  # reward / environment failures, groups the buffer refused: requeued or dropped
     tasks_dropped: int = 0  # ... of which dropped after buffer.max_failures
     weight_updates: int = 0
     weight_update_failures: int = 0
@@ -550,10 +551,16 @@ class RolloutWorker:
             for task, samples in portion:
                 try:
                     added = await self._buf("publish", task, samples)
-                except ValueError as e:  # the buffer refused the group: retrying cannot help
+                except (ValueError, redis.exceptions.ResponseError) as e:
+                    # Refused: a group the buffer's checks reject, or Redis answering the command with
+                    # an error (an ACL or a script's): the same group would be refused again, and a
+                    # worker retrying it published nothing more, ever. It fails as a failed group
+                    # does (requeued; dropped after buffer.max_failures), its reason counted.
                     log.error("%s: group of %s refused by the buffer: %s", self.worker_id, task.task_id, e)
                     self._finished.remove((task, samples))
-                    await self._release([task])
+                    self.stats.groups_failed += 1
+                    self._to_fail.append(task)
+                    self._fail_reasons.append(self._reason_key(failure_reason("buffer refused the group", str(e))))
                     continue
                 except Exception as e:  # noqa: BLE001 - Redis unreachable: keep the group, retry later
                     self.stats.buffer_errors += 1
