@@ -23,7 +23,8 @@ experience buffer (`app.buffer.ExperienceBuffer`). One asyncio loop:
    instead (app/rollout/episodes.py), failed the same way when an environment call fails;
 4. publish finished groups in portions of ``rollout.publish_every_groups`` (sooner when nothing
    else is in flight); every sample carries the engine's reported weight_version and the
-   per-token logprobs;
+   per-token logprobs; a group the buffer refuses (its checks, or a Redis error answer) fails
+   its task as in 3, and a group Redis cannot take now (unreachable) is kept and retried;
 5. engine failures: the client retries with backoff (``rollout.engine_retries``); after that the
    task goes back to the queue (``ExperienceBuffer.release``) and the worker health-checks the
    engine before it leases again. A task the engine refuses (HTTP 4xx) is published as an
