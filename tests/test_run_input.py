@@ -22,7 +22,7 @@ from app.cli import main
 from app.config import RunConfig
 from app.local.embedded import EmbeddedLoop, RoleRefused
 from app.local.procs import moerl_argv
-from app.local.run import (earlier_wall_s, embedded_default, load_run_config, make_base_policy, replaced_fields,
+from app.local.run import (RESUME_MAY_CHANGE, earlier_wall_s, embedded_default, load_run_config, make_base_policy, replaced_fields,
                            summarize)
 
 # A directory that exists and that no one, root included, can create files in.
@@ -275,3 +275,17 @@ def test_moerl_run_says_which_fields_of_the_config_it_replaces():
     assert replaced_fields(cfg) == []
     cfg.store_url, cfg.buffer.redis_url = "s3://bucket/runs", "redis://:secret@buffer:6379/0"
     assert replaced_fields(cfg) == ["store_url=s3://bucket/runs", "buffer.redis_url=redis://buffer:6379/0"]
+
+
+def test_what_a_resume_may_change_names_fields_of_the_run_config():
+    """A renamed field left in the list would silently stop being changeable on resume."""
+    def field_of(path: str) -> bool:
+        model = RunConfig
+        for part in path.split("."):
+            if part not in model.model_fields:
+                return False
+            model = model.model_fields[part].annotation
+        return True
+
+    assert [f for f in RESUME_MAY_CHANGE if not field_of(f)] == []
+    assert not field_of("trainer.no_such_field")
