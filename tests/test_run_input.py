@@ -22,8 +22,8 @@ from app.cli import main
 from app.config import RunConfig
 from app.local.embedded import EmbeddedLoop, RoleRefused
 from app.local.procs import moerl_argv
-from app.local.run import (RESUME_MAY_CHANGE, earlier_wall_s, embedded_default, load_run_config, make_base_policy, replaced_fields,
-                           summarize)
+from app.local.run import (RESUME_MAY_CHANGE, earlier_wall_s, embedded_default, load_run_config, make_base_policy,
+                           replaced_fields, summarize)
 
 # A directory that exists and that no one, root included, can create files in.
 READ_ONLY = Path("/sys")
